@@ -1,0 +1,17 @@
+# The two commands of the README. Each sets up what it needs (CRIU, .venv) first.
+.PHONY: lab test setup
+
+LAB_ARGS ?=
+PYTEST_ARGS ?=
+ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
+
+setup:
+	@scripts/setup.sh
+
+## Start JupyterLab with jupyter-gpumigrate enabled (its kernels can be suspended and moved).
+lab: setup
+	.venv/bin/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
+
+## Run the test suite: real CRIU, real kernels, real jupyter_server (GPU tests skip without a GPU).
+test: setup
+	.venv/bin/python -m pytest -ra --durations=15 $(PYTEST_ARGS)

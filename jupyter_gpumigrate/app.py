@@ -1,0 +1,66 @@
+"""The jupyter_server extension: REST API under /api/gpumigrate, events, and the default provisioner."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from jupyter_client.provisioning import KernelProvisionerFactory
+from jupyter_server.extension.application import ExtensionApp
+from traitlets import Bool, Unicode
+
+from .handlers import handlers
+from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
+from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+
+
+class GPUMigrateApp(ExtensionApp):
+    name = "jupyter_gpumigrate"
+    description = "Suspend, resume and move live kernels."
+
+    default_provisioner = Bool(
+        True,
+        help=f"Make '{PROVISIONER_NAME}' the provisioner of every kernel whose kernelspec names none, so "
+        "that every kernel can be suspended and moved. Set False to keep jupyter_client's default; a "
+        "kernelspec can still ask for it with metadata.kernel_provisioner.provisioner_name.",
+    ).tag(config=True)
+
+    criu_path = Unicode(
+        "", help="The CRIU binary; empty: MigratableProvisioner.criu_path, /usr/local/sbin/criu or PATH."
+    ).tag(config=True)
+
+    def initialize_settings(self) -> None:
+        if self.default_provisioner:
+            factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
+            factory.default_provisioner_name = PROVISIONER_NAME
+        event_logger = self.serverapp.event_logger
+        event_logger.register_event_schema(EVENT_SCHEMA)
+        operations = OperationManager(
+            self.serverapp.kernel_manager,
+            emit=lambda data: event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data),
+            criu_path=self.criu_path or None,
+        )
+        self.settings["gpumigrate_operations"] = operations
+        self._keep_culler_off_moving_kernels()
+
+    def _keep_culler_off_moving_kernels(self) -> None:
+        # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.
+        # jupyter_server has no hook to veto a cull, so wrap this server's kernel manager's method;
+        # replacing the kernel manager class would fight other extensions that configure it.
+        km = self.serverapp.kernel_manager
+        cull = km.cull_kernel_if_idle
+
+        async def cull_unless_moving(kernel_id: str) -> Any:
+            kernel = km._kernels.get(kernel_id)
+            provisioner = getattr(kernel, "provisioner", None)
+            if isinstance(provisioner, MigratableProvisioner) and provisioner.state != "running":
+                self.log.debug("gpumigrate: not culling %s kernel %s", provisioner.state, kernel_id)
+                return None
+            return await cull(kernel_id)
+
+        km.cull_kernel_if_idle = cull_unless_moving
+
+    def initialize_handlers(self) -> None:
+        self.handlers.extend(handlers())
+
+    async def stop_extension(self) -> None:
+        await self.settings["gpumigrate_operations"].wait_idle()

@@ -1,0 +1,212 @@
+"""The CRIU driver: dump a process tree into an image directory and restore it from there.
+
+We drive the ``criu`` binary rather than its RPC library (pycriu): the binary is what users install and
+what ``criu check`` validates, its options are stable, and each run leaves a log next to the images.
+
+Options, as measured (../shared/FACTS.md):
+- ``--tcp-close``: the kernel's ZMQ connections to the server are TCP; restoring them established
+  needs CRIU's network lock (iptables), so they are restored closed and ZMQ re-dials by itself.
+- ``--ext-unix-sk``: unix sockets whose peer is outside the tree (syslog, a desktop bus...).
+- ``--file-locks``: kernels that hold flock/fcntl locks (sqlite, h5py...).
+- restore with ``-d``: CRIU detaches, the tree is re-parented away from the caller.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import CriuFailed, CriuNotFound, PidConflict
+from . import proctree
+
+MIN_VERSION = (4, 2)
+COMMON_OPTIONS = ("--tcp-close", "--ext-unix-sk", "--file-locks")
+DUMP_LOG = "dump.log"
+RESTORE_LOG = "restore.log"
+RESTORE_PIDFILE = "restore.pid"
+
+#: Printed on every run on these machines and harmless (FACTS.md).
+_HARMLESS = ("Can't setup RLIMIT_NOFILE",)
+_ERROR_LINE = re.compile(r"^\(\s*[\d.]+\)\s+(?:\d+:\s+)?Error \(([^)]*)\):\s*(.*)$")
+
+INSTALL_HINT = (
+    "Install CRIU >= 4.2: run scripts/ensure-criu.sh from the jupyter-gpumigrate source tree as root "
+    "(it builds CRIU from Debian's source package), or point the provisioner at a binary with "
+    "c.MigratableProvisioner.criu_path."
+)
+
+
+@dataclass(frozen=True)
+class CriuBinary:
+    path: str
+    version: tuple[int, ...]
+
+    @property
+    def version_string(self) -> str:
+        return ".".join(map(str, self.version))
+
+
+def parse_version(text: str) -> tuple[int, ...] | None:
+    match = re.search(r"Version:\s*(\d+(?:\.\d+)+)", text)
+    return tuple(int(part) for part in match.group(1).split(".")) if match else None
+
+
+def locate(path: str | None = None) -> str | None:
+    """The CRIU binary to use: ``path`` if given, else /usr/local/sbin/criu (where our build goes), else PATH."""
+    if path:
+        return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
+    if os.access("/usr/local/sbin/criu", os.X_OK):
+        return "/usr/local/sbin/criu"
+    return shutil.which("criu")
+
+
+def find(path: str | None = None) -> CriuBinary:
+    """A CRIU binary of version >= 4.2, or :class:`CriuNotFound` saying what to install."""
+    found = locate(path)
+    if found is None:
+        where = f"at {path}" if path else "on PATH or in /usr/local/sbin"
+        raise CriuNotFound(f"CRIU was not found {where}. {INSTALL_HINT}")
+    try:
+        out = subprocess.run([found, "--version"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise CriuNotFound(f"CRIU at {found} does not run ({exc}). {INSTALL_HINT}") from exc
+    version = parse_version(out.stdout + out.stderr)
+    if version is None:
+        raise CriuNotFound(f"CRIU at {found} did not report its version. {INSTALL_HINT}")
+    if version[:2] < MIN_VERSION:
+        raise CriuNotFound(
+            f"CRIU at {found} is version {'.'.join(map(str, version))}; 4.2 or newer is needed "
+            f"(older releases cannot dump TCP sockets on Linux >= 6.16). {INSTALL_HINT}"
+        )
+    return CriuBinary(found, version)
+
+
+def error_lines(log_path: Path) -> list[str]:
+    """The ``Error (...)`` lines of a CRIU log, without the harmless ones."""
+    try:
+        text = log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    lines = []
+    for line in text.splitlines():
+        match = _ERROR_LINE.match(line.strip())
+        if match and not any(h in match.group(2) for h in _HARMLESS):
+            lines.append(f"{match.group(2)} ({match.group(1)})")
+    return lines
+
+
+class Criu:
+    """Runs CRIU commands. ``binary`` is a path, or None to look for one."""
+
+    def __init__(self, binary: str | None = None, timeout: float = 3600.0) -> None:
+        self.binary = find(binary)
+        self.timeout = timeout
+
+    def _run(self, args: list[str], images_dir: Path, log_name: str, what: str) -> None:
+        cmd = [self.binary.path, *args, "--images-dir", str(images_dir), "--log-file", log_name, "-v4"]
+        try:
+            proc = subprocess.run(
+                cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout
+            )
+        except subprocess.TimeoutExpired as exc:
+            raise CriuFailed(
+                f"CRIU {what} did not finish within {self.timeout:.0f} s; see {images_dir / log_name}.",
+                str(images_dir / log_name),
+            ) from exc
+        if proc.returncode != 0:
+            log_path = images_dir / log_name
+            errors = error_lines(log_path) or [(proc.stderr or proc.stdout).strip() or "no error logged"]
+            raise CriuFailed(
+                f"CRIU could not {what}: {errors[0]}. Full log: {log_path}",
+                str(log_path),
+                "\n".join(errors[-10:]),
+            )
+
+    def check(self) -> tuple[bool, str]:
+        """Run ``criu check``: (passed, what it printed)."""
+        proc = subprocess.run(
+            [self.binary.path, "check"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        )
+        out = "\n".join(
+            line for line in (proc.stdout + proc.stderr).splitlines() if not any(h in line for h in _HARMLESS)
+        ).strip()
+        return proc.returncode == 0, out
+
+    def dump(self, pid: int, images_dir: Path, *, leave_running: bool = False) -> None:
+        """Dump the tree rooted at ``pid``. Unless ``leave_running``, the tree is killed once dumped.
+
+        On failure CRIU resumes the tree: it keeps running as before.
+        """
+        args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
+        if leave_running:
+            args.append("--leave-running")
+        self._run(args, images_dir, DUMP_LOG, f"dump process {pid}")
+
+    def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
+        """Restore the tree from ``images_dir``, detached; returns the PID of its root.
+
+        ``ids``, the tree's PIDs and TIDs, keeps CRIU's own process from being born with one of them.
+        """
+        pidfile = images_dir / RESTORE_PIDFILE
+        pidfile.unlink(missing_ok=True)
+        if ids:
+            proctree.steer_pid_allocation(ids)
+        try:
+            self._run(
+                ["restore", "--restore-detached", "--pidfile", RESTORE_PIDFILE, *COMMON_OPTIONS],
+                images_dir,
+                RESTORE_LOG,
+                "restore the process",
+            )
+        except CriuFailed as exc:
+            if ids:
+                # The tasks CRIU had forked with the tree's PIDs are still dying: let them go, so
+                # that a retry does not find its own PIDs taken by 'criu'.
+                proctree.wait_ids_released(ids, name="criu", timeout=10)
+            raise self._explain_restore_failure(exc) from exc
+        return int(pidfile.read_text().strip())
+
+    @staticmethod
+    def _explain_restore_failure(exc: CriuFailed) -> CriuFailed | PidConflict:
+        text = exc.log_tail
+        pid_match = re.search(r"Can't fork for (\d+)", text) or re.search(r"PID (\d+).*File exists", text)
+        if pid_match or "File exists" in text and "fork" in text:
+            pid = int(pid_match.group(1)) if pid_match else 0
+            holder = proctree.info(pid) if pid else None
+            who = holder.describe() if holder else "another process"
+            return PidConflict(
+                f"Cannot restore: PID {pid} that the kernel used is now taken by {who}. "
+                f"Stop that process, then resume again; the images are kept.",
+                pid,
+                who,
+            )
+        missing = re.search(r"Can't open file (\S+) on restore", text) or re.search(
+            r"Can't open (/\S+)", text
+        )
+        if missing:
+            # CRIU logs paths relative to the root directory, without their leading slash.
+            path = "/" + missing.group(1).rstrip(":").lstrip("/")
+            return CriuFailed(
+                f"Cannot restore: the kernel had the file {path} open and it can no "
+                f"longer be opened. Put it back where it was, then resume again; the images are kept. "
+                f"Full log: {exc.log_path}",
+                exc.log_path,
+                exc.log_tail,
+            )
+        size = re.search(r"File (\S+) has bad size", text)
+        if size:
+            path = "/" + size.group(1).lstrip("/")
+            return CriuFailed(
+                f"Cannot restore: the file {path} that the kernel had open changed size while it "
+                f"was suspended. Restore its old content, then resume again; the images are kept. "
+                f"Full log: {exc.log_path}",
+                exc.log_path,
+                exc.log_tail,
+            )
+        return CriuFailed(
+            f"{exc} The images are kept; fix the cause, then resume again.", exc.log_path, exc.log_tail
+        )

@@ -1,0 +1,183 @@
+"""Can this machine migrate kernels? One check per concern, each with the remedy when it fails."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import platform
+import subprocess
+from dataclasses import asdict, dataclass
+
+from . import criu as criu_mod
+from . import gpus as gpus_mod
+from .errors import CriuNotFound
+
+OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
+MIN_DRIVER_FOR_REMAP = 580
+CAP_SYS_PTRACE, CAP_CHECKPOINT_RESTORE = 19, 40
+RECOMMENDED_PID_MAX = 4194304
+
+
+@dataclass
+class Check:
+    name: str
+    status: str
+    detail: str
+    remedy: str = ""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _effective_caps() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("CapEff:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
+def _file_caps(path: str) -> str:
+    try:
+        out = subprocess.run(["getcap", path], capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+    return out.stdout.strip()
+
+
+def check_criu(criu_path: str | None) -> list[Check]:
+    try:
+        binary = criu_mod.find(criu_path)
+    except CriuNotFound as exc:
+        return [Check("criu", FAIL, str(exc).split(". Install")[0] + ".", criu_mod.INSTALL_HINT)]
+    checks = [Check("criu", OK, f"{binary.path}, version {binary.version_string}")]
+    try:
+        passed, output = criu_mod.Criu(binary.path).check()
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        passed, output = False, str(exc)
+    last = output.splitlines()[-1] if output else ""
+    if passed:
+        checks.append(Check("criu check", OK, last or "passed"))
+    else:
+        checks.append(
+            Check(
+                "criu check",
+                FAIL,
+                last or "failed",
+                f"Run `{binary.path} check` as root and fix what it reports "
+                "(it needs root or CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE).",
+            )
+        )
+    return checks
+
+
+def check_privileges(criu_path: str | None) -> Check:
+    if os.geteuid() == 0:
+        return Check("privileges", OK, "running as root")
+    caps = _effective_caps()
+    if caps >> CAP_CHECKPOINT_RESTORE & 1 and caps >> CAP_SYS_PTRACE & 1:
+        return Check("privileges", OK, "CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE are effective")
+    binary = criu_mod.locate(criu_path)
+    if binary and "cap_checkpoint_restore" in _file_caps(binary):
+        return Check("privileges", OK, f"{binary} has file capabilities: {_file_caps(binary)}")
+    return Check(
+        "privileges",
+        FAIL,
+        f"running as uid {os.geteuid()} without CAP_CHECKPOINT_RESTORE",
+        "Run the Jupyter server as root, or have an administrator run "
+        f"`setcap cap_checkpoint_restore,cap_sys_ptrace+eip {binary or '/usr/local/sbin/criu'}`.",
+    )
+
+
+def check_kernel() -> list[Check]:
+    release = platform.release()
+    try:
+        major, minor = (int(x) for x in release.split(".")[:2])
+    except ValueError:
+        major, minor = 0, 0
+    checks = [
+        Check("linux", OK, release)
+        if (major, minor) >= (5, 9)
+        else Check("linux", FAIL, f"{release} is older than 5.9", "Use Linux 5.9 or newer.")
+    ]
+    try:
+        pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    except OSError:
+        pid_max = 0
+    if pid_max >= RECOMMENDED_PID_MAX:
+        checks.append(Check("pid_max", OK, str(pid_max)))
+    else:
+        checks.append(
+            Check(
+                "pid_max",
+                WARN,
+                f"{pid_max}: a suspended kernel's PIDs may be taken by new processes before it resumes",
+                f"sysctl -w kernel.pid_max={RECOMMENDED_PID_MAX} (and set it in /etc/sysctl.d/ to keep it)",
+            )
+        )
+    return checks
+
+
+def check_gpus() -> list[Check]:
+    version = gpus_mod.driver_version()
+    if version is None:
+        return [Check("nvidia driver", INFO, "none found: CPU kernels only (GPU migration unavailable)")]
+    checks = []
+    major = int(version.split(".")[0])
+    if major >= MIN_DRIVER_FOR_REMAP:
+        checks.append(Check("nvidia driver", OK, version))
+    else:
+        checks.append(
+            Check(
+                "nvidia driver",
+                WARN,
+                f"{version}: suspend works, moving to another GPU needs {MIN_DRIVER_FOR_REMAP} or newer",
+                f"Install NVIDIA driver {MIN_DRIVER_FOR_REMAP} or newer.",
+            )
+        )
+    try:
+        importlib.import_module("cuda.core.checkpoint")
+        checks.append(Check("cuda checkpoint api", OK, "cuda.core.checkpoint imports"))
+    except ImportError as exc:
+        checks.append(
+            Check(
+                "cuda checkpoint api",
+                FAIL,
+                f"cuda.core.checkpoint does not import ({exc})",
+                "pip install 'jupyter-gpumigrate[gpu]' (cuda-core >= 1.2) in the server's environment.",
+            )
+        )
+    gpus = gpus_mod.snapshot()
+    names = ", ".join(f"{g.index}: {g.name}" for g in gpus) or "none"
+    checks.append(Check("gpus", OK if gpus else WARN, f"{len(gpus)} ({names})"))
+    off = [str(g.index) for g in gpus if g.persistence_mode is False]
+    if off:
+        checks.append(
+            Check(
+                "persistence mode",
+                WARN,
+                f"off on GPU {', '.join(off)}: a restore may fail or be slow while the driver is unloaded",
+                "nvidia-smi -pm 1 (as root), or run nvidia-persistenced.",
+            )
+        )
+    elif gpus:
+        checks.append(Check("persistence mode", OK, "on"))
+    mig = [str(g.index) for g in gpus if g.mig_enabled]
+    if mig:
+        checks.append(
+            Check(
+                "mig",
+                WARN,
+                f"MIG is on for GPU {', '.join(mig)}: kernels on MIG instances cannot be moved",
+                "Turn MIG off (nvidia-smi -mig 0) on GPUs whose kernels should move.",
+            )
+        )
+    return checks
+
+
+def run_checks(criu_path: str | None = None) -> list[Check]:
+    return [*check_criu(criu_path), check_privileges(criu_path), *check_kernel(), *check_gpus()]
+
+
+def can_migrate(checks: list[Check]) -> bool:
+    return all(c.status != FAIL for c in checks)

@@ -1,0 +1,73 @@
+"""Typed errors of the engine.
+
+Every message is a sentence a person can act on: what went wrong and what to do next.
+The REST API and the CLI show ``str(error)`` as it is.
+"""
+
+from __future__ import annotations
+
+
+class MigrateError(Exception):
+    """Base class of every error jupyter-gpumigrate raises on purpose."""
+
+    #: HTTP status that the server extension answers with when this error is raised before an
+    #: operation starts.
+    http_status: int = 500
+
+
+class CriuNotFound(MigrateError):
+    """No usable CRIU binary."""
+
+    http_status = 503
+
+
+class CriuFailed(MigrateError):
+    """A CRIU command failed; ``log_path`` holds its full log."""
+
+    def __init__(self, message: str, log_path: str | None = None, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_path = log_path
+        self.log_tail = log_tail
+
+
+class PidConflict(MigrateError):
+    """A PID or TID of a suspended process tree is held by another process."""
+
+    http_status = 409
+
+    def __init__(self, message: str, pid: int, holder: str) -> None:
+        super().__init__(message)
+        self.pid = pid
+        self.holder = holder
+
+
+class ImageError(MigrateError):
+    """An image directory is missing, incomplete or not ours."""
+
+    http_status = 409
+
+
+class InvalidState(MigrateError):
+    """The kernel is not in a state that allows the request."""
+
+    http_status = 409
+
+
+class GpuError(MigrateError):
+    """A GPU request cannot be met (wrong index, no driver support, not enough memory...)."""
+
+    http_status = 409
+
+
+class PhaseFailed(MigrateError):
+    """A phase of a plan failed; the plan was rolled back as far as ``rolled_back`` says."""
+
+    def __init__(self, phase: str, cause: BaseException, rolled_back: bool, undo_errors: list[str]) -> None:
+        message = str(cause) or type(cause).__name__
+        if undo_errors:
+            message += " Rolling back also failed: " + "; ".join(undo_errors)
+        super().__init__(message)
+        self.phase = phase
+        self.cause = cause
+        self.rolled_back = rolled_back
+        self.undo_errors = undo_errors

@@ -1,0 +1,112 @@
+"""Image directories of suspended process trees, and their manifests.
+
+Images hold everything that was in the kernel's memory, secrets included: the root and every image
+directory are created 0700 and the manifest 0600. A directory is ours only if it lies directly under
+the root, is not a symbolic link, and holds a manifest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .errors import ImageError
+
+MANIFEST = "manifest.json"
+MANIFEST_VERSION = 1
+
+
+@dataclass
+class Manifest:
+    """What a suspended kernel was, so it can be brought back (possibly by another server)."""
+
+    kernel_id: str
+    kernel_name: str
+    pid: int
+    ids: list[int]
+    host: str = field(default_factory=socket.gethostname)
+    criu_version: str = ""
+    gpus: list[dict] = field(default_factory=list)
+    connection_info: dict = field(default_factory=dict)
+    #: listening port -> clients connected at dump time, to wait for after a restore
+    clients: dict = field(default_factory=dict)
+    image_bytes: int = 0
+    created: float = field(default_factory=time.time)
+    version: int = MANIFEST_VERSION
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Manifest:
+        known = {name for name in cls.__dataclass_fields__}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def directory_size(path: Path) -> int:
+    return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file() and not entry.is_symlink())
+
+
+class ImageStore:
+    """The directory that holds one image directory per suspended kernel."""
+
+    def __init__(self, root: str | os.PathLike[str]) -> None:
+        self.root = Path(root)
+
+    def _ensure_root(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.root, 0o700)
+
+    def path_for(self, name: str) -> Path:
+        if not name or "/" in name or name in (".", ".."):
+            raise ImageError(f"'{name}' is not a valid image name.")
+        return self.root / name
+
+    def create(self, name: str) -> Path:
+        """A new, empty, private directory for ``name``; an old one of the same name is replaced."""
+        self._ensure_root()
+        path = self.path_for(name)
+        if path.is_symlink():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path)
+        path.mkdir(mode=0o700)
+        os.chmod(path, 0o700)
+        return path
+
+    def write_manifest(self, path: Path, manifest: Manifest) -> None:
+        manifest.image_bytes = directory_size(path)
+        tmp = path / (MANIFEST + ".tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump(asdict(manifest), f, indent=1)
+        os.replace(tmp, path / MANIFEST)
+
+    def read_manifest(self, name: str) -> Manifest:
+        path = self.path_for(name)
+        if path.is_symlink() or not path.is_dir():
+            raise ImageError(f"No images for {name} in {self.root}: the kernel cannot be resumed from disk.")
+        try:
+            data = json.loads((path / MANIFEST).read_text())
+        except FileNotFoundError as exc:
+            raise ImageError(
+                f"The images in {path} have no {MANIFEST}: the dump did not finish, so they cannot be "
+                f"restored. Shut the kernel down to free them."
+            ) from exc
+        except ValueError as exc:
+            raise ImageError(f"{path / MANIFEST} is damaged ({exc}); the kernel cannot be resumed.") from exc
+        return Manifest.from_dict(data)
+
+    def remove(self, name: str) -> None:
+        path = self.path_for(name)
+        if path.is_symlink():
+            path.unlink()
+        elif path.exists():
+            shutil.rmtree(path, ignore_errors=True)
+
+    def names(self) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink())

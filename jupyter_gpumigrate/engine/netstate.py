@@ -1,0 +1,77 @@
+"""TCP connections into a process's listening sockets, read from /proc.
+
+Why: CRIU restores a kernel's established connections closed (``--tcp-close``); its clients re-dial by
+themselves within ZMQ's reconnect interval. Until a client's SUB socket is subscribed again, whatever
+the kernel publishes on IOPub is dropped. A resume therefore waits until as many clients are connected
+to each listening port as before the dump, so that the first cell after a resume loses no output.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+_LISTEN, _ESTABLISHED = "0A", "01"
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    fd_dir = f"/proc/{pid}/fd"
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return inodes
+    for name in names:
+        try:
+            target = os.readlink(os.path.join(fd_dir, name))
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def _tcp_rows(pid: int) -> list[tuple[int, str, str]]:
+    """(local port, state, inode) of every TCP socket in the process's network namespace."""
+    rows = []
+    for table in ("tcp", "tcp6"):
+        try:
+            with open(f"/proc/{pid}/net/{table}", encoding="ascii") as f:
+                lines = f.readlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if len(fields) < 10:
+                continue
+            rows.append((int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]))
+    return rows
+
+
+def client_counts(pids: list[int]) -> dict[int, int]:
+    """For each port the processes listen on: how many established connections it has."""
+    inodes: set[str] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    if not pids:
+        return {}
+    rows = _tcp_rows(pids[0])
+    listening = {port for port, state, inode in rows if state == _LISTEN and inode in inodes}
+    counts = dict.fromkeys(listening, 0)
+    for port, state, inode in rows:
+        if state == _ESTABLISHED and port in listening and inode in inodes:
+            counts[port] += 1
+    return counts
+
+
+def wait_for_clients(pids: list[int], expected: dict[int, int], timeout: float) -> dict[int, int]:
+    """Wait until each port has at least its ``expected`` connections again; return what is missing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        counts = client_counts(pids)
+        missing = {
+            port: want - counts.get(port, 0) for port, want in expected.items() if counts.get(port, 0) < want
+        }
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(0.01)

@@ -1,0 +1,165 @@
+"""Process-tree helpers over /proc (Linux only).
+
+A restored kernel is not a child of the server (CRIU restores it detached), so ``Popen.poll`` no longer
+applies: liveness, descendants and PID holders are read from /proc. psutil would do this too, but it is
+not a dependency of Jupyter and a few /proc reads are all that is needed here.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    tgid: int
+    name: str
+    state: str
+    ppid: int
+
+    def describe(self) -> str:
+        owner = f" (a thread of process {self.tgid})" if self.tgid != self.pid else ""
+        return f"process {self.pid} '{self.name}'{owner}"
+
+
+def info(pid: int) -> ProcessInfo | None:
+    """What /proc says of a PID or TID, or None if nothing holds it."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+    except (FileNotFoundError, ProcessLookupError, PermissionError):
+        return None
+    return ProcessInfo(
+        pid=pid,
+        tgid=int(fields.get("Tgid", pid)),
+        name=fields.get("Name", "?").strip(),
+        state=fields.get("State", "?").strip()[:1],
+        ppid=int(fields.get("PPid", 0)),
+    )
+
+
+def is_alive(pid: int) -> bool:
+    """True if ``pid`` is a process that has not exited (zombies count as exited)."""
+    found = info(pid)
+    return found is not None and found.state not in ("Z", "X")
+
+
+def threads(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    kids: set[int] = set()
+    for tid in threads(pid):
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as f:
+                kids.update(int(c) for c in f.read().split())
+        except FileNotFoundError:
+            continue
+    return sorted(kids)
+
+
+def descendants(root: int) -> list[int]:
+    """``root`` and every process below it, parents before children."""
+    order, todo = [], [root]
+    while todo:
+        pid = todo.pop(0)
+        if pid in order or not is_alive(pid):
+            continue
+        order.append(pid)
+        todo.extend(children(pid))
+    return order
+
+
+def tree_ids(root: int) -> list[int]:
+    """Every PID and TID of the tree under ``root``: the numbers CRIU will need again on restore."""
+    ids: list[int] = []
+    for pid in descendants(root):
+        ids.extend(threads(pid) or [pid])
+    return sorted(set(ids))
+
+
+def first_holder(ids: list[int]) -> ProcessInfo | None:
+    """The first live process or thread that holds one of ``ids``, or None if all are free."""
+    for pid in ids:
+        found = info(pid)
+        if found is not None:
+            return found
+    return None
+
+
+NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+
+
+def steer_pid_allocation(ids: list[int]) -> bool:
+    """Move the kernel's PID cursor past ``ids`` if the next PIDs handed out would fall among them.
+
+    CRIU restores each process and thread with its old number, so those numbers must stay free until
+    it has run; but CRIU itself, its helpers and any thread the server starts meanwhile take the next
+    free PIDs. When the cursor sits just below a suspended tree's numbers (after PIDs wrapped around),
+    they would be taken by exactly those processes. Moving the cursor forward only skips numbers.
+    Needs root (or CAP_CHECKPOINT_RESTORE), which CRIU needs anyway; True if it moved the cursor.
+    """
+    if not ids:
+        return False
+    try:
+        with open(NS_LAST_PID, encoding="ascii") as f:
+            last = int(f.read())
+        if not min(ids) - 1 <= last < max(ids):
+            return False
+        with open(NS_LAST_PID, "w", encoding="ascii") as f:
+            f.write(str(max(ids)))
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def wait_ids_released(ids: list[int], name: str, timeout: float) -> bool:
+    """Wait until no process or thread named ``name`` holds one of ``ids``; True if none does in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        held = [pid for pid in ids if (found := info(pid)) is not None and found.name == name]
+        if not held:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        for pid in held:
+            reap(pid)
+        time.sleep(0.02)
+
+
+def reap(pid: int) -> int | None:
+    """Collect the exit status of a child that has exited; None if it is not our child or still runs."""
+    try:
+        done, status = os.waitpid(pid, os.WNOHANG)
+    except ChildProcessError:
+        return None
+    return os.waitstatus_to_exitcode(status) if done == pid else None
+
+
+def wait_gone(pid: int, timeout: float) -> bool:
+    """Wait until ``pid`` has exited (reaping it if it is our child); True if it did within ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        reap(pid)
+        if not is_alive(pid):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
+def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
+    """Send ``sig`` to every process of the tree, children first."""
+    for pid in reversed(descendants(root)):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass

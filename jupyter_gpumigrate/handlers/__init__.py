@@ -1,0 +1,20 @@
+"""REST handlers under /api/gpumigrate, one small module per resource."""
+
+from __future__ import annotations
+
+from . import kernels, operations
+
+API_PREFIX = "/api/gpumigrate"
+
+KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
+
+
+def handlers() -> list[tuple[str, type]]:
+    return [
+        (rf"{API_PREFIX}/kernels/?", kernels.KernelListHandler),
+        (rf"{API_PREFIX}/kernels/{KERNEL_ID}/?", kernels.KernelHandler),
+        (rf"{API_PREFIX}/kernels/{KERNEL_ID}/(?P<action>suspend|resume)/?", kernels.KernelActionHandler),
+        (rf"{API_PREFIX}/operations/?", operations.OperationListHandler),
+        (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
+        (rf"{API_PREFIX}/gpus/?", kernels.GpuListHandler),
+    ]

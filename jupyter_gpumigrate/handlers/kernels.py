@@ -1,0 +1,53 @@
+"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume, GET /gpus."""
+
+from __future__ import annotations
+
+from jupyter_server.auth.decorator import authorized
+from tornado import web
+
+from ..engine import gpus
+from ..engine.errors import MigrateError
+from .base import BaseHandler
+
+#: Fields each action's body may hold.
+ACTION_FIELDS: dict[str, dict[str, type]] = {"suspend": {}, "resume": {"to_gpu": int}}
+
+
+class KernelListHandler(BaseHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send_json(self.operations.list_kernels())
+
+
+class KernelHandler(BaseHandler):
+    @web.authenticated
+    @authorized
+    async def get(self, kernel_id: str) -> None:
+        try:
+            self.send_json(self.operations.kernel_view(kernel_id))
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+
+
+class KernelActionHandler(BaseHandler):
+    @web.authenticated
+    @authorized
+    async def post(self, kernel_id: str, action: str) -> None:
+        body = self.json_body(ACTION_FIELDS[action])
+        if body is None:
+            return
+        try:
+            op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"))
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+            return
+        self.set_header("Location", f"{self.base_url}api/gpumigrate/operations/{op.id}")
+        self.send_json(op.to_dict(), status=202)
+
+
+class GpuListHandler(BaseHandler):
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send_json({"driver_version": gpus.driver_version(), "gpus": [g.to_dict() for g in gpus.snapshot()]})

@@ -1,0 +1,240 @@
+"""Operations: migrations started through the REST API, run in a worker thread, followed by id.
+
+The server's event loop never blocks on CRIU: each operation's plan runs in a thread, and its phase
+changes come back to the loop, where they update the record and go out on the server's event bus.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .engine import gpus as gpus_mod
+from .engine import proctree
+from .engine.criu import Criu
+from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
+from .engine.migration import RUNNING, SUSPENDED, Migration
+from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+
+log = logging.getLogger(__name__)
+
+EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpumigrate/operation/v1"
+EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
+
+PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
+ACTIONS = ("suspend", "resume")
+KEEP_FINISHED = 200
+
+
+class KernelNotFound(MigrateError):
+    http_status = 404
+
+
+class OperationNotFound(MigrateError):
+    http_status = 404
+
+
+@dataclass
+class Operation:
+    kernel_id: str
+    action: str
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    status: str = PENDING
+    phase: str | None = None
+    error: str | None = None
+    failed_phase: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    bytes: int = 0
+    to_gpu: int | None = None
+    created: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.status in (SUCCEEDED, FAILED)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["total"] = round(sum(self.timings.values()), 4)
+        data["timings"] = {k: round(v, 4) for k, v in self.timings.items()}
+        return data
+
+
+Emit = Callable[[dict[str, Any]], None]
+
+
+class OperationManager:
+    def __init__(self, kernel_manager: Any, emit: Emit | None = None, criu_path: str | None = None) -> None:
+        self.kernel_manager = kernel_manager
+        self.emit = emit or (lambda data: None)
+        self.criu_path = criu_path
+        self.operations: OrderedDict[str, Operation] = OrderedDict()
+        self.active: dict[str, Operation] = {}
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- kernels -------------------------------------------------------------------------------------
+
+    def _kernel(self, kernel_id: str) -> Any:
+        if kernel_id not in self.kernel_manager:
+            raise KernelNotFound(f"There is no kernel {kernel_id} on this server: list them with GET /kernels.")
+        return self.kernel_manager.get_kernel(kernel_id)
+
+    def provisioner(self, kernel_id: str) -> MigratableProvisioner:
+        provisioner = getattr(self._kernel(kernel_id), "provisioner", None)
+        if not isinstance(provisioner, MigratableProvisioner):
+            name = type(provisioner).__name__ if provisioner is not None else "none"
+            raise InvalidState(
+                f"Kernel {kernel_id} was started by the {name} provisioner, which cannot suspend it. Restart "
+                f"the kernel on a server with jupyter_gpumigrate enabled (its kernels use the "
+                f"'{PROVISIONER_NAME}' provisioner)."
+            )
+        return provisioner
+
+    def kernel_view(self, kernel_id: str, gpus: list[gpus_mod.GpuInfo] | None = None) -> dict[str, Any]:
+        kernel = self._kernel(kernel_id)
+        provisioner = getattr(kernel, "provisioner", None)
+        migratable = isinstance(provisioner, MigratableProvisioner)
+        pid = getattr(provisioner, "pid", None)
+        state = provisioner.state if migratable else RUNNING
+        if gpus is None:
+            gpus = gpus_mod.snapshot()
+        image_bytes = None
+        if migratable and state == SUSPENDED:
+            image_bytes = self._image_bytes(provisioner)
+        active = self.active.get(kernel_id)
+        return {
+            "id": kernel_id,
+            "name": kernel.kernel_name,
+            "pid": pid,
+            "host": socket.gethostname(),
+            "state": state,
+            "execution_state": getattr(kernel, "execution_state", None),
+            "last_activity": _iso(getattr(kernel, "last_activity", None)),
+            "gpus": gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else [],
+            "image_bytes": image_bytes,
+            "migratable": migratable,
+            "operation": active.id if active else None,
+        }
+
+    @staticmethod
+    def _image_bytes(provisioner: MigratableProvisioner) -> int | None:
+        try:
+            return provisioner.images.read_manifest(provisioner.kernel_id).image_bytes
+        except MigrateError:
+            return None
+
+    def list_kernels(self) -> list[dict[str, Any]]:
+        gpus = gpus_mod.snapshot()
+        return [self.kernel_view(kid, gpus) for kid in self.kernel_manager.list_kernel_ids()]
+
+    # -- operations ----------------------------------------------------------------------------------
+
+    def get(self, op_id: str) -> Operation:
+        try:
+            return self.operations[op_id]
+        except KeyError:
+            raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
+
+    def start(self, kernel_id: str, action: str, to_gpu: int | None = None) -> Operation:
+        """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
+        provisioner = self.provisioner(kernel_id)
+        if kernel_id in self.active:
+            raise InvalidState(
+                f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
+                f"wait for it to finish."
+            )
+        wanted = RUNNING if action == "suspend" else SUSPENDED
+        if provisioner.state != wanted:
+            verb = "suspended" if action == "suspend" else "resumed"
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
+        if to_gpu is not None:
+            self._check_gpu_target(kernel_id, to_gpu)
+        criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu)
+        self.operations[op.id] = op
+        self.active[kernel_id] = op
+        self._trim()
+        task = asyncio.get_running_loop().create_task(self._run(op, provisioner, criu))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._emit(op)
+        return op
+
+    def _check_gpu_target(self, kernel_id: str, to_gpu: int) -> None:
+        gpus = gpus_mod.snapshot()
+        if not gpus:
+            raise GpuError(f"to_gpu={to_gpu} cannot be met: this machine has no NVIDIA GPU (NVML sees none).")
+        if to_gpu >= len(gpus):
+            raise GpuError(f"GPU {to_gpu} does not exist: this machine has GPUs 0 to {len(gpus) - 1}.")
+        raise GpuError(f"Kernel {kernel_id} holds no GPU, so it cannot be placed on GPU {to_gpu}.")
+
+    async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu) -> None:
+        loop = asyncio.get_running_loop()
+
+        def progress(phase: str, event: str, timings: dict[str, float]) -> None:
+            loop.call_soon_threadsafe(self._on_progress, op, phase, event, dict(timings))
+
+        migration = Migration(provisioner, provisioner.images, criu, progress)
+        op.status = RUNNING_OP
+        self._emit(op)
+        try:
+            outcome = await asyncio.to_thread(getattr(migration, op.action))
+        except PhaseFailed as exc:
+            await asyncio.sleep(0)  # let the last progress callbacks land first
+            op.status, op.error, op.failed_phase = FAILED, str(exc), exc.phase
+            log.warning("gpumigrate: %s of kernel %s failed in %s: %s", op.action, op.kernel_id, exc.phase, exc)
+        except Exception as exc:  # noqa: BLE001 - an operation must always end with a status
+            log.exception("gpumigrate: %s of kernel %s failed", op.action, op.kernel_id)
+            op.status, op.error = FAILED, f"Unexpected error: {exc}. The server log has the details."
+        else:
+            await asyncio.sleep(0)
+            op.status, op.bytes, op.timings = SUCCEEDED, outcome.bytes, dict(outcome.result.timings)
+            log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
+        finally:
+            op.finished = time.time()
+            op.phase = None if op.status == SUCCEEDED else op.phase
+            self.active.pop(op.kernel_id, None)
+            self._emit(op)
+
+    def _on_progress(self, op: Operation, phase: str, event: str, timings: dict[str, float]) -> None:
+        op.phase, op.timings = phase, timings
+        self._emit(op, phase_event=event)
+
+    def _emit(self, op: Operation, phase_event: str | None = None) -> None:
+        data = {
+            "operation_id": op.id,
+            "kernel_id": op.kernel_id,
+            "action": op.action,
+            "status": op.status,
+            "phase": op.phase or "",
+            "phase_event": phase_event or "",
+            "timings": {k: round(v, 4) for k, v in op.timings.items()},
+            "bytes": op.bytes,
+            "error": op.error or "",
+        }
+        try:
+            self.emit(data)
+        except Exception:  # noqa: BLE001 - events are best effort; the operation record is the truth
+            log.exception("gpumigrate: could not emit an event")
+
+    def _trim(self) -> None:
+        finished = [op_id for op_id, op in self.operations.items() if op.done]
+        for op_id in finished[: max(0, len(self.operations) - KEEP_FINISHED)]:
+            del self.operations[op_id]
+
+    async def wait_idle(self) -> None:
+        """Wait for every running operation (used at server shutdown and by tests)."""
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _iso(value: Any) -> str | None:
+    return value.isoformat() if value is not None and hasattr(value, "isoformat") else None

@@ -1,0 +1,244 @@
+"""A kernel provisioner whose kernels survive being checkpointed and restored.
+
+It launches any kernelspec's command line the way jupyter_client's ``LocalProvisioner`` does, with
+the changes that CRIU needs (measured, ../shared/FACTS.md):
+
+- ``JPY_PARENT_PID=0``: ipykernel's parent poller would see a new parent after a restore and exit.
+- stdin from /dev/null, stdout and stderr to a log file: pipes to the server cannot be carried.
+- a new session (as ``LocalProvisioner``), so the kernel's tree is self-contained for CRIU.
+- after a dump kills the kernel, its zombie is reaped at once, or its PID stays taken and the restore
+  fails with "File exists".
+- a restored kernel is no child of the server: liveness and signals go through its PID, not Popen.
+- while suspended or migrating, ``poll()`` says "alive", so the auto-restarter leaves it alone;
+  shutting a suspended kernel down deletes its images.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import zmq
+from jupyter_client.session import Session
+from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.launcher import launch_kernel
+from jupyter_client.provisioning import LocalProvisioner
+from jupyter_core.paths import jupyter_data_dir
+from traitlets import Float, Unicode, default
+
+from .engine import proctree
+from .engine.images import ImageStore
+from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED
+
+PROVISIONER_NAME = "gpumigrate-provisioner"
+
+
+def kernel_answers(connection_info: dict, timeout: float) -> bool:
+    """True once the kernel answers kernel_info and its IOPub status reaches a new subscriber.
+
+    The request goes on the control channel, which a kernel busy with a cell still serves. Plain
+    pyzmq sockets: this runs in a worker thread, where jupyter_client's blocking client would try to
+    drive the server's event loop.
+    """
+    info = connection_info
+    session = Session(key=_bytes(info.get("key", b"")), signature_scheme=info.get("signature_scheme", "hmac-sha256"))
+    url = f"{info.get('transport', 'tcp')}://{info['ip']}:"
+    context = zmq.Context.instance()
+    control = context.socket(zmq.DEALER)
+    iopub = context.socket(zmq.SUB)
+    for sock in (control, iopub):
+        sock.linger = 0
+    iopub.setsockopt(zmq.SUBSCRIBE, b"")
+    control.connect(url + str(info["control_port"]))
+    iopub.connect(url + str(info["iopub_port"]))
+    poller = zmq.Poller()
+    poller.register(iopub, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            msg_id = session.send(control, "kernel_info_request", {})["header"]["msg_id"]
+            resend = min(deadline, time.monotonic() + 0.5)
+            while (left := resend - time.monotonic()) > 0:
+                if not poller.poll(int(left * 1000) + 1):
+                    break
+                _, frames = session.feed_identities(iopub.recv_multipart())
+                msg = session.deserialize(frames, content=False)
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
+                    return True
+        return False
+    finally:
+        control.close()
+        iopub.close()
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
+    """Launches local kernels so that jupyter-gpumigrate can suspend, resume and move them."""
+
+    state_dir = Unicode(
+        help="Where suspended kernels' images and kernels' logs are kept (created 0700). "
+        "Images are as large as the kernel's memory: put this on a disk with room.",
+    ).tag(config=True)
+
+    criu_path = Unicode(
+        "", help="The CRIU binary to use; empty: /usr/local/sbin/criu, else criu on PATH."
+    ).tag(config=True)
+
+    migration_wait = Float(
+        600.0, help="How long a shutdown waits for a migration in progress to end, in seconds."
+    ).tag(config=True)
+
+    @default("state_dir")
+    def _default_state_dir(self) -> str:
+        return os.path.join(jupyter_data_dir(), "gpumigrate")
+
+    state: str = STOPPED
+    log_path: Path | None = None
+
+    # -- what a migration needs (engine.migration.KernelProcess) ------------------------------------
+
+    @property
+    def kernel_name(self) -> str:
+        return getattr(self.parent, "kernel_name", "") or ""
+
+    @property
+    def kernel_pid(self) -> int | None:
+        return self.pid
+
+    @property
+    def kernel_connection_info(self) -> dict:
+        return dict(self.connection_info)
+
+    @property
+    def images(self) -> ImageStore:
+        return ImageStore(os.path.join(self.state_dir, "images"))
+
+    def release(self) -> None:
+        if self.process is not None:
+            self.process.wait(timeout=30)  # the zombie must go, or its PID stays taken
+        self.process = None
+        self.pid = None
+        self.pgid = None
+
+    def adopt(self, pid: int) -> None:
+        self.process = None
+        self.pid = pid
+        self.pgid = os.getpgid(pid)
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
+        return kernel_answers(self.connection_info, timeout)
+
+    # -- launching -----------------------------------------------------------------------------------
+
+    async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        logs = Path(self.state_dir) / "logs"
+        logs.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.log_path = logs / f"kernel-{self.kernel_id}.log"
+        env = dict(kwargs.pop("env", None) or os.environ)
+        env["JPY_PARENT_PID"] = "0"
+        kwargs = self._scrub_kwargs(kwargs)
+        with open(self.log_path, "ab", buffering=0) as out:
+            self.process = launch_kernel(
+                cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env, independent=True, **kwargs
+            )
+        self.pid = self.process.pid
+        self.pgid = os.getpgid(self.pid)
+        self.cwd = kwargs.get("cwd", Path.cwd())
+        self.state = RUNNING
+        return self.connection_info
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+
+    @property
+    def has_process(self) -> bool:
+        return self.state in (MIGRATING, SUSPENDED) or self.pid is not None
+
+    async def poll(self) -> int | None:
+        if self.state in (MIGRATING, SUSPENDED):
+            return None  # alive, as far as the restarter and the kernel manager are concerned
+        if self.process is not None:
+            return self.process.poll()
+        if self.pid is not None and proctree.is_alive(self.pid):
+            return None
+        return 0
+
+    async def wait(self) -> int | None:
+        while await self.poll() is None:
+            await asyncio.sleep(0.1)
+        code = 0
+        if self.process is not None:
+            code = self.process.wait()
+        self.process = None
+        self.pid = None
+        self.state = STOPPED
+        return code
+
+    async def _migration_done(self) -> None:
+        waited = 0.0
+        while self.state == MIGRATING and waited < self.migration_wait:
+            await asyncio.sleep(0.1)
+            waited += 0.1
+
+    async def send_signal(self, signum: int) -> None:
+        await self._migration_done()
+        if self.state == SUSPENDED:
+            return  # a suspended kernel has no process to signal; interrupts are moot
+        if self.pgid is not None:
+            try:
+                os.killpg(self.pgid, signum)
+                return
+            except OSError:
+                pass
+        if self.pid is not None:
+            os.kill(self.pid, signum)
+
+    async def kill(self, restart: bool = False) -> None:
+        await self._end(signal.SIGKILL)
+
+    async def terminate(self, restart: bool = False) -> None:
+        await self._end(signal.SIGTERM)
+
+    async def _end(self, signum: int) -> None:
+        await self._migration_done()
+        if self.state == SUSPENDED:
+            self._discard_images()
+            return
+        try:
+            await self.send_signal(signum)
+        except ProcessLookupError:
+            pass
+
+    async def shutdown_requested(self, restart: bool = False) -> None:
+        # A suspended kernel never reads the shutdown message: shutting it down means deleting it.
+        await self._migration_done()
+        if self.state == SUSPENDED:
+            self._discard_images()
+
+    def _discard_images(self) -> None:
+        self.images.remove(self.kernel_id)
+        self.state = STOPPED
+
+    async def cleanup(self, restart: bool = False) -> None:
+        await super().cleanup(restart=restart)
+        if not restart and self.log_path is not None:
+            self.log_path.unlink(missing_ok=True)
+
+    async def get_provisioner_info(self) -> dict[str, Any]:
+        info = await super().get_provisioner_info()
+        info.update({"pid": self.pid, "pgid": self.pgid, "state": self.state})
+        return info
+
+    async def load_provisioner_info(self, provisioner_info: dict) -> None:
+        await super().load_provisioner_info(provisioner_info)
+        self.pid = provisioner_info.get("pid")
+        self.pgid = provisioner_info.get("pgid")
+        self.state = provisioner_info.get("state", RUNNING)

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# setup.sh - everything `make lab` and `make test` need, idempotent:
+#   CRIU >= 4.2 (scripts/ensure-criu.sh), a virtual environment in .venv with this package
+#   installed editable with its lab and test extras. A second run takes a second or two.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+log() { printf 'setup: %s\n' "$*" >&2; }
+
+scripts/ensure-criu.sh
+
+PYTHON="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  if ! "$PYTHON" -c 'import ensurepip, venv' 2>/dev/null; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+      log "installing python3-venv"
+      apt-get install -y --no-install-recommends python3-venv >/dev/null \
+        || { apt-get update >/dev/null && apt-get install -y --no-install-recommends python3-venv >/dev/null; }
+    else
+      log "ERROR: $PYTHON cannot create virtual environments: ask an administrator to install python3-venv"
+      exit 1
+    fi
+  fi
+  log "creating .venv"
+  "$PYTHON" -m venv .venv
+fi
+
+# Reinstall only when the project's metadata changed since the last install.
+stamp=.venv/.gpumigrate-installed
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+  log "installing jupyter-gpumigrate and its dependencies into .venv (a few minutes the first time)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[lab,test]"
+  touch "$stamp"
+fi
+log "ready: $(.venv/bin/python --version), $(.venv/bin/jupyter server --version 2>/dev/null | head -n1 | sed 's/^/jupyter_server /')"

@@ -1,0 +1,201 @@
+"""Helpers shared by the tests: REST calls, kernel clients, a notebook tab over websocket, PID holders."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from jupyter_client.session import Session
+
+
+async def api(jp_fetch: Any, *parts: str, method: str = "GET", body: Any = None, expect: int = 200) -> Any:
+    """Call /api/gpumigrate/...; assert the status; return the decoded JSON."""
+    kwargs: dict[str, Any] = {"method": method, "raise_error": False}
+    if method == "POST":
+        kwargs["body"] = body if isinstance(body, str) else json.dumps(body or {})
+    response = await jp_fetch("api", "gpumigrate", *parts, **kwargs)
+    text = response.body.decode() if response.body else ""
+    assert response.code == expect, f"{method} {'/'.join(parts)}: {response.code} {text}"
+    return json.loads(text) if text else None
+
+
+async def start_kernel(jp_fetch: Any, name: str = "python3") -> str:
+    response = await jp_fetch("api", "kernels", method="POST", body=json.dumps({"name": name}))
+    return json.loads(response.body)["id"]
+
+
+async def wait_operation(jp_fetch: Any, op: dict, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while op["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, f"operation still {op['status']} after {timeout} s: {op}"
+        await asyncio.sleep(0.05)
+        op = await api(jp_fetch, "operations", op["id"])
+    return op
+
+
+async def operate(jp_fetch: Any, kernel_id: str, action: str, body: Any = None) -> dict:
+    op = await api(jp_fetch, "kernels", kernel_id, action, method="POST", body=body, expect=202)
+    return await wait_operation(jp_fetch, op)
+
+
+class KernelSession:
+    """A client of one kernel over ZMQ, kept across suspend and resume, that behaves like a frontend:
+    its event loop reads IOPub all the time.
+
+    That matters after a resume: a ZMQ SUB socket re-sends its subscription only when its owner
+    touches it, so a client that reads IOPub only while it waits for a cell loses that cell's first
+    messages. Every real frontend (jupyter_server's streams, JupyterLab) reads continuously.
+    """
+
+    def __init__(self, serverapp: Any, kernel_id: str) -> None:
+        self.manager = serverapp.kernel_manager.get_kernel(kernel_id)
+        self.client = self.manager.client()
+        self.client.start_channels()
+        self.iopub: asyncio.Queue = asyncio.Queue()
+        self._reader: asyncio.Task | None = None
+
+    async def _read_iopub(self) -> None:
+        while True:
+            await self.iopub.put(await self.client.get_iopub_msg())
+
+    async def ready(self, timeout: float = 60) -> None:
+        # wait_for_ready reads IOPub itself: stop our reader meanwhile, or it takes those messages.
+        if self._reader is not None:
+            self._reader.cancel()
+            self._reader = None
+        await self.client.wait_for_ready(timeout=timeout)
+        self.iopub = asyncio.Queue()
+        self._reader = asyncio.get_running_loop().create_task(self._read_iopub())
+
+    async def run(self, code: str, timeout: float = 60) -> str:
+        """Execute ``code``; return what it printed; fail the test on an error."""
+        msg_id = self.client.execute(code)
+        out: list[str] = []
+        errors: list[str] = []
+        deadline = time.monotonic() + timeout
+        reply = None
+        idle = False
+        while reply is None or not idle:
+            left = deadline - time.monotonic()
+            assert left > 0, f"no complete answer to {code!r} within {timeout} s (reply: {reply}, output: {out})"
+            if reply is None:
+                try:
+                    candidate = await self.client.get_shell_msg(timeout=min(left, 0.05))
+                except Exception:  # noqa: BLE001 - queue.Empty: nothing yet
+                    candidate = None
+                if candidate is not None and candidate["parent_header"].get("msg_id") == msg_id:
+                    reply = candidate
+            try:
+                msg = await asyncio.wait_for(self.iopub.get(), min(max(left, 0.01), 0.05))
+            except asyncio.TimeoutError:
+                continue
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            if kind == "stream":
+                out.append(msg["content"]["text"])
+            elif kind == "error":
+                errors.append("\n".join(msg["content"]["traceback"]))
+            elif kind == "execute_result":
+                out.append(msg["content"]["data"].get("text/plain", "") + "\n")
+            elif kind == "status" and msg["content"]["execution_state"] == "idle":
+                idle = True
+        assert reply["content"]["status"] == "ok", "".join(errors) or reply["content"]
+        return "".join(out)
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.cancel()
+        self.client.stop_channels()
+
+
+class WebSocketTab:
+    """What a notebook tab does: talk to the kernel through the server's /api/kernels/{id}/channels."""
+
+    def __init__(self, ws: Any) -> None:
+        self.ws = ws
+        self.session = Session(key=b"", username="test")
+
+    async def run(self, code: str, timeout: float = 60) -> str:
+        msg = self.session.msg("execute_request", {"code": code, "silent": False, "store_history": True,
+                                                   "user_expressions": {}, "allow_stdin": False})
+        msg["channel"] = "shell"
+        msg["header"]["date"] = msg["header"]["date"].isoformat()
+        msg["parent_header"] = {}
+        self.ws.write_message(json.dumps(msg, default=str))
+        msg_id = msg["header"]["msg_id"]
+        out: list[str] = []
+        deadline = time.monotonic() + timeout
+        status = None
+        idle = False
+        while status is None or not idle:
+            remaining = deadline - time.monotonic()
+            assert remaining > 0, f"no reply to {code!r} within {timeout} s"
+            raw = await asyncio.wait_for(self.ws.read_message(), remaining)
+            assert raw is not None, "the websocket closed"
+            if isinstance(raw, bytes):
+                continue
+            reply = json.loads(raw)
+            if reply.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            kind = reply["msg_type"]
+            if kind == "stream":
+                out.append(reply["content"]["text"])
+            elif kind == "execute_reply":
+                status = reply["content"]["status"]
+            elif kind == "status" and reply["content"]["execution_state"] == "idle":
+                idle = True
+        assert status == "ok", out
+        return "".join(out)
+
+
+@dataclass
+class PidHolder:
+    """A process started so that it holds one given PID (as root, through ns_last_pid)."""
+
+    proc: subprocess.Popen
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait(timeout=10)
+
+
+def start_sleep(*args: str, **kwargs: Any) -> subprocess.Popen:
+    """Start ``sleep``, and return once it runs as ``sleep`` (until exec, /proc names the forking python)."""
+    proc = subprocess.Popen(["sleep", *args], **kwargs)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            with open(f"/proc/{proc.pid}/comm") as f:
+                if f.read().strip() == "sleep":
+                    return proc
+        except FileNotFoundError:
+            pass
+        assert time.monotonic() < deadline, f"sleep (PID {proc.pid}) did not start"
+        time.sleep(0.005)
+
+
+def hold_pid(pid: int, attempts: int = 50) -> PidHolder:
+    """Start `sleep` with exactly ``pid``; the kernel is Linux, we are root (CI is).
+
+    This leaves the kernel's PID allocation cursor at ``pid``, right below the other PIDs and TIDs of a
+    dumped tree: the next processes started take them, which is what the engine must cope with.
+    """
+    for _ in range(attempts):
+        with open("/proc/sys/kernel/ns_last_pid", "w") as f:
+            f.write(str(pid - 1))
+        proc = start_sleep("600", start_new_session=True)
+        if proc.pid == pid:
+            return PidHolder(proc)
+        proc.kill()
+        proc.wait()
+    raise AssertionError(f"could not start a process with PID {pid}")
+
+
+def new_name() -> str:
+    return uuid.uuid4().hex[:8]

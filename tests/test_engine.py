@@ -1,0 +1,200 @@
+"""The engine on its own, with no Jupyter: CRIU on a plain process, images, process trees, doctor."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from helpers import hold_pid, start_sleep
+
+from jupyter_gpumigrate.engine import doctor, proctree
+from jupyter_gpumigrate.engine.criu import Criu, find
+from jupyter_gpumigrate.engine.errors import CriuFailed, CriuNotFound, ImageError, PidConflict
+from jupyter_gpumigrate.engine.images import ImageStore, Manifest
+
+COUNTER = """
+import sys, time, threading
+n = 0
+def child_thread():
+    while True:
+        time.sleep(1)
+threading.Thread(target=child_thread, daemon=True).start()
+for line in sys.stdin:
+    n += int(line)
+    print(n, flush=True)
+"""
+
+
+def start_counter(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
+    """A process that sums numbers written to a FIFO and appends the sums to a file."""
+    fifo, out = tmp_path / "in.fifo", tmp_path / "out.txt"
+    os.mkfifo(fifo)
+    script = f"import sys; sys.stdin = open({str(fifo)!r}); exec({COUNTER!r})"
+    with open(out, "ab") as log, open(os.devnull, "rb") as null:
+        proc = subprocess.Popen([sys.executable, "-c", script], stdin=null, stdout=log, stderr=log,
+                                start_new_session=True)
+    return proc, fifo, out
+
+
+def send(fifo_writer, value: int, out: Path, expect: str) -> None:
+    fifo_writer.write(f"{value}\n")
+    fifo_writer.flush()
+    deadline = time.monotonic() + 10
+    while expect not in out.read_text().split():
+        assert time.monotonic() < deadline, out.read_text()
+        time.sleep(0.02)
+
+
+def test_dump_and_restore_a_process_tree(criu_binary, tmp_path):
+    proc, fifo, out = start_counter(tmp_path)
+    writer = open(fifo, "w")
+    send(writer, 5, out, "5")
+    ids = proctree.tree_ids(proc.pid)
+    assert proc.pid in ids and len(ids) >= 2, "the process and its thread"
+
+    criu = Criu(criu_binary)
+    store = ImageStore(tmp_path / "images")
+    images = store.create("counter")
+    criu.dump(proc.pid, images)
+    proc.wait(timeout=10)  # the dumped process is killed; reap it, or its PID stays taken
+    assert not proctree.is_alive(proc.pid)
+    assert (images / "dump.log").exists() and (images / "pstree.img").exists()
+
+    pid = criu.restore(images)
+    assert pid == proc.pid and proctree.is_alive(pid)
+    assert proctree.tree_ids(pid) == ids
+    send(writer, 10, out, "15")  # the sum it had kept in memory goes on
+    proctree.kill_tree(pid)
+    assert proctree.wait_gone(pid, 10)
+    writer.close()
+
+
+def test_dump_failure_leaves_the_process_running(criu_binary, tmp_path):
+    proc, fifo, out = start_counter(tmp_path)
+    writer = open(fifo, "w")
+    send(writer, 1, out, "1")
+    criu = Criu(criu_binary)
+    images = ImageStore(tmp_path / "images").create("counter")
+    # Make CRIU fail for real: its images directory is read-only once the dump starts writing.
+    os.chmod(images, 0o500)
+    try:
+        # root ignores modes; a read-only bind mount is what really stops root
+        subprocess.run(["mount", "--bind", str(images), str(images)], check=True)
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(images)], check=True)
+        with pytest.raises(CriuFailed) as info:
+            criu.dump(proc.pid, images)
+    finally:
+        subprocess.run(["umount", str(images)], check=False)
+    assert "CRIU could not dump" in str(info.value)
+    assert proctree.is_alive(proc.pid)
+    send(writer, 2, out, "3")
+    proc.kill()
+    proc.wait()
+    writer.close()
+
+
+def test_restore_onto_a_taken_pid_names_the_holder(criu_binary, tmp_path):
+    # The server checks PIDs before CRIU runs; if one is taken in between, CRIU's own failure
+    # must still come back as a PidConflict that names the holder.
+    proc, fifo, out = start_counter(tmp_path)
+    writer = open(fifo, "w")
+    send(writer, 3, out, "3")
+    criu = Criu(criu_binary)
+    images = ImageStore(tmp_path / "images").create("counter")
+    ids = proctree.tree_ids(proc.pid)
+    criu.dump(proc.pid, images)
+    proc.wait(timeout=10)
+    holder = hold_pid(proc.pid)
+    try:
+        with pytest.raises(PidConflict) as info:
+            criu.restore(images, ids)
+        assert info.value.pid == proc.pid and "'sleep'" in str(info.value)
+        assert "images are kept" in str(info.value)
+    finally:
+        holder.stop()
+    # The PID cursor now sits at the process's PID, right below its thread's TID: without the
+    # tree's ids CRIU itself would be born with that TID and fail.
+    pid = criu.restore(images, ids)
+    send(writer, 4, out, "7")
+    proctree.kill_tree(pid)
+    proctree.wait_gone(pid, 10)
+    writer.close()
+
+
+def test_criu_errors_name_the_remedy(tmp_path):
+    with pytest.raises(CriuNotFound, match="ensure-criu.sh"):
+        find(str(tmp_path / "criu"))
+    fake = tmp_path / "old-criu"
+    fake.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    fake.chmod(0o755)
+    with pytest.raises(CriuNotFound, match="version 3.17.1; 4.2 or newer"):
+        find(str(fake))
+
+
+def test_pid_holder_is_named(tmp_path):
+    proc = start_sleep("60")
+    try:
+        holder = proctree.first_holder([999_999_999, proc.pid])
+        assert holder is not None and holder.pid == proc.pid and holder.name == "sleep"
+        assert "'sleep'" in holder.describe()
+    finally:
+        proc.kill()
+        proc.wait()
+    assert proctree.first_holder([proc.pid]) is None
+
+
+def test_hold_pid_really_takes_a_pid():
+    proc = subprocess.Popen(["true"])
+    proc.wait()
+    holder = hold_pid(proc.pid)
+    try:
+        assert proctree.info(proc.pid).name == "sleep"
+    finally:
+        holder.stop()
+
+
+def test_image_store_is_private_and_refuses_foreign_paths(tmp_path):
+    store = ImageStore(tmp_path / "root")
+    path = store.create("k1")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / "root").stat().st_mode) == 0o700
+    (path / "pages-1.img").write_bytes(b"x" * 1000)
+    store.write_manifest(path, Manifest(kernel_id="k1", kernel_name="python3", pid=1, ids=[1]))
+    assert stat.S_IMODE((path / "manifest.json").stat().st_mode) == 0o600
+    manifest = store.read_manifest("k1")
+    assert manifest.kernel_id == "k1" and manifest.image_bytes == 1000
+    for bad in ("..", "a/b", ""):
+        with pytest.raises(ImageError):
+            store.path_for(bad)
+    (tmp_path / "root" / "link").symlink_to(path)
+    with pytest.raises(ImageError):
+        store.read_manifest("link")
+    (tmp_path / "root" / "partial").mkdir()
+    with pytest.raises(ImageError, match="did not finish"):
+        store.read_manifest("partial")
+    store.remove("k1")
+    assert not path.exists()
+
+
+def test_doctor_reports_every_concern(criu_binary):
+    checks = {c.name: c for c in doctor.run_checks()}
+    assert {"criu", "criu check", "privileges", "linux", "pid_max", "nvidia driver"} <= set(checks)
+    assert checks["criu"].status == doctor.OK and criu_binary in checks["criu"].detail
+    assert checks["criu check"].status == doctor.OK
+    assert checks["privileges"].status == doctor.OK  # CI runs as root
+    for check in checks.values():
+        assert check.status in (doctor.OK, doctor.WARN, doctor.FAIL, doctor.INFO)
+        if check.status in (doctor.WARN, doctor.FAIL):
+            assert check.remedy, f"{check.name} says what is wrong but not what to do"
+
+
+def test_doctor_without_criu_fails_with_the_remedy(tmp_path):
+    checks = doctor.run_checks(str(tmp_path / "missing-criu"))
+    criu = next(c for c in checks if c.name == "criu")
+    assert criu.status == doctor.FAIL and "ensure-criu.sh" in criu.remedy
+    assert not doctor.can_migrate(checks)

@@ -1,0 +1,281 @@
+"""Suspend and resume real kernels of a real server with real CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import stat
+from pathlib import Path
+
+import pytest
+from helpers import KernelSession, WebSocketTab, api, hold_pid, operate, start_kernel
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+BUILD_STATE = r"""
+import threading, time, socket, itertools
+
+x = 41
+data = {"list": [1, 2, 3], "text": "héllo"}
+square = lambda v: v * v
+
+class Point:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+    def norm2(self):
+        return self.a ** 2 + self.b ** 2
+
+p = Point(3, 4)
+
+def counter():
+    for i in itertools.count():
+        yield i
+
+gen = counter()
+first = [next(gen) for _ in range(5)]          # the generator stops halfway, at 5
+
+ticks = [0]
+stop = threading.Event()
+def tick():
+    while not stop.is_set():
+        ticks[0] += 1
+        time.sleep(0.01)
+worker = threading.Thread(target=tick, daemon=True)
+worker.start()
+
+f = open(PATH, "w+")
+f.write("line one\nline two\n")
+f.flush()
+f.seek(5)
+
+left, right = socket.socketpair()
+left.sendall(b"in flight")                    # unread when the kernel is suspended
+print("built")
+"""
+
+CHECK_STATE = r"""
+before = ticks[0]
+time.sleep(0.3)
+print(x + 1, data["text"], square(7), p.norm2(), isinstance(p, Point))
+print(next(gen), next(gen))
+print(worker.is_alive(), ticks[0] > before)
+print(f.tell(), repr(f.read()))
+print(right.recv(100).decode())
+right.sendall(b"pong"); print(left.recv(100).decode())
+"""
+
+EXPECTED = ["42 héllo 49 25 True", "5 6", "True True", "5 'one\\nline two\\n'", "in flight", "pong"]
+
+
+async def test_round_trip_keeps_every_kind_of_state(jp_fetch, jp_serverapp, kernel, tmp_path):
+    data_file = tmp_path / "notes.txt"
+    assert "built" in await kernel.run(f"PATH = {str(data_file)!r}\n" + BUILD_STATE)
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert set(op["timings"]) == {"prepare", "dump"} and op["bytes"] > 1_000_000
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and view["pid"] is None and view["image_bytes"] == op["bytes"]
+    assert not Path(f"/proc/{pid}").exists(), "the kernel process must be gone while suspended"
+
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kernel.id
+    assert stat.S_IMODE(images.stat().st_mode) == 0o700
+    manifest = json.loads((images / "manifest.json").read_text())
+    assert manifest["kernel_id"] == kernel.id and manifest["kernel_name"] == "python3"
+    assert manifest["criu_version"].startswith("4.") and manifest["image_bytes"] == op["bytes"]
+    assert pid in manifest["ids"] and "key" not in manifest["connection_info"]
+
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "restore", "adopt"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid  # CRIU gives the same PID back
+    assert not images.exists(), "images are deleted once the kernel runs again"
+
+    # The same client, whose channels were never closed, goes on.
+    out = (await kernel.run(CHECK_STATE)).splitlines()
+    assert out == EXPECTED
+
+
+async def test_notebook_websocket_keeps_working(jp_fetch, jp_ws_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    assert (await tab.run("secret = 'kept'; print('set')")).strip() == "set"
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel_id, "resume"))["status"] == "succeeded"
+    assert (await tab.run("print(secret)")).strip() == "kept"
+    tab.ws.close()
+
+
+async def test_any_kernelspec_not_only_ipython(jp_fetch, jp_serverapp):
+    # pytest-jupyter's echo kernel: another kernelspec and another kernel class.
+    kernel_id = await start_kernel(jp_fetch, "echo")
+    session = KernelSession(jp_serverapp, kernel_id)
+    await session.ready()
+    assert (await api(jp_fetch, "kernels", kernel_id))["name"] == "echo"
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel_id, "resume"))["status"] == "succeeded"
+    reply = await session.client.execute("hello", reply=True, timeout=30)
+    assert reply["content"]["status"] == "ok"
+    session.close()
+
+
+async def test_restarter_leaves_a_suspended_kernel_alone(jp_fetch, jp_serverapp, kernel):
+    await kernel.run("kept = 'yes'")
+    manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
+    assert manager.autorestart and manager._restarter is not None
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    # The restarter polls every time_to_dead seconds and would start a new kernel on a dead one.
+    await asyncio.sleep(manager._restarter.time_to_dead * 2 + 0.5)
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and view["pid"] is None
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(kept)")).strip() == "yes"
+
+
+async def test_culler_leaves_a_suspended_kernel_alone(jp_fetch, jp_serverapp, kernel):
+    km = jp_serverapp.kernel_manager
+    km.cull_idle_timeout = 1  # every kernel is "idle" after a second
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    await asyncio.sleep(1.5)
+    await km.cull_kernel_if_idle(kernel.id)
+    assert kernel.id in km and (await api(jp_fetch, "kernels", kernel.id))["state"] == "suspended"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    await asyncio.sleep(1.5)  # the resume itself was activity
+    await km.cull_kernel_if_idle(kernel.id)  # a running idle kernel is culled as before
+    assert kernel.id not in km
+
+
+async def test_delete_a_suspended_kernel_removes_its_images(jp_fetch, jp_serverapp, kernel):
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kernel.id
+    assert images.is_dir()
+    response = await jp_fetch("api", "kernels", kernel.id, method="DELETE")
+    assert response.code == 204
+    assert not images.exists()
+    await api(jp_fetch, "kernels", kernel.id, expect=404)
+
+
+async def test_restart_a_suspended_kernel_starts_afresh(jp_fetch, jp_serverapp, kernel):
+    await kernel.run("gone = 1")
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    await jp_fetch("api", "kernels", kernel.id, "restart", method="POST", body="{}")
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"]
+    await kernel.ready()
+    assert (await kernel.run("print('gone' in dir())")).strip() == "False"
+
+
+async def test_failed_dump_leaves_the_kernel_running(jp_fetch, kernel):
+    # An io_uring instance: a kind of file CRIU cannot dump. The failure is CRIU's own.
+    await kernel.run(
+        "import ctypes, os\n"
+        "params = ctypes.create_string_buffer(120)\n"
+        "ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)\n"
+        "assert ring >= 0, os.strerror(ctypes.get_errno())\n"
+        "value = 'still here'"
+    )
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "failed" and op["failed_phase"] == "dump"
+    assert "CRIU could not dump" in op["error"] and "Full log:" in op["error"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid and view["image_bytes"] is None
+    assert (await kernel.run("print(value)")).strip() == "still here"
+    await kernel.run("os.close(ring)")
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+
+
+async def test_failed_restore_keeps_the_images_and_says_how_to_retry(jp_fetch, kernel, tmp_path):
+    data_file = tmp_path / "held-open.txt"
+    data_file.write_text("content")
+    await kernel.run(f"held = open({str(data_file)!r}); marker = 'survived'")
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    moved = tmp_path / "moved-away.txt"
+    data_file.rename(moved)
+
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "failed" and op["failed_phase"] == "restore"
+    assert str(data_file) in op["error"] and "resume again" in op["error"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and view["image_bytes"] > 0
+
+    moved.rename(data_file)
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(marker, held.read())")).strip() == "survived content"
+
+
+async def test_resume_names_a_pid_taken_meanwhile_then_works(jp_fetch, kernel):
+    await kernel.run("answer = 42")
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    holder = hold_pid(pid)
+    try:
+        op = await operate(jp_fetch, kernel.id, "resume")
+        assert op["status"] == "failed" and op["failed_phase"] == "prepare"
+        assert f"PID {pid}" in op["error"] and "'sleep'" in op["error"] and "resume again" in op["error"]
+        assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "suspended"
+    finally:
+        holder.stop()
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(answer)")).strip() == "42"
+
+
+async def test_bad_requests(jp_fetch, jp_serverapp, kernel):
+    await api(jp_fetch, "kernels", "no-such-kernel", expect=404)
+    await api(jp_fetch, "kernels", "no-such-kernel", "suspend", method="POST", expect=404)
+    await api(jp_fetch, "operations", "no-such-operation", expect=404)
+    error = await api(jp_fetch, "kernels", kernel.id, "resume", method="POST", expect=409)
+    assert "running" in error["message"]
+    for body, words in [
+        ("{not json", "not JSON"),
+        ("[1, 2]", "JSON object"),
+        ({"to_gpu": "one"}, "whole number"),
+        ({"to_gpu": -1}, "whole number"),
+        ({"to_gpu": True}, "whole number"),
+        ({"gpu": 1}, "Unknown field"),
+    ]:
+        error = await api(jp_fetch, "kernels", kernel.id, "resume", method="POST", body=body, expect=400)
+        assert words in error["message"], error
+    error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", body={"to_gpu": 0}, expect=400)
+    assert "Unknown field" in error["message"]
+
+    first = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
+    error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=409)
+    assert "already being moved" in error["message"] or "suspended" in error["message"]
+    from helpers import wait_operation
+
+    assert (await wait_operation(jp_fetch, first))["status"] == "succeeded"
+    error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=409)
+    assert "suspended, so it cannot be suspended" in error["message"]
+    error = await api(jp_fetch, "kernels", kernel.id, "resume", method="POST", body={"to_gpu": 0}, expect=409)
+    assert "GPU" in error["message"]
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+
+
+async def test_criu_missing_is_a_clear_error_and_the_kernel_runs_on(jp_fetch, jp_serverapp, kernel):
+    operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
+    operations.criu_path = "/nonexistent/criu"
+    await kernel.run("value = 7")
+    error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=503)
+    assert "CRIU was not found at /nonexistent/criu" in error["message"]
+    assert "ensure-criu" in error["message"]
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+    assert (await kernel.run("print(value)")).strip() == "7"
+
+
+async def test_requests_need_authentication(jp_fetch):
+    for method, parts in [("GET", ("kernels",)), ("POST", ("kernels", "x", "suspend")), ("GET", ("gpus",))]:
+        response = await jp_fetch("api", "gpumigrate", *parts, method=method, headers={"Authorization": ""},
+                                  body="{}" if method == "POST" else None, raise_error=False)
+        assert response.code == 403, (method, parts, response.code)
+
+
+async def test_gpus_with_no_gpu_is_an_empty_list(jp_fetch, kernel):
+    if os.path.exists("/dev/nvidiactl"):
+        pytest.skip("this machine has an NVIDIA driver; the gpu suite covers it")
+    assert await api(jp_fetch, "gpus") == {"driver_version": None, "gpus": []}
+    assert (await api(jp_fetch, "kernels", kernel.id))["gpus"] == []
