@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token. HTTP goes through the standard library's
@@ -160,9 +160,14 @@ def cmd_action(args: argparse.Namespace) -> int:
         print(json.dumps(op, indent=1))
     elif op["status"] == "succeeded":
         slowest = max(op["timings"], key=op["timings"].get) if op["timings"] else "-"
-        done = "suspended" if args.command == "suspend" else "resumed"
-        print(f"Kernel {kernel['id']} {done} in {op['total']:.2f} s ({human_bytes(op['bytes'])} of images; "
-              f"slowest phase: {slowest}).")
+        if args.command == "migrate":
+            print(f"Kernel {kernel['id']} moved from GPU {op['from_gpu']} to GPU {op['to_gpu']} in "
+                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} of GPU memory; slowest phase: {slowest}).")
+        else:
+            done = "suspended" if args.command == "suspend" else "resumed"
+            where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+            print(f"Kernel {kernel['id']} {done}{where} in {op['total']:.2f} s ({human_bytes(op['bytes'])} of "
+                  f"images; slowest phase: {slowest}).")
     if op["status"] != "succeeded":
         if not args.json:
             print(f"{args.command} failed in phase {op.get('failed_phase') or op.get('phase')}: {op['error']}",
@@ -213,6 +218,10 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     r.add_argument("--to-gpu", type=int, help="GPU index to resume a GPU kernel on")
     r.set_defaults(func=cmd_action)
+    m = sub.add_parser("migrate", parents=[common, remote], help="move a running GPU kernel to another GPU")
+    m.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    m.add_argument("--to-gpu", type=int, required=True, help="index of the GPU to move it to")
+    m.set_defaults(func=cmd_action)
     return top
 
 

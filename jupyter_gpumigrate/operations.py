@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import gpus as gpus_mod
-from .engine import proctree
+from .engine import placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.migration import RUNNING, SUSPENDED, Migration
@@ -30,7 +30,7 @@ EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpumigrate/operation/v1"
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
 
 PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-ACTIONS = ("suspend", "resume")
+ACTIONS = ("suspend", "resume", "migrate")
 KEEP_FINISHED = 200
 
 
@@ -54,6 +54,7 @@ class Operation:
     timings: dict[str, float] = field(default_factory=dict)
     bytes: int = 0
     to_gpu: int | None = None
+    from_gpu: int | None = None
     created: float = field(default_factory=time.time)
     finished: float | None = None
 
@@ -151,14 +152,32 @@ class OperationManager:
                 f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
                 f"wait for it to finish."
             )
-        wanted = RUNNING if action == "suspend" else SUSPENDED
+        wanted = SUSPENDED if action == "resume" else RUNNING
         if provisioner.state != wanted:
-            verb = "suspended" if action == "suspend" else "resumed"
+            verb = {"suspend": "suspended", "resume": "resumed", "migrate": "moved"}[action]
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
-        if to_gpu is not None:
-            self._check_gpu_target(kernel_id, to_gpu)
-        criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
-        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu)
+        # Refuse what cannot work now, with the reason, rather than start an operation bound to fail.
+        # The plan checks again in its prepare phase, before anything is locked.
+        if action == "migrate":
+            assert to_gpu is not None
+            pid = provisioner.pid
+            gpus = gpus_mod.snapshot()
+            held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
+            from_gpu: int | None = placement.plan_move(gpus, held, to_gpu, gpus_mod.driver_major()).source.index
+        elif action == "resume" and to_gpu is not None:
+            manifest = provisioner.images.read_manifest(kernel_id)
+            if not manifest.gpus:
+                raise GpuError(
+                    f"Kernel {kernel_id} held no GPU when it was suspended, so it cannot be resumed onto GPU "
+                    f"{to_gpu}: resume it without to_gpu."
+                )
+            placement.plan_resume(gpus_mod.snapshot(), manifest.gpus[0], to_gpu, gpus_mod.driver_major())
+        else:
+            from_gpu = None
+        criu = None
+        if action != "migrate":
+            criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
         self.operations[op.id] = op
         self.active[kernel_id] = op
         self._trim()
@@ -168,25 +187,23 @@ class OperationManager:
         self._emit(op)
         return op
 
-    def _check_gpu_target(self, kernel_id: str, to_gpu: int) -> None:
-        gpus = gpus_mod.snapshot()
-        if not gpus:
-            raise GpuError(f"to_gpu={to_gpu} cannot be met: this machine has no NVIDIA GPU (NVML sees none).")
-        if to_gpu >= len(gpus):
-            raise GpuError(f"GPU {to_gpu} does not exist: this machine has GPUs 0 to {len(gpus) - 1}.")
-        raise GpuError(f"Kernel {kernel_id} holds no GPU, so it cannot be placed on GPU {to_gpu}.")
-
-    async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu) -> None:
+    async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None) -> None:
         loop = asyncio.get_running_loop()
 
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
             loop.call_soon_threadsafe(self._on_progress, op, phase, event, dict(timings))
 
-        migration = Migration(provisioner, provisioner.images, criu, progress)
+        migration = Migration(provisioner, provisioner.images, criu, progress,
+                              lock_timeout=provisioner.gpu_lock_timeout)
+        steps = {
+            "suspend": migration.suspend,
+            "resume": lambda: migration.resume(op.to_gpu),
+            "migrate": lambda: migration.move_to_gpu(op.to_gpu),
+        }
         op.status = RUNNING_OP
         self._emit(op)
         try:
-            outcome = await asyncio.to_thread(getattr(migration, op.action))
+            outcome = await asyncio.to_thread(steps[op.action])
         except PhaseFailed as exc:
             await asyncio.sleep(0)  # let the last progress callbacks land first
             op.status, op.error, op.failed_phase = FAILED, str(exc), exc.phase
@@ -197,6 +214,7 @@ class OperationManager:
         else:
             await asyncio.sleep(0)
             op.status, op.bytes, op.timings = SUCCEEDED, outcome.bytes, dict(outcome.result.timings)
+            op.from_gpu, op.to_gpu = outcome.extra.get("from_gpu", op.from_gpu), outcome.extra.get("to_gpu", op.to_gpu)
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()

@@ -23,8 +23,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import zmq
-from jupyter_client.session import Session
 from jupyter_client.connect import KernelConnectionInfo
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
@@ -32,52 +30,18 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Float, Unicode, default
 
 from .engine import proctree
+from .kernelwire import kernel_answers, run_silently
 from .engine.images import ImageStore
 from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
-
-def kernel_answers(connection_info: dict, timeout: float) -> bool:
-    """True once the kernel answers kernel_info and its IOPub status reaches a new subscriber.
-
-    The request goes on the control channel, which a kernel busy with a cell still serves. Plain
-    pyzmq sockets: this runs in a worker thread, where jupyter_client's blocking client would try to
-    drive the server's event loop.
-    """
-    info = connection_info
-    session = Session(key=_bytes(info.get("key", b"")), signature_scheme=info.get("signature_scheme", "hmac-sha256"))
-    url = f"{info.get('transport', 'tcp')}://{info['ip']}:"
-    context = zmq.Context.instance()
-    control = context.socket(zmq.DEALER)
-    iopub = context.socket(zmq.SUB)
-    for sock in (control, iopub):
-        sock.linger = 0
-    iopub.setsockopt(zmq.SUBSCRIBE, b"")
-    control.connect(url + str(info["control_port"]))
-    iopub.connect(url + str(info["iopub_port"]))
-    poller = zmq.Poller()
-    poller.register(iopub, zmq.POLLIN)
-    deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            msg_id = session.send(control, "kernel_info_request", {})["header"]["msg_id"]
-            resend = min(deadline, time.monotonic() + 0.5)
-            while (left := resend - time.monotonic()) > 0:
-                if not poller.poll(int(left * 1000) + 1):
-                    break
-                _, frames = session.feed_identities(iopub.recv_multipart())
-                msg = session.deserialize(frames, content=False)
-                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
-                    return True
-        return False
-    finally:
-        control.close()
-        iopub.close()
-
-
-def _bytes(value: str | bytes) -> bytes:
-    return value.encode() if isinstance(value, str) else value
+#: Run silently in an idle Python kernel before its GPU memory is checkpointed. One expression, so it
+#: leaves no name behind in the user's namespace; it touches CUDA only if the kernel already did.
+RELEASE_TORCH_CACHE = (
+    "(lambda t: t is not None and t.cuda.is_initialized() and (t.cuda.synchronize(), t.cuda.empty_cache()))"
+    "(__import__('sys').modules.get('torch'))"
+)
 
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
@@ -90,6 +54,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     criu_path = Unicode(
         "", help="The CRIU binary to use; empty: /usr/local/sbin/criu, else criu on PATH."
+    ).tag(config=True)
+
+    gpu_lock_timeout = Float(
+        60.0, help="How long a GPU move or suspend waits for the kernel's GPU work in flight to finish, in "
+        "seconds; then it gives up and the kernel runs on where it was.",
+    ).tag(config=True)
+
+    cache_release_timeout = Float(
+        10.0, help="How long to wait for an idle kernel to release PyTorch's cached GPU memory before a move."
     ).tag(config=True)
 
     migration_wait = Float(
@@ -136,6 +109,19 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
         return kernel_answers(self.connection_info, timeout)
+
+    def release_gpu_cache(self) -> None:
+        """Have an idle Python kernel with torch drop the GPU blocks its allocator caches but does not use.
+
+        Only an idle kernel: a busy one would run this after its cell, too late. Best effort: a kernel
+        that does not answer in time is moved with its cache.
+        """
+        kernelspec = getattr(self.parent, "kernel_spec", None)
+        if getattr(kernelspec, "language", "").lower() != "python":
+            return
+        if getattr(self.parent, "execution_state", None) != "idle":
+            return
+        run_silently(self.connection_info, RELEASE_TORCH_CACHE, timeout=self.cache_release_timeout)
 
     # -- launching -----------------------------------------------------------------------------------
 

@@ -71,3 +71,17 @@ class PhaseFailed(MigrateError):
         self.cause = cause
         self.rolled_back = rolled_back
         self.undo_errors = undo_errors
+
+
+class CudaUnavailable(MigrateError):
+    """cuda-core's checkpoint API, or a driver that has it, is missing in the server's environment."""
+
+    http_status = 503
+
+
+class CudaCheckpointFailed(MigrateError):
+    """A CUDA checkpoint call (lock, checkpoint, restore, unlock) failed on a process."""
+
+    def __init__(self, message: str, pid: int) -> None:
+        super().__init__(message)
+        self.pid = pid

@@ -31,7 +31,10 @@ class Manifest:
     ids: list[int]
     host: str = field(default_factory=socket.gethostname)
     criu_version: str = ""
+    #: the GPU(s) it held: index, uuid, name, memory_used (bytes)
     gpus: list[dict] = field(default_factory=list)
+    #: the processes of the tree that were CUDA-checkpointed before the dump
+    cuda_pids: list[int] = field(default_factory=list)
     connection_info: dict = field(default_factory=dict)
     #: listening port -> clients connected at dump time, to wait for after a restore
     clients: dict = field(default_factory=dict)

@@ -1,13 +1,16 @@
 """The story of a migration, told as plans of phases, each with its undo.
 
-    suspend:  prepare -> [lock -> checkpoint] -> dump
-    resume:   prepare -> restore -> [remap -> unlock] -> adopt
+    suspend:          prepare -> [lock -> checkpoint] -> dump
+    resume:           prepare -> restore -> [remap -> unlock] -> adopt
+    move to a GPU:    prepare -> lock -> checkpoint -> remap -> unlock -> verify
 
 A kernel is a process tree. To suspend it we write the tree to an image directory with CRIU, which
 kills it; to resume it CRIU recreates the tree from the images with the same PIDs, and the kernel
-manager adopts the new root. The bracketed GPU phases (CUDA checkpoint: lock the process's CUDA
-calls, move its GPU memory into host memory, and later put it back on a GPU of our choice) join the
-plan when the kernel holds a GPU.
+manager adopts the new root. The bracketed GPU phases join the plan when the kernel holds a GPU:
+CUDA's checkpoint API locks the process's CUDA calls (after the GPU work in flight), moves its GPU
+memory into its host memory and frees the GPU; later it puts the memory back on a GPU of our choice
+(the remap) and unlocks. A live move to another GPU is those GPU phases alone, on the running process:
+the cell that runs goes on, on the new GPU, and torch still calls it cuda:0.
 
 If any phase fails, the phases already done are undone in reverse order, and the kernel is left as it
 was before: running if it was running (a dump that fails leaves the tree running; a failure after
@@ -21,10 +24,17 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from . import netstate, proctree
+import time
+from collections.abc import Callable
+
+from . import gpus as gpus_mod
+from . import netstate, placement, proctree
 from .criu import Criu
-from .errors import ImageError, InvalidState, PidConflict
+from .cudackpt import CudaProcess, gpu_mapping
+from .errors import GpuError, ImageError, InvalidState, PidConflict
+from .gpus import GpuInfo
 from .images import ImageStore, Manifest
+from .placement import Move
 from .plan import Phase, Plan, PlanResult, ProgressCallback
 
 log = logging.getLogger(__name__)
@@ -56,10 +66,13 @@ class KernelProcess(Protocol):
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the restored kernel serves its clients again; False if it did not in time."""
 
+    def release_gpu_cache(self) -> None:
+        """If the kernel is idle and can, free the GPU memory it caches but does not use (best effort)."""
+
 
 @dataclass
 class Outcome:
-    """What a finished plan did: phase timings and bytes written or read."""
+    """What a finished plan did: phase timings, bytes written, read or moved, and where it went."""
 
     result: PlanResult
     bytes: int = 0
@@ -67,29 +80,102 @@ class Outcome:
     extra: dict = field(default_factory=dict)
 
 
+class GpuState:
+    """The CUDA side of a kernel during one plan: its CUDA processes and where their memory is.
+
+    Each step has its undo next to it; the plans below pair them into phases.
+    """
+
+    def __init__(self, pids: list[int], lock_timeout: float, inventory: Callable[[], list[GpuInfo]]) -> None:
+        self.pids = pids
+        self.lock_timeout = lock_timeout
+        self.inventory = inventory
+        self.home: str | None = None  # UUID of the GPU the kernel must be on if all is undone
+        self.at: str | None = None  # UUID of the GPU its checkpointed memory belongs to
+
+    def holds_gpu(self) -> bool:
+        return bool(self.pids)
+
+    def _each(self, step: Callable[[CudaProcess], None]) -> None:
+        for pid in self.pids:
+            step(CudaProcess(pid))
+
+    def lock(self) -> None:
+        self._each(lambda p: p.lock(self.lock_timeout))
+
+    def unlock(self) -> None:
+        self._each(lambda p: p.unlock())
+
+    def checkpoint(self) -> None:
+        self._each(lambda p: p.checkpoint())
+
+    def restore_to(self, target: str) -> None:
+        """Put the checkpointed memory on ``target``: a remap if it was checkpointed elsewhere."""
+        assert self.at is not None
+        mapping = None
+        if target != self.at:
+            mapping = gpu_mapping([g.uuid for g in self.inventory()], self.at, target)
+        self._each(lambda p: p.restore(mapping))
+        self.at = target
+
+    def restore_home(self) -> None:
+        """Undo of a checkpoint: back onto the GPU the kernel came from."""
+        assert self.home is not None
+        self.restore_to(self.home)
+
+    def checkpoint_again(self) -> None:
+        """Undo of a remap: take the memory off the target again, so it can go home."""
+        self.checkpoint()
+
+
 class Migration:
-    """Suspends and resumes one kernel. Each method runs one plan and returns its :class:`Outcome`."""
+    """Suspends, resumes and moves one kernel. Each method runs one plan and returns its :class:`Outcome`."""
 
     def __init__(
         self,
         kernel: KernelProcess,
         store: ImageStore,
-        criu: Criu,
+        criu: Criu | None,
         progress: ProgressCallback | None = None,
         reconnect_timeout: float = 3.0,
+        lock_timeout: float = 60.0,
+        inventory: Callable[[], list[GpuInfo]] = gpus_mod.snapshot,
+        driver_major: Callable[[], int | None] = gpus_mod.driver_major,
     ) -> None:
         self.kernel = kernel
         self.store = store
         self.criu = criu
         self.progress = progress
         self.reconnect_timeout = reconnect_timeout
+        self.lock_timeout = lock_timeout
+        self.inventory = inventory
+        self.driver_major = driver_major
+
+    def _gpu_use(self, pid: int) -> tuple[list[int], list[dict], list[GpuInfo]]:
+        """The tree's processes that hold a GPU, what they hold (index, uuid, name, bytes), and the GPUs."""
+        tree = proctree.descendants(pid)
+        gpus = self.inventory()
+        cuda_pids = sorted({p for g in gpus for p in g.processes if p in tree})
+        held = gpus_mod.held_by(tree, gpus)
+        for h in held:
+            h["name"] = gpus[h["index"]].name
+        return cuda_pids, held, gpus
+
+    def _release_cache(self, pid: int) -> None:
+        # Freed-but-cached blocks of PyTorch's allocator would be moved too (8 GB live + 24 GB cached:
+        # 29.2 s; after empty_cache: 7.2 s, FACTS.md). Ask the kernel to drop them, if it is idle.
+        release = getattr(self.kernel, "release_gpu_cache", None)
+        if release is not None:
+            release()
 
     # -- suspend -------------------------------------------------------------------------------------
 
     def suspend(self) -> Outcome:
         kernel, store, criu = self.kernel, self.store, self.criu
+        assert criu is not None
         images = store.path_for(kernel.kernel_id)
         manifest: Manifest | None = None
+        gpu = GpuState([], self.lock_timeout, self.inventory)
 
         def prepare() -> None:
             nonlocal manifest
@@ -100,6 +186,11 @@ class Migration:
             if pid is None or not proctree.is_alive(pid):
                 raise InvalidState("The kernel process is not running: restart the kernel instead.")
             kernel.state = MIGRATING
+            if self._gpu_use(pid)[0]:
+                self._release_cache(pid)
+            gpu.pids, held, _ = self._gpu_use(pid)
+            if len(held) > 1:
+                placement.source_gpu(self.inventory(), held)  # raises: a single GPU only
             store.create(kernel.kernel_id)
             manifest = Manifest(
                 kernel_id=kernel.kernel_id,
@@ -108,9 +199,12 @@ class Migration:
                 # Every PID and TID must be free again at restore: remember them to name a conflict.
                 ids=proctree.tree_ids(pid),
                 criu_version=criu.binary.version_string,
+                gpus=held,
+                cuda_pids=gpu.pids,
                 connection_info=_public(kernel.kernel_connection_info),
                 clients=netstate.client_counts(proctree.descendants(pid)),
             )
+            gpu.home = gpu.at = held[0]["uuid"] if held else None
 
         def forget_images() -> None:
             store.remove(kernel.kernel_id)
@@ -130,28 +224,44 @@ class Migration:
             kernel.state = MIGRATING
             self._adopt(criu.restore(images, manifest.ids), manifest)
 
-        plan = Plan([Phase("prepare", prepare, forget_images), Phase("dump", dump, restore_from_images)],
-                    self.progress)
-        result = plan.run()
+        on_gpu = gpu.holds_gpu
+        phases = [
+            Phase("prepare", prepare, forget_images),
+            Phase("lock", gpu.lock, gpu.unlock, when=on_gpu),
+            Phase("checkpoint", gpu.checkpoint, gpu.restore_home, when=on_gpu),
+            Phase("dump", dump, restore_from_images),
+        ]
+        result = Plan(phases, self.progress).run()
         assert manifest is not None
         return Outcome(result, bytes=manifest.image_bytes, manifest=manifest)
 
     # -- resume --------------------------------------------------------------------------------------
 
-    def resume(self) -> Outcome:
+    def resume(self, to_gpu: int | None = None) -> Outcome:
         kernel, store, criu = self.kernel, self.store, self.criu
+        assert criu is not None
         images = store.path_for(kernel.kernel_id)
         manifest: Manifest | None = None
         restored_pid: int | None = None
+        move: Move | None = None
+        gpu = GpuState([], self.lock_timeout, self.inventory)
 
         def prepare() -> None:
-            nonlocal manifest
+            nonlocal manifest, move
             if kernel.state != SUSPENDED:
                 raise InvalidState(f"The kernel is {kernel.state}, not suspended: there is nothing to resume.")
             manifest = store.read_manifest(kernel.kernel_id)
             if manifest.kernel_id != kernel.kernel_id:
                 raise ImageError(
                     f"The images in {images} belong to kernel {manifest.kernel_id}, not {kernel.kernel_id}."
+                )
+            if manifest.gpus:
+                move = placement.plan_resume(self.inventory(), manifest.gpus[0], to_gpu, self.driver_major())
+                gpu.pids, gpu.at = manifest.cuda_pids, manifest.gpus[0]["uuid"]
+            elif to_gpu is not None:
+                raise GpuError(
+                    f"The kernel held no GPU when it was suspended, so it cannot be resumed onto GPU {to_gpu}: "
+                    "resume it without to_gpu."
                 )
             # CRIU gives every process and thread its old number back. Keep new processes off those
             # numbers, and say who holds one, if any, before CRIU starts (it would say "File exists").
@@ -176,28 +286,95 @@ class Migration:
             restored_pid = criu.restore(images, manifest.ids)
 
         def kill_restored() -> None:
+            # The images are intact: killing the half-resumed tree leaves the kernel suspended as before.
             if restored_pid is not None:
                 proctree.kill_tree(restored_pid)
                 proctree.wait_gone(restored_pid, timeout=10)
+
+        def remap() -> None:
+            assert move is not None
+            gpu.restore_to(move.target.uuid)
 
         def adopt() -> None:
             assert restored_pid is not None and manifest is not None
             self._adopt(restored_pid, manifest)
 
-        plan = Plan(
-            [
-                Phase("prepare", prepare, back_to_suspended),
-                Phase("restore", restore, kill_restored),
-                Phase("adopt", adopt),
-            ],
-            self.progress,
-        )
-        result = plan.run()
+        on_gpu = gpu.holds_gpu
+        phases = [
+            Phase("prepare", prepare, back_to_suspended),
+            Phase("restore", restore, kill_restored),
+            Phase("remap", remap, when=on_gpu),
+            Phase("unlock", gpu.unlock, gpu.lock, when=on_gpu),
+            Phase("adopt", adopt),
+        ]
+        result = Plan(phases, self.progress).run()
         assert manifest is not None
         # The kernel runs again: its images are stale now, and they hold its memory. Remove them.
         store.remove(kernel.kernel_id)
-        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest)
+        extra = {"to_gpu": move.target.index} if move else {}
+        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest, extra=extra)
 
+    # -- move to another GPU -------------------------------------------------------------------------
+
+    def move_to_gpu(self, to_gpu: int, verify_timeout: float = 10.0) -> Outcome:
+        kernel = self.kernel
+        gpu = GpuState([], self.lock_timeout, self.inventory)
+        move: Move | None = None
+
+        def prepare() -> None:
+            nonlocal move
+            if kernel.state != RUNNING:
+                raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be moved.")
+            pid = kernel.kernel_pid
+            if pid is None or not proctree.is_alive(pid):
+                raise InvalidState("The kernel process is not running: restart the kernel instead.")
+            # Refuse what cannot work before anything is touched; then drop cached blocks, and check
+            # again with what the kernel really holds.
+            cuda_pids, held, gpus = self._gpu_use(pid)
+            placement.plan_move(gpus, held, to_gpu, self.driver_major())
+            kernel.state = MIGRATING
+            self._release_cache(pid)
+            gpu.pids, held, gpus = self._gpu_use(pid)
+            move = placement.plan_move(gpus, held, to_gpu, self.driver_major())
+            gpu.home = gpu.at = move.source.uuid
+
+        def back_to_running() -> None:
+            kernel.state = RUNNING
+
+        def remap() -> None:
+            assert move is not None
+            gpu.restore_to(move.target.uuid)
+
+        def verify() -> None:
+            # NVML, read here in the server, must show the kernel's memory on the target and none left
+            # on the source.
+            assert move is not None
+            deadline = time.monotonic() + verify_timeout
+            while True:
+                gpus = self.inventory()
+                on = {g.uuid for g in gpus for p in gpu.pids if p in g.processes}
+                if on == {move.target.uuid}:
+                    break
+                if time.monotonic() >= deadline:
+                    where = ", ".join(str(g.index) for g in gpus if g.uuid in on) or "no GPU"
+                    raise GpuError(
+                        f"After the move NVML shows the kernel on {where}, not on GPU {move.target.index} "
+                        "alone; it was moved back."
+                    )
+                time.sleep(0.1)
+            kernel.state = RUNNING
+
+        phases = [
+            Phase("prepare", prepare, back_to_running),
+            Phase("lock", gpu.lock, gpu.unlock),
+            Phase("checkpoint", gpu.checkpoint, gpu.restore_home),
+            Phase("remap", remap, gpu.checkpoint_again),
+            Phase("unlock", gpu.unlock, gpu.lock),
+            Phase("verify", verify),
+        ]
+        result = Plan(phases, self.progress).run()
+        assert move is not None
+        return Outcome(result, bytes=move.needed, extra={"from_gpu": move.source.index, "to_gpu": move.target.index})
 
     def _adopt(self, pid: int, manifest: Manifest) -> None:
         """The restored tree is the kernel again, once its clients are back.

@@ -26,11 +26,16 @@ Step = Callable[[], None]
 
 @dataclass
 class Phase:
-    """One step of a plan. ``undo`` runs only if this phase completed and a later one failed."""
+    """One step of a plan. ``undo`` runs only if this phase completed and a later one failed.
+
+    ``when``, if given, is asked as the phase comes up: a phase that does not apply (the GPU phases of
+    a CPU kernel, known only once ``prepare`` ran) is skipped, neither timed nor reported.
+    """
 
     name: str
     do: Step
     undo: Step | None = None
+    when: Callable[[], bool] | None = None
 
 
 @dataclass
@@ -59,6 +64,8 @@ class Plan:
     def run(self) -> PlanResult:
         done: list[Phase] = []
         for phase in self.phases:
+            if phase.when is not None and not phase.when():
+                continue
             self.progress(phase.name, "start", self.result.timings)
             started = time.perf_counter()
             try:

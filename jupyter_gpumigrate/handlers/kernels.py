@@ -1,4 +1,4 @@
-"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume, GET /gpus."""
+"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate, GET /gpus."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from ..engine.errors import MigrateError
 from .base import BaseHandler
 
 #: Fields each action's body may hold.
-ACTION_FIELDS: dict[str, dict[str, type]] = {"suspend": {}, "resume": {"to_gpu": int}}
+ACTION_FIELDS: dict[str, dict[str, type]] = {"suspend": {}, "resume": {"to_gpu": int}, "migrate": {"to_gpu": int}}
+#: Fields each action's body must hold.
+REQUIRED: dict[str, tuple[str, ...]] = {"migrate": ("to_gpu",)}
 
 
 class KernelListHandler(BaseHandler):
@@ -36,6 +38,10 @@ class KernelActionHandler(BaseHandler):
     async def post(self, kernel_id: str, action: str) -> None:
         body = self.json_body(ACTION_FIELDS[action])
         if body is None:
+            return
+        missing = [name for name in REQUIRED.get(action, ()) if body.get(name) is None]
+        if missing:
+            self.send_error_message(400, f"'{action}' needs {', '.join(missing)} in the body, e.g. {{\"to_gpu\": 1}}.")
             return
         try:
             op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"))

@@ -1,0 +1,112 @@
+"""The CUDA checkpoint driver: pause a process's CUDA work, move its GPU memory into host memory, and put
+it back on a GPU of our choice, through cuda-core's ``cuda.core.checkpoint.Process``.
+
+States of a process, as the driver reports them: ``running`` -> lock -> ``locked`` -> checkpoint ->
+``checkpointed`` -> restore(mapping) -> ``locked`` -> unlock -> ``running``. A checkpointed process holds
+no GPU memory and no /dev/nvidia* files, so CRIU can dump it like any other.
+
+This runs in the server, on another process's PID: never inside the kernel. cuda-core is an optional
+dependency (the ``gpu`` extra); without it, or without a driver that has the checkpoint API, every
+entry point raises :class:`CudaUnavailable` saying what to install.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from .errors import CudaCheckpointFailed, CudaUnavailable
+
+RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
+#: Driver branch from which a restore may remap onto other GPUs (FACTS.md).
+MIN_DRIVER_FOR_REMAP = 580
+
+_init_lock = threading.Lock()
+_module: Any = None
+
+
+def _checkpoint_module() -> Any:
+    """``cuda.core.checkpoint``, with the driver initialised in this process (restore needs cuInit)."""
+    global _module
+    with _init_lock:
+        if _module is None:
+            try:
+                module = importlib.import_module("cuda.core.checkpoint")
+                driver = importlib.import_module("cuda.bindings.driver")
+            except ImportError as exc:
+                raise CudaUnavailable(
+                    f"cuda.core.checkpoint cannot be imported ({exc}): install cuda-core >= 1.2 in the "
+                    "Jupyter server's environment (pip install 'jupyter-gpumigrate[gpu]')."
+                ) from exc
+            (err,) = driver.cuInit(0)
+            if int(err) != 0:
+                raise CudaUnavailable(
+                    f"The CUDA driver does not initialise in the server process (cuInit: {err!r}): check the "
+                    "NVIDIA driver with nvidia-smi."
+                )
+            _module = module
+    return _module
+
+
+def cuda_uuid(nvml_uuid: str) -> str:
+    """The UUID as CUDA takes it: NVML's ``GPU-xxxxxxxx-...`` without its prefix."""
+    return nvml_uuid[4:] if nvml_uuid.startswith("GPU-") else nvml_uuid
+
+
+def gpu_mapping(all_uuids: Iterable[str], source: str, target: str) -> dict[str, str]:
+    """The restore mapping that sends ``source`` to ``target``.
+
+    The driver wants a pair for every GPU it sees (a single pair is refused), each GPU used once as a
+    destination: so ``source`` and ``target`` swap places and every other GPU maps to itself.
+    """
+    uuids = [cuda_uuid(u) for u in all_uuids]
+    source, target = cuda_uuid(source), cuda_uuid(target)
+    missing = {source, target} - set(uuids)
+    if missing:
+        raise ValueError(f"GPU {', '.join(sorted(missing))} is not among the GPUs the driver sees")
+    swap = {source: target, target: source}
+    return {uuid: swap.get(uuid, uuid) for uuid in uuids}
+
+
+class CudaProcess:
+    """One process's CUDA checkpoint state. Each call raises :class:`CudaCheckpointFailed` with a
+    sentence that says which step failed on which process."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self._process = _checkpoint_module().Process(pid)
+
+    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as exc:  # noqa: BLE001 - cuda-core raises CUDAError, RuntimeError, ValueError
+            raise CudaCheckpointFailed(f"CUDA could not {what} process {self.pid}: {exc}", self.pid) from exc
+
+    @property
+    def state(self) -> str:
+        return self._call("read the checkpoint state of", lambda: self._process.state)
+
+    def lock(self, timeout: float) -> None:
+        """Block the process's CUDA calls, once the GPU work in flight has finished (at most ``timeout`` s)."""
+        self._call(f"lock (within {timeout:.0f} s)", self._process.lock, max(1, int(timeout * 1000)))
+
+    def checkpoint(self) -> None:
+        """Copy the locked process's GPU memory into its host memory and release the GPU."""
+        self._call("checkpoint", self._process.checkpoint)
+
+    def restore(self, mapping: dict[str, str] | None = None) -> None:
+        """Put the checkpointed process back on the GPUs, moved as ``mapping`` says (None: where it was)."""
+        self._call("restore", self._process.restore, mapping)
+
+    def unlock(self) -> None:
+        self._call("unlock", self._process.unlock)
+
+
+def is_cuda_process(pid: int) -> bool:
+    """True if the driver knows ``pid`` as a CUDA process (running, locked or checkpointed)."""
+    try:
+        return CudaProcess(pid).state in (RUNNING, LOCKED, CHECKPOINTED)
+    except (CudaCheckpointFailed, CudaUnavailable):
+        return False

@@ -1,0 +1,128 @@
+"""Which GPU a kernel may go to, decided before anything is locked.
+
+Every refusal is a :class:`GpuError` whose sentence says what to do. The rules (FACTS.md, NVIDIA's
+notes): the target must exist, differ from the source, be the same chip model, have MIG off, and have
+room for what the kernel holds; remapping needs driver >= 580; a kernel must hold a single GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .cudackpt import MIN_DRIVER_FOR_REMAP
+from .errors import GpuError
+from .gpus import GpuInfo
+
+#: Room kept free on the target beyond what the kernel holds: a restore that runs out of GPU memory
+#: can leave the process stuck (cuda-checkpoint issue 44), so we never plan one close to the edge.
+HEADROOM = 512 * 1024**2
+
+
+@dataclass(frozen=True)
+class Move:
+    """A decided move: from ``source`` to ``target``, ``needed`` bytes of GPU memory."""
+
+    source: GpuInfo
+    target: GpuInfo
+    needed: int
+
+
+def gib(n: int) -> str:
+    return f"{n / 1024**3:.1f} GiB"
+
+
+def _by_index(gpus: list[GpuInfo], index: int) -> GpuInfo:
+    if not gpus:
+        raise GpuError(f"GPU {index} cannot be used: this machine has no NVIDIA GPU (NVML sees none).")
+    if not 0 <= index < len(gpus):
+        raise GpuError(f"GPU {index} does not exist: this machine has GPUs 0 to {len(gpus) - 1}.")
+    return gpus[index]
+
+
+def _by_uuid(gpus: list[GpuInfo], uuid: str) -> GpuInfo | None:
+    return next((g for g in gpus if g.uuid == uuid), None)
+
+
+def source_gpu(gpus: list[GpuInfo], held: list[dict]) -> tuple[GpuInfo, int]:
+    """The one GPU a kernel holds (from :func:`gpus.held_by`) and the bytes it holds there."""
+    if not held:
+        raise GpuError("The kernel holds no GPU memory, so there is nothing to move (CPU kernels stay put).")
+    if len(held) > 1:
+        where = " and ".join(str(h["index"]) for h in held)
+        raise GpuError(
+            f"The kernel holds memory on GPUs {where}; only a kernel on a single GPU can be moved. Free the "
+            "other GPUs in the kernel (delete their tensors, then torch.cuda.empty_cache()) and try again."
+        )
+    gpu = _by_uuid(gpus, held[0]["uuid"])
+    if gpu is None:
+        raise GpuError(f"GPU {held[0]['uuid']} that the kernel holds is no longer listed by NVML.")
+    return gpu, int(held[0]["memory_used"])
+
+
+def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_major: int | None) -> None:
+    """Refuse a target that cannot take a kernel of ``needed`` bytes coming from ``source``."""
+    if source is not None and target.uuid == source.uuid:
+        raise GpuError(f"The kernel is already on GPU {target.index}: pick another GPU to move it to.")
+    if target.mig_enabled or (source is not None and source.mig_enabled):
+        which = target if target.mig_enabled else source
+        assert which is not None
+        raise GpuError(
+            f"MIG is enabled on GPU {which.index}: processes on MIG instances cannot be checkpointed. Pick "
+            "GPUs with MIG off (nvidia-smi -mig 0)."
+        )
+    if source is not None and target.name != source.name:
+        raise GpuError(
+            f"GPU {target.index} is an {target.name}, the kernel's GPU {source.index} an {source.name}: CUDA "
+            "moves a process only between GPUs of the same model. Pick a GPU of the same model."
+        )
+    if source is not None and (driver_major is None or driver_major < MIN_DRIVER_FOR_REMAP):
+        raise GpuError(
+            f"The NVIDIA driver is {driver_major or 'unknown'}; moving a kernel to another GPU needs driver "
+            f"{MIN_DRIVER_FOR_REMAP} or newer. Update the driver (suspend and resume on the same GPU work "
+            "with this one)."
+        )
+    free = target.memory_total - target.memory_used
+    if free < needed + HEADROOM:
+        raise GpuError(
+            f"GPU {target.index} has {gib(free)} free and the kernel needs {gib(needed)} (plus "
+            f"{gib(HEADROOM)} of headroom): free memory there or pick another GPU (jupyter gpumigrate list)."
+        )
+
+
+def plan_move(gpus: list[GpuInfo], held: list[dict], to_gpu: int, driver_major: int | None) -> Move:
+    """Check a live move of a kernel holding ``held`` to GPU ``to_gpu``."""
+    target = _by_index(gpus, to_gpu)
+    source, needed = source_gpu(gpus, held)
+    check_target(source, target, needed, driver_major)
+    return Move(source, target, needed)
+
+
+def plan_resume(
+    gpus: list[GpuInfo], suspended_on: dict, to_gpu: int | None, driver_major: int | None
+) -> Move:
+    """Where a suspended GPU kernel comes back: ``to_gpu``, else where it was, else the GPU with the most
+    free memory. ``suspended_on`` is the manifest's record of its GPU: index, uuid, name, memory_used."""
+    needed = int(suspended_on.get("memory_used", 0))
+    was = _by_uuid(gpus, suspended_on["uuid"])
+    if to_gpu is not None:
+        target = _by_index(gpus, to_gpu)
+    elif was is not None and was.memory_total - was.memory_used >= needed + HEADROOM:
+        target = was
+    else:
+        same_model = [g for g in gpus if g.name == suspended_on.get("name") and not g.mig_enabled]
+        if not same_model:
+            raise GpuError(
+                f"No GPU here is an {suspended_on.get('name')}, the model the kernel was suspended on: it "
+                "can be resumed only on a GPU of that model."
+            )
+        target = max(same_model, key=lambda g: g.memory_total - g.memory_used)
+    if target is was:
+        check_target(None, target, needed, driver_major)
+        return Move(target, target, needed)
+    # Coming back elsewhere is a remap: the same rules as a live move, from a GPU that is not ours now.
+    source = was or GpuInfo(
+        index=int(suspended_on.get("index", -1)), uuid=suspended_on["uuid"], name=suspended_on.get("name", ""),
+        memory_total=0, memory_used=0, utilization=None, persistence_mode=None, mig_enabled=False,
+    )
+    check_target(source, target, needed, driver_major)
+    return Move(source, target, needed)

@@ -1,0 +1,80 @@
+"""Talking to a kernel over its own ZMQ channels from the server, outside jupyter_client's clients.
+
+Plain pyzmq sockets with jupyter_client's :class:`Session` for signing: these run in a migration's
+worker thread, where jupyter_client's blocking client would try to drive the server's event loop.
+"""
+
+from __future__ import annotations
+
+import time
+
+import zmq
+from jupyter_client.session import Session
+
+
+def _bytes(value: str | bytes) -> bytes:
+    return value.encode() if isinstance(value, str) else value
+
+
+def _session(info: dict) -> Session:
+    return Session(key=_bytes(info.get("key", b"")), signature_scheme=info.get("signature_scheme", "hmac-sha256"))
+
+
+def _socket(info: dict, kind: int, channel: str) -> zmq.Socket:
+    sock = zmq.Context.instance().socket(kind)
+    sock.linger = 0
+    if kind == zmq.SUB:
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+    sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[channel + '_port']}")
+    return sock
+
+
+def kernel_answers(connection_info: dict, timeout: float) -> bool:
+    """True once the kernel answers kernel_info and its IOPub status reaches a new subscriber.
+
+    The request goes on the control channel, which a kernel busy with a cell still serves.
+    """
+    info = connection_info
+    session = _session(info)
+    control = _socket(info, zmq.DEALER, "control")
+    iopub = _socket(info, zmq.SUB, "iopub")
+    poller = zmq.Poller()
+    poller.register(iopub, zmq.POLLIN)
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            msg_id = session.send(control, "kernel_info_request", {})["header"]["msg_id"]
+            resend = min(deadline, time.monotonic() + 0.5)
+            while (left := resend - time.monotonic()) > 0:
+                if not poller.poll(int(left * 1000) + 1):
+                    break
+                _, frames = session.feed_identities(iopub.recv_multipart())
+                msg = session.deserialize(frames, content=False)
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
+                    return True
+        return False
+    finally:
+        control.close()
+        iopub.close()
+
+
+def run_silently(connection_info: dict, code: str, timeout: float) -> bool:
+    """Execute ``code`` silently (no output, no history, no execution count) on the shell channel;
+    True if the kernel replied ``ok`` within ``timeout`` seconds."""
+    session = _session(connection_info)
+    shell = _socket(connection_info, zmq.DEALER, "shell")
+    try:
+        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = session.send(shell, "execute_request", content)["header"]["msg_id"]
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not shell.poll(int(left * 1000) + 1):
+                break
+            _, frames = session.feed_identities(shell.recv_multipart())
+            reply = session.deserialize(frames)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return reply["content"].get("status") == "ok"
+        return False
+    finally:
+        shell.close()

@@ -1,0 +1,195 @@
+"""GPU kernels moved between GPUs and suspended/resumed, on real GPUs (the `gpu` suite).
+
+Runs where NVML sees at least two GPUs of one model with driver >= 580 (scripts/gpu-suite.sh on the
+device machine); elsewhere every test here is skipped with the reason. The kernels are real IPython
+kernels with PyTorch, started by a real server; NVML, read in this (the server's) process, is the
+judge of where a kernel's memory is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import subprocess
+import sys
+import time
+
+import pytest
+from helpers import api, operate
+
+from jupyter_gpumigrate.engine import gpus as gpus_mod
+from jupyter_gpumigrate.engine.errors import PhaseFailed
+from jupyter_gpumigrate.engine.migration import Migration
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_binary")]
+
+GIB = 1024**3
+
+SETUP = r"""
+import os, time, hashlib
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+torch.use_deterministic_algorithms(True)
+
+def make(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 10)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    return model, opt, gen
+
+def train(model, opt, gen, steps, pause=0.0):
+    losses = []
+    for _ in range(steps):
+        x = torch.randn(512, 512, device="cuda", generator=gen)
+        y = torch.randint(0, 10, (512,), device="cuda", generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+        if pause:
+            time.sleep(pause)
+    return losses
+
+def digest(*tensors):
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+def state_digest():
+    opt_tensors = [v for s in opt.state.values() for v in s.values() if torch.is_tensor(v)]
+    return digest(*model.state_dict().values(), *opt_tensors, big)
+"""
+
+BUILD = """
+model, opt, gen = make(0)
+first = train(model, opt, gen, 20)
+big = torch.randn({n}, device="cuda")      # {gib} GiB of live tensor besides the model
+before = state_digest()
+print(len(first), torch.cuda.current_device())
+"""
+
+
+def where(pid: int) -> set[int]:
+    """Indexes of the GPUs on which NVML sees ``pid``."""
+    return {g.index for g in gpus_mod.snapshot() if pid in g.processes}
+
+
+def two_gpus() -> list[gpus_mod.GpuInfo]:
+    gpus = gpus_mod.snapshot()
+    if len(gpus) < 2 or gpus[0].name != gpus[1].name:
+        pytest.skip("needs two GPUs of the same model (nvidia-h200-x2)")
+    return gpus
+
+
+async def build(kernel, gib: float = 1.0) -> int:
+    two_gpus()
+    await kernel.run(SETUP, timeout=120)
+    out = await kernel.run(BUILD.format(n=int(gib * GIB // 4), gib=gib), timeout=120)
+    assert out.split() == ["20", "0"]
+    pid = kernel.manager.provisioner.pid
+    assert where(pid) == {0}
+    return pid
+
+
+async def test_move_0_to_1_to_0_keeps_every_value(jp_fetch, kernel):
+    pid = await build(kernel, gib=2)
+    for src, dst in ((0, 1), (1, 0)):
+        op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": dst})
+        assert op["status"] == "succeeded", op
+        assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "remap", "unlock", "verify"]
+        assert (op["from_gpu"], op["to_gpu"]) == (src, dst) and op["bytes"] > 2 * GIB
+        assert where(pid) == {dst}, "NVML shows the kernel's memory on the target alone"
+        view = await api(jp_fetch, "kernels", kernel.id)
+        assert [g["index"] for g in view["gpus"]] == [dst] and view["pid"] == pid
+        out = await kernel.run("print(state_digest() == before, torch.cuda.current_device(), big.device)")
+        assert out.split() == ["True", "0", "cuda:0"], "same values, and torch still calls it cuda:0"
+    # Training goes on where it left off.
+    assert "ok" in await kernel.run("more = train(model, opt, gen, 5); print('ok' if all(l == l for l in more) else more)")
+
+
+async def test_a_running_training_loop_moves_and_its_losses_match_an_unmoved_run(jp_fetch, kernel):
+    await build(kernel)
+    ref = await kernel.run("m, o, g = make(1); reference = train(m, o, g, 400, pause=0.005); print(len(reference))")
+    assert ref.strip() == "400"
+    cell = asyncio.ensure_future(
+        kernel.run("m, o, g = make(1); moved = train(m, o, g, 400, pause=0.005); print(len(moved))", timeout=300)
+    )
+    deadline = time.monotonic() + 30
+    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "busy":
+        assert time.monotonic() < deadline, "the training cell did not start"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.5)
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert not cell.done(), "the move happened while the cell ran"
+    assert (await cell).strip() == "400"
+    out = await kernel.run("print(moved == reference, torch.cuda.current_device())")
+    assert out.split() == ["True", "0"], "the loss sequence is identical to the unmoved run"
+    assert where(kernel.manager.provisioner.pid) == {1}
+
+
+async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
+    pid = await build(kernel, gib=4)
+    used_before = gpus_mod.snapshot()[0].memory_used
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "dump"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and view["image_bytes"] > 4 * GIB
+    assert where(pid) == set()
+    assert gpus_mod.snapshot()[0].memory_used < used_before - 4 * GIB, "GPU 0's memory is free while suspended"
+
+    op = await operate(jp_fetch, kernel.id, "resume", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "adopt"] and op["to_gpu"] == 1
+    assert where(pid) == {1}
+    out = await kernel.run("print(state_digest() == before, big.device); print(len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "cuda:0", "3"]
+
+
+async def test_refusals_leave_the_kernel_running_where_it_was(jp_fetch, kernel):
+    pid = await build(kernel)
+    error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 0}, expect=409)
+    assert "already on GPU 0" in error["message"]
+    error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 9}, expect=409)
+    assert "GPU 9 does not exist" in error["message"]
+    # Fill GPU 1 from another process until the kernel no longer fits there.
+    free = gpus_mod.snapshot()[1].memory_total - gpus_mod.snapshot()[1].memory_used
+    filler = subprocess.Popen(
+        [sys.executable, "-c", f"import torch, time; x = torch.empty({free - GIB}, dtype=torch.uint8, "
+         "device='cuda:1'); print('full', flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert filler.stdout.readline().strip() == "full"
+        error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 1}, expect=409)
+        assert "GPU 1 has" in error["message"] and "free" in error["message"]
+    finally:
+        filler.kill()
+        filler.wait(timeout=30)
+    assert where(pid) == {0} and (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+    assert (await kernel.run("print(state_digest() == before)")).strip() == "True"
+
+
+async def test_a_failed_remap_rolls_back_onto_the_original_gpu(jp_fetch, jp_serverapp, kernel):
+    pid = await build(kernel)
+    provisioner = kernel.manager.provisioner
+
+    def inventory_with_an_unknown_gpu_1() -> list[gpus_mod.GpuInfo]:
+        # GPU 1 as NVML describes it, but under a UUID the driver does not know: the driver itself
+        # refuses the restore onto it.
+        gpus = gpus_mod.snapshot()
+        gpus[1] = dataclasses.replace(gpus[1], uuid="GPU-0badc0de-0000-4000-8000-000000000001")
+        return gpus
+
+    migration = Migration(provisioner, provisioner.images, None, inventory=inventory_with_an_unknown_gpu_1)
+    with pytest.raises(PhaseFailed) as info:
+        await asyncio.to_thread(migration.move_to_gpu, 1)
+    assert info.value.phase in ("remap", "verify") and info.value.rolled_back, info.value
+    assert provisioner.state == "running"
+    assert where(pid) == {0}, "back on the GPU it came from"
+    out = await kernel.run("print(state_digest() == before); print(len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "3"], "unlocked, with its state intact"
