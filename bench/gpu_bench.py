@@ -21,11 +21,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from jupyter_gpumigrate.engine import gpus as gpus_mod  # noqa: E402
-from jupyter_gpumigrate.engine import proctree  # noqa: E402
-from jupyter_gpumigrate.engine.criu import Criu  # noqa: E402
-from jupyter_gpumigrate.engine.images import ImageStore  # noqa: E402
-from jupyter_gpumigrate.engine.migration import RUNNING, Migration  # noqa: E402
+from jupyter_gpumigrate.engine import gpus as gpus_mod
+from jupyter_gpumigrate.engine import proctree
+from jupyter_gpumigrate.engine.criu import Criu
+from jupyter_gpumigrate.engine.images import ImageStore
+from jupyter_gpumigrate.engine.migration import RUNNING, Migration
 
 GB = 10**9
 
@@ -152,12 +152,13 @@ def main() -> int:
     }
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
-    cached = {r["case"]: r["total"] for r in rows if r["step"] == "move->1" and "cached" in r["case"]}
+    pair = ("8 GB + 24 GB cached", "8 GB, cache emptied")
+    cached = {r["case"]: r["total"] for r in rows if r["step"] == "move->1" and r["case"] in pair}
     print()
     print(f"# {meta['date']}, driver {meta['driver']}, {'; '.join(meta['gpus'])}")
     print(table(rows))
     if len(cached) == 2:
-        with_cache, emptied = cached["8 GB + 24 GB cached"], cached["8 GB, cache emptied"]
+        with_cache, emptied = cached[pair[0]], cached[pair[1]]
         print(f"cached blocks moved vs emptied first: {with_cache:.2f} s vs {emptied:.2f} s "
               f"({with_cache / emptied:.1f}x)")
     return 0

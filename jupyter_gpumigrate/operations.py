@@ -132,6 +132,25 @@ class OperationManager:
         except MigrateError:
             return None
 
+    def gpus_view(self) -> dict[str, Any]:
+        """Every GPU NVML sees, with the kernels of this server on it (id and bytes held)."""
+        gpus = gpus_mod.snapshot()
+        trees = {}
+        for kernel_id in self.kernel_manager.list_kernel_ids():
+            pid = getattr(getattr(self.kernel_manager.get_kernel(kernel_id), "provisioner", None), "pid", None)
+            if pid:
+                trees[kernel_id] = proctree.descendants(pid)
+        listed = []
+        for gpu in gpus:
+            data = gpu.to_dict()
+            data["kernels"] = [
+                {"id": kernel_id, "memory_used": sum(gpu.processes.get(p, 0) for p in tree)}
+                for kernel_id, tree in trees.items()
+                if any(p in gpu.processes for p in tree)
+            ]
+            listed.append(data)
+        return {"driver_version": gpus_mod.driver_version(), "gpus": listed}
+
     def list_kernels(self) -> list[dict[str, Any]]:
         gpus = gpus_mod.snapshot()
         return [self.kernel_view(kid, gpus) for kid in self.kernel_manager.list_kernel_ids()]
@@ -158,12 +177,13 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
         # Refuse what cannot work now, with the reason, rather than start an operation bound to fail.
         # The plan checks again in its prepare phase, before anything is locked.
+        from_gpu: int | None = None
         if action == "migrate":
             assert to_gpu is not None
             pid = provisioner.pid
             gpus = gpus_mod.snapshot()
             held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
-            from_gpu: int | None = placement.plan_move(gpus, held, to_gpu, gpus_mod.driver_major()).source.index
+            from_gpu = placement.plan_move(gpus, held, to_gpu, gpus_mod.driver_major()).source.index
         elif action == "resume" and to_gpu is not None:
             manifest = provisioner.images.read_manifest(kernel_id)
             if not manifest.gpus:
@@ -172,8 +192,6 @@ class OperationManager:
                     f"{to_gpu}: resume it without to_gpu."
                 )
             placement.plan_resume(gpus_mod.snapshot(), manifest.gpus[0], to_gpu, gpus_mod.driver_major())
-        else:
-            from_gpu = None
         criu = None
         if action != "migrate":
             criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
@@ -208,7 +226,7 @@ class OperationManager:
             await asyncio.sleep(0)  # let the last progress callbacks land first
             op.status, op.error, op.failed_phase = FAILED, str(exc), exc.phase
             log.warning("gpumigrate: %s of kernel %s failed in %s: %s", op.action, op.kernel_id, exc.phase, exc)
-        except Exception as exc:  # noqa: BLE001 - an operation must always end with a status
+        except Exception as exc:  # an operation must always end with a status
             log.exception("gpumigrate: %s of kernel %s failed", op.action, op.kernel_id)
             op.status, op.error = FAILED, f"Unexpected error: {exc}. The server log has the details."
         else:
@@ -240,7 +258,7 @@ class OperationManager:
         }
         try:
             self.emit(data)
-        except Exception:  # noqa: BLE001 - events are best effort; the operation record is the truth
+        except Exception:  # events are best effort; the operation record is the truth
             log.exception("gpumigrate: could not emit an event")
 
     def _trim(self) -> None:

@@ -19,7 +19,6 @@ import asyncio
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +29,9 @@ from jupyter_core.paths import jupyter_data_dir
 from traitlets import Float, Unicode, default
 
 from .engine import proctree
-from .kernelwire import kernel_answers, run_silently
 from .engine.images import ImageStore
 from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED
+from .kernelwire import kernel_answers, run_silently
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
+import sys
 import time
 import uuid
 from dataclasses import dataclass
@@ -199,3 +201,17 @@ def hold_pid(pid: int, attempts: int = 50) -> PidHolder:
 
 def new_name() -> str:
     return uuid.uuid4().hex[:8]
+
+
+async def cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
+    """Run the real console entry point in a subprocess while the server keeps serving."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "jupyter_gpumigrate.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env or dict(os.environ),
+    )
+    out, err = await asyncio.wait_for(proc.communicate(), 120)
+    return proc.returncode, out.decode(), err.decode()
+
+
+def remote(serverapp) -> list[str]:
+    return ["--url", serverapp.connection_url, "--token", serverapp.identity_provider.token]

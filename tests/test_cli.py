@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import sys
 
 import pytest
-from helpers import api
+from helpers import api, cli, remote
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
-
-
-async def cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    """Run the real console entry point in a subprocess while the server keeps serving."""
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jupyter_gpumigrate.cli", *args,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env or dict(os.environ),
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    return proc.returncode, out.decode(), err.decode()
-
-
-def remote(serverapp) -> list[str]:
-    return ["--url", serverapp.connection_url, "--token", serverapp.identity_provider.token]
 
 
 async def test_list_suspend_resume_from_the_command_line(jp_fetch, jp_serverapp, kernel):
@@ -58,6 +41,10 @@ async def test_cli_errors_exit_non_zero_with_a_sentence(jp_fetch, jp_serverapp, 
     assert code == 3 and "Cannot reach the server" in json.loads(out)["error"]
     code, out, err = await cli("list", *remote(jp_serverapp)[:2], "--token", "wrong")
     assert code == 3 and "refused the token" in err and "--token" in err  # a named server is used as given
+    code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1", *remote(jp_serverapp))
+    assert code == 1 and ("no NVIDIA GPU" in err or "GPU" in err)
+    code, out, err = await cli("migrate", kernel.id, *remote(jp_serverapp))
+    assert code == 2 and "--to-gpu" in err
     code, out, err = await cli("frobnicate")
     assert code == 2 and "invalid choice" in err
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 import sys
 import time
 
 import pytest
-from helpers import api, operate
+from helpers import api, cli, operate, remote
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.errors import PhaseFailed
@@ -94,16 +95,23 @@ async def build(kernel, gib: float = 1.0) -> int:
     return pid
 
 
-async def test_move_0_to_1_to_0_keeps_every_value(jp_fetch, kernel):
+async def test_move_0_to_1_to_0_keeps_every_value(jp_fetch, jp_serverapp, kernel):
     pid = await build(kernel, gib=2)
     for src, dst in ((0, 1), (1, 0)):
-        op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": dst})
+        if dst == 1:
+            op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": dst})
+        else:  # the way back through the command line
+            code, out, err = await cli("migrate", kernel.id[:8], "--to-gpu", "0", "--json", *remote(jp_serverapp))
+            assert code == 0, err
+            op = json.loads(out)
         assert op["status"] == "succeeded", op
         assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "remap", "unlock", "verify"]
         assert (op["from_gpu"], op["to_gpu"]) == (src, dst) and op["bytes"] > 2 * GIB
         assert where(pid) == {dst}, "NVML shows the kernel's memory on the target alone"
         view = await api(jp_fetch, "kernels", kernel.id)
         assert [g["index"] for g in view["gpus"]] == [dst] and view["pid"] == pid
+        listed = (await api(jp_fetch, "gpus"))["gpus"]
+        assert [k["id"] for k in listed[dst]["kernels"]] == [kernel.id] and not listed[src]["kernels"]
         out = await kernel.run("print(state_digest() == before, torch.cuda.current_device(), big.device)")
         assert out.split() == ["True", "0", "cuda:0"], "same values, and torch still calls it cuda:0"
     # Training goes on where it left off.
@@ -158,11 +166,9 @@ async def test_refusals_leave_the_kernel_running_where_it_was(jp_fetch, kernel):
     assert "GPU 9 does not exist" in error["message"]
     # Fill GPU 1 from another process until the kernel no longer fits there.
     free = gpus_mod.snapshot()[1].memory_total - gpus_mod.snapshot()[1].memory_used
-    filler = subprocess.Popen(
-        [sys.executable, "-c", f"import torch, time; x = torch.empty({free - GIB}, dtype=torch.uint8, "
-         "device='cuda:1'); print('full', flush=True); time.sleep(600)"],
-        stdout=subprocess.PIPE, text=True,
-    )
+    fill = (f"import torch, time; x = torch.empty({free - GIB}, dtype=torch.uint8, device='cuda:1'); "
+            "print('full', flush=True); time.sleep(600)")
+    filler = subprocess.Popen([sys.executable, "-c", fill], stdout=subprocess.PIPE, text=True)
     try:
         assert filler.stdout.readline().strip() == "full"
         error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 1}, expect=409)

@@ -20,8 +20,8 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import CriuFailed, CriuNotFound, PidConflict
 from . import proctree
+from .errors import CriuFailed, CriuNotFound, PidConflict
 
 MIN_VERSION = (4, 2)
 COMMON_OPTIONS = ("--tcp-close", "--ext-unix-sk", "--file-locks")

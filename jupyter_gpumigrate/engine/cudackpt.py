@@ -52,7 +52,7 @@ def _checkpoint_module() -> Any:
 
 def cuda_uuid(nvml_uuid: str) -> str:
     """The UUID as CUDA takes it: NVML's ``GPU-xxxxxxxx-...`` without its prefix."""
-    return nvml_uuid[4:] if nvml_uuid.startswith("GPU-") else nvml_uuid
+    return nvml_uuid.removeprefix("GPU-")
 
 
 def gpu_mapping(all_uuids: Iterable[str], source: str, target: str) -> dict[str, str]:
@@ -81,7 +81,7 @@ class CudaProcess:
     def _call(self, what: str, fn: Any, *args: Any) -> Any:
         try:
             return fn(*args)
-        except Exception as exc:  # noqa: BLE001 - cuda-core raises CUDAError, RuntimeError, ValueError
+        except Exception as exc:  # cuda-core raises CUDAError, RuntimeError, ValueError
             raise CudaCheckpointFailed(f"CUDA could not {what} process {self.pid}: {exc}", self.pid) from exc
 
     @property

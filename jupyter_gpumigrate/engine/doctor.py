@@ -10,10 +10,10 @@ from dataclasses import asdict, dataclass
 
 from . import criu as criu_mod
 from . import gpus as gpus_mod
+from .cudackpt import MIN_DRIVER_FOR_REMAP
 from .errors import CriuNotFound
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
-MIN_DRIVER_FOR_REMAP = 580
 CAP_SYS_PTRACE, CAP_CHECKPOINT_RESTORE = 19, 40
 RECOMMENDED_PID_MAX = 4194304
 

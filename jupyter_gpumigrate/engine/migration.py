@@ -21,11 +21,10 @@ Nothing in this file knows about Jupyter: the kernel is anything that fits :clas
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
-from typing import Protocol
-
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from . import gpus as gpus_mod
 from . import netstate, placement, proctree
@@ -330,7 +329,7 @@ class Migration:
                 raise InvalidState("The kernel process is not running: restart the kernel instead.")
             # Refuse what cannot work before anything is touched; then drop cached blocks, and check
             # again with what the kernel really holds.
-            cuda_pids, held, gpus = self._gpu_use(pid)
+            _, held, gpus = self._gpu_use(pid)
             placement.plan_move(gpus, held, to_gpu, self.driver_major())
             kernel.state = MIGRATING
             self._release_cache(pid)

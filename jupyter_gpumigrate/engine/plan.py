@@ -70,7 +70,7 @@ class Plan:
             started = time.perf_counter()
             try:
                 phase.do()
-            except BaseException as exc:  # noqa: BLE001 - everything must roll back, KeyboardInterrupt too
+            except BaseException as exc:  # everything must roll back, KeyboardInterrupt too
                 self.result.timings[phase.name] = time.perf_counter() - started
                 self.progress(phase.name, "failed", self.result.timings)
                 undo_errors = self._roll_back(done)
@@ -88,7 +88,7 @@ class Plan:
             self.progress(phase.name, "undo", self.result.timings)
             try:
                 phase.undo()
-            except Exception as exc:  # noqa: BLE001 - keep undoing the rest, report all
+            except Exception as exc:  # keep undoing the rest, report all
                 log.exception("undo of phase %s failed", phase.name)
                 errors.append(f"undo of {phase.name}: {exc}")
         return errors

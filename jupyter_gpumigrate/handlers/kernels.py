@@ -5,7 +5,6 @@ from __future__ import annotations
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 
-from ..engine import gpus
 from ..engine.errors import MigrateError
 from .base import BaseHandler
 
@@ -56,4 +55,4 @@ class GpuListHandler(BaseHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send_json({"driver_version": gpus.driver_version(), "gpus": [g.to_dict() for g in gpus.snapshot()]})
+        self.send_json(self.operations.gpus_view())
