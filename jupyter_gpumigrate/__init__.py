@@ -11,3 +11,11 @@ def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     from .app import GPUMigrateApp
 
     return [{"module": "jupyter_gpumigrate", "app": GPUMigrateApp}]
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """``%load_ext jupyter_gpumigrate``: the ``%migrate`` magic (loaded by itself in kernels that a server
+    with the extension starts)."""
+    from .kernel.magics import MigrateMagics
+
+    ipython.register_magics(MigrateMagics)

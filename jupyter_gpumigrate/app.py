@@ -8,6 +8,7 @@ from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
 from traitlets import Bool, Unicode
 
+from .credentials import KernelCredentials
 from .handlers import handlers
 from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -32,6 +33,11 @@ class GPUMigrateApp(ExtensionApp):
         if self.default_provisioner:
             factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
             factory.default_provisioner_name = PROVISIONER_NAME
+        # Each kernel gets a credential for itself (credentials.py); the provisioner finds this object
+        # on its kernel manager's parent, the server's multi-kernel manager.
+        credentials = KernelCredentials(self.serverapp.connection_url)
+        self.serverapp.kernel_manager.gpumigrate_credentials = credentials
+        self.settings["gpumigrate_credentials"] = credentials
         event_logger = self.serverapp.event_logger
         event_logger.register_event_schema(EVENT_SCHEMA)
         operations = OperationManager(

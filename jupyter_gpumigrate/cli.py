@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token. HTTP goes through the standard library's
@@ -176,8 +176,33 @@ def cmd_action(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_drain(args: argparse.Namespace) -> int:
+    servers = find_servers(args)
+    if len(servers) > 1 and not args.url:
+        raise CliError("Several servers run jupyter_gpumigrate here: name one with --url and --token.", EXIT_USAGE)
+    server = servers[0]
+    body = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {}
+    op = server.request("POST", f"{API}/gpus/{args.gpu}/drain", body)
+    op = follow(server, op, quiet=args.json, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(op, indent=1))
+    else:
+        for r in op["results"]:
+            where = f"moved to GPU {r.get('to_gpu')}" if r["status"] == "succeeded" else f"NOT moved: {r['error']}"
+            print(f"  kernel {r['kernel_id']}: {where}")
+        if not op["results"]:
+            print(f"GPU {args.gpu} holds no kernel of this server: nothing to move.")
+        elif op["status"] == "succeeded":
+            print(f"GPU {args.gpu} drained: {len(op['results'])} kernel(s) moved in {op['total']:.2f} s.")
+    if op["status"] != "succeeded":
+        if not args.json:
+            print(f"drain failed: {op['error']}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def follow(server: Server, op: dict, quiet: bool, timeout: float) -> dict:
-    """Poll the operation until it ends, printing each phase as it starts (to stderr)."""
+    """Follow the operation until it ends, printing each phase as it starts (to stderr)."""
     deadline = time.monotonic() + timeout
     shown = None
     while op["status"] not in ("succeeded", "failed"):
@@ -189,8 +214,8 @@ def follow(server: Server, op: dict, quiet: bool, timeout: float) -> dict:
                 f"Operation {op['id']} is still {op['status']} after {timeout:.0f} s; it goes on in the server. "
                 f"Follow it with GET /api/gpumigrate/operations/{op['id']}."
             )
-        time.sleep(0.1)
-        op = server.request("GET", f"{API}/operations/{op['id']}")
+        # The server holds this request until the operation changes (long poll): no busy polling.
+        op = server.request("GET", f"{API}/operations/{op['id']}?after={op['version']}", timeout=60)
     return op
 
 
@@ -222,6 +247,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     m.add_argument("--to-gpu", type=int, required=True, help="index of the GPU to move it to")
     m.set_defaults(func=cmd_action)
+    dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
+    dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")
+    dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")
+    dr.set_defaults(func=cmd_drain)
     return top
 
 

@@ -30,7 +30,7 @@ EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpumigrate/operation/v1"
 EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
 
 PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-ACTIONS = ("suspend", "resume", "migrate")
+ACTIONS = ("suspend", "resume", "migrate", "drain")
 KEEP_FINISHED = 200
 
 
@@ -55,8 +55,14 @@ class Operation:
     bytes: int = 0
     to_gpu: int | None = None
     from_gpu: int | None = None
+    #: drain: the GPU drained, the child operations (one per kernel) and what became of each kernel
+    gpu: int | None = None
+    children: list[str] = field(default_factory=list)
+    results: list[dict[str, Any]] = field(default_factory=list)
     created: float = field(default_factory=time.time)
     finished: float | None = None
+    #: bumped on every change; GET /operations/{id}?after=N waits until it is past N
+    version: int = 0
 
     @property
     def done(self) -> bool:
@@ -78,6 +84,7 @@ class OperationManager:
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
         self.operations: OrderedDict[str, Operation] = OrderedDict()
+        self._changed = asyncio.Event()  # set (and replaced) on every change of any operation
         self.active: dict[str, Operation] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -196,14 +203,100 @@ class OperationManager:
         if action != "migrate":
             criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
-        self.operations[op.id] = op
         self.active[kernel_id] = op
+        return self._launch(op, self._run(op, provisioner, criu))
+
+    def _launch(self, op: Operation, work: Any) -> Operation:
+        self.operations[op.id] = op
         self._trim()
-        task = asyncio.get_running_loop().create_task(self._run(op, provisioner, criu))
+        task = asyncio.get_running_loop().create_task(work)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         self._emit(op)
         return op
+
+    # -- drain ---------------------------------------------------------------------------------------
+
+    def kernels_on(self, index: int, gpus: list[gpus_mod.GpuInfo]) -> list[str]:
+        """Ids of this server's kernels that hold memory on GPU ``index``."""
+        found = []
+        for kernel_id in self.kernel_manager.list_kernel_ids():
+            pid = getattr(getattr(self.kernel_manager.get_kernel(kernel_id), "provisioner", None), "pid", None)
+            if pid and any(h["index"] == index for h in gpus_mod.held_by(proctree.descendants(pid), gpus)):
+                found.append(kernel_id)
+        return found
+
+    def drain(self, index: int, to_gpu: int | None = None) -> Operation:
+        """Move every kernel off GPU ``index``: one operation, with a child operation per kernel."""
+        gpus = gpus_mod.snapshot()
+        placement.gpu_by_index(gpus, index)
+        if to_gpu is not None:
+            placement.gpu_by_index(gpus, to_gpu)
+            if to_gpu == index:
+                raise GpuError(f"GPU {index} cannot be drained onto itself: name another GPU, or none.")
+        op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
+        return self._launch(op, self._drain(op, self.kernels_on(index, gpus)))
+
+    async def _drain(self, op: Operation, kernel_ids: list[str]) -> None:
+        # One kernel after the other: each move already saturates the driver's copy path, and a GPU's
+        # free memory is known for the next choice only once the previous move is done.
+        op.status = RUNNING_OP
+        self._emit(op)
+        started = time.perf_counter()
+        for kernel_id in kernel_ids:
+            result: dict[str, Any] = {"kernel_id": kernel_id, "status": FAILED, "operation": None, "error": None}
+            op.results.append(result)
+            try:
+                gpus = gpus_mod.snapshot()
+                target = op.to_gpu if op.to_gpu is not None else self._roomiest_other(op.gpu, kernel_id, gpus)
+                child = self.start(kernel_id, "migrate", to_gpu=target)
+            except MigrateError as exc:
+                result["error"] = str(exc)
+                self._emit(op)
+                continue
+            op.children.append(child.id)
+            result["operation"] = child.id
+            self._emit(op)
+            while not child.done:
+                await self.wait_change(child, child.version, 30)
+            result.update(status=child.status, error=child.error, to_gpu=child.to_gpu)
+            self._emit(op)
+        op.timings = {"drain": time.perf_counter() - started}
+        op.bytes = sum(self.operations[c].bytes for c in op.children if c in self.operations)
+        stuck = [r for r in op.results if r["status"] != SUCCEEDED]
+        if stuck:
+            moved = len(op.results) - len(stuck)
+            op.status = FAILED
+            op.error = (
+                f"{moved} of {len(op.results)} kernels left GPU {op.gpu}; still there, and running: "
+                + "; ".join(f"{r['kernel_id']}: {r['error']}" for r in stuck)
+            )
+        else:
+            op.status = SUCCEEDED
+        op.finished = time.time()
+        self._emit(op)
+
+    def _roomiest_other(self, index: int | None, kernel_id: str, gpus: list[gpus_mod.GpuInfo]) -> int:
+        """The GPU (not ``index``, same model, MIG off) with the most free memory for ``kernel_id``."""
+        source = gpus[index] if index is not None else None
+        candidates = [g for g in gpus if g.index != index and not g.mig_enabled
+                      and (source is None or g.name == source.name)]
+        if not candidates:
+            raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
+        return max(candidates, key=lambda g: g.memory_total - g.memory_used).index
+
+    async def wait_change(self, op: Operation, after: int, timeout: float) -> None:
+        """Return once ``op`` is past version ``after`` or done, or after ``timeout`` seconds."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while op.version <= after and not op.done:
+            left = deadline - loop.time()
+            if left <= 0:
+                return
+            try:
+                await asyncio.wait_for(self._changed.wait(), left)
+            except asyncio.TimeoutError:
+                return
 
     async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None) -> None:
         loop = asyncio.get_running_loop()
@@ -245,6 +338,9 @@ class OperationManager:
         self._emit(op, phase_event=event)
 
     def _emit(self, op: Operation, phase_event: str | None = None) -> None:
+        op.version += 1
+        changed, self._changed = self._changed, asyncio.Event()
+        changed.set()
         data = {
             "operation_id": op.id,
             "kernel_id": op.kernel_id,
@@ -255,7 +351,11 @@ class OperationManager:
             "timings": {k: round(v, 4) for k, v in op.timings.items()},
             "bytes": op.bytes,
             "error": op.error or "",
+            "version": op.version,
         }
+        if op.action == "drain":
+            data["gpu"] = op.gpu
+            data["children"] = list(op.children)
         try:
             self.emit(data)
         except Exception:  # events are best effort; the operation record is the truth

@@ -28,6 +28,7 @@ from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.paths import jupyter_data_dir
 from traitlets import Float, Unicode, default
 
+from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.images import ImageStore
 from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED
@@ -41,6 +42,11 @@ RELEASE_TORCH_CACHE = (
     "(lambda t: t is not None and t.cuda.is_initialized() and (t.cuda.synchronize(), t.cuda.empty_cache()))"
     "(__import__('sys').modules.get('torch'))"
 )
+
+
+def is_ipython_kernel(cmd: list[str]) -> bool:
+    """True for ipykernel's command lines (``python -m ipykernel_launcher ...``, ``ipykernel ...``)."""
+    return any(part in ("ipykernel_launcher", "ipykernel") or part.endswith("/ipykernel") for part in cmd)
 
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
@@ -130,6 +136,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
+        credentials = self._credentials()
+        if credentials is not None:
+            env.update(credentials.env(self.kernel_id))
+        if is_ipython_kernel(cmd):
+            # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
+            cmd = [*cmd, "--ext=jupyter_gpumigrate"]
         kwargs = self._scrub_kwargs(kwargs)
         with open(self.log_path, "ab", buffering=0) as out:
             self.process = launch_kernel(
@@ -214,8 +226,16 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def cleanup(self, restart: bool = False) -> None:
         await super().cleanup(restart=restart)
-        if not restart and self.log_path is not None:
-            self.log_path.unlink(missing_ok=True)
+        if not restart:
+            if self.log_path is not None:
+                self.log_path.unlink(missing_ok=True)
+            credentials = self._credentials()
+            if credentials is not None:
+                credentials.revoke(self.kernel_id)
+
+    def _credentials(self) -> KernelCredentials | None:
+        """The server's kernel credentials, when the extension runs in the server that started us."""
+        return getattr(getattr(self.parent, "parent", None), "gpumigrate_credentials", None)
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()

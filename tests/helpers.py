@@ -15,9 +15,10 @@ from typing import Any
 from jupyter_client.session import Session
 
 
-async def api(jp_fetch: Any, *parts: str, method: str = "GET", body: Any = None, expect: int = 200) -> Any:
+async def api(jp_fetch: Any, *parts: str, method: str = "GET", body: Any = None, expect: int = 200,
+              params: dict | None = None) -> Any:
     """Call /api/gpumigrate/...; assert the status; return the decoded JSON."""
-    kwargs: dict[str, Any] = {"method": method, "raise_error": False}
+    kwargs: dict[str, Any] = {"method": method, "raise_error": False, "params": params}
     if method == "POST":
         kwargs["body"] = body if isinstance(body, str) else json.dumps(body or {})
     response = await jp_fetch("api", "gpumigrate", *parts, **kwargs)
@@ -43,6 +44,15 @@ async def wait_operation(jp_fetch: Any, op: dict, timeout: float = 120) -> dict:
 async def operate(jp_fetch: Any, kernel_id: str, action: str, body: Any = None) -> dict:
     op = await api(jp_fetch, "kernels", kernel_id, action, method="POST", body=body, expect=202)
     return await wait_operation(jp_fetch, op)
+
+
+@dataclass
+class Execution:
+    status: str
+    out: str
+    errors: list[str]
+    reply: dict
+    messages: list[dict]
 
 
 class KernelSession:
@@ -76,9 +86,16 @@ class KernelSession:
 
     async def run(self, code: str, timeout: float = 60) -> str:
         """Execute ``code``; return what it printed; fail the test on an error."""
+        result = await self.execute(code, timeout)
+        assert result.status == "ok", "".join(result.errors) or result.reply
+        return result.out
+
+    async def execute(self, code: str, timeout: float = 60) -> Execution:
+        """Execute ``code``; return its status, output, error text and every IOPub message it caused."""
         msg_id = self.client.execute(code)
         out: list[str] = []
         errors: list[str] = []
+        messages: list[dict] = []
         deadline = time.monotonic() + timeout
         reply = None
         idle = False
@@ -98,6 +115,7 @@ class KernelSession:
                 continue
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
+            messages.append(msg)
             kind = msg["msg_type"]
             if kind == "stream":
                 out.append(msg["content"]["text"])
@@ -107,8 +125,7 @@ class KernelSession:
                 out.append(msg["content"]["data"].get("text/plain", "") + "\n")
             elif kind == "status" and msg["content"]["execution_state"] == "idle":
                 idle = True
-        assert reply["content"]["status"] == "ok", "".join(errors) or reply["content"]
-        return "".join(out)
+        return Execution(reply["content"]["status"], "".join(out), errors, reply["content"], messages)
 
     def close(self) -> None:
         if self._reader is not None:

@@ -31,7 +31,8 @@ def gib(n: int) -> str:
     return f"{n / 1024**3:.1f} GiB"
 
 
-def _by_index(gpus: list[GpuInfo], index: int) -> GpuInfo:
+def gpu_by_index(gpus: list[GpuInfo], index: int) -> GpuInfo:
+    """GPU ``index``, or a :class:`GpuError` saying which GPUs there are."""
     if not gpus:
         raise GpuError(f"GPU {index} cannot be used: this machine has no NVIDIA GPU (NVML sees none).")
     if not 0 <= index < len(gpus):
@@ -91,7 +92,7 @@ def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_ma
 
 def plan_move(gpus: list[GpuInfo], held: list[dict], to_gpu: int, driver_major: int | None) -> Move:
     """Check a live move of a kernel holding ``held`` to GPU ``to_gpu``."""
-    target = _by_index(gpus, to_gpu)
+    target = gpu_by_index(gpus, to_gpu)
     source, needed = source_gpu(gpus, held)
     check_target(source, target, needed, driver_major)
     return Move(source, target, needed)
@@ -105,7 +106,7 @@ def plan_resume(
     needed = int(suspended_on.get("memory_used", 0))
     was = _by_uuid(gpus, suspended_on["uuid"])
     if to_gpu is not None:
-        target = _by_index(gpus, to_gpu)
+        target = gpu_by_index(gpus, to_gpu)
     elif was is not None and was.memory_total - was.memory_used >= needed + HEADROOM:
         target = was
     else:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import kernels, operations
+from . import gpus, kernels, operations
 
 API_PREFIX = "/api/gpumigrate"
 
@@ -16,5 +16,6 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{API_PREFIX}/kernels/{KERNEL_ID}/(?P<action>suspend|resume|migrate)/?", kernels.KernelActionHandler),
         (rf"{API_PREFIX}/operations/?", operations.OperationListHandler),
         (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
-        (rf"{API_PREFIX}/gpus/?", kernels.GpuListHandler),
+        (rf"{API_PREFIX}/gpus/?", gpus.GpuListHandler),
+        (rf"{API_PREFIX}/gpus/(?P<index>\d+)/drain/?", gpus.DrainHandler),
     ]

@@ -2,15 +2,43 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
+from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
 
+from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
+from tornado import web
 
+from ..credentials import KernelCredentials
 from ..engine.errors import MigrateError
 from ..operations import OperationManager
+
+#: What a kernel's own credential may do on a route (credentials.py explains the credential).
+READ, OWN_KERNEL, OWN_OPERATION = "read", "own kernel", "own operation"
+
+
+def kernel_credential(scope: str) -> Callable:
+    """Let a kernel's credential call this method within ``scope``; everyone else goes through the
+    method's own ``@web.authenticated`` and ``@authorized`` (the server's users and authorizer)."""
+
+    def decorate(method: Callable) -> Callable:
+        bare = inspect.unwrap(method)
+
+        @functools.wraps(method)
+        async def wrapper(self: BaseHandler, *args: Any, **kwargs: Any) -> Any:
+            if self.kernel_identity is None:
+                return await method(self, *args, **kwargs)
+            self.check_kernel_scope(scope, kwargs)
+            return await bare(self, *args, **kwargs)
+
+        return wrapper
+
+    return decorate
 
 
 class BaseHandler(ExtensionHandlerMixin, APIHandler):
@@ -18,9 +46,49 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
     # resource, like jupyter_server's own kernel API (GET -> read, POST -> write).
     auth_resource = "kernels"
 
+    kernel_identity: str | None = None
+
     @property
     def operations(self) -> OperationManager:
         return self.settings["gpumigrate_operations"]
+
+    @property
+    def credentials(self) -> KernelCredentials:
+        return self.settings["gpumigrate_credentials"]
+
+    async def prepare(self) -> None:  # type: ignore[override]
+        header = self.request.headers.get("Authorization", "")
+        if not self.credentials.is_kernel_credential(header):
+            await super().prepare()
+            return
+        # A kernel's credential, in an Authorization header (which no other site can make a browser
+        # send, so no XSRF check): it stands for that kernel alone, never for a user of the server.
+        CallContext.set(CallContext.JUPYTER_HANDLER, self)
+        if not self.check_host():
+            raise web.HTTPError(403)
+        kernel_id = self.credentials.resolve(header)
+        if kernel_id is None:
+            raise web.HTTPError(403, "This kernel credential is not valid (any more): was the kernel restarted "
+                                     "by another server? Restart the kernel to get a new one.")
+        self.kernel_identity = kernel_id
+        # No user: a route that does not opt in with @kernel_credential refuses it (@web.authenticated).
+        self.current_user = self._jupyter_current_user = None
+
+    def check_kernel_scope(self, scope: str, path_kwargs: dict[str, Any]) -> None:
+        kernel_id = self.kernel_identity
+        if scope == OWN_KERNEL:
+            wanted = path_kwargs.get("kernel_id")
+        elif scope == OWN_OPERATION:
+            try:
+                wanted = self.operations.get(path_kwargs["op_id"]).kernel_id
+            except MigrateError as exc:
+                raise web.HTTPError(exc.http_status, str(exc)) from exc
+        else:
+            return
+        if wanted != kernel_id:
+            raise web.HTTPError(
+                403, f"Kernel {kernel_id}'s credential lets it act on itself only, not on {wanted or 'other kernels'}."
+            )
 
     def send_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)

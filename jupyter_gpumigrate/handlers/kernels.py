@@ -1,4 +1,4 @@
-"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate, GET /gpus."""
+"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate."""
 
 from __future__ import annotations
 
@@ -6,15 +6,15 @@ from jupyter_server.auth.decorator import authorized
 from tornado import web
 
 from ..engine.errors import MigrateError
-from .base import BaseHandler
+from .base import OWN_KERNEL, READ, BaseHandler, kernel_credential
 
-#: Fields each action's body may hold.
+#: Fields each action's body may hold, and those it must hold.
 ACTION_FIELDS: dict[str, dict[str, type]] = {"suspend": {}, "resume": {"to_gpu": int}, "migrate": {"to_gpu": int}}
-#: Fields each action's body must hold.
 REQUIRED: dict[str, tuple[str, ...]] = {"migrate": ("to_gpu",)}
 
 
 class KernelListHandler(BaseHandler):
+    @kernel_credential(READ)
     @web.authenticated
     @authorized
     async def get(self) -> None:
@@ -22,6 +22,7 @@ class KernelListHandler(BaseHandler):
 
 
 class KernelHandler(BaseHandler):
+    @kernel_credential(READ)
     @web.authenticated
     @authorized
     async def get(self, kernel_id: str) -> None:
@@ -32,6 +33,7 @@ class KernelHandler(BaseHandler):
 
 
 class KernelActionHandler(BaseHandler):
+    @kernel_credential(OWN_KERNEL)
     @web.authenticated
     @authorized
     async def post(self, kernel_id: str, action: str) -> None:
@@ -49,10 +51,3 @@ class KernelActionHandler(BaseHandler):
             return
         self.set_header("Location", f"{self.base_url}api/gpumigrate/operations/{op.id}")
         self.send_json(op.to_dict(), status=202)
-
-
-class GpuListHandler(BaseHandler):
-    @web.authenticated
-    @authorized
-    async def get(self) -> None:
-        self.send_json(self.operations.gpus_view())

@@ -1,0 +1,34 @@
+"""GET /gpus and POST /gpus/{index}/drain."""
+
+from __future__ import annotations
+
+from jupyter_server.auth.decorator import authorized
+from tornado import web
+
+from ..engine.errors import MigrateError
+from .base import READ, BaseHandler, kernel_credential
+
+
+class GpuListHandler(BaseHandler):
+    @kernel_credential(READ)
+    @web.authenticated
+    @authorized
+    async def get(self) -> None:
+        self.send_json(self.operations.gpus_view())
+
+
+class DrainHandler(BaseHandler):
+    # No kernel credential here: draining moves other kernels, which only a user of the server may do.
+    @web.authenticated
+    @authorized
+    async def post(self, index: str) -> None:
+        body = self.json_body({"to_gpu": int})
+        if body is None:
+            return
+        try:
+            op = self.operations.drain(int(index), to_gpu=body.get("to_gpu"))
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+            return
+        self.set_header("Location", f"{self.base_url}api/gpumigrate/operations/{op.id}")
+        self.send_json(op.to_dict(), status=202)

@@ -1,0 +1,82 @@
+"""The kernel's client of its server's /api/gpumigrate, with the credential the provisioner gave it.
+
+Standard library HTTP (urllib): a handful of JSON calls from inside a user's kernel should add no
+dependency to the user's environment.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from ..credentials import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL, SCHEME
+
+API = "api/gpumigrate"
+
+
+class NotManaged(Exception):
+    """This kernel was not started by a server with jupyter-gpumigrate, so it cannot be moved."""
+
+
+class ApiError(Exception):
+    """The server refused or failed a request; the message is the server's sentence."""
+
+
+class ServerClient:
+    def __init__(self, url: str, kernel_id: str, token: str) -> None:
+        self.url = url.rstrip("/") + "/"
+        self.kernel_id = kernel_id
+        self.token = token
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None) -> ServerClient:
+        env = os.environ if environ is None else environ
+        missing = [name for name in (ENV_URL, ENV_KERNEL_ID, ENV_TOKEN) if not env.get(name)]
+        if missing:
+            raise NotManaged(
+                "This kernel was not started by a Jupyter server with jupyter-gpumigrate, so it cannot be "
+                "moved: start it from JupyterLab with the extension enabled (see jupyter gpumigrate doctor)."
+            )
+        return cls(env[ENV_URL], env[ENV_KERNEL_ID], env[ENV_TOKEN])
+
+    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.url + API + "/" + path, data=data, method=method)
+        req.add_header("Authorization", f"{SCHEME} {self.token}")
+        req.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            try:
+                message = json.loads(exc.read()).get("message") or exc.reason
+            except ValueError:
+                message = exc.reason
+            raise ApiError(str(message)) from None
+        except (urllib.error.URLError, OSError) as exc:
+            raise ApiError(f"The Jupyter server at {self.url} does not answer ({exc}).") from None
+
+    def gpus(self) -> dict:
+        return self.request("GET", "gpus")
+
+    def kernels(self) -> list[dict]:
+        return self.request("GET", "kernels")
+
+    def me(self) -> dict:
+        return self.request("GET", f"kernels/{self.kernel_id}")
+
+    def migrate(self, to_gpu: int) -> dict:
+        return self.request("POST", f"kernels/{self.kernel_id}/migrate", {"to_gpu": to_gpu})
+
+    def follow(self, op: dict, on_change: Callable[[dict], None] | None = None) -> dict:
+        """Wait for the operation to end, calling ``on_change`` at each change (the server holds each
+        request until something changes, so this does not poll)."""
+        while op["status"] not in ("succeeded", "failed"):
+            op = self.request("GET", f"operations/{op['id']}?after={op['version']}", timeout=60)
+            if on_change is not None:
+                on_change(op)
+        return op

@@ -1,0 +1,108 @@
+"""``%migrate``: move this kernel to another GPU, list GPUs and kernels, or pick a GPU in a widget."""
+
+from __future__ import annotations
+
+import sys
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .client import ApiError, NotManaged, ServerClient
+
+GB = 1e9
+
+
+class MigrateFailed(Exception):
+    """Shown as its one sentence, never as a traceback (IPython calls ``_render_traceback_``)."""
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"\x1b[31mmigrate: {self}\x1b[0m"]
+
+
+def release_torch_cache() -> None:
+    """Drop the GPU blocks PyTorch caches but does not use: they would be moved too. Only if this kernel
+    already uses CUDA through torch (never initialise CUDA here)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def describe(op: dict) -> str:
+    """One line for a finished move: from, to, bytes moved, total time and the slowest phase."""
+    timings = op.get("timings") or {}
+    slowest = max(timings, key=timings.get) if timings else None
+    slow = f"; slowest phase {slowest} {timings[slowest]:.2f} s" if slowest else ""
+    return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {op.get('bytes', 0) / GB:.1f} GB "
+            f"in {op.get('total', 0):.2f} s{slow}. torch still calls it cuda:0.")
+
+
+def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
+    """GPUs with memory, utilisation and their kernels (this one marked *), then kernels on no GPU."""
+    lines = []
+    on_gpu = set()
+    if not gpus["gpus"]:
+        lines.append("No NVIDIA GPU is visible to the Jupyter server.")
+    for g in gpus["gpus"]:
+        held = []
+        for k in g["kernels"]:
+            on_gpu.add(k["id"])
+            held.append(f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({k['memory_used'] / GB:.1f} GB)")
+        util = "-" if g["utilization"] is None else f"{g['utilization']}%"
+        lines.append(f"GPU {g['index']}  {g['name']}  {g['memory_used'] / GB:.1f}/{g['memory_total'] / GB:.1f} GB"
+                     f"  util {util}  kernels: {', '.join(held) or '-'}")
+    others = [f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({k['state']})" for k in kernels if k["id"] not in on_gpu]
+    if others:
+        lines.append(f"No GPU: {', '.join(others)}")
+    lines.append("* this kernel")
+    return "\n".join(lines)
+
+
+@magics_class
+class MigrateMagics(Magics):
+    def _client(self) -> ServerClient:
+        try:
+            return ServerClient.from_env()
+        except NotManaged as exc:
+            raise MigrateFailed(str(exc)) from None
+
+    @magic_arguments()
+    @argument("--to-gpu", type=int, metavar="N", help="move this kernel to GPU N (NVML's index) now")
+    @argument("--list", action="store_true", help="print the GPUs, their memory and kernels")
+    @argument("--help", action="store_true", help="show this help")
+    @line_magic
+    def migrate(self, line: str) -> None:
+        """Move this kernel to another GPU while it runs, with everything in its memory.
+
+        %migrate              a picker: each GPU, its memory and kernels, and a Migrate button
+        %migrate --to-gpu N   move this kernel to GPU N; prints from, to, bytes, time, slowest phase
+        %migrate --list       the GPUs and the kernels on them (this one marked *)
+
+        After a move PyTorch still calls the device cuda:0. The cell with %migrate goes on once the
+        move is done; a failed move leaves the kernel where it was, running.
+        """
+        args = parse_argstring(self.migrate, line)
+        if args.help:
+            print(self.migrate.__doc__)
+            return
+        if args.list and args.to_gpu is not None:
+            raise UsageError("%migrate: give either --list or --to-gpu N, not both.")
+        if args.to_gpu is not None and args.to_gpu < 0:
+            raise UsageError(f"%migrate: --to-gpu takes a GPU index, 0 or more (got {args.to_gpu}).")
+        client = self._client()
+        try:
+            if args.list:
+                print(gpu_table(client.gpus(), client.kernels(), client.kernel_id))
+            elif args.to_gpu is not None:
+                release_torch_cache()
+                op = client.follow(client.migrate(args.to_gpu))
+                if op["status"] != "succeeded":
+                    raise MigrateFailed(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+                print(describe(op))
+            else:
+                from .widget import MigrateWidget
+
+                MigrateWidget(client).show()
+        except ApiError as exc:
+            raise MigrateFailed(str(exc)) from None

@@ -1,0 +1,92 @@
+"""The ``%migrate`` picker: each GPU with a memory bar, its utilisation and its kernels, this kernel's GPU
+marked, a target picker, a Migrate button, a progress bar that follows the phases, and the result or
+the error in place. Built from ipywidgets' stock controls, so it renders wherever ipywidgets does."""
+
+from __future__ import annotations
+
+import html
+import threading
+
+import ipywidgets as w
+from IPython.display import display
+
+from .client import ApiError, ServerClient
+from .magics import GB, describe, release_torch_cache
+
+MOVE_PHASES = ("prepare", "lock", "checkpoint", "remap", "unlock", "verify")
+
+
+class MigrateWidget:
+    def __init__(self, client: ServerClient) -> None:
+        self.client = client
+        self.rows = w.VBox()
+        self.target = w.Dropdown(description="Move to", options=[], layout=w.Layout(width="240px"))
+        self.button = w.Button(description="Migrate", button_style="primary", icon="exchange")
+        self.progress = w.IntProgress(value=0, min=0, max=len(MOVE_PHASES), description="",
+                                      layout=w.Layout(visibility="hidden"))
+        self.message = w.HTML()
+        self.button.on_click(self._on_click)
+        self.box = w.VBox([w.HTML("<b>GPUs</b>"), self.rows, w.HBox([self.target, self.button]),
+                           self.progress, self.message])
+        self.refresh()
+
+    def show(self) -> None:
+        display(self.box)
+
+    def refresh(self) -> None:
+        gpus = self.client.gpus()["gpus"]
+        me = self.client.kernel_id
+        mine = next((g["index"] for g in gpus if any(k["id"] == me for k in g["kernels"])), None)
+        self.rows.children = [self._gpu_row(g, mine) for g in gpus] or [
+            w.HTML("No NVIDIA GPU is visible to the Jupyter server: there is nowhere to move this kernel.")
+        ]
+        choices = [(f"GPU {g['index']} ({(g['memory_total'] - g['memory_used']) / GB:.0f} GB free)", g["index"])
+                   for g in gpus if g["index"] != mine]
+        self.target.options = choices
+        self.button.disabled = mine is None or not choices
+        if mine is None and gpus:
+            self.message.value = "This kernel holds no GPU memory: there is nothing to move."
+
+    @staticmethod
+    def _gpu_row(g: dict, mine: int | None) -> w.Widget:
+        used, total = g["memory_used"], g["memory_total"]
+        bar = w.FloatProgress(value=used, min=0, max=max(total, 1), description=f"GPU {g['index']}",
+                              bar_style="info" if g["index"] == mine else "")
+        util = "-" if g["utilization"] is None else f"{g['utilization']}%"
+        kernels = ", ".join(k["id"][:8] for k in g["kernels"]) or "no kernels"
+        here = " <b>◀ this kernel</b>" if g["index"] == mine else ""
+        text = (f"{html.escape(g['name'])}: {used / GB:.1f} / {total / GB:.1f} GB, util {util}; "
+                f"{html.escape(kernels)}{here}")
+        return w.HBox([bar, w.HTML(text)])
+
+    def _on_click(self, _button: w.Button) -> None:
+        # The move runs in a thread: the kernel must stay free to handle its messages meanwhile.
+        self.button.disabled = True
+        self.progress.value, self.progress.bar_style = 0, ""
+        self.progress.layout.visibility = "visible"
+        self.message.value = "Starting…"
+        threading.Thread(target=self._move, args=(self.target.value,), daemon=True).start()
+
+    def _move(self, to_gpu: int) -> None:
+        try:
+            release_torch_cache()
+            op = self.client.follow(self.client.migrate(to_gpu), self._on_change)
+            if op["status"] == "succeeded":
+                self.progress.value, self.progress.bar_style = len(MOVE_PHASES), "success"
+                self.message.value = html.escape(describe(op))
+            else:
+                self.progress.bar_style = "danger"
+                self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(op['error'])}</span>"
+        except ApiError as exc:
+            self.progress.bar_style = "danger"
+            self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(str(exc))}</span>"
+        finally:
+            try:
+                self.refresh()
+            except ApiError:
+                pass
+
+    def _on_change(self, op: dict) -> None:
+        if op.get("phase") in MOVE_PHASES:
+            self.progress.value = MOVE_PHASES.index(op["phase"])
+            self.message.value = f"{op['phase']}…"

@@ -1,0 +1,174 @@
+"""%migrate and its widget in real kernels of a real server; events on the server's bus; the per-kernel
+credential; drain and long-polled operations. All without a GPU (the gpu suite moves kernels for real)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers import KernelSession, api, cli, operate, remote, start_kernel
+
+from jupyter_gpumigrate.operations import EVENT_SCHEMA_ID
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+NO_GPU = not os.path.exists("/dev/nvidiactl")
+
+
+async def test_the_magic_is_there_without_load_ext(kernel):
+    out = await kernel.run("%migrate --help")
+    assert "Move this kernel to another GPU" in out and "--to-gpu N" in out and "--list" in out
+
+
+async def test_bad_arguments_are_usage_errors_without_a_traceback(kernel):
+    for line, words in [
+        ("%migrate --to-gpu one", "invalid int value"),
+        ("%migrate --to-gpu -1", "GPU index, 0 or more"),
+        ("%migrate --list --to-gpu 1", "either --list or --to-gpu"),
+        ("%migrate --frobnicate", "unrecognized arguments"),
+    ]:
+        result = await kernel.execute(line)
+        assert result.status == "error" and result.reply["ename"] == "UsageError", (line, result.reply)
+        assert words in result.reply["evalue"], (line, result.reply["evalue"])
+    assert (await kernel.run("print('still fine')")).strip() == "still fine"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has GPUs: the gpu suite runs %migrate --to-gpu for real")
+async def test_no_gpu_is_one_clear_sentence(kernel):
+    result = await kernel.execute("%migrate --to-gpu 1")
+    assert result.status == "error" and result.reply["ename"] == "MigrateFailed"
+    text = "\n".join(result.errors)
+    assert "no NVIDIA GPU" in text and "Traceback" not in text and 'File "' not in text, text
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has GPUs")
+async def test_list_with_zero_gpus(kernel):
+    out = await kernel.run("%migrate --list")
+    assert "No NVIDIA GPU is visible to the Jupyter server." in out
+    assert f"No GPU: {kernel.id[:8]}* (running)" in out
+
+
+async def test_the_widget_renders_its_model(kernel):
+    result = await kernel.execute("%migrate")
+    assert result.status == "ok", result.errors
+    views = [m for m in result.messages if m["msg_type"] == "display_data"
+             and "application/vnd.jupyter.widget-view+json" in m["content"]["data"]]
+    assert len(views) == 1, "one widget shown"
+    models: dict[str, dict] = {}
+    for m in result.messages:  # each model's state as opened, then as updated
+        if m["msg_type"] == "comm_open":
+            models[m["content"]["comm_id"]] = dict(m["content"]["data"]["state"])
+        elif m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update":
+            models[m["content"]["comm_id"]].update(m["content"]["data"]["state"])
+    root = views[0]["content"]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert models[root]["_model_name"] == "VBoxModel"
+    names = sorted(state["_model_name"] for state in models.values())
+    assert {"ButtonModel", "DropdownModel", "IntProgressModel", "HTMLModel"} <= set(names)
+    button = next(s for s in models.values() if s["_model_name"] == "ButtonModel")
+    assert button["description"] == "Migrate"
+    if NO_GPU:
+        texts = " ".join(s.get("value", "") for s in models.values() if s["_model_name"] == "HTMLModel")
+        assert "No NVIDIA GPU is visible" in texts and button["disabled"] is True
+
+
+async def test_load_ext_works_in_plain_ipython_and_says_why_it_cannot_move():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_GPUMIGRATE_")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "IPython", "--quick", "--no-banner", "--colors=nocolor",
+         "-c", "%load_ext jupyter_gpumigrate\n%migrate --list"],
+        capture_output=True, text=True, timeout=60, env=env,
+    )
+    text = proc.stdout + proc.stderr
+    assert "not started by a Jupyter server with jupyter-gpumigrate" in text, text
+
+
+async def test_events_follow_suspend_and_resume_phase_by_phase(jp_fetch, jp_serverapp, kernel):
+    events: list[dict] = []
+
+    async def listener(logger, schema_id, data):
+        events.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    suspended = await operate(jp_fetch, kernel.id, "suspend")
+    resumed = await operate(jp_fetch, kernel.id, "resume")
+    await asyncio.sleep(0.2)  # listeners run as tasks
+    for op, phases in ((suspended, ["prepare", "dump"]), (resumed, ["prepare", "restore", "adopt"])):
+        mine = [e for e in events if e["operation_id"] == op["id"]]
+        steps = [(e["phase"], e["phase_event"]) for e in mine if e["phase_event"]]
+        assert steps == [(p, ev) for p in phases for ev in ("start", "done")], steps
+        assert [e["status"] for e in mine][0] == "pending" and mine[-1]["status"] == "succeeded"
+        assert set(mine[-1]["timings"]) == set(phases) and mine[-1]["kernel_id"] == kernel.id
+        assert [e["version"] for e in mine] == sorted(e["version"] for e in mine)
+
+
+async def test_a_kernels_credential_is_refused_for_another_kernel(jp_fetch, jp_serverapp, kernel):
+    other_id = await start_kernel(jp_fetch)
+    other = KernelSession(jp_serverapp, other_id)
+    await other.ready()
+    token = (await kernel.run("import os; print(os.environ['JUPYTER_GPUMIGRATE_TOKEN'])")).strip()
+    assert (await kernel.run("print(os.environ['JUPYTER_GPUMIGRATE_KERNEL_ID'])")).strip() == kernel.id
+    as_kernel = {"Authorization": f"gpumigrate-kernel {token}"}
+
+    async def call(*parts, method="GET", headers=as_kernel, params=None):
+        body = "{}" if method == "POST" else None
+        response = await jp_fetch("api", "gpumigrate", *parts, method=method, body=body, headers=dict(headers),
+                                  params=params, raise_error=False)
+        return response.code, json.loads(response.body or b"null")
+
+    code, error = await call("kernels", other_id, "suspend", method="POST")
+    assert code == 403 and "act on itself only" in error["message"], error
+    op = await api(jp_fetch, "kernels", other_id, "suspend", method="POST", expect=202)
+    code, error = await call("operations", op["id"])
+    assert code == 403, "nor may it follow another kernel's operation"
+    code, _ = await call("gpus", "0", "drain", method="POST")
+    assert code == 403, "a kernel may not drain a GPU"
+    code, _ = await call("operations")
+    assert code == 403, "nor list every operation"
+    code, kernels = await call("kernels")
+    assert code == 200 and {k["id"] for k in kernels} >= {kernel.id, other_id}
+    code, _ = await call("kernels", kernel.id, method="GET", headers={"Authorization": "gpumigrate-kernel forged"})
+    assert code == 403
+    assert (await api(jp_fetch, "kernels", other_id))["state"] in ("migrating", "suspended")
+
+    # On itself it may act: suspend itself, be resumed, and follow its own operations.
+    code, op = await call("kernels", kernel.id, "suspend", method="POST")
+    assert code == 202, op
+    while op["status"] not in ("succeeded", "failed"):
+        code, op = await call("operations", op["id"], params={"after": op["version"]})
+        assert code == 200
+    assert op["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(os.environ['JUPYTER_GPUMIGRATE_KERNEL_ID'])")).strip() == kernel.id
+
+    # Shut down, a kernel's credential is worth nothing.
+    other.close()
+    await jp_fetch("api", "kernels", kernel.id, method="DELETE")
+    code, _ = await call("kernels")
+    assert code == 403
+
+
+async def test_operations_are_followed_by_long_poll(jp_fetch, kernel):
+    op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
+    seen = op["version"]
+    changed = await api(jp_fetch, "operations", op["id"], params={"after": seen})
+    assert changed["version"] > seen, "the server answered once the operation changed"
+    while changed["status"] not in ("succeeded", "failed"):
+        changed = await api(jp_fetch, "operations", op["id"], params={"after": changed["version"]})
+    assert changed["status"] == "succeeded"
+    error = await api(jp_fetch, "operations", op["id"], params={"after": "x"}, expect=400)
+    assert "version number" in error["message"]
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has GPUs: the gpu suite drains for real")
+async def test_drain_without_a_gpu(jp_fetch, jp_serverapp, kernel):
+    error = await api(jp_fetch, "gpus", "0", "drain", method="POST", expect=409)
+    assert "no NVIDIA GPU" in error["message"]
+    await api(jp_fetch, "gpus", "0", "drain", method="POST", body={"to_gpu": "1"}, expect=400)
+    code, out, err = await cli("drain", "--gpu", "0", *remote(jp_serverapp))
+    assert code == 1 and "no NVIDIA GPU" in err
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
