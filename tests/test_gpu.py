@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from helpers import api, cli, operate, remote
+from helpers import KernelSession, api, cli, operate, remote, start_kernel, wait_operation
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.errors import PhaseFailed
@@ -199,3 +199,44 @@ async def test_a_failed_remap_rolls_back_onto_the_original_gpu(jp_fetch, jp_serv
     assert where(pid) == {0}, "back on the GPU it came from"
     out = await kernel.run("print(state_digest() == before); print(len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "3"], "unlocked, with its state intact"
+
+
+async def test_the_magic_moves_the_kernel_and_the_next_cell_runs_on_the_new_gpu(kernel):
+    pid = await build(kernel)
+    out = await kernel.run("%migrate --to-gpu 1", timeout=300)
+    assert out.startswith("Moved from GPU 0 to GPU 1:") and "slowest phase" in out, out
+    assert where(pid) == {1}
+    out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "cuda:0", "3"]
+    result = await kernel.execute("%migrate --to-gpu 1")
+    assert result.status == "error" and "already on GPU 1" in "".join(result.errors)
+
+
+async def test_an_idle_kernels_cached_blocks_are_released_before_a_move(jp_fetch, kernel):
+    pid = await build(kernel, gib=1)
+    await kernel.run("gone = torch.empty(6 * 2**30, dtype=torch.uint8, device='cuda'); del gone")
+    held = next(g for g in gpus_mod.snapshot() if pid in g.processes).processes[pid]
+    assert held > 7 * GIB, "the allocator keeps the freed 6 GiB"
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert op["bytes"] < held - 5 * GIB, f"moved {op['bytes']} bytes of {held}: the cache was not released"
+    assert (await kernel.run("print(state_digest() == before)")).strip() == "True"
+
+
+async def test_draining_gpu_0_moves_both_kernels_on_it(jp_fetch, jp_serverapp, kernel):
+    first = await build(kernel)
+    other_id = await start_kernel(jp_fetch)
+    other = KernelSession(jp_serverapp, other_id)
+    await other.ready()
+    try:
+        second = await build(other)
+        op = await api(jp_fetch, "gpus", "0", "drain", method="POST", expect=202)
+        op = await wait_operation(jp_fetch, op, timeout=300)
+        assert op["status"] == "succeeded", op
+        assert sorted(r["kernel_id"] for r in op["results"]) == sorted([kernel.id, other_id])
+        assert all(r["status"] == "succeeded" and r["to_gpu"] == 1 for r in op["results"]) and len(op["children"]) == 2
+        assert where(first) == {1} and where(second) == {1}
+        for session in (kernel, other):
+            assert (await session.run("print(state_digest() == before)")).strip() == "True"
+    finally:
+        other.close()
