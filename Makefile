@@ -3,6 +3,7 @@
 
 LAB_ARGS ?=
 PYTEST_ARGS ?=
+UI_TEST_ARGS ?=
 ROOT_FLAG := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 
 setup:
@@ -12,6 +13,8 @@ setup:
 lab: setup
 	.venv/bin/jupyter lab $(ROOT_FLAG) $(LAB_ARGS)
 
-## Run the test suite: real CRIU, real kernels, real jupyter_server (GPU tests skip without a GPU).
+## Run the test suite: real CRIU, real kernels, real jupyter_server (GPU tests skip without a GPU),
+## then the labextension's lint, type checks and Galata UI tests in Debian's Chromium.
 test: setup
 	.venv/bin/python -m pytest -ra --durations=15 $(PYTEST_ARGS)
+	scripts/ui-tests.sh $(UI_TEST_ARGS)

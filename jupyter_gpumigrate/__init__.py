@@ -7,6 +7,11 @@ from typing import Any
 __version__ = "0.1.0"
 
 
+def _jupyter_labextension_paths() -> list[dict[str, str]]:
+    """The prebuilt JupyterLab extension (for `jupyter labextension develop` in a checkout)."""
+    return [{"src": "labextension", "dest": "jupyter-gpumigrate"}]
+
+
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     from .app import GPUMigrateApp
 

@@ -21,6 +21,7 @@ from .engine import gpus as gpus_mod
 from .engine import placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
+from .engine.images import Manifest
 from .engine.migration import RUNNING, SUSPENDED, Migration
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 
@@ -114,9 +115,11 @@ class OperationManager:
         state = provisioner.state if migratable else RUNNING
         if gpus is None:
             gpus = gpus_mod.snapshot()
-        image_bytes = None
+        image_bytes, suspended_on = None, []
         if migratable and state == SUSPENDED:
-            image_bytes = self._image_bytes(provisioner)
+            manifest = self._manifest(provisioner)
+            if manifest is not None:
+                image_bytes, suspended_on = manifest.image_bytes, manifest.gpus
         active = self.active.get(kernel_id)
         return {
             "id": kernel_id,
@@ -128,14 +131,15 @@ class OperationManager:
             "last_activity": _iso(getattr(kernel, "last_activity", None)),
             "gpus": gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else [],
             "image_bytes": image_bytes,
+            "suspended_on": suspended_on,
             "migratable": migratable,
             "operation": active.id if active else None,
         }
 
     @staticmethod
-    def _image_bytes(provisioner: MigratableProvisioner) -> int | None:
+    def _manifest(provisioner: MigratableProvisioner) -> Manifest | None:
         try:
-            return provisioner.images.read_manifest(provisioner.kernel_id).image_bytes
+            return provisioner.images.read_manifest(provisioner.kernel_id)
         except MigrateError:
             return None
 
@@ -353,6 +357,9 @@ class OperationManager:
             "error": op.error or "",
             "version": op.version,
         }
+        for key in ("from_gpu", "to_gpu"):
+            if getattr(op, key) is not None:
+                data[key] = getattr(op, key)
         if op.action == "drain":
             data["gpu"] = op.gpu
             data["children"] = list(op.children)

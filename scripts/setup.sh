@@ -30,7 +30,26 @@ stamp=.venv/.gpumigrate-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   log "installing jupyter-gpumigrate and its dependencies into .venv (a few minutes the first time)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+  # JupyterLab first: building the labextension below needs it.
+  .venv/bin/python -m pip install -q --disable-pip-version-check "jupyterlab>=4.2,<5" "hatch-jupyter-builder>=0.9"
+  NEED_INSTALL=1
+fi
+
+# The JupyterLab extension (labextension/ -> jupyter_gpumigrate/labextension), rebuilt when its
+# sources are newer than the build. npm's own configuration names the registry.
+built=jupyter_gpumigrate/labextension/static/style.js
+if [ ! -f "$built" ] || [ -n "$(find labextension/src labextension/style labextension/package.json \
+      labextension/package-lock.json -newer "$built" -print -quit)" ]; then
+  command -v npm >/dev/null || { log "ERROR: npm is missing: install Node.js 20 (apt-get install nodejs npm)"; exit 1; }
+  log "building the JupyterLab extension (npm ci, then npm run build:prod)"
+  (cd labextension && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error \
+     && PATH="$PWD/../.venv/bin:$PATH" npm run --silent build:prod >/dev/null)
+fi
+
+if [ -n "${NEED_INSTALL:-}" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[lab,test]"
+  # JupyterLab loads the extension from this checkout (a symbolic link in .venv/share).
+  PATH="$PWD/.venv/bin:$PATH" .venv/bin/jupyter labextension develop --overwrite . >/dev/null
   touch "$stamp"
 fi
 log "ready: $(.venv/bin/python --version), $(.venv/bin/jupyter server --version 2>/dev/null | head -n1 | sed 's/^/jupyter_server /')"
