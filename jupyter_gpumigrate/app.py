@@ -35,7 +35,7 @@ class GPUMigrateApp(ExtensionApp):
             factory.default_provisioner_name = PROVISIONER_NAME
         # Each kernel gets a credential for itself (credentials.py); the provisioner finds this object
         # on its kernel manager's parent, the server's multi-kernel manager.
-        credentials = KernelCredentials(self.serverapp.connection_url)
+        credentials = KernelCredentials(lambda: self.serverapp.connection_url)
         self.serverapp.kernel_manager.gpumigrate_credentials = credentials
         self.settings["gpumigrate_credentials"] = credentials
         event_logger = self.serverapp.event_logger

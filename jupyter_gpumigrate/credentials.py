@@ -7,12 +7,18 @@ each secret, maps it to its kernel, and revokes it when the kernel is shut down.
 allowed to read the GPU and kernel lists and to operate on that kernel alone: code in one notebook cannot
 move, suspend or shut down another user's or another notebook's kernel with it, and it is no server
 token (no files, no terminals, no other API). It stays in the kernel's memory across suspend and resume.
+
+What it does not do: code in a kernel runs as the server's user, so it can read whatever that user
+can, the server's own runtime files (and token) included. The credential limits what *it* grants; on a
+multi-user system, isolation between users comes from running each user's server as that user
+(JupyterHub's spawners do).
 """
 
 from __future__ import annotations
 
 import hashlib
 import secrets
+from collections.abc import Callable
 
 SCHEME = "gpumigrate-kernel"
 ENV_URL, ENV_KERNEL_ID, ENV_TOKEN = "JUPYTER_GPUMIGRATE_URL", "JUPYTER_GPUMIGRATE_KERNEL_ID", "JUPYTER_GPUMIGRATE_TOKEN"
@@ -23,28 +29,31 @@ def _digest(secret: str) -> str:
 
 
 class KernelCredentials:
-    """The secrets of one server's kernels, and the URL at which kernels reach that server."""
+    """The secrets of one server's kernels (their hashes only), and how kernels reach that server.
 
-    def __init__(self, server_url: str) -> None:
+    ``server_url`` is asked at each kernel launch: the server's port is settled only once it listens.
+    """
+
+    def __init__(self, server_url: Callable[[], str]) -> None:
         self.server_url = server_url
         self._kernel_of: dict[str, str] = {}  # sha256(secret) -> kernel id
-        self._secret_of: dict[str, str] = {}  # kernel id -> secret (to give the same one on restart)
+        self._digest_of: dict[str, str] = {}  # kernel id -> sha256 of its current secret
 
     def issue(self, kernel_id: str) -> str:
-        """The kernel's secret, made on first use."""
-        if kernel_id not in self._secret_of:
-            secret = secrets.token_urlsafe(32)
-            self._secret_of[kernel_id] = secret
-            self._kernel_of[_digest(secret)] = kernel_id
-        return self._secret_of[kernel_id]
+        """A new secret for the kernel (each launch or restart gets one; the last one replaces the others)."""
+        self.revoke(kernel_id)
+        secret = secrets.token_urlsafe(32)
+        self._digest_of[kernel_id] = _digest(secret)
+        self._kernel_of[self._digest_of[kernel_id]] = kernel_id
+        return secret
 
     def env(self, kernel_id: str) -> dict[str, str]:
-        return {ENV_URL: self.server_url, ENV_KERNEL_ID: kernel_id, ENV_TOKEN: self.issue(kernel_id)}
+        return {ENV_URL: self.server_url(), ENV_KERNEL_ID: kernel_id, ENV_TOKEN: self.issue(kernel_id)}
 
     def revoke(self, kernel_id: str) -> None:
-        secret = self._secret_of.pop(kernel_id, None)
-        if secret is not None:
-            self._kernel_of.pop(_digest(secret), None)
+        digest = self._digest_of.pop(kernel_id, None)
+        if digest is not None:
+            self._kernel_of.pop(digest, None)
 
     def resolve(self, authorization: str) -> str | None:
         """The kernel id an ``Authorization`` header speaks for, or None if it is no kernel credential."""

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from .engine import gpus as gpus_mod
-from .engine import placement, proctree
+from .engine import cudackpt, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.images import Manifest
@@ -86,6 +86,9 @@ class OperationManager:
         self.criu_path = criu_path
         self.operations: OrderedDict[str, Operation] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) on every change of any operation
+        # One GPU placement at a time: two moves checked against the same free memory could both
+        # restore onto one GPU, and a restore that runs out of GPU memory can leave a process stuck.
+        self._placing = asyncio.Lock()
         self.active: dict[str, Operation] = {}
         self._tasks: set[asyncio.Task] = set()
 
@@ -203,12 +206,18 @@ class OperationManager:
                     f"{to_gpu}: resume it without to_gpu."
                 )
             placement.plan_resume(gpus_mod.snapshot(), manifest.gpus[0], to_gpu, gpus_mod.driver_major())
+        if action == "migrate" or (action == "resume" and self._resumes_on_gpu(provisioner, kernel_id)):
+            cudackpt.ensure_available()  # CudaUnavailable (503) says what to install
         criu = None
         if action != "migrate":
             criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu))
+
+    def _resumes_on_gpu(self, provisioner: MigratableProvisioner, kernel_id: str) -> bool:
+        manifest = self._manifest(provisioner)
+        return bool(manifest and manifest.gpus)
 
     def _launch(self, op: Operation, work: Any) -> Operation:
         self.operations[op.id] = op
@@ -246,6 +255,15 @@ class OperationManager:
         # free memory is known for the next choice only once the previous move is done.
         op.status = RUNNING_OP
         self._emit(op)
+        try:
+            await self._drain_each(op, kernel_ids)
+        except Exception as exc:  # a drain must always end with a status (NVML may fail on a failing GPU)
+            log.exception("gpumigrate: drain of GPU %s failed", op.gpu)
+            op.status, op.error = FAILED, f"The drain stopped: {exc}. Kernels not yet moved run where they were."
+            op.finished = time.time()
+            self._emit(op)
+
+    async def _drain_each(self, op: Operation, kernel_ids: list[str]) -> None:
         started = time.perf_counter()
         for kernel_id in kernel_ids:
             result: dict[str, Any] = {"kernel_id": kernel_id, "status": FAILED, "operation": None, "error": None}
@@ -318,7 +336,11 @@ class OperationManager:
         op.status = RUNNING_OP
         self._emit(op)
         try:
-            outcome = await asyncio.to_thread(steps[op.action])
+            if op.action == "suspend":
+                outcome = await asyncio.to_thread(steps[op.action])
+            else:
+                async with self._placing:
+                    outcome = await asyncio.to_thread(steps[op.action])
         except PhaseFailed as exc:
             await asyncio.sleep(0)  # let the last progress callbacks land first
             op.status, op.error, op.failed_phase = FAILED, str(exc), exc.phase

@@ -80,6 +80,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     state: str = STOPPED
     log_path: Path | None = None
+    started: int | None = None  # start time of the kernel's root process (proctree.start_time)
 
     # -- what a migration needs (engine.migration.KernelProcess) ------------------------------------
 
@@ -100,16 +101,27 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return ImageStore(os.path.join(self.state_dir, "images"))
 
     def release(self) -> None:
+        # The dead root must be reaped, or its PID stays taken and the restore fails: by Popen if we
+        # started it, else (a restored kernel, when the server is a subreaper) by its PID.
         if self.process is not None:
-            self.process.wait(timeout=30)  # the zombie must go, or its PID stays taken
+            self.process.wait(timeout=30)
+        elif self.pid is not None:
+            proctree.wait_gone(self.pid, timeout=30)
         self.process = None
         self.pid = None
         self.pgid = None
+        self.started = None
 
     def adopt(self, pid: int) -> None:
         self.process = None
         self.pid = pid
         self.pgid = os.getpgid(pid)
+        self.started = proctree.start_time(pid)
+
+    def _is_ours(self) -> bool:
+        """Our kernel's process still runs (not another process that got its PID since)."""
+        return (self.pid is not None and proctree.is_alive(self.pid)
+                and (self.started is None or proctree.start_time(self.pid) == self.started))
 
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
@@ -149,6 +161,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             )
         self.pid = self.process.pid
         self.pgid = os.getpgid(self.pid)
+        self.started = proctree.start_time(self.pid)
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.state = RUNNING
         return self.connection_info
@@ -164,7 +177,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return None  # alive, as far as the restarter and the kernel manager are concerned
         if self.process is not None:
             return self.process.poll()
-        if self.pid is not None and proctree.is_alive(self.pid):
+        if self._is_ours():
             return None
         return 0
 
@@ -189,6 +202,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         await self._migration_done()
         if self.state == SUSPENDED:
             return  # a suspended kernel has no process to signal; interrupts are moot
+        if self.process is None and not self._is_ours():
+            return  # a restored kernel that is gone: its PID (and group) may be someone else's now
         if self.pgid is not None:
             try:
                 os.killpg(self.pgid, signum)
@@ -239,7 +254,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def get_provisioner_info(self) -> dict[str, Any]:
         info = await super().get_provisioner_info()
-        info.update({"pid": self.pid, "pgid": self.pgid, "state": self.state})
+        info.update({"pid": self.pid, "pgid": self.pgid, "state": self.state, "started": self.started})
         return info
 
     async def load_provisioner_info(self, provisioner_info: dict) -> None:
@@ -247,3 +262,4 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.pid = provisioner_info.get("pid")
         self.pgid = provisioner_info.get("pgid")
         self.state = provisioner_info.get("state", RUNNING)
+        self.started = provisioner_info.get("started")

@@ -182,6 +182,8 @@ async def test_failed_dump_leaves_the_kernel_running(jp_fetch, kernel):
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump"
     assert "CRIU could not dump" in op["error"] and "Full log:" in op["error"]
+    log_file = Path(op["error"].split("Full log: ")[1].split()[0])
+    assert log_file.is_file() and "Error" in log_file.read_text(), "the log the error names is kept"
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid and view["image_bytes"] is None
     assert (await kernel.run("print(value)")).strip() == "still here"
@@ -279,3 +281,20 @@ async def test_gpus_with_no_gpu_is_an_empty_list(jp_fetch, kernel):
         pytest.skip("this machine has an NVIDIA driver; the gpu suite covers it")
     assert await api(jp_fetch, "gpus") == {"driver_version": None, "gpus": []}
     assert (await api(jp_fetch, "kernels", kernel.id))["gpus"] == []
+
+
+async def test_a_prepare_that_fails_leaves_the_kernel_running(jp_fetch, jp_serverapp, kernel):
+    # The images folder cannot be made (a file is in its way): a real failure, inside prepare.
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images"
+    images.parent.mkdir(parents=True, exist_ok=True)
+    images.write_text("not a folder")
+    await kernel.run("kept = 'here'")
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "failed" and op["failed_phase"] == "prepare", op
+    assert "Cannot make the images folder" in op["error"] and "state_dir" in op["error"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["operation"] is None, "not stuck in 'migrating'"
+    assert (await kernel.run("print(kept)")).strip() == "here"
+    images.unlink()
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"

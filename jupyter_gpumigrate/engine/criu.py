@@ -106,19 +106,18 @@ class Criu:
         self.binary = find(binary)
         self.timeout = timeout
 
-    def _run(self, args: list[str], images_dir: Path, log_name: str, what: str) -> None:
-        cmd = [self.binary.path, *args, "--images-dir", str(images_dir), "--log-file", log_name, "-v4"]
+    def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str) -> None:
+        cmd = [self.binary.path, *args, "--images-dir", str(images_dir), "--log-file", str(log_path), "-v4"]
         try:
             proc = subprocess.run(
                 cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout
             )
         except subprocess.TimeoutExpired as exc:
             raise CriuFailed(
-                f"CRIU {what} did not finish within {self.timeout:.0f} s; see {images_dir / log_name}.",
-                str(images_dir / log_name),
+                f"CRIU {what} did not finish within {self.timeout:.0f} s; see {log_path}.",
+                str(log_path),
             ) from exc
         if proc.returncode != 0:
-            log_path = images_dir / log_name
             errors = error_lines(log_path) or [(proc.stderr or proc.stdout).strip() or "no error logged"]
             raise CriuFailed(
                 f"CRIU could not {what}: {errors[0]}. Full log: {log_path}",
@@ -136,7 +135,7 @@ class Criu:
         ).strip()
         return proc.returncode == 0, out
 
-    def dump(self, pid: int, images_dir: Path, *, leave_running: bool = False) -> None:
+    def dump(self, pid: int, images_dir: Path, *, leave_running: bool = False, log_path: Path | None = None) -> None:
         """Dump the tree rooted at ``pid``. Unless ``leave_running``, the tree is killed once dumped.
 
         On failure CRIU resumes the tree: it keeps running as before.
@@ -144,7 +143,7 @@ class Criu:
         args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
         if leave_running:
             args.append("--leave-running")
-        self._run(args, images_dir, DUMP_LOG, f"dump process {pid}")
+        self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}")
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         """Restore the tree from ``images_dir``, detached; returns the PID of its root.
@@ -159,7 +158,7 @@ class Criu:
             self._run(
                 ["restore", "--restore-detached", "--pidfile", RESTORE_PIDFILE, *COMMON_OPTIONS],
                 images_dir,
-                RESTORE_LOG,
+                images_dir / RESTORE_LOG,
                 "restore the process",
             )
         except CriuFailed as exc:

@@ -50,6 +50,11 @@ def _checkpoint_module() -> Any:
     return _module
 
 
+def ensure_available() -> None:
+    """Raise :class:`CudaUnavailable`, saying what to install, unless the checkpoint API can be used here."""
+    _checkpoint_module()
+
+
 def cuda_uuid(nvml_uuid: str) -> str:
     """The UUID as CUDA takes it: NVML's ``GPU-xxxxxxxx-...`` without its prefix."""
     return nvml_uuid.removeprefix("GPU-")

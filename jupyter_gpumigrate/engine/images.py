@@ -19,6 +19,7 @@ from .errors import ImageError
 
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
+LOGS = ".logs"
 
 
 @dataclass
@@ -63,21 +64,35 @@ class ImageStore:
         os.chmod(self.root, 0o700)
 
     def path_for(self, name: str) -> Path:
-        if not name or "/" in name or name in (".", ".."):
+        if not name or "/" in name or name.startswith("."):
             raise ImageError(f"'{name}' is not a valid image name.")
         return self.root / name
 
     def create(self, name: str) -> Path:
         """A new, empty, private directory for ``name``; an old one of the same name is replaced."""
-        self._ensure_root()
         path = self.path_for(name)
-        if path.is_symlink():
-            path.unlink()
-        elif path.exists():
-            shutil.rmtree(path)
-        path.mkdir(mode=0o700)
-        os.chmod(path, 0o700)
+        try:
+            self._ensure_root()
+            if path.is_symlink():
+                path.unlink()
+            elif path.exists():
+                shutil.rmtree(path)
+            path.mkdir(mode=0o700)
+            os.chmod(path, 0o700)
+        except OSError as exc:
+            raise ImageError(
+                f"Cannot make the images folder {path} ({exc.strerror or exc}): check that "
+                f"{self.root} is a folder the server can write, on a disk with room "
+                f"(c.MigratableProvisioner.state_dir)."
+            ) from exc
         return path
+
+    def log_path(self, name: str, what: str) -> Path:
+        """Where CRIU's ``what`` log for ``name`` goes when it must outlive the images (a failed dump's)."""
+        self._ensure_root()
+        logs = self.root / LOGS
+        logs.mkdir(mode=0o700, exist_ok=True)
+        return logs / f"{self.path_for(name).name}-{what}.log"
 
     def write_manifest(self, path: Path, manifest: Manifest) -> None:
         manifest.image_bytes = directory_size(path)
@@ -102,7 +117,11 @@ class ImageStore:
             raise ImageError(f"{path / MANIFEST} is damaged ({exc}); the kernel cannot be resumed.") from exc
         return Manifest.from_dict(data)
 
-    def remove(self, name: str) -> None:
+    def remove(self, name: str, keep_logs: bool = False) -> None:
+        """Delete ``name``'s images, and (unless ``keep_logs``) the logs kept beside them."""
+        if not keep_logs and (self.root / LOGS).is_dir():
+            for log in (self.root / LOGS).glob(f"{name}-*.log"):
+                log.unlink(missing_ok=True)
         path = self.path_for(name)
         if path.is_symlink():
             path.unlink()
@@ -112,4 +131,5 @@ class ImageStore:
     def names(self) -> list[str]:
         if not self.root.is_dir():
             return []
-        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and not p.is_symlink())
+        return sorted(p.name for p in self.root.iterdir()
+                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -39,6 +40,18 @@ from .plan import Phase, Plan, PlanResult, ProgressCallback
 log = logging.getLogger(__name__)
 
 RUNNING, MIGRATING, SUSPENDED, STOPPED = "running", "migrating", "suspended", "stopped"
+
+
+@contextmanager
+def migrating(kernel: KernelProcess, otherwise: str) -> Iterator[None]:
+    """Mark the kernel as migrating; if what follows fails, it is ``otherwise`` again (a prepare phase that
+    fails is not undone by its plan, so it must leave the kernel as it found it)."""
+    kernel.state = MIGRATING
+    try:
+        yield
+    except BaseException:
+        kernel.state = otherwise
+        raise
 
 
 class KernelProcess(Protocol):
@@ -95,26 +108,41 @@ class GpuState:
     def holds_gpu(self) -> bool:
         return bool(self.pids)
 
-    def _each(self, step: Callable[[CudaProcess], None]) -> None:
-        for pid in self.pids:
-            step(CudaProcess(pid))
+    def _each(self, step: Callable[[CudaProcess], None], back: Callable[[CudaProcess], None] | None = None) -> None:
+        """``step`` on every CUDA process of the tree, all or none: if one fails, ``back`` undoes it on
+        those already done, so that the plan's undo finds all of them in the same state."""
+        done: list[CudaProcess] = []
+        try:
+            for pid in self.pids:
+                process = CudaProcess(pid)
+                step(process)
+                done.append(process)
+        except BaseException:
+            for process in reversed(done if back else []):
+                try:
+                    back(process)  # type: ignore[misc]
+                except Exception:  # the step's own error is the one to report
+                    log.exception("could not undo a CUDA step on process %s", process.pid)
+            raise
 
     def lock(self) -> None:
-        self._each(lambda p: p.lock(self.lock_timeout))
+        self._each(lambda p: p.lock(self.lock_timeout), back=lambda p: p.unlock())
 
     def unlock(self) -> None:
-        self._each(lambda p: p.unlock())
+        self._each(lambda p: p.unlock(), back=lambda p: p.lock(self.lock_timeout))
 
     def checkpoint(self) -> None:
-        self._each(lambda p: p.checkpoint())
+        # A process just checkpointed goes back where it was with no mapping.
+        self._each(lambda p: p.checkpoint(), back=lambda p: p.restore(None))
+
+    def _mapping(self, source: str, target: str) -> dict[str, str] | None:
+        return None if source == target else gpu_mapping([g.uuid for g in self.inventory()], source, target)
 
     def restore_to(self, target: str) -> None:
         """Put the checkpointed memory on ``target``: a remap if it was checkpointed elsewhere."""
         assert self.at is not None
-        mapping = None
-        if target != self.at:
-            mapping = gpu_mapping([g.uuid for g in self.inventory()], self.at, target)
-        self._each(lambda p: p.restore(mapping))
+        mapping = self._mapping(self.at, target)
+        self._each(lambda p: p.restore(mapping), back=lambda p: p.checkpoint())
         self.at = target
 
     def restore_home(self) -> None:
@@ -177,14 +205,17 @@ class Migration:
         gpu = GpuState([], self.lock_timeout, self.inventory)
 
         def prepare() -> None:
-            nonlocal manifest
             # Checked again here, not only by the caller: another request may have started meanwhile.
             if kernel.state != RUNNING:
                 raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be suspended.")
             pid = kernel.kernel_pid
             if pid is None or not proctree.is_alive(pid):
                 raise InvalidState("The kernel process is not running: restart the kernel instead.")
-            kernel.state = MIGRATING
+            with migrating(kernel, otherwise=RUNNING):
+                prepare_images(pid)
+
+        def prepare_images(pid: int) -> None:
+            nonlocal manifest
             if self._gpu_use(pid)[0]:
                 self._release_cache(pid)
             gpu.pids, held, _ = self._gpu_use(pid)
@@ -206,15 +237,21 @@ class Migration:
             gpu.home = gpu.at = held[0]["uuid"] if held else None
 
         def forget_images() -> None:
-            store.remove(kernel.kernel_id)
+            store.remove(kernel.kernel_id, keep_logs=True)  # a failed dump's log says why
             kernel.state = RUNNING
 
         def dump() -> None:
             assert manifest is not None
-            # On failure CRIU resumes the tree: the kernel goes on running, untouched.
-            criu.dump(manifest.pid, images)
-            kernel.release()
-            store.write_manifest(images, manifest)
+            # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is
+            # kept outside the images, which the rollback deletes.
+            criu.dump(manifest.pid, images, log_path=store.log_path(kernel.kernel_id, "dump"))
+            try:
+                kernel.release()
+                store.write_manifest(images, manifest)
+            except BaseException:
+                # The tree is dead and its images complete (CRIU succeeded): bring it back from them.
+                restore_from_images()
+                raise
             kernel.state = SUSPENDED
 
         def restore_from_images() -> None:
@@ -331,11 +368,11 @@ class Migration:
             # again with what the kernel really holds.
             _, held, gpus = self._gpu_use(pid)
             placement.plan_move(gpus, held, to_gpu, self.driver_major())
-            kernel.state = MIGRATING
-            self._release_cache(pid)
-            gpu.pids, held, gpus = self._gpu_use(pid)
-            move = placement.plan_move(gpus, held, to_gpu, self.driver_major())
-            gpu.home = gpu.at = move.source.uuid
+            with migrating(kernel, otherwise=RUNNING):
+                self._release_cache(pid)
+                gpu.pids, held, gpus = self._gpu_use(pid)
+                move = placement.plan_move(gpus, held, to_gpu, self.driver_major())
+                gpu.home = gpu.at = move.source.uuid
 
         def back_to_running() -> None:
             kernel.state = RUNNING

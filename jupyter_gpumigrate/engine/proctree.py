@@ -42,6 +42,19 @@ def info(pid: int) -> ProcessInfo | None:
     )
 
 
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks since boot, /proc/PID/stat field 22), or None if it is gone.
+
+    A PID and its start time name one process: a PID reused by another process has another start time.
+    """
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            # The name (field 2) may hold spaces and parentheses: split after its last ')'.
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def is_alive(pid: int) -> bool:
     """True if ``pid`` is a process that has not exited (zombies count as exited)."""
     found = info(pid)

@@ -50,7 +50,12 @@ class ServerClient:
         req.add_header("Content-Type", "application/json")
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read() or b"null")
+                body = resp.read()
+            try:
+                return json.loads(body or b"null")
+            except ValueError:
+                raise ApiError(f"The server at {self.url} answered something that is not JSON: is it a "
+                               "Jupyter server with jupyter-gpumigrate?") from None
         except urllib.error.HTTPError as exc:
             try:
                 message = json.loads(exc.read()).get("message") or exc.reason

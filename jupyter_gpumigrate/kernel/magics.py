@@ -106,3 +106,7 @@ class MigrateMagics(Magics):
                 MigrateWidget(client).show()
         except ApiError as exc:
             raise MigrateFailed(str(exc)) from None
+        except KeyboardInterrupt:
+            # The server delivers an interrupt only once a move is over (a half-moved kernel is never
+            # interrupted): only the waiting here was cut short.
+            raise MigrateFailed("Interrupted while waiting; %migrate --list shows where the kernel is now.") from None
