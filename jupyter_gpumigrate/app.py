@@ -30,9 +30,13 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     def initialize_settings(self) -> None:
+        factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
         if self.default_provisioner:
-            factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
             factory.default_provisioner_name = PROVISIONER_NAME
+        else:
+            # The factory is one per process: say explicitly that this server's configuration decides.
+            configured = self.serverapp.config.get("KernelProvisionerFactory", {})
+            factory.default_provisioner_name = configured.get("default_provisioner_name", "local-provisioner")
         # Each kernel gets a credential for itself (credentials.py); the provisioner finds this object
         # on its kernel manager's parent, the server's multi-kernel manager.
         credentials = KernelCredentials(lambda: self.serverapp.connection_url)

@@ -240,3 +240,23 @@ async def test_draining_gpu_0_moves_both_kernels_on_it(jp_fetch, jp_serverapp, k
             assert (await session.run("print(state_digest() == before)")).strip() == "True"
     finally:
         other.close()
+
+
+async def test_a_gpu_suspend_whose_dump_fails_leaves_the_kernel_on_its_gpu_unlocked(jp_fetch, kernel):
+    pid = await build(kernel)
+    # An io_uring instance: a kind of file CRIU cannot dump. The dump fails after the CUDA checkpoint.
+    await kernel.run(
+        "import ctypes\n"
+        "params = ctypes.create_string_buffer(120)\n"
+        "ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)\n"
+        "assert ring >= 0"
+    )
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+    assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "dump"]
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid
+    assert where(pid) == {0}, "its GPU memory is back on GPU 0"
+    out = await kernel.run("print(state_digest() == before, len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "3"], "CUDA is unlocked and the values are intact"
+    await kernel.run("os.close(ring)")
