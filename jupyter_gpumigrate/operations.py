@@ -163,7 +163,7 @@ class OperationManager:
                 if any(p in gpu.processes for p in tree)
             ]
             listed.append(data)
-        return {"driver_version": gpus_mod.driver_version(), "gpus": listed}
+        return {"driver_version": gpus_mod.driver_version(), "host": socket.gethostname(), "gpus": listed}
 
     def list_kernels(self) -> list[dict[str, Any]]:
         gpus = gpus_mod.snapshot()

@@ -46,6 +46,12 @@ if [ ! -f "$built" ] || [ -n "$(find labextension/src labextension/style labexte
      && PATH="$PWD/../.venv/bin:$PATH" npm run --silent build:prod >/dev/null)
 fi
 
+# configurable-http-proxy, for the JupyterHub service's tests (and a local hub): npm, into .venv/node.
+if [ ! -x .venv/node/node_modules/.bin/configurable-http-proxy ]; then
+  log "installing configurable-http-proxy (npm) into .venv/node"
+  npm install --no-audit --no-fund --loglevel=error --prefix .venv/node configurable-http-proxy@5 >/dev/null
+fi
+
 if [ -n "${NEED_INSTALL:-}" ]; then
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[lab,test]"
   # JupyterLab loads the extension from this checkout (a symbolic link in .venv/share).

@@ -1,0 +1,3 @@
+from .service import main
+
+main()
