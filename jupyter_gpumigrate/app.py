@@ -6,9 +6,11 @@ from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
+from tornado.ioloop import PeriodicCallback
 from traitlets import Bool, Unicode
 
 from .credentials import KernelCredentials
+from .engine import proctree
 from .handlers import handlers
 from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -51,6 +53,25 @@ class GPUMigrateApp(ExtensionApp):
         )
         self.settings["gpumigrate_operations"] = operations
         self._keep_culler_off_moving_kernels()
+        if proctree.become_subreaper():
+            # Restored kernels are now our children: reap them, and their orphans, as they exit.
+            self._reaper = PeriodicCallback(self._reap_kernel_orphans, 2000)
+            self._reaper.start()
+        else:
+            self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
+                             "not resume a second time if PID 1 does not reap it")
+
+    def _reap_kernel_orphans(self) -> None:
+        km = self.serverapp.kernel_manager
+        sessions, skip = set(), set()
+        for kernel_id in km.list_kernel_ids():
+            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+            if isinstance(provisioner, MigratableProvisioner) and provisioner.pgid:
+                sessions.add(provisioner.pgid)  # kernels start in a session of their own
+                if provisioner.process is not None:
+                    skip.add(provisioner.process.pid)  # its Popen reaps it
+        if sessions:
+            proctree.reap_orphans(sessions, skip)
 
     def _keep_culler_off_moving_kernels(self) -> None:
         # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.

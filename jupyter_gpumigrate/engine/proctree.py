@@ -7,10 +7,13 @@ not a dependency of Jupyter and a few /proc reads are all that is needed here.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import time
 from dataclasses import dataclass
+
+PR_SET_CHILD_SUBREAPER = 36
 
 
 @dataclass(frozen=True)
@@ -47,11 +50,11 @@ def start_time(pid: int) -> int | None:
 
     A PID and its start time name one process: a PID reused by another process has another start time.
     """
+    # The name (field 2) may hold spaces and parentheses: _stat_fields splits after its last ')'.
+    fields = _stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
-            # The name (field 2) may hold spaces and parentheses: split after its last ')'.
-            return int(f.read().rsplit(")", 1)[1].split()[19])
-    except (OSError, IndexError, ValueError):
+        return int(fields[19]) if fields else None
+    except (IndexError, ValueError):
         return None
 
 
@@ -146,6 +149,44 @@ def wait_ids_released(ids: list[int], name: str, timeout: float) -> bool:
         for pid in held:
             reap(pid)
         time.sleep(0.02)
+
+
+def become_subreaper() -> bool:
+    """Make this process the reaper of its orphaned descendants (prctl PR_SET_CHILD_SUBREAPER).
+
+    A kernel restored by CRIU is detached from CRIU, and would become a child of PID 1. A later
+    suspend of that kernel leaves it a zombie until PID 1 reaps it. PID 1 may be slow, or may be
+    this very server in a container, and the zombie keeps its PID taken, so the next resume fails.
+    As a subreaper, the server inherits restored kernels and reaps them itself. True if it worked.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def reap_orphans(sessions: set[int], skip: set[int]) -> list[int]:
+    """Reap our zombie children that belong to one of ``sessions`` (kernels' sessions) and are not in
+    ``skip`` (processes someone else waits for, such as a Popen). Returns the PIDs reaped."""
+    me, reaped = os.getpid(), []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) in skip:
+            continue
+        fields = _stat_fields(int(name))
+        # fields: [0] state, [1] ppid, [2] pgrp, [3] session
+        if fields and fields[0] == "Z" and int(fields[1]) == me and int(fields[3]) in sessions:
+            if reap(int(name)) is not None:
+                reaped.append(int(name))
+    return reaped
 
 
 def reap(pid: int) -> int | None:

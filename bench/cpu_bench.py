@@ -1,0 +1,164 @@
+"""Suspend and resume timings of real kernels through a real server, against the memory a kernel holds.
+
+Starts `jupyter server` with the extension (a token, a free port, a temporary root and state dir), and
+for each size starts an IPython kernel, fills that much memory in it, then suspends and resumes it
+through the REST API, checking after the resume that the kernel still holds its data. Phase timings come
+from the operations themselves. The last thing printed is a short table; --out writes all as JSON.
+
+    .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--out bench.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+import uuid
+from pathlib import Path
+
+import websocket  # websocket-client, a dependency of jupyter_server
+
+GB = 10**9
+
+FILL = """
+size = int({size} * 1e9)
+data = bytearray(size)
+for i in range(0, size, 4096):   # touch every page: the kernel really holds {size} GB
+    data[i] = i % 251
+print(len(data))
+"""
+CHECK = "print(all(data[i] == i % 251 for i in range(0, len(data), 4096 * 97)), len(data))"
+
+
+class Server:
+    def __init__(self, root: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.token = secrets.token_hex(16)
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
+             "--ip=127.0.0.1", f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}",
+             f"--MigratableProvisioner.state_dir={root / 'state'}"],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("GET", "api/gpumigrate/kernels")
+                return
+            except OSError:
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise RuntimeError(f"the server did not start; see {root / 'server.log'}") from None
+                time.sleep(0.2)
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        data = json.dumps(body or {}).encode() if method == "POST" else None
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"token {self.token}")
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            raw = resp.read()
+        return json.loads(raw) if raw else {}
+
+    def operate(self, kernel_id: str, action: str) -> dict:
+        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}")
+        while op["status"] not in ("succeeded", "failed"):
+            op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+        if op["status"] != "succeeded":
+            raise RuntimeError(f"{action} failed: {op['error']}")
+        return op
+
+    def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
+        """Execute ``code`` through the server's websocket, as a notebook tab does; return its output."""
+        ws = websocket.create_connection(
+            self.url.replace("http", "ws") + f"api/kernels/{kernel_id}/channels",
+            header=[f"Authorization: token {self.token}"], timeout=timeout,
+        )
+        msg_id = uuid.uuid4().hex
+        ws.send(json.dumps({
+            "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "bench", "session": msg_id,
+                       "version": "5.3", "date": ""},
+            "parent_header": {}, "metadata": {}, "channel": "shell",
+            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                        "allow_stdin": False},
+        }))
+        out = []
+        try:
+            while True:
+                msg = json.loads(ws.recv())
+                if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                    continue
+                if msg["msg_type"] == "stream":
+                    out.append(msg["content"]["text"])
+                elif msg["msg_type"] == "error":
+                    raise RuntimeError("\n".join(msg["content"]["traceback"]))
+                elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                    return "".join(out)
+        finally:
+            ws.close()
+
+    def stop(self) -> None:
+        os.killpg(self.proc.pid, 15)
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+def table(rows: list[dict]) -> str:
+    head = ["kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s", "GB/s dump", "GB/s restore"]
+    body = []
+    for r in rows:
+        s, m = r["suspend"]["timings"], r["resume"]["timings"]
+        gbytes = r["image_bytes"] / GB
+        body.append([f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}", f"{s['dump']:.2f}",
+                     f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
+                     f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}"])
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="0,1,4", help="GB of memory each kernel holds")
+    parser.add_argument("--repeat", type=int, default=2, help="suspend/resume rounds per size")
+    parser.add_argument("--out", help="write every row as JSON here")
+    args = parser.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="gpumigrate-cpu-bench-"))
+    server = Server(root)
+    rows = []
+    try:
+        for size in (float(s) for s in args.sizes.split(",")):
+            kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
+            server.run(kernel_id, FILL.format(size=size))
+            for _ in range(args.repeat):
+                suspended = server.operate(kernel_id, "suspend")
+                resumed = server.operate(kernel_id, "resume")
+                assert server.run(kernel_id, CHECK).split()[0] == "True", "the kernel lost its data"
+                row = {"size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended, "resume": resumed}
+                rows.append(row)
+                print(json.dumps({k: row[k] for k in ("size_gb", "image_bytes")} | {
+                    "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
+            server.api("DELETE", f"api/kernels/{kernel_id}")
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": socket.gethostname(),
+            "cpus": os.cpu_count(), "kernel": os.uname().release}
+    if args.out:
+        Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"\n# {meta['date']}, {meta['cpus']} CPUs, Linux {meta['kernel']}")
+    print(table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
