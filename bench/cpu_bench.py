@@ -26,6 +26,9 @@ from pathlib import Path
 
 import websocket  # websocket-client, a dependency of jupyter_server
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from report import text_table  # noqa: E402
+
 GB = 10**9
 
 FILL = """
@@ -122,8 +125,7 @@ def table(rows: list[dict]) -> str:
         body.append([f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}", f"{s['dump']:.2f}",
                      f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
                      f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}"])
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
+    return text_table(head, body)
 
 
 def main() -> int:

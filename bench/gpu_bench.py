@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine import proctree
@@ -122,8 +123,7 @@ def table(rows: list[dict]) -> str:
     body = [[r["case"], r["step"], f"{r['gpu_bytes'] / GB:.1f}",
              *[f"{r['timings'][p]:.2f}" if p in r["timings"] else "-" for p in used], f"{r['total']:.2f}"]
             for r in rows]
-    widths = [max(len(str(x)) for x in col) for col in zip(head, *body)]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(line, widths)) for line in [head, *body])
+    return text_table(head, body)
 
 
 def main() -> int:
