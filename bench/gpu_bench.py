@@ -27,6 +27,7 @@ from jupyter_gpumigrate.engine import proctree
 from jupyter_gpumigrate.engine.criu import Criu
 from jupyter_gpumigrate.engine.images import ImageStore
 from jupyter_gpumigrate.engine.migration import RUNNING, Migration
+from report import text_table
 
 GB = 10**9
 

@@ -20,8 +20,10 @@ c.JupyterHub.custom_scopes = {
 c.JupyterHub.load_roles = [
     {
         "name": "gpumigrate-service",
+        # Find users' servers, and mint for each user a short-lived token limited to that user's server
+        # (tokens). The service's own token never goes to a user's server, which its user controls.
         "description": "What the service needs: find users' servers and call their /api/gpumigrate.",
-        "scopes": ["list:users", "read:users:name", "read:servers", "access:servers"],
+        "scopes": ["list:users", "read:users:name", "read:servers", "access:servers", "tokens"],
         "services": ["gpumigrate"],
     },
     {

@@ -66,7 +66,7 @@ c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
 c.JupyterHub.custom_scopes = {{"{SCOPE}": {{"description": "gpumigrate admin"}}}}
 c.JupyterHub.load_roles = [
-    {{"name": "gpumigrate-service", "scopes": ["list:users", "read:users:name", "read:servers", "access:servers"],
+    {{"name": "gpumigrate-service", "scopes": ["list:users", "read:users:name", "read:servers", "access:servers", "tokens"],
       "services": ["gpumigrate"]}},
     {{"name": "gpumigrate-admin", "scopes": ["{SCOPE}", "access:services!service=gpumigrate"], "users": ["boss"]}},
     {{"name": "tester", "scopes": ["admin:users", "admin:servers", "access:servers", "tokens"], "services": ["tester"]}},
@@ -213,6 +213,11 @@ async def test_an_admin_sees_every_users_kernels_and_suspends_and_resumes_one(ma
     listed = {v["user"]: [k["id"] for k in v["kernels"]] for v in views}
     assert listed == {"alice": [kernels["alice"]], "bob": [kernels["bob"]]}
     assert all(v["host"] == socket.gethostname() and v["gpus"] == [] for v in views)
+    # Each server was called with its own user's token, limited to that server, never the service's.
+    minted = [t for t in hub.hub_api("GET", "/users/alice/tokens")["api_tokens"] if t["note"] == "jupyter-gpumigrate service"]
+    assert minted and all("access:servers!user=alice" in t["scopes"] for t in minted)
+    # (the Hub adds alice's own identity scopes; nothing reaches beyond alice)
+    assert all(scope.endswith("!user=alice") for t in minted for scope in t["scopes"]), minted
 
     code, op = hub.service("POST", f"api/users/alice/kernels/{kernels['alice']}/suspend", boss, {})
     assert code == 202 and op["user"] == "alice", op
@@ -246,8 +251,9 @@ async def test_an_admin_sees_every_users_kernels_and_suspends_and_resumes_one(ma
 
 
 async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one(make_hub):
-    # Kernels idle for 6 s are suspended (CPU kernels too, since CI has no GPU), checked every second.
-    hub = make_hub("--idle-suspend-minutes", "0.1", "--idle-include-cpu", "--idle-check-seconds", "1")
+    # Kernels idle for 15 s are suspended (CPU kernels too, since CI has no GPU), checked every second.
+    # 15 s is the margin for bob's kernel to start and turn busy, and for alice's to run its cell.
+    hub = make_hub("--idle-suspend-minutes", "0.25", "--idle-include-cpu", "--idle-check-seconds", "1")
     for user in ("alice", "bob"):
         hub.start_server(user)
 
@@ -266,7 +272,7 @@ async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one(make_h
                    lambda: f"the idle kernel was not suspended: {hub.service('GET', 'api/policy', hub.token('boss', [SCOPE]))}")
     assert state("bob", busy_id) == "running" and not busy_cell.done()
     code, policy = hub.service("GET", "api/policy", hub.token("boss", [SCOPE]))
-    assert code == 200 and policy["idle_suspend_minutes"] == 0.1
+    assert code == 200 and policy["idle_suspend_minutes"] == 0.25
     kept = [d for d in policy["last_decisions"] if d["kernel"] == busy_id]
     assert kept and not kept[0]["suspend"] and "busy" in kept[0]["reason"], policy
     assert "idle policy: suspending alice's kernel" in (hub.root / "hub.log").read_text()

@@ -98,11 +98,13 @@ async def test_round_trip_keeps_every_kind_of_state(jp_fetch, jp_serverapp, kern
     out = (await kernel.run(CHECK_STATE)).splitlines()
     assert out == EXPECTED
 
-    # And again: a kernel restored once (no longer the server's child by birth) suspends and resumes.
+    # And again: a kernel restored once (no longer the server's child by birth) suspends and resumes,
+    # with a child process of its own this time (it becomes the server's orphan at the dump).
+    await kernel.run("import subprocess; child = subprocess.Popen(['sleep', '600'])")
     for _ in range(2):
         assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
         assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
-    assert (await kernel.run("print(next(gen), x + 1)")).split() == ["7", "42"]
+    assert (await kernel.run("print(next(gen), x + 1, child.poll())")).split() == ["7", "42", "None"]
 
 
 async def test_notebook_websocket_keeps_working(jp_fetch, jp_ws_fetch, jp_serverapp):

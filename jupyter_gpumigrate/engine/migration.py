@@ -247,6 +247,7 @@ class Migration:
             criu.dump(manifest.pid, images, log_path=store.log_path(kernel.kernel_id, "dump"))
             try:
                 kernel.release()
+                proctree.reap_dumped(manifest.ids)
                 store.write_manifest(images, manifest)
             except BaseException:
                 # The tree is dead and its images complete (CRIU succeeded): bring it back from them.

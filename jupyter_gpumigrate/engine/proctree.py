@@ -189,6 +189,20 @@ def reap_orphans(sessions: set[int], skip: set[int]) -> list[int]:
     return reaped
 
 
+def reap_dumped(ids: list[int], timeout: float = 10.0) -> None:
+    """After a dump killed a tree: reap those of its processes that became our children (orphans of the
+    tree come to us, the subreaper), so that none of its PIDs stays taken by a zombie."""
+    me = os.getpid()
+    deadline = time.monotonic() + timeout
+    while True:
+        ours = [pid for pid in ids if (f := _stat_fields(pid)) and int(f[1]) == me]
+        for pid in ours:
+            reap(pid)
+        if not ours or time.monotonic() >= deadline:
+            return
+        time.sleep(0.02)
+
+
 def reap(pid: int) -> int | None:
     """Collect the exit status of a child that has exited; None if it is not our child or still runs."""
     try:

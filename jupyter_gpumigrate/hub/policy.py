@@ -44,7 +44,12 @@ class IdlePolicy:
         for server in await servers.running():
             view = await servers.view(server)
             for kernel in view["kernels"]:
-                suspend, why = self.decide(kernel, now)
+                try:
+                    suspend, why = self.decide(kernel, now)
+                except (KeyError, TypeError, ValueError) as exc:  # a server answering nonsense
+                    log.warning("idle policy: skipping a kernel of %s that its server describes oddly: %r",
+                                server.user, exc)
+                    continue
                 decision = {"user": server.user, "kernel": kernel["id"], "suspend": suspend, "reason": why}
                 if suspend:
                     try:

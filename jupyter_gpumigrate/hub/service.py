@@ -93,6 +93,8 @@ class ActionHandler(Base):
     async def post(self, user: str, kernel_id: str, action: str) -> None:
         server = await self.relay(self.servers.find(user, self.get_query_argument("server", "")))
         op = await self.relay(self.servers.call(server, kernel_path(kernel_id, action), "POST", self.body()))
+        if not isinstance(op, dict) or "id" not in op:
+            raise web.HTTPError(502, f"{user}'s server did not answer with an operation.")
         log.info("%s: %s of %s's kernel %s (operation %s)", self.current_user["name"], action, user, kernel_id, op["id"])
         self.send(dict(op, user=user), 202)
 
@@ -110,18 +112,24 @@ class DrainHandler(Base):
     @web.authenticated
     async def post(self, index: str) -> None:
         host = self.get_query_argument("host", None)
-        started = []
+        body = self.body()
+        started, errors = [], []
         for server in await self.relay(self.servers.running()):
             view = await self.servers.view(server)
             if host and view["host"] != host:
                 continue
-            if not any(k["id"] for g in view["gpus"] if g["index"] == int(index) for k in g["kernels"]):
+            on_it = any(g.get("index") == int(index) and g.get("kernels") for g in view["gpus"] if isinstance(g, dict))
+            if not on_it:
                 continue
-            op = await self.relay(self.servers.call(server, f"gpus/{int(index)}/drain", "POST", self.body()))
-            started.append(dict(op, user=server.user))
-        log.info("%s: drain of GPU %s%s: %d server(s)", self.current_user["name"], index,
-                 f" on {host}" if host else "", len(started))
-        self.send({"gpu": int(index), "host": host, "operations": started}, 202)
+            # One server refusing must not hide the drains already started on the others.
+            try:
+                op = await self.servers.call(server, f"gpus/{int(index)}/drain", "POST", body)
+                started.append(dict(op, user=server.user))
+            except ServerError as exc:
+                errors.append({"user": server.user, "error": str(exc)})
+        log.info("%s: drain of GPU %s%s: %d server(s) started, %d refused", self.current_user["name"], index,
+                 f" on {host}" if host else "", len(started), len(errors))
+        self.send({"gpu": int(index), "host": host, "operations": started, "errors": errors}, 202)
 
 
 class PolicyHandler(Base):

@@ -213,7 +213,7 @@ export class GpuMigratePanel extends Widget {
     if (kernel.state === 'running') {
       if (held) {
         const targets = targetsFor(store.gpus, held, true);
-        const select = this.select(targets, null, 'Move to');
+        const select = this.select(`move:${kernel.id}`, targets, null, 'Move to');
         box.append(
           select,
           button(
@@ -228,7 +228,12 @@ export class GpuMigratePanel extends Widget {
     } else if (kernel.state === 'suspended') {
       const was = kernel.suspended_on[0];
       if (was && store.gpus.length) {
-        const select = this.select(targetsFor(store.gpus, was, false), 'where it was', 'Resume on');
+        const select = this.select(
+          `resume:${kernel.id}`,
+          targetsFor(store.gpus, was, false),
+          'where it was',
+          'Resume on'
+        );
         box.append(select);
         box.append(
           button('Resume', 'jp-gpumigrate-resume', () =>
@@ -242,11 +247,18 @@ export class GpuMigratePanel extends Widget {
     return box;
   }
 
-  private select(gpus: IGpu[], defaultLabel: string | null, label: string): HTMLSelectElement {
+  private select(
+    key: string,
+    gpus: IGpu[],
+    defaultLabel: string | null,
+    label: string
+  ): HTMLSelectElement {
     const select = h('select', {
       class: 'jp-gpumigrate-select',
       'aria-label': label
     }) as HTMLSelectElement;
+    // Re-rendering (events, the timer) must not undo a choice: remember it per kernel.
+    select.addEventListener('change', () => this._choices.set(key, select.value));
     if (defaultLabel) {
       select.append(h('option', { value: '' }, defaultLabel));
     }
@@ -262,6 +274,10 @@ export class GpuMigratePanel extends Widget {
     if (!gpus.length && !defaultLabel) {
       select.append(h('option', { value: '' }, 'no GPU can take it'));
       select.disabled = true;
+    }
+    const chosen = this._choices.get(key);
+    if (chosen !== undefined && Array.from(select.options).some(o => o.value === chosen)) {
+      select.value = chosen;
     }
     return select;
   }
@@ -279,4 +295,5 @@ export class GpuMigratePanel extends Widget {
       bar
     );
   }
+  private _choices = new Map<string, string>();
 }

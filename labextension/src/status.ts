@@ -36,7 +36,7 @@ export class KernelGpuStatus extends Widget {
     }
     const op = this.store.operations.get(kernel.id);
     if (op) {
-      return `${op.action}: ${op.phase ?? 'starting'}…`;
+      return `${op.action}: ${op.phase || 'starting'}…`;
     }
     if (kernel.state === 'suspended') {
       return 'Kernel suspended';

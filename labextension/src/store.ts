@@ -41,6 +41,14 @@ export class GpuMigrateStore {
       const [kernels, gpus] = await Promise.all([api.kernels(), api.gpus()]);
       this.kernels = kernels;
       this.gpus = gpus.gpus;
+      // The server is the truth: drop operations it no longer runs (their last event may have been lost
+      // while the event stream reconnected, or arrived before the POST's reply).
+      for (const [key, op] of this.operations) {
+        const kernel = kernels.find(k => k.id === key);
+        if (!key.startsWith('gpu:') && kernel?.operation !== op.id) {
+          this.operations.delete(key);
+        }
+      }
       this.notebooks = new Map();
       for (const session of this.services.sessions.running()) {
         if (session.kernel) {
@@ -65,8 +73,19 @@ export class GpuMigrateStore {
   async start(key: string, begin: () => Promise<IOperation>, what: string): Promise<void> {
     try {
       const op = await begin();
-      this.operations.set(key, op);
+      const known = this.operations.get(key);
+      // Events may have overtaken this reply: keep whichever is newer.
+      if (!known || known.id !== op.id || known.version < op.version) {
+        this.operations.set(key, op);
+      }
       this._changed.emit();
+      if (op.action === 'drain') {
+        // A drain is followed by its children's events; forget it once its kernels have moved.
+        window.setTimeout(() => {
+          this.operations.delete(key);
+          void this.refresh();
+        }, 15000);
+      }
     } catch (error) {
       Notification.error(`${what}: ${error instanceof Error ? error.message : String(error)}`, {
         autoClose: false
