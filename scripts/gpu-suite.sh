@@ -143,8 +143,10 @@ resolve_lock() {
   "$py" - >>"$reqs_file" <<'PY'
 import tomllib
 p = tomllib.load(open("pyproject.toml", "rb"))["project"]
+# JupyterHub is for the Hub service's tests, which run in CI, not in the gpu suite: leave it here.
 for r in p.get("dependencies", []) + p.get("optional-dependencies", {}).get("test", []):
-    print(r)
+    if not r.lower().startswith("jupyterhub"):
+        print(r)
 PY
   # the versions that the project's .venv uses, where it has them
   if [ -x .venv/bin/python ]; then
