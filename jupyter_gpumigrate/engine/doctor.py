@@ -48,7 +48,7 @@ def check_criu(criu_path: str | None) -> list[Check]:
                 FAIL,
                 last or "failed",
                 f"Run `{binary.path} check` as root and fix what it reports "
-                "(it needs root or CAP_CHECKPOINT_RESTORE and CAP_SYS_PTRACE).",
+                "(jupyter-gpumigrate runs CRIU as root).",
             )
         )
     return checks

@@ -121,7 +121,7 @@ def steer_pid_allocation(ids: list[int]) -> bool:
     it has run; but CRIU itself, its helpers and any thread the server starts meanwhile take the next
     free PIDs. When the cursor sits just below a suspended tree's numbers (after PIDs wrapped around),
     they would be taken by exactly those processes. Moving the cursor forward only skips numbers.
-    Needs root (or CAP_CHECKPOINT_RESTORE), which CRIU needs anyway; True if it moved the cursor.
+    Needs root, which CRIU needs here anyway; True if it moved the cursor.
     """
     if not ids:
         return False
