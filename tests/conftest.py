@@ -6,6 +6,7 @@ it is missing: `make test` installs it first, and CI must prove suspend and resu
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -31,6 +32,21 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if reason and "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Any:
+    """On a failure, show the errors of every CRIU log the test left: CI keeps no files."""
+    outcome = yield
+    report = outcome.get_result()
+    tmp = getattr(item, "funcargs", {}).get("tmp_path")
+    if not report.failed or not isinstance(tmp, Path):
+        return
+    for log in sorted(tmp.rglob("*.log")):
+        if log.name in (criu_mod.DUMP_LOG, criu_mod.RESTORE_LOG) or log.parent.name == ".logs":
+            lines = log.read_text(errors="replace").splitlines()
+            wanted = [ln for ln in lines if "Error" in ln or "Warn" in ln] or lines[-40:]
+            report.sections.append((f"CRIU log {log}", "\n".join(wanted[-60:])))
 
 
 @pytest.fixture

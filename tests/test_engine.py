@@ -98,26 +98,32 @@ def test_dump_failure_leaves_the_process_running(criu_binary, tmp_path):
     writer.close()
 
 
-def test_restore_onto_a_taken_pid_names_the_holder(criu_binary, tmp_path):
+@pytest.mark.parametrize("taken", ["pid", "thread"])
+def test_restore_onto_a_taken_id_names_the_holder(criu_binary, tmp_path, taken):
     # The server checks PIDs before CRIU runs; if one is taken in between, CRIU's own failure
-    # must still come back as a PidConflict that names the holder.
+    # must still come back as a PidConflict that names the holder. A taken PID makes CRIU say
+    # "Can't fork for PID"; a taken thread TID only "Unable to create a thread: -17", on a "pie:"
+    # line of its log (the restorer blob's).
     proc, fifo, out = start_counter(tmp_path)
     writer = open(fifo, "w")
     send(writer, 3, out, "3")
     criu = Criu(criu_binary)
     images = ImageStore(tmp_path / "images").create("counter")
     ids = proctree.tree_ids(proc.pid)
+    held = proc.pid if taken == "pid" else max(tid for tid in ids if tid != proc.pid)
     criu.dump(proc.pid, images)
     proc.wait(timeout=10)
-    holder = hold_pid(proc.pid)
+    holder = hold_pid(held)
     try:
         with pytest.raises(PidConflict) as info:
             criu.restore(images, ids)
-        assert info.value.pid == proc.pid and "'sleep'" in str(info.value)
+        assert info.value.pid == held and "'sleep'" in str(info.value), str(info.value)
         assert "images are kept" in str(info.value)
+        cause = {"pid": f"Can't fork for {held}", "thread": "Unable to create a thread: -17"}[taken]
+        assert cause in info.value.__cause__.log_tail
     finally:
         holder.stop()
-    # The PID cursor now sits at the process's PID, right below its thread's TID: without the
+    # The PID cursor now sits at the held number, maybe right below the thread's TID: without the
     # tree's ids CRIU itself would be born with that TID and fail.
     pid = criu.restore(images, ids)
     send(writer, 4, out, "7")

@@ -31,7 +31,11 @@ RESTORE_PIDFILE = "restore.pid"
 
 #: Printed on every run on these machines and harmless (FACTS.md).
 _HARMLESS = ("Can't setup RLIMIT_NOFILE",)
-_ERROR_LINE = re.compile(r"^\(\s*[\d.]+\)\s+(?:\d+:\s+)?Error \(([^)]*)\):\s*(.*)$")
+#: ``(00.123456) Error (file:line): text``; a task's lines add ``PID: `` before ``Error``, and the
+#: restorer blob's (criu/pie/, where threads are created) add ``pie: TID: ``.
+_ERROR_LINE = re.compile(r"^(?:\(\s*[\d.]+\)\s+)?(?:pie:\s+)?(?:\d+:\s+)?Error \(([^)]*)\):\s*(.*)$")
+#: CRIU's closing words: true of every failure, so never the one to show first.
+_GENERIC = ("Restoring FAILED", "Killing processes because of failure", "The Network was unlocked")
 
 INSTALL_HINT = (
     "Install CRIU >= 4.2: run scripts/ensure-criu.sh from the jupyter-gpumigrate source tree as root "
@@ -119,8 +123,9 @@ class Criu:
             ) from exc
         if proc.returncode != 0:
             errors = error_lines(log_path) or [(proc.stderr or proc.stdout).strip() or "no error logged"]
+            cause = next((e for e in errors if not e.startswith(_GENERIC)), errors[0])
             raise CriuFailed(
-                f"CRIU could not {what}: {errors[0]}. Full log: {log_path}",
+                f"CRIU could not {what}: {cause}. Full log: {log_path}",
                 str(log_path),
                 "\n".join(errors[-10:]),
             )
@@ -166,16 +171,22 @@ class Criu:
                 # The tasks CRIU had forked with the tree's PIDs are still dying: let them go, so
                 # that a retry does not find its own PIDs taken by 'criu'.
                 proctree.wait_ids_released(ids, name="criu", timeout=10)
-            raise self._explain_restore_failure(exc) from exc
+            raise self._explain_restore_failure(exc, ids or []) from exc
         return int(pidfile.read_text().strip())
 
     @staticmethod
-    def _explain_restore_failure(exc: CriuFailed) -> CriuFailed | PidConflict:
+    def _explain_restore_failure(exc: CriuFailed, ids: list[int]) -> CriuFailed | PidConflict:
         text = exc.log_tail
         pid_match = re.search(r"Can't fork for (\d+)", text) or re.search(r"PID (\d+).*File exists", text)
-        if pid_match or "File exists" in text and "fork" in text:
+        # A thread whose TID is taken: the restorer says only "Unable to create a thread: -17" (EEXIST).
+        thread_taken = re.search(r"Unable to create a thread: -17\b", text)
+        if pid_match or thread_taken or "File exists" in text and "fork" in text:
             pid = int(pid_match.group(1)) if pid_match else 0
             holder = proctree.info(pid) if pid else None
+            if holder is None:
+                # Name the holder ourselves, once the tasks CRIU had made and then killed are gone.
+                holder = proctree.first_holder(ids, settle=1.0)
+                pid = holder.pid if holder else pid
             who = holder.describe() if holder else "another process"
             return PidConflict(
                 f"Cannot restore: PID {pid} that the kernel used is now taken by {who}. "

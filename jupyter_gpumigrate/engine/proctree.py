@@ -102,13 +102,21 @@ def tree_ids(root: int) -> list[int]:
     return sorted(set(ids))
 
 
-def first_holder(ids: list[int]) -> ProcessInfo | None:
-    """The first live process or thread that holds one of ``ids``, or None if all are free."""
-    for pid in ids:
-        found = info(pid)
-        if found is not None:
-            return found
-    return None
+def first_holder(ids: list[int], settle: float = 0.0) -> ProcessInfo | None:
+    """The first live process or thread that holds one of ``ids``, or None if all are free.
+
+    ``settle``: wait up to that long for holders that are exiting (killed, or zombies) to let go.
+    """
+    deadline = time.monotonic() + settle
+    while True:
+        found = [h for pid in ids if (h := info(pid)) is not None]
+        live = [h for h in found if h.state not in ("Z", "X")]
+        if not settle or len(live) == len(found) or time.monotonic() >= deadline:
+            return live[0] if live else (found[0] if found else None)
+        for h in found:
+            if h.state in ("Z", "X"):
+                reap(h.pid)
+        time.sleep(0.05)
 
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
