@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
+from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
-from traitlets import Bool, Unicode
+from tornado.netutil import bind_sockets
+from traitlets import Bool, Dict, TraitError, Unicode, default, validate
 
 from .credentials import KernelCredentials
 from .engine import proctree
 from .handlers import handlers
+from .engine import gpus as gpus_mod
+from .engine.criu import Criu
 from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
+from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 
 
@@ -31,6 +38,36 @@ class GPUMigrateApp(ExtensionApp):
         "", help="The CRIU binary; empty: MigratableProvisioner.criu_path, /usr/local/sbin/criu or PATH."
     ).tag(config=True)
 
+    host_name = Unicode(
+        help="This server's name for its peers and in kernel lists (default: the host name).",
+    ).tag(config=True)
+
+    peers = Dict(
+        help="Other servers with jupyter_gpumigrate that kernels can move to, by name: "
+        '{"b": {"url": "https://b:8888/", "token": "<b\'s peer_token>", "ca_file": "/path/ca.pem"}}. '
+        "url must be https (plain http only on loopback); ca_file is optional (default: system CAs).",
+    ).tag(config=True)
+
+    peer_token = Unicode(
+        "", help="The credential peers must present to move kernels to this server (and back). Empty: this "
+        "server hosts no kernels for peers. Keep it secret; it lets a peer run processes here as this server's user.",
+    ).tag(config=True)
+
+    @default("host_name")
+    def _default_host_name(self) -> str:
+        return socket.gethostname()
+
+    @validate("peers")
+    def _check_peers(self, proposal: Any) -> dict:
+        for name, entry in proposal["value"].items():
+            if not isinstance(entry, dict):
+                raise TraitError(f"Peer {name!r} must be a dict with url and token.")
+            try:
+                Peer.from_config(name, entry)
+            except ValueError as exc:
+                raise TraitError(str(exc)) from exc
+        return proposal["value"]
+
     def initialize_settings(self) -> None:
         factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
         if self.default_provisioner:
@@ -41,17 +78,25 @@ class GPUMigrateApp(ExtensionApp):
             factory.default_provisioner_name = configured.get("default_provisioner_name", "local-provisioner")
         # Each kernel gets a credential for itself (credentials.py); the provisioner finds this object
         # on its kernel manager's parent, the server's multi-kernel manager.
-        credentials = KernelCredentials(lambda: self.serverapp.connection_url)
+        credentials = KernelCredentials(self._kernel_api_url)
         self.serverapp.kernel_manager.gpumigrate_credentials = credentials
         self.settings["gpumigrate_credentials"] = credentials
         event_logger = self.serverapp.event_logger
         event_logger.register_event_schema(EVENT_SCHEMA)
+        peers = {name: Peer.from_config(name, entry) for name, entry in self.peers.items()}
         operations = OperationManager(
             self.serverapp.kernel_manager,
             emit=lambda data: event_logger.emit(schema_id=EVENT_SCHEMA_ID, data=data),
             criu_path=self.criu_path or None,
+            host_name=self.host_name,
+            peers=peers,
+            api_address=lambda: self._kernel_api_address,
         )
         self.settings["gpumigrate_operations"] = operations
+        state_dir = MigratableProvisioner(config=self.serverapp.config).state_dir
+        self.guests = GuestHost(Path(state_dir) / "guests", lambda: Criu(self.criu_path or None), gpus_mod.snapshot)
+        self.settings["gpumigrate_guests"] = self.guests
+        self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
         if proctree.become_subreaper():
             # Restored kernels are now our children: reap them, and their orphans, as they exit.
@@ -61,9 +106,28 @@ class GPUMigrateApp(ExtensionApp):
             self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
                              "not resume a second time if PID 1 does not reap it")
 
+    _kernel_api_address: tuple[str, int] | None = None
+
+    def _kernel_api_url(self) -> str:
+        """Where the server's kernels call it (credentials.py): a loopback port of its own.
+
+        The same application, served on a second, random loopback port: the kernel's calls never
+        depend on how the server is exposed (a public address, TLS, a proxy), and when a kernel moves
+        to another host, that host's end of the relay listens on this address for it (relay.py).
+        """
+        if self._kernel_api_address is None:
+            sock = bind_sockets(0, "127.0.0.1")[0]
+            server = HTTPServer(self.serverapp.web_app, xheaders=False)
+            server.add_sockets([sock])
+            self._kernel_api_server = server
+            self._kernel_api_address = ("127.0.0.1", sock.getsockname()[1])
+        address, port = self._kernel_api_address
+        return f"http://{address}:{port}{self.serverapp.base_url}"
+
     def _reap_kernel_orphans(self) -> None:
         km = self.serverapp.kernel_manager
         sessions, skip = set(), set()
+        sessions.update(g.pgid for g in self.guests.guests.values() if g.pgid)
         for kernel_id in km.list_kernel_ids():
             provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
             if isinstance(provisioner, MigratableProvisioner) and provisioner.pgid:

@@ -22,7 +22,8 @@ from .engine import cudackpt, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.images import Manifest
-from .engine.migration import RUNNING, SUSPENDED, Migration
+from .engine.migration import REMOTE, RUNNING, SUSPENDED, Migration
+from .peers import Peer, PeerLink, UnknownPeer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 
 log = logging.getLogger(__name__)
@@ -56,6 +57,9 @@ class Operation:
     bytes: int = 0
     to_gpu: int | None = None
     from_gpu: int | None = None
+    #: a move between hosts: the host it goes to and the one it leaves (names, as in kernel lists)
+    to_host: str | None = None
+    from_host: str | None = None
     #: drain: the GPU drained, the child operations (one per kernel) and what became of each kernel
     gpu: int | None = None
     children: list[str] = field(default_factory=list)
@@ -80,10 +84,15 @@ Emit = Callable[[dict[str, Any]], None]
 
 
 class OperationManager:
-    def __init__(self, kernel_manager: Any, emit: Emit | None = None, criu_path: str | None = None) -> None:
+    def __init__(self, kernel_manager: Any, emit: Emit | None = None, criu_path: str | None = None,
+                 host_name: str | None = None, peers: dict[str, Peer] | None = None,
+                 api_address: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
         self.kernel_manager = kernel_manager
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
+        self.host_name = host_name or socket.gethostname()
+        self.peers = peers or {}
+        self.api_address = api_address
         self.operations: OrderedDict[str, Operation] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) on every change of any operation
         # One GPU placement at a time: two moves checked against the same free memory could both
@@ -124,15 +133,19 @@ class OperationManager:
             if manifest is not None:
                 image_bytes, suspended_on = manifest.image_bytes, manifest.gpus
         active = self.active.get(kernel_id)
+        remote = migratable and state == REMOTE
+        held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
         return {
             "id": kernel_id,
             "name": kernel.kernel_name,
             "pid": pid,
-            "host": socket.gethostname(),
-            "state": state,
+            "host": provisioner.remote_host if remote else self.host_name,
+            "home": self.host_name,
+            "state": RUNNING if remote else state,
+            "remote": remote,
             "execution_state": getattr(kernel, "execution_state", None),
             "last_activity": _iso(getattr(kernel, "last_activity", None)),
-            "gpus": gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else [],
+            "gpus": provisioner.remote_gpus if remote else held,
             "image_bytes": image_bytes,
             "suspended_on": suspended_on,
             "migratable": migratable,
@@ -163,7 +176,8 @@ class OperationManager:
                 if any(p in gpu.processes for p in tree)
             ]
             listed.append(data)
-        return {"driver_version": gpus_mod.driver_version(), "host": socket.gethostname(), "gpus": listed}
+        return {"driver_version": gpus_mod.driver_version(), "host": self.host_name, "gpus": listed,
+                "peers": sorted(self.peers)}
 
     def list_kernels(self) -> list[dict[str, Any]]:
         gpus = gpus_mod.snapshot()
@@ -177,7 +191,7 @@ class OperationManager:
         except KeyError:
             raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
 
-    def start(self, kernel_id: str, action: str, to_gpu: int | None = None) -> Operation:
+    def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None) -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.active:
@@ -185,6 +199,8 @@ class OperationManager:
                 f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
                 f"wait for it to finish."
             )
+        if to_host is not None or provisioner.state == REMOTE:
+            return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
         wanted = SUSPENDED if action == "resume" else RUNNING
         if provisioner.state != wanted:
             verb = {"suspend": "suspended", "resume": "resumed", "migrate": "moved"}[action]
@@ -214,6 +230,34 @@ class OperationManager:
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu))
+
+    def _start_host_move(self, kernel_id: str, provisioner: MigratableProvisioner, action: str,
+                         to_gpu: int | None, to_host: str | None) -> Operation:
+        here = provisioner.remote_host if provisioner.state == REMOTE else self.host_name
+        if action != "migrate" or to_host is None:
+            raise InvalidState(
+                f"Kernel {kernel_id} runs on {here}: bring it back first (migrate with to_host "
+                f"\"{self.host_name}\"), then {action} it here."
+            )
+        if to_host == here:
+            raise InvalidState(f"Kernel {kernel_id} already runs on {to_host}.")
+        if to_host != self.host_name and to_host not in self.peers:
+            known = ", ".join(sorted(self.peers)) or "none (set c.GPUMigrateApp.peers)"
+            raise UnknownPeer(f"There is no peer named {to_host!r}; this server's peers: {known}.")
+        if provisioner.state == REMOTE and to_host != self.host_name:
+            raise InvalidState(f"Kernel {kernel_id} runs on {here}: bring it back to {self.host_name} first, "
+                               f"then move it to {to_host}.")
+        if provisioner.state not in (RUNNING, REMOTE):
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved.")
+        criu = Criu(self.criu_path or provisioner.criu_path or None)
+        if provisioner.state == REMOTE:
+            link = provisioner.remote_link
+        else:
+            link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
+                            asyncio.get_running_loop(), self.api_address(), self.host_name)
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here)
+        self.active[kernel_id] = op
+        return self._launch(op, self._run(op, provisioner, criu, link))
 
     def _resumes_on_gpu(self, provisioner: MigratableProvisioner, kernel_id: str) -> bool:
         manifest = self._manifest(provisioner)
@@ -320,7 +364,8 @@ class OperationManager:
             except asyncio.TimeoutError:
                 return
 
-    async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None) -> None:
+    async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None,
+                   link: PeerLink | None = None) -> None:
         loop = asyncio.get_running_loop()
 
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
@@ -333,6 +378,10 @@ class OperationManager:
             "resume": lambda: migration.resume(op.to_gpu),
             "migrate": lambda: migration.move_to_gpu(op.to_gpu),
         }
+        if link is not None and op.to_host == self.host_name:
+            steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)
+        elif link is not None:
+            steps["migrate"] = lambda: migration.move_to_host(link, op.to_gpu)
         op.status = RUNNING_OP
         self._emit(op)
         try:
@@ -352,6 +401,8 @@ class OperationManager:
             await asyncio.sleep(0)
             op.status, op.bytes, op.timings = SUCCEEDED, outcome.bytes, dict(outcome.result.timings)
             op.from_gpu, op.to_gpu = outcome.extra.get("from_gpu", op.from_gpu), outcome.extra.get("to_gpu", op.to_gpu)
+            if "transferred" in outcome.extra:
+                op.bytes = outcome.extra["transferred"]
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()
@@ -379,7 +430,7 @@ class OperationManager:
             "error": op.error or "",
             "version": op.version,
         }
-        for key in ("from_gpu", "to_gpu"):
+        for key in ("from_gpu", "to_gpu", "from_host", "to_host"):
             if getattr(op, key) is not None:
                 data[key] = getattr(op, key)
         if op.action == "drain":

@@ -11,6 +11,8 @@ the changes that CRIU needs (measured, ../shared/FACTS.md):
 - a restored kernel is no child of the server: liveness and signals go through its PID, not Popen.
 - while suspended or migrating, ``poll()`` says "alive", so the auto-restarter leaves it alone;
   shutting a suspended kernel down deletes its images.
+- a kernel moved to another host is ``remote``: its ports here are the relay's (relay.py); signals and
+  shutdown go to that host, and it counts as dead only if that host loses it.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from traitlets import Float, Unicode, default
 from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.images import ImageStore
-from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED
+from .engine.errors import MigrateError
+from .engine.migration import MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import kernel_answers, run_silently
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
@@ -80,6 +83,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     state: str = STOPPED
     log_path: Path | None = None
+    remote_link: Any = None  # peers.PeerLink, while the kernel runs on another host
+    remote_gpus: list = []
+    _remote_ending = False
     started: int | None = None  # start time of the kernel's root process (proctree.start_time)
 
     # -- what a migration needs (engine.migration.KernelProcess) ------------------------------------
@@ -112,7 +118,19 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.pgid = None
         self.started = None
 
+    @property
+    def remote_host(self) -> str | None:
+        return self.remote_link.host if self.remote_link is not None else None
+
+    def adopt_remote(self, link: Any, placed: dict) -> None:
+        self.process = None
+        self.pid = self.pgid = self.started = None
+        self.remote_link = link
+        self.remote_gpus = list(placed.get("gpus") or [])
+        self.state = REMOTE
+
     def adopt(self, pid: int) -> None:
+        self.remote_link, self.remote_gpus = None, []
         self.process = None
         self.pid = pid
         self.pgid = os.getpgid(pid)
@@ -163,6 +181,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.pgid = os.getpgid(self.pid)
         self.started = proctree.start_time(self.pid)
         self.cwd = kwargs.get("cwd", Path.cwd())
+        self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state = RUNNING
         return self.connection_info
 
@@ -170,16 +189,30 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     @property
     def has_process(self) -> bool:
-        return self.state in (MIGRATING, SUSPENDED) or self.pid is not None
+        return self.state in (MIGRATING, SUSPENDED, REMOTE) or self.pid is not None
 
     async def poll(self) -> int | None:
         if self.state in (MIGRATING, SUSPENDED):
             return None  # alive, as far as the restarter and the kernel manager are concerned
+        if self.state == REMOTE:
+            return await self._poll_remote()
         if self.process is not None:
             return self.process.poll()
         if self._is_ours():
             return None
         return 0
+
+    async def _poll_remote(self) -> int | None:
+        link = self.remote_link
+        if link.lost:
+            return 1  # the other host went away and took the kernel with it
+        if not self._remote_ending:
+            return None  # the relay is up: alive, without asking the other host every few seconds
+        try:
+            info = await asyncio.to_thread(link.describe)
+        except MigrateError:
+            return 0  # gone there (or the host with it)
+        return 0 if info.get("state") == STOPPED else None
 
     async def wait(self) -> int | None:
         while await self.poll() is None:
@@ -202,6 +235,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         await self._migration_done()
         if self.state == SUSPENDED:
             return  # a suspended kernel has no process to signal; interrupts are moot
+        if self.state == REMOTE:
+            try:
+                await asyncio.to_thread(self.remote_link.signal, signum)
+            except MigrateError as exc:
+                self.log.warning("gpumigrate: could not signal kernel %s on %s: %s", self.kernel_id,
+                                 self.remote_host, exc)
+            return
         if self.process is None and not self._is_ours():
             return  # a restored kernel that is gone: its PID (and group) may be someone else's now
         if self.pgid is not None:
@@ -224,6 +264,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.state == SUSPENDED:
             self._discard_images()
             return
+        if self.state == REMOTE:
+            await self._end_remote()
+            return
         try:
             await self.send_signal(signum)
         except ProcessLookupError:
@@ -234,12 +277,28 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         await self._migration_done()
         if self.state == SUSPENDED:
             self._discard_images()
+        elif self.state == REMOTE:
+            self._remote_ending = True  # poll() now asks the other host whether it has exited
+
+    async def _end_remote(self) -> None:
+        """Kill the kernel on the other host, delete its images there, and stop relaying."""
+        link, self.remote_link = self.remote_link, None
+        if link is not None:
+            await link.detach_async()
+            try:
+                await asyncio.to_thread(link.discard)
+            except MigrateError as exc:
+                self.log.warning("gpumigrate: kernel %s on %s: %s", self.kernel_id, link.host, exc)
+        self.remote_gpus, self._remote_ending = [], False
+        self.state = STOPPED
 
     def _discard_images(self) -> None:
         self.images.remove(self.kernel_id)
         self.state = STOPPED
 
     async def cleanup(self, restart: bool = False) -> None:
+        if self.remote_link is not None:
+            await self._end_remote()
         await super().cleanup(restart=restart)
         if not restart:
             if self.log_path is not None:

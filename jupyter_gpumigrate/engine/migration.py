@@ -3,6 +3,8 @@
     suspend:          prepare -> [lock -> checkpoint] -> dump
     resume:           prepare -> restore -> [remap -> unlock] -> adopt
     move to a GPU:    prepare -> lock -> checkpoint -> remap -> unlock -> verify
+    move to a host:   prepare -> [lock -> checkpoint] -> dump -> transfer -> restore (there) -> adopt
+    come back home:   prepare -> dump (there) -> transfer -> restore -> [remap -> unlock] -> adopt
 
 A kernel is a process tree. To suspend it we write the tree to an image directory with CRIU, which
 kills it; to resume it CRIU recreates the tree from the images with the same PIDs, and the kernel
@@ -11,6 +13,12 @@ CUDA's checkpoint API locks the process's CUDA calls (after the GPU work in flig
 memory into its host memory and frees the GPU; later it puts the memory back on a GPU of our choice
 (the remap) and unlocks. A live move to another GPU is those GPU phases alone, on the running process:
 the cell that runs goes on, on the new GPU, and torch still calls it cuda:0.
+
+A move to another host is a suspend whose images travel: the other host (a :class:`HostLink`) checks
+first that it can take the tree, receives the images, restores them (onto one of its GPUs), and this
+host keeps the kernel's ports and relays them there, so its clients never notice. This host keeps its
+copy of the images until the kernel answers from there: any failure before that brings the kernel
+back here, from that copy. Coming back is the same with the roles swapped.
 
 If any phase fails, the phases already done are undone in reverse order, and the kernel is left as it
 was before: running if it was running (a dump that fails leaves the tree running; a failure after
@@ -27,8 +35,10 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pathlib import Path
+
 from . import gpus as gpus_mod
-from . import netstate, placement, proctree
+from . import hostfit, netstate, placement, proctree
 from .criu import Criu
 from .cudackpt import CudaProcess, gpu_mapping
 from .errors import GpuError, ImageError, InvalidState, PidConflict
@@ -40,6 +50,8 @@ from .plan import Phase, Plan, PlanResult, ProgressCallback
 log = logging.getLogger(__name__)
 
 RUNNING, MIGRATING, SUSPENDED, STOPPED = "running", "migrating", "suspended", "stopped"
+#: runs on another host; this host relays its channels there
+REMOTE = "remote"
 
 
 @contextmanager
@@ -80,6 +92,48 @@ class KernelProcess(Protocol):
 
     def release_gpu_cache(self) -> None:
         """If the kernel is idle and can, free the GPU memory it caches but does not use (best effort)."""
+
+    def adopt_remote(self, link: HostLink, placed: dict) -> None:
+        """The kernel runs on ``link``'s host now (``placed``: what that host said of it, its GPU)."""
+
+
+class HostLink(Protocol):
+    """Another host, as a move of one kernel needs it (the server extension implements it over HTTPS).
+
+    Each method raises a :class:`MigrateError` whose message says what went wrong there.
+    """
+
+    host: str
+
+    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> None:
+        """Refuse, with every reason, if that host cannot restore the tree (PIDs, ports, files, GPU)."""
+
+    def send_images(self, images: Path) -> int:
+        """Copy the image folder there; the bytes sent."""
+
+    def restore(self, to_gpu: int | None) -> dict:
+        """Restore the kernel there from the images sent (and onto its GPU); what it says of it."""
+
+    def discard(self) -> None:
+        """Kill the kernel there if it runs, and delete its images there."""
+
+    def attach(self) -> None:
+        """Bind the kernel's ports here and relay them to the kernel there."""
+
+    def detach(self) -> None:
+        """Stop relaying and free the kernel's ports here."""
+
+    def requirements(self) -> hostfit.Requirements:
+        """What the tree running there needs of a host."""
+
+    def dump(self) -> None:
+        """Suspend the kernel there; its images stay there."""
+
+    def resume(self) -> None:
+        """Undo of :meth:`dump`: bring the kernel back to life there."""
+
+    def fetch_images(self, images: Path) -> int:
+        """Copy the kernel's images from there into ``images``; the bytes received."""
 
 
 @dataclass
@@ -195,6 +249,47 @@ class Migration:
         if release is not None:
             release()
 
+    def _new_images(self, pid: int, gpu: GpuState) -> Manifest:
+        """An empty image folder for the kernel, and the manifest of the tree under ``pid`` (which
+        :class:`GpuState` ``gpu`` now knows the CUDA side of)."""
+        kernel, criu = self.kernel, self.criu
+        assert criu is not None
+        if self._gpu_use(pid)[0]:
+            self._release_cache(pid)
+        gpu.pids, held, _ = self._gpu_use(pid)
+        if len(held) > 1:
+            placement.source_gpu(self.inventory(), held)  # raises: a single GPU only
+        self.store.create(kernel.kernel_id)
+        gpu.home = gpu.at = held[0]["uuid"] if held else None
+        return Manifest(
+            kernel_id=kernel.kernel_id,
+            kernel_name=kernel.kernel_name,
+            pid=pid,
+            # Every PID and TID must be free again at restore: remember them to name a conflict.
+            ids=proctree.tree_ids(pid),
+            criu_version=criu.binary.version_string,
+            gpus=held,
+            cuda_pids=gpu.pids,
+            connection_info=_public(kernel.kernel_connection_info),
+            clients=netstate.client_counts(proctree.descendants(pid)),
+        )
+
+    def _dump(self, manifest: Manifest, images: Path, restore_from_images: Callable[[], None]) -> None:
+        """Dump the tree and collect it; if what follows the dump fails, bring it back from the images."""
+        assert self.criu is not None
+        kernel = self.kernel
+        # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is
+        # kept outside the images, which the rollback deletes.
+        self.criu.dump(manifest.pid, images, log_path=self.store.log_path(kernel.kernel_id, "dump"))
+        try:
+            kernel.release()
+            proctree.reap_dumped(manifest.ids)
+            self.store.write_manifest(images, manifest)
+        except BaseException:
+            # The tree is dead and its images complete (CRIU succeeded): bring it back from them.
+            restore_from_images()
+            raise
+
     # -- suspend -------------------------------------------------------------------------------------
 
     def suspend(self) -> Outcome:
@@ -216,25 +311,7 @@ class Migration:
 
         def prepare_images(pid: int) -> None:
             nonlocal manifest
-            if self._gpu_use(pid)[0]:
-                self._release_cache(pid)
-            gpu.pids, held, _ = self._gpu_use(pid)
-            if len(held) > 1:
-                placement.source_gpu(self.inventory(), held)  # raises: a single GPU only
-            store.create(kernel.kernel_id)
-            manifest = Manifest(
-                kernel_id=kernel.kernel_id,
-                kernel_name=kernel.kernel_name,
-                pid=pid,
-                # Every PID and TID must be free again at restore: remember them to name a conflict.
-                ids=proctree.tree_ids(pid),
-                criu_version=criu.binary.version_string,
-                gpus=held,
-                cuda_pids=gpu.pids,
-                connection_info=_public(kernel.kernel_connection_info),
-                clients=netstate.client_counts(proctree.descendants(pid)),
-            )
-            gpu.home = gpu.at = held[0]["uuid"] if held else None
+            manifest = self._new_images(pid, gpu)
 
         def forget_images() -> None:
             store.remove(kernel.kernel_id, keep_logs=True)  # a failed dump's log says why
@@ -242,17 +319,7 @@ class Migration:
 
         def dump() -> None:
             assert manifest is not None
-            # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is
-            # kept outside the images, which the rollback deletes.
-            criu.dump(manifest.pid, images, log_path=store.log_path(kernel.kernel_id, "dump"))
-            try:
-                kernel.release()
-                proctree.reap_dumped(manifest.ids)
-                store.write_manifest(images, manifest)
-            except BaseException:
-                # The tree is dead and its images complete (CRIU succeeded): bring it back from them.
-                restore_from_images()
-                raise
+            self._dump(manifest, images, restore_from_images)
             kernel.state = SUSPENDED
 
         def restore_from_images() -> None:
@@ -413,6 +480,171 @@ class Migration:
         assert move is not None
         return Outcome(result, bytes=move.needed, extra={"from_gpu": move.source.index, "to_gpu": move.target.index})
 
+    # -- move to another host -----------------------------------------------------------------------
+
+    def move_to_host(self, link: HostLink, to_gpu: int | None = None) -> Outcome:
+        """Move the running kernel to ``link``'s host (onto its GPU ``to_gpu``, or where it has room)."""
+        kernel, store = self.kernel, self.store
+        images = store.path_for(kernel.kernel_id)
+        manifest: Manifest | None = None
+        gpu = GpuState([], self.lock_timeout, self.inventory)
+        sent = 0
+        placed: dict = {}
+
+        def prepare() -> None:
+            nonlocal manifest
+            if kernel.state != RUNNING:
+                raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be moved.")
+            pid = kernel.kernel_pid
+            if pid is None or not proctree.is_alive(pid):
+                raise InvalidState("The kernel process is not running: restart the kernel instead.")
+            # The other host says everything it lacks before anything here is touched.
+            _, held, _ = self._gpu_use(pid)
+            link.check(hostfit.requirements_of(pid, kernel_listens(kernel.kernel_connection_info)),
+                       held[0] if held else None, to_gpu)
+            with migrating(kernel, otherwise=RUNNING):
+                manifest = self._new_images(pid, gpu)
+
+        def forget_images() -> None:
+            store.remove(kernel.kernel_id, keep_logs=True)
+            kernel.state = RUNNING
+
+        def dump() -> None:
+            assert manifest is not None
+            self._dump(manifest, images, restore_here)
+
+        def restore_here() -> None:
+            # Anything after the dump failed: the kernel comes back here, from this host's copy.
+            assert manifest is not None
+            kernel.state = MIGRATING
+            self._adopt(self.criu.restore(images, manifest.ids), manifest)  # type: ignore[union-attr]
+
+        def transfer() -> None:
+            nonlocal sent
+            sent = link.send_images(images)
+
+        def restore_there() -> None:
+            nonlocal placed
+            placed = link.restore(to_gpu)
+
+        def adopt() -> None:
+            # This host keeps the kernel's ports and relays them: its clients re-dial, as after a
+            # resume, and reach the kernel there. It must answer through the relay, or all is undone.
+            link.attach()
+            try:
+                kernel.adopt_remote(link, placed)
+                if not kernel.wait_ready(max(self.reconnect_timeout, 10.0)):
+                    raise InvalidState(f"The kernel was restored on {link.host} but does not answer through "
+                                       "the relay; it was brought back here.")
+            except BaseException:
+                link.detach()
+                kernel.state = MIGRATING
+                raise
+
+        on_gpu = gpu.holds_gpu
+        phases = [
+            Phase("prepare", prepare, forget_images),
+            Phase("lock", gpu.lock, gpu.unlock, when=on_gpu),
+            Phase("checkpoint", gpu.checkpoint, gpu.restore_home, when=on_gpu),
+            Phase("dump", dump, restore_here),
+            Phase("transfer", transfer, link.discard),
+            Phase("restore", restore_there, link.discard),
+            Phase("adopt", adopt),
+        ]
+        result = Plan(phases, self.progress).run()
+        assert manifest is not None
+        # The kernel answers from there: this host's copy of its memory is stale now.
+        store.remove(kernel.kernel_id)
+        extra = {"to_host": link.host, "to_gpu": placed.get("gpu"), "transferred": sent}
+        if manifest.gpus:
+            extra["from_gpu"] = manifest.gpus[0]["index"]
+        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest, extra=extra)
+
+    def return_home(self, link: HostLink, to_gpu: int | None = None) -> Outcome:
+        """Bring the kernel that runs on ``link``'s host back to this one (onto GPU ``to_gpu``)."""
+        kernel, store, criu = self.kernel, self.store, self.criu
+        assert criu is not None
+        images = store.path_for(kernel.kernel_id)
+        manifest: Manifest | None = None
+        gpu = GpuState([], self.lock_timeout, self.inventory)
+        move: Move | None = None
+        restored_pid: int | None = None
+        received = 0
+
+        def prepare() -> None:
+            if kernel.state != REMOTE:
+                raise InvalidState(f"The kernel is {kernel.state} here, not on another host: it is home already.")
+            needs = link.requirements()
+            needs.listens = []  # its ports are held here by the relay, which lets go of them before the restore
+            problems = hostfit.problems(needs)
+            if problems:
+                raise InvalidState(f"The kernel cannot come back here: {'; '.join(problems)}. It runs on "
+                                   f"{link.host} as before.")
+            with migrating(kernel, otherwise=REMOTE):
+                store.create(kernel.kernel_id)
+
+        def forget_images() -> None:
+            store.remove(kernel.kernel_id, keep_logs=True)
+            kernel.state = REMOTE
+
+        def fetch() -> None:
+            nonlocal manifest, move, received
+            received = link.fetch_images(images)
+            manifest = store.read_manifest(kernel.kernel_id)
+            if manifest.kernel_id != kernel.kernel_id:
+                raise ImageError(f"{link.host} sent the images of kernel {manifest.kernel_id}, not {kernel.kernel_id}.")
+            if manifest.gpus:
+                move = placement.plan_resume(self.inventory(), manifest.gpus[0], to_gpu, self.driver_major())
+                gpu.pids, gpu.at = manifest.cuda_pids, manifest.gpus[0]["uuid"]
+            elif to_gpu is not None:
+                raise GpuError(f"The kernel holds no GPU on {link.host}, so it cannot come back onto GPU {to_gpu}.")
+
+        def restore() -> None:
+            nonlocal restored_pid
+            assert manifest is not None
+            link.detach()  # the kernel's ports, held by the relay, are the kernel's own again
+            try:
+                restored_pid = criu.restore(images, manifest.ids)
+            except BaseException:
+                link.attach()
+                raise
+
+        def kill_restored() -> None:
+            if restored_pid is not None:
+                proctree.kill_tree(restored_pid)
+                proctree.wait_gone(restored_pid, timeout=10)
+            link.attach()
+
+        def remap() -> None:
+            assert move is not None
+            gpu.restore_to(move.target.uuid)
+
+        def adopt() -> None:
+            assert restored_pid is not None and manifest is not None
+            self._adopt(restored_pid, manifest)
+
+        on_gpu = gpu.holds_gpu
+        phases = [
+            Phase("prepare", prepare, forget_images),
+            Phase("dump", link.dump, link.resume),
+            Phase("transfer", fetch),
+            Phase("restore", restore, kill_restored),
+            Phase("remap", remap, when=on_gpu),
+            Phase("unlock", gpu.unlock, gpu.lock, when=on_gpu),
+            Phase("adopt", adopt),
+        ]
+        result = Plan(phases, self.progress).run()
+        assert manifest is not None
+        store.remove(kernel.kernel_id)
+        try:
+            link.discard()  # its images there hold the kernel's memory: delete them
+        except Exception:
+            log.warning("kernel %s is back, but %s could not delete its images there", kernel.kernel_id, link.host)
+        extra = {"to_host": "", "from_host": link.host, "transferred": received}
+        if move is not None:
+            extra["to_gpu"] = move.target.index
+        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest, extra=extra)
+
     def _adopt(self, pid: int, manifest: Manifest) -> None:
         """The restored tree is the kernel again, once its clients are back.
 
@@ -430,6 +662,15 @@ class Migration:
             log.warning("kernel %s: restored, but it did not answer within %.1f s",
                         manifest.kernel_id, self.reconnect_timeout)
         self.kernel.state = RUNNING
+
+
+def kernel_listens(connection_info: dict) -> list[tuple[str, int]]:
+    """The (address, port) of each channel a kernel listens on, from its connection info."""
+    if connection_info.get("transport", "tcp") != "tcp":
+        return []
+    ip = str(connection_info.get("ip", "127.0.0.1"))
+    return [(ip, int(connection_info[k])) for k in
+            ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port") if connection_info.get(k)]
 
 
 def _public(connection_info: dict) -> dict:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from . import gpus, kernels, operations
+from . import gpus, kernels, operations, peer
 
 API_PREFIX = "/api/gpumigrate"
 
+PEER = f"{API_PREFIX}/peer"
 KERNEL_ID = r"(?P<kernel_id>[\w-]+)"
 
 
@@ -18,4 +19,11 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
         (rf"{API_PREFIX}/gpus/?", gpus.GpuListHandler),
         (rf"{API_PREFIX}/gpus/(?P<index>\d+)/drain/?", gpus.DrainHandler),
+        (rf"{PEER}/check/?", peer.CheckHandler),
+        (rf"{PEER}/images/{KERNEL_ID}/?", peer.ImagesHandler),
+        (rf"{PEER}/images/{KERNEL_ID}/complete/?", peer.CompleteHandler),
+        (rf"{PEER}/images/{KERNEL_ID}/(?P<name>[\w.-]+)", peer.ImageFileHandler),
+        (rf"{PEER}/kernels/{KERNEL_ID}/?", peer.GuestHandler),
+        (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal)/?", peer.GuestActionHandler),
+        (rf"{PEER}/kernels/{KERNEL_ID}/channels", peer.ChannelsHandler),
     ]

@@ -131,4 +131,7 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
             if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 self.send_error_message(400, f"'{key}' must be a GPU index, a whole number >= 0 (got {value!r}).")
                 return None
+            if kind is str and (not isinstance(value, str) or not value.strip()):
+                self.send_error_message(400, f"'{key}' must be a name, a non-empty string (got {value!r}).")
+                return None
         return body

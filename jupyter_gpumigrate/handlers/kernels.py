@@ -9,8 +9,9 @@ from ..engine.errors import MigrateError
 from .base import OWN_KERNEL, READ, BaseHandler, kernel_credential
 
 #: Fields each action's body may hold, and those it must hold.
-ACTION_FIELDS: dict[str, dict[str, type]] = {"suspend": {}, "resume": {"to_gpu": int}, "migrate": {"to_gpu": int}}
-REQUIRED: dict[str, tuple[str, ...]] = {"migrate": ("to_gpu",)}
+ACTION_FIELDS: dict[str, dict[str, type]] = {
+    "suspend": {}, "resume": {"to_gpu": int}, "migrate": {"to_gpu": int, "to_host": str},
+}
 
 
 class KernelListHandler(BaseHandler):
@@ -40,12 +41,13 @@ class KernelActionHandler(BaseHandler):
         body = self.json_body(ACTION_FIELDS[action])
         if body is None:
             return
-        missing = [name for name in REQUIRED.get(action, ()) if body.get(name) is None]
-        if missing:
-            self.send_error_message(400, f"'{action}' needs {', '.join(missing)} in the body, e.g. {{\"to_gpu\": 1}}.")
+        if action == "migrate" and body.get("to_gpu") is None and body.get("to_host") is None:
+            self.send_error_message(
+                400, "'migrate' needs to_gpu or to_host in the body, e.g. {\"to_gpu\": 1} or {\"to_host\": \"b\"}."
+            )
             return
         try:
-            op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"))
+            op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"), to_host=body.get("to_host"))
         except MigrateError as exc:
             self.send_migrate_error(exc)
             return

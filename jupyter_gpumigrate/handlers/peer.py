@@ -1,0 +1,260 @@
+"""/api/gpumigrate/peer/...: what a peer server calls to move a kernel here and back (peers.py).
+
+Every route needs ``Authorization: gpumigrate-peer <token>`` with this server's
+``c.GPUMigrateApp.peer_token``; with none configured, the server takes no kernels from peers.
+These routes stand for a peer server, never for a user: the server's own users cannot call them
+with their tokens, and a peer cannot call any other route with its token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import json
+import os
+from typing import Any
+from urllib.parse import unquote
+
+from tornado import web
+from tornado.websocket import WebSocketHandler
+
+from ..engine import hostfit
+from ..engine.errors import MigrateError
+from ..peers import SCHEME, GuestHost
+from ..relay import RelayServerEnd
+from .base import BaseHandler
+
+MAX_IMAGE_FILE = 1 << 40
+
+
+def peer_allowed(settings: dict, authorization: str) -> tuple[bool, str]:
+    """(allowed, why not) for an Authorization header on a peer route."""
+    expected = settings.get("gpumigrate_peer_token") or ""
+    if not expected:
+        return False, ("This server takes no kernels from peers: set c.GPUMigrateApp.peer_token on it, and give "
+                       "that token to its peers.")
+    scheme, _, secret = authorization.strip().partition(" ")
+    if scheme != SCHEME or not hmac.compare_digest(secret.strip().encode(), expected.encode()):
+        return False, "This peer credential is not valid here."
+    return True, ""
+
+
+class PeerHandler(BaseHandler):
+    """A route for peers only. The peer token replaces the server's user authentication here."""
+
+    @property
+    def guests(self) -> GuestHost:
+        return self.settings["gpumigrate_guests"]
+
+    async def prepare(self) -> None:  # type: ignore[override]
+        if not self.check_host():
+            raise web.HTTPError(403)
+        allowed, why = peer_allowed(self.settings, self.request.headers.get("Authorization", ""))
+        if not allowed:
+            self.log.warning("gpumigrate: refused a peer request from %s: %s", self.request.remote_ip, why)
+            raise web.HTTPError(403, why)
+        self.current_user = self._jupyter_current_user = None
+
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        exc = kwargs.get("exc_info", (None, None, None))[1]
+        message = exc.log_message if isinstance(exc, web.HTTPError) and exc.log_message else self._reason
+        self.finish(json.dumps({"message": message, "reason": self._reason_for(status_code)}))
+
+    async def run(self, work: Any, *args: Any) -> Any:
+        """Blocking engine work in a thread; a MigrateError becomes its HTTP status and sentence."""
+        try:
+            return await asyncio.to_thread(work, *args)
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+            return None
+
+
+class CheckHandler(PeerHandler):
+    async def post(self) -> None:
+        body = json.loads(self.request.body or b"{}")
+        needs = hostfit.Requirements.from_dict(body.get("requirements") or {})
+        problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"))
+        self.log.info("gpumigrate: peer %s asks to move kernel %s here: %s", self.request.remote_ip,
+                      body.get("kernel_id"), "; ".join(problems) or "fine")
+        self.send_json({"problems": problems})
+
+
+class ImagesHandler(PeerHandler):
+    """POST: start receiving a kernel's images (replacing any old ones); GET: list them with checksums."""
+
+    async def post(self, kernel_id: str) -> None:
+        body = json.loads(self.request.body or b"{}")
+        try:
+            self.guests.begin(kernel_id, int(body.get("bytes", 0)))
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+            return
+        self.send_json({"kernel_id": kernel_id}, status=201)
+
+    async def get(self, kernel_id: str) -> None:
+        files = await self.run(self.guests.listing, kernel_id)
+        if files is not None:
+            self.send_json({"files": files})
+
+
+class CompleteHandler(PeerHandler):
+    async def post(self, kernel_id: str) -> None:
+        body = json.loads(self.request.body or b"{}")
+        try:
+            self.guests.complete(kernel_id, list(body.get("files") or []), self.request.remote_ip or "")
+        except (MigrateError, KeyError, ValueError, TypeError) as exc:
+            self.guests.store.remove(kernel_id)
+            self.send_error_message(400, str(exc))
+            return
+        self.send_json({"kernel_id": kernel_id})
+
+
+@web.stream_request_body
+class ImageFileHandler(PeerHandler):
+    """PUT one image file, streamed to disk (0600) as it arrives and checked against its SHA-256;
+    GET it back, for the return trip."""
+
+    _file: Any = None
+
+    async def prepare(self) -> None:  # type: ignore[override]
+        await super().prepare()
+        if self.request.method != "PUT":
+            return
+        kernel_id, name = (unquote(self.path_kwargs[k]) for k in ("kernel_id", "name"))
+        try:
+            self._path = self.guests.image_path(kernel_id, name)
+        except MigrateError as exc:
+            raise web.HTTPError(exc.http_status, str(exc)) from exc
+        self.request.connection.set_max_body_size(MAX_IMAGE_FILE)  # type: ignore[union-attr]
+        self._hash = hashlib.sha256()
+        fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        self._file = os.fdopen(fd, "wb")
+
+    def data_received(self, chunk: bytes) -> None:
+        if self._file is not None:
+            self._file.write(chunk)
+            self._hash.update(chunk)
+
+    async def put(self, kernel_id: str, name: str) -> None:
+        self._file.close()
+        self._file = None
+        if not hmac.compare_digest(self._hash.hexdigest(), self.request.headers.get("X-Content-SHA256", "")):
+            self._path.unlink(missing_ok=True)
+            self.send_error_message(400, f"{name} arrived damaged (its SHA-256 differs); send it again.")
+            return
+        self.send_json({"name": name}, status=201)
+
+    def on_connection_close(self) -> None:
+        # The sender went away mid-file: drop the partial file, never restore from it.
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            self._path.unlink(missing_ok=True)
+
+    async def get(self, kernel_id: str, name: str) -> None:
+        try:
+            path = self.guests.image_path(kernel_id, name)
+        except MigrateError as exc:
+            self.send_migrate_error(exc)
+            return
+        if not path.is_file() or path.is_symlink():
+            self.send_error_message(404, f"Kernel {kernel_id} has no image file {name} here.")
+            return
+        self.set_header("Content-Type", "application/octet-stream")
+        self.set_header("Content-Length", str(path.stat().st_size))
+        with open(path, "rb") as f:
+            while block := f.read(1 << 20):
+                self.write(block)
+                await self.flush()
+        self.finish()
+
+
+class GuestHandler(PeerHandler):
+    async def get(self, kernel_id: str) -> None:
+        info = await self.run(self.guests.describe, kernel_id)
+        if info is not None:
+            self.send_json(info)
+
+    async def delete(self, kernel_id: str) -> None:
+        self.guests.stop_relay(kernel_id)
+        async with self.guests.lock(kernel_id):
+            await asyncio.to_thread(self.guests.discard, kernel_id)
+        self.log.info("gpumigrate: kernel %s, hosted for a peer, discarded", kernel_id)
+        self.set_status(204)
+        self.finish()
+
+
+class GuestActionHandler(PeerHandler):
+    async def post(self, kernel_id: str, action: str) -> None:
+        body = json.loads(self.request.body or b"{}")
+        if action == "signal":
+            try:
+                self.guests.signal(kernel_id, int(body.get("signum", 0)))
+            except (MigrateError, ValueError, ProcessLookupError) as exc:
+                self.send_error_message(409, f"Cannot signal kernel {kernel_id} here: {exc}")
+                return
+            self.send_json({})
+            return
+        async with self.guests.lock(kernel_id):
+            if action == "restore":
+                result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"))
+            elif action == "dump":
+                self.guests.stop_relay(kernel_id)
+                result = await self.run(self.guests.dump, kernel_id)
+            else:  # resume: the undo of a dump
+                result = await self.run(self.guests.restore, kernel_id, None)
+        if result is not None:
+            self.log.info("gpumigrate: kernel %s hosted for a peer: %s done", kernel_id, action)
+            self.send_json(result)
+
+
+class ChannelsHandler(WebSocketHandler):
+    """The relay's far end: ZMQ frames to and from the kernel that runs here (relay.py)."""
+
+    end: RelayServerEnd | None = None
+
+    @property
+    def max_message_size(self) -> int:  # type: ignore[override]
+        return 1 << 30  # one ZMQ message (a large output, a widget's buffer), not a stream
+
+    @property
+    def guests(self) -> GuestHost:
+        return self.settings["gpumigrate_guests"]
+
+    async def get(self, *args: Any, **kwargs: Any) -> None:
+        allowed, why = peer_allowed(self.settings, self.request.headers.get("Authorization", ""))
+        if not allowed:
+            self.set_status(403)
+            self.finish(json.dumps({"message": why, "reason": "Forbidden"}))
+            return
+        await super().get(*args, **kwargs)
+
+    async def open(self, kernel_id: str) -> None:  # type: ignore[override]
+        try:
+            guest = self.guests.guest(kernel_id)
+            api = json.loads(self.get_argument("api", "null") or "null")
+            guest.api_listen = (str(api[0]), int(api[1])) if api else None
+        except (MigrateError, ValueError, TypeError, IndexError) as exc:
+            self.close(4004, str(exc)[:120])
+            return
+        self.guests.stop_relay(kernel_id)
+        self.end = RelayServerEnd(guest.kernel_connection_info, self._send, guest.api_listen)
+        await self.end.start()
+        self.guests.relays[kernel_id] = self
+
+    async def _send(self, data: bytes) -> None:
+        await self.write_message(data, binary=True)
+
+    async def on_message(self, message: str | bytes) -> None:
+        if self.end is not None:
+            await self.end.deliver(message if isinstance(message, bytes) else message.encode())
+
+    def on_close(self) -> None:
+        if self.end is not None:
+            self.end.stop()
+            self.end = None
+
+    def stop(self) -> None:
+        self.on_close()
+        self.close()

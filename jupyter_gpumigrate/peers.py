@@ -1,0 +1,508 @@
+"""Peers: other Jupyter servers with the extension that a kernel can move to, and back.
+
+Configuration, on host A (``jupyter_server_config.py``)::
+
+    c.GPUMigrateApp.host_name = "a"
+    c.GPUMigrateApp.peers = {"b": {"url": "https://b.example:8888/", "token": "<B's peer_token>",
+                                   "ca_file": "/etc/ssl/our-ca.pem"}}
+    c.GPUMigrateApp.peer_token = "<what peers must present to move kernels here>"
+
+A is always the one that acts: it asks B whether it can take a kernel, sends the images, has B restore
+them, relays the kernel's channels, and later has B dump it and fetches the images back. B only answers
+requests that carry its peer token (``Authorization: gpumigrate-peer <token>``), under
+``/api/gpumigrate/peer/``. Peers talk HTTPS: a peer URL in plain http is refused unless it is a loopback
+address, since the images hold everything in the kernel's memory.
+
+This module holds A's side (:class:`PeerLink`, one per move) and B's side (:class:`GuestHost`, the
+kernels it hosts for its peers). The HTTP client is the standard library's http.client: the calls are
+made from a migration's worker thread, and it streams files in large blocks without a new dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import http.client
+import ipaddress
+import json
+import logging
+import os
+import re
+import shutil
+import signal as signal_mod
+import ssl
+import urllib.parse
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from .engine import hostfit, proctree
+from .engine.criu import Criu
+from .engine.errors import ImageError, InvalidState, MigrateError
+from .engine.images import MANIFEST, ImageStore, Manifest
+from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .relay import RelayClient
+
+log = logging.getLogger(__name__)
+
+SCHEME = "gpumigrate-peer"
+PEER_API = "api/gpumigrate/peer"
+BLOCK = 1 << 20
+#: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
+_IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_NOT_SENT = {"restore.pid", "dump.log", "restore.log"}
+
+
+class PeerError(MigrateError):
+    """The peer refused or failed a request, or cannot be reached."""
+
+    http_status = 502
+
+
+class UnknownPeer(MigrateError):
+    http_status = 400
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    url: str
+    token: str
+    ca_file: str | None = None
+
+    @classmethod
+    def from_config(cls, name: str, entry: dict) -> Peer:
+        url = str(entry.get("url", "")).rstrip("/") + "/"
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"Peer {name!r}: url must be https://host:port/ (got {entry.get('url')!r}).")
+        if parts.scheme == "http" and not _is_loopback(parts.hostname):
+            raise ValueError(
+                f"Peer {name!r}: {url} is plain http on a routable address; kernel images and channels "
+                "would cross the network unencrypted. Serve that peer over https (jupyter server --certfile "
+                "--keyfile) and give its CA here as ca_file."
+            )
+        if not entry.get("token"):
+            raise ValueError(f"Peer {name!r}: token is missing (the peer's c.GPUMigrateApp.peer_token).")
+        return cls(name, url, str(entry["token"]), entry.get("ca_file") or None)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
+def digest_file(path: Path) -> tuple[int, str]:
+    h, size = hashlib.sha256(), 0
+    with open(path, "rb") as f:
+        while block := f.read(BLOCK):
+            h.update(block)
+            size += len(block)
+    return size, h.hexdigest()
+
+
+def image_files(images: Path) -> list[Path]:
+    return sorted(p for p in images.iterdir()
+                  if p.is_file() and not p.is_symlink() and _IMAGE_NAME.match(p.name) and p.name not in _NOT_SENT
+                  and not p.name.endswith(".tmp"))
+
+
+class PeerClient:
+    """Requests to one peer, from a worker thread."""
+
+    def __init__(self, peer: Peer, timeout: float = 60.0) -> None:
+        self.peer = peer
+        self.timeout = timeout
+        parts = urllib.parse.urlsplit(peer.url)
+        self.https = parts.scheme == "https"
+        self.host, self.port = parts.hostname or "", parts.port or (443 if self.https else 80)
+        self.base = parts.path.rstrip("/") + "/"
+        self.context = ssl.create_default_context(cafile=peer.ca_file) if self.https else None
+
+    def _connection(self) -> http.client.HTTPConnection:
+        if self.https:
+            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.context,
+                                               blocksize=BLOCK)
+        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout, blocksize=BLOCK)
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"{SCHEME} {self.peer.token}"}
+
+    def url(self, path: str, websocket: bool = False) -> str:
+        scheme = ("wss" if self.https else "ws") if websocket else ("https" if self.https else "http")
+        return f"{scheme}://{self.host}:{self.port}{self.base}{PEER_API}/{path}"
+
+    def _send(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
+              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = self._connection()
+        all_headers = {**self.headers(), **(headers or {})}
+        if isinstance(body, (dict, list)):
+            body = json.dumps(body).encode()
+            all_headers["Content-Type"] = "application/json"
+        try:
+            conn.request(method, f"{self.base}{PEER_API}/{path}", body=body, headers=all_headers)
+            response = conn.getresponse()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            reason = exc.reason if isinstance(exc, ssl.SSLError) else exc
+            raise PeerError(f"Peer {self.peer.name} at {self.peer.url} cannot be reached ({reason}).") from None
+        if response.status >= 400:
+            text = response.read()
+            conn.close()
+            try:
+                message = json.loads(text).get("message") or response.reason
+            except ValueError:
+                message = response.reason
+            if response.status in (401, 403):
+                message = (f"peer {self.peer.name} refused our credential ({message}): check that its "
+                           f"c.GPUMigrateApp.peer_token is the token configured for it here")
+            raise PeerError(f"{self.peer.name}: {message}")
+        return conn, response
+
+    def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+        saved, self.timeout = self.timeout, timeout or self.timeout
+        try:
+            conn, response = self._send(method, path, body)
+        finally:
+            self.timeout = saved
+        try:
+            data = response.read()
+        finally:
+            conn.close()
+        return json.loads(data) if data else None
+
+    def put_file(self, path: str, file: Path, size: int, sha256: str) -> None:
+        with open(file, "rb") as f:
+            conn, response = self._send("PUT", path, body=f, headers={
+                "Content-Length": str(size), "Content-Type": "application/octet-stream", "X-Content-SHA256": sha256})
+        response.read()
+        conn.close()
+
+    def get_file(self, path: str, dest: Path, size: int, sha256: str) -> None:
+        conn, response = self._send("GET", path)
+        h, got = hashlib.sha256(), 0
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as out:
+                while block := response.read(BLOCK):
+                    out.write(block)
+                    h.update(block)
+                    got += len(block)
+        except (OSError, http.client.HTTPException) as exc:
+            raise PeerError(f"Receiving {dest.name} from {self.peer.name} failed ({exc}).") from None
+        finally:
+            conn.close()
+        if got != size or h.hexdigest() != sha256:
+            raise PeerError(f"{dest.name} arrived from {self.peer.name} damaged ({got} of {size} bytes, or another "
+                            "checksum); nothing was changed there.")
+
+
+class PeerLink(HostLink):
+    """A's view of one kernel moved to (or living on) a peer: the :class:`HostLink` a plan drives.
+
+    Its HTTP calls run in the plan's worker thread; the relay lives on the server's event loop.
+    """
+
+    def __init__(self, peer: Peer, kernel_id: str, connection_info: dict, loop: asyncio.AbstractEventLoop,
+                 api_address: tuple[str, int] | None, home: str) -> None:
+        self.peer = peer
+        self.host = peer.name
+        self.kernel_id = kernel_id
+        self.info = {k: v for k, v in connection_info.items()}
+        self.loop = loop
+        self.api_address = api_address
+        self.home = home
+        self.client = PeerClient(peer)
+        self.relay: RelayClient | None = None
+
+    # -- moving there --------------------------------------------------------------------------------
+
+    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> None:
+        if self.api_address is not None:
+            requirements.listens.append(self.api_address)
+        answer = self.client.call("POST", "check", {
+            "kernel_id": self.kernel_id, "requirements": requirements.to_dict(), "gpu": gpu, "to_gpu": to_gpu,
+            "from": self.home})
+        problems = answer.get("problems") or []
+        if problems:
+            raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
+
+    def send_images(self, images: Path) -> int:
+        files = [(p, *digest_file(p)) for p in image_files(images)]
+        total = sum(size for _, size, _ in files)
+        self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
+        for path, size, sha in files:
+            self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, sha)
+        self.client.call("POST", f"images/{self.kernel_id}/complete",
+                         {"files": [{"name": p.name, "size": s, "sha256": h} for p, s, h in files]})
+        return total
+
+    def restore(self, to_gpu: int | None) -> dict:
+        return self.client.call("POST", f"kernels/{self.kernel_id}/restore", {"to_gpu": to_gpu}, timeout=600)
+
+    def discard(self) -> None:
+        self.client.call("DELETE", f"kernels/{self.kernel_id}")
+
+    # -- the relay -----------------------------------------------------------------------------------
+
+    def _on_loop(self, coro: Any, timeout: float = 60.0) -> Any:
+        if _running_loop() is self.loop:
+            raise RuntimeError("PeerLink's blocking calls must not run on the event loop's thread")
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    async def _connect(self) -> Any:
+        api = list(self.api_address) if self.api_address else None
+        query = urllib.parse.urlencode({"api": json.dumps(api)})
+        request = HTTPRequest(self.client.url(f"kernels/{self.kernel_id}/channels?{query}", websocket=True),
+                              headers=self.client.headers(), ca_certs=self.peer.ca_file, request_timeout=30)
+        return await websocket_connect(request, max_message_size=1 << 30)
+
+    async def attach_async(self) -> None:
+        if self.relay is None:
+            relay = RelayClient(self.info, self._connect, self.api_address)
+            await relay.start()
+            self.relay = relay
+
+    async def detach_async(self) -> None:
+        relay, self.relay = self.relay, None
+        if relay is not None:
+            await relay.stop()
+
+    def attach(self) -> None:
+        try:
+            self._on_loop(self.attach_async())
+        except MigrateError:
+            raise
+        except Exception as exc:
+            raise PeerError(f"Cannot relay the kernel's channels to {self.host}: {exc}.") from exc
+
+    def detach(self) -> None:
+        self._on_loop(self.detach_async())
+
+    @property
+    def lost(self) -> bool:
+        return self.relay is not None and self.relay.lost
+
+    # -- living there, and coming back ---------------------------------------------------------------
+
+    def requirements(self) -> hostfit.Requirements:
+        return hostfit.Requirements.from_dict(self.client.call("GET", f"kernels/{self.kernel_id}")["requirements"])
+
+    def dump(self) -> None:
+        self.client.call("POST", f"kernels/{self.kernel_id}/dump", timeout=600)
+
+    def resume(self) -> None:
+        self.client.call("POST", f"kernels/{self.kernel_id}/resume", {}, timeout=600)
+
+    def fetch_images(self, images: Path) -> int:
+        listing = self.client.call("GET", f"images/{self.kernel_id}")
+        total = 0
+        for entry in listing["files"]:
+            name = str(entry["name"])
+            if not _IMAGE_NAME.match(name):
+                raise PeerError(f"{self.host} listed an image file with an unsafe name: {name!r}.")
+            self.client.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
+                                 str(entry["sha256"]))
+            total += int(entry["size"])
+        return total
+
+    def signal(self, signum: int) -> None:
+        self.client.call("POST", f"kernels/{self.kernel_id}/signal", {"signum": int(signum)})
+
+    def describe(self) -> dict:
+        return self.client.call("GET", f"kernels/{self.kernel_id}", timeout=10)
+
+
+# -- B's side: the kernels this server hosts for its peers ---------------------------------------------
+
+
+class Guest:
+    """A kernel restored here for a peer: the :class:`KernelProcess` that B's plans drive."""
+
+    def __init__(self, manifest: Manifest, peer: str) -> None:
+        self.kernel_id = manifest.kernel_id
+        self.manifest = manifest
+        self.peer = peer
+        self.state = SUSPENDED
+        self.pid: int | None = None
+        self.pgid: int | None = None
+        self.api_listen: tuple[str, int] | None = None
+
+    @property
+    def kernel_name(self) -> str:
+        return self.manifest.kernel_name
+
+    @property
+    def kernel_pid(self) -> int | None:
+        return self.pid
+
+    @property
+    def kernel_connection_info(self) -> dict:
+        return dict(self.manifest.connection_info)
+
+    def release(self) -> None:
+        if self.pid is not None:
+            proctree.wait_gone(self.pid, timeout=30)
+        self.pid = self.pgid = None
+
+    def adopt(self, pid: int) -> None:
+        self.pid = pid
+        self.pgid = os.getpgid(pid)
+
+    def wait_ready(self, timeout: float) -> bool:
+        return True  # its owner checks, through the relay: it has the kernel's key, we need not
+
+    def release_gpu_cache(self) -> None:
+        return None  # its owner released it before the first move; without the key we cannot ask
+
+    def adopt_remote(self, link: HostLink, placed: dict) -> None:
+        raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")
+
+
+class GuestHost:
+    """The kernels this server hosts for its peers, with their images under ``root`` (0700)."""
+
+    def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None) -> None:
+        self.store = ImageStore(root)
+        self.criu = criu
+        self.inventory = inventory
+        self.guests: dict[str, Guest] = {}
+        self.locks: dict[str, asyncio.Lock] = {}
+        self.relays: dict[str, Any] = {}
+
+    def stop_relay(self, kernel_id: str) -> None:
+        relay = self.relays.pop(kernel_id, None)
+        if relay is not None:
+            relay.stop()
+
+    def lock(self, kernel_id: str) -> asyncio.Lock:
+        return self.locks.setdefault(kernel_id, asyncio.Lock())
+
+    def guest(self, kernel_id: str) -> Guest:
+        try:
+            return self.guests[kernel_id]
+        except KeyError:
+            raise ImageError(f"This server hosts no kernel {kernel_id} for a peer.") from None
+
+    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> list[str]:
+        found = hostfit.problems(requirements)
+        try:
+            self.criu()
+        except MigrateError as exc:
+            found.append(str(exc))
+        if gpu is not None or to_gpu is not None:
+            from .engine import gpus as gpus_mod
+            from .engine import placement
+
+            try:
+                if gpu is None:
+                    raise InvalidState(f"the kernel holds no GPU, so it cannot go onto GPU {to_gpu}")
+                placement.plan_resume(gpus_mod.snapshot(), gpu, to_gpu, gpus_mod.driver_major())
+            except MigrateError as exc:
+                found.append(str(exc).rstrip("."))
+        return found
+
+    # receiving images
+
+    def begin(self, kernel_id: str, size: int) -> Path:
+        if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
+            raise InvalidState(f"Kernel {kernel_id} already lives here.")
+        path = self.store.create(kernel_id)
+        free = shutil.disk_usage(path).free
+        if size > free:
+            self.store.remove(kernel_id)
+            raise ImageError(f"The kernel's images need {size} bytes and {self.store.root} has {free} free.")
+        return path
+
+    def image_path(self, kernel_id: str, name: str) -> Path:
+        if not _IMAGE_NAME.match(name) or name in _NOT_SENT:
+            raise ImageError(f"{name!r} is not the name of an image file.")
+        folder = self.store.path_for(kernel_id)
+        if folder.is_symlink() or not folder.is_dir():
+            raise ImageError(f"No images are being received for kernel {kernel_id}: start with POST images/{kernel_id}.")
+        return folder / name
+
+    def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
+        folder = self.store.path_for(kernel_id)
+        for entry in files:
+            path = self.image_path(kernel_id, str(entry["name"]))
+            if not path.is_file() or path.stat().st_size != int(entry["size"]):
+                raise ImageError(f"{path.name} did not arrive whole; send the images again.")
+        manifest = self.store.read_manifest(kernel_id)
+        if manifest.kernel_id != kernel_id:
+            raise ImageError(f"The images in {folder} belong to kernel {manifest.kernel_id}, not {kernel_id}.")
+        guest = Guest(manifest, peer)
+        self.guests[kernel_id] = guest
+        return guest
+
+    def listing(self, kernel_id: str) -> list[dict]:
+        folder = self.store.path_for(kernel_id)
+        if not (folder / MANIFEST).is_file():
+            raise ImageError(f"Kernel {kernel_id} has no images here: dump it first.")
+        return [{"name": p.name, "size": s, "sha256": h} for p in image_files(folder) for s, h in [digest_file(p)]]
+
+    # running them (blocking: call from a worker thread)
+
+    def _migration(self, guest: Guest) -> Migration:
+        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0}
+        if self.inventory is not None:
+            kwargs["inventory"] = self.inventory
+        return Migration(guest, self.store, self.criu(), **kwargs)
+
+    def restore(self, kernel_id: str, to_gpu: int | None) -> dict:
+        guest = self.guest(kernel_id)
+        outcome = self._migration(guest).resume(to_gpu)
+        guest.state = RUNNING
+        gpus: list[dict] = []
+        if self.inventory is not None and guest.pid is not None:
+            from .engine import gpus as gpus_mod
+
+            gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
+        return {"pid": guest.pid, "gpu": outcome.extra.get("to_gpu"), "gpus": gpus,
+                "timings": outcome.result.timings}
+
+    def dump(self, kernel_id: str) -> dict:
+        guest = self.guest(kernel_id)
+        outcome = self._migration(guest).suspend()
+        return {"bytes": outcome.bytes, "timings": outcome.result.timings}
+
+    def discard(self, kernel_id: str) -> None:
+        guest = self.guests.pop(kernel_id, None)
+        if guest is not None and guest.pid is not None and proctree.is_alive(guest.pid):
+            proctree.kill_tree(guest.pid)
+            proctree.wait_gone(guest.pid, timeout=10)
+        self.store.remove(kernel_id)
+        self.locks.pop(kernel_id, None)
+
+    def signal(self, kernel_id: str, signum: int) -> None:
+        guest = self.guest(kernel_id)
+        if guest.pgid is None:
+            raise InvalidState(f"Kernel {kernel_id} is not running here.")
+        os.killpg(guest.pgid, signal_mod.Signals(signum))
+
+    def describe(self, kernel_id: str) -> dict:
+        guest = self.guest(kernel_id)
+        alive = guest.pid is not None and proctree.is_alive(guest.pid)
+        info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
+                                "pid": guest.pid, "peer": guest.peer, "requirements": None}
+        if alive and guest.pid is not None:
+            listens = kernel_listens(guest.kernel_connection_info)
+            if guest.api_listen:
+                listens.append(guest.api_listen)
+            info["requirements"] = hostfit.requirements_of(guest.pid, listens).to_dict()
+        return info

@@ -1,0 +1,310 @@
+"""The relay: a kernel that runs on another host keeps its ports on this one.
+
+After a move, the kernel listens on its old ports on the other host (B). This host (A) binds the same
+ports again and carries every ZMQ message, as it is, over one WebSocket to B's server, authenticated
+with B's peer credential (TLS between hosts). B's end hands the messages to the kernel. A's kernel
+manager, its WebSocket bridge and the open notebook tab keep their connection info: their sockets
+re-dial by themselves, as after a local resume. The kernel's HMAC signatures are end to end: the
+relay neither reads nor signs anything.
+
+    channel                on A (bound to the old port)     on B (connected to the kernel)
+    shell, control, stdin  ROUTER                           DEALER (identity frames pass as they are)
+    hb                     ROUTER                           DEALER (the kernel's heartbeat echoes)
+    iopub                  XPUB (subscriptions forwarded)   XSUB
+
+The same WebSocket carries the kernel's own calls to its server (``%migrate`` inside the kernel): B
+listens on the loopback port the kernel knows its server by, and each connection to it is a stream
+that A opens to its own server.
+
+Wire format, one binary WebSocket message each: a kind byte, then
+- ZMQ (kinds 0-4, the channels above): the frames, each as a 4-byte big-endian length and its bytes;
+- a stream (kinds 8 open, 9 data, 10 close): a 4-byte stream id, then the data.
+
+pyzmq and tornado's WebSocket are both here already (jupyter_server's); a ZMQ proxy would not do,
+as one end of each pair is a WebSocket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+log = logging.getLogger(__name__)
+
+CHANNELS = ("shell", "control", "stdin", "hb", "iopub")
+OPEN, DATA, CLOSE = 8, 9, 10
+#: the socket type at each end, per channel
+A_SIDE = {"shell": zmq.ROUTER, "control": zmq.ROUTER, "stdin": zmq.ROUTER, "hb": zmq.ROUTER, "iopub": zmq.XPUB}
+B_SIDE = {"shell": zmq.DEALER, "control": zmq.DEALER, "stdin": zmq.DEALER, "hb": zmq.DEALER, "iopub": zmq.XSUB}
+CHUNK = 256 * 1024
+
+Send = Callable[[bytes], Awaitable[Any]]
+
+
+def pack_frames(kind: int, frames: list[bytes]) -> bytes:
+    return bytes([kind]) + b"".join(struct.pack(">I", len(f)) + f for f in frames)
+
+
+def unpack_frames(data: bytes) -> list[bytes]:
+    frames, at = [], 1
+    while at < len(data):
+        (n,) = struct.unpack_from(">I", data, at)
+        frames.append(data[at + 4 : at + 4 + n])
+        at += 4 + n
+    return frames
+
+
+def pack_stream(kind: int, stream: int, payload: bytes = b"") -> bytes:
+    return bytes([kind]) + struct.pack(">I", stream) + payload
+
+
+def _addr(info: dict, channel: str) -> str:
+    return f"{info.get('transport', 'tcp')}://{info.get('ip', '127.0.0.1')}:{info[channel + '_port']}"
+
+
+class ZmqEnd:
+    """One end's five sockets: ``bind`` on A, ``connect`` on B. Messages from them go to ``send``."""
+
+    def __init__(self, connection_info: dict, kinds: dict[str, int], send: Send) -> None:
+        self.info = connection_info
+        self.kinds = kinds
+        self.send = send
+        self.context = zmq.asyncio.Context.instance()
+        self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.tasks: list[asyncio.Task] = []
+
+    def open(self, bind: bool) -> None:
+        try:
+            for channel in CHANNELS:
+                sock = self.context.socket(self.kinds[channel])
+                sock.linger = 0
+                if self.kinds[channel] == zmq.XPUB:
+                    sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription reaches the kernel's welcome
+                self.sockets[channel] = sock
+                (sock.bind if bind else sock.connect)(_addr(self.info, channel))
+        except zmq.ZMQError:
+            self.close()
+            raise
+        self.tasks = [asyncio.ensure_future(self._pump(i, c)) for i, c in enumerate(CHANNELS)]
+
+    async def _pump(self, kind: int, channel: str) -> None:
+        sock = self.sockets[channel]
+        try:
+            while True:
+                frames = await sock.recv_multipart(copy=True)
+                await self.send(pack_frames(kind, frames))
+        except (asyncio.CancelledError, zmq.ZMQError):
+            pass
+        except Exception:  # the WebSocket went away: the owner notices and decides
+            log.debug("relay: %s pump stopped", channel, exc_info=True)
+
+    async def deliver(self, data: bytes) -> None:
+        channel = CHANNELS[data[0]]
+        sock = self.sockets.get(channel)
+        if sock is not None:
+            await sock.send_multipart(unpack_frames(data))
+
+    def close(self) -> None:
+        for task in self.tasks:
+            task.cancel()
+        for sock in self.sockets.values():
+            sock.close(linger=0)
+        self.sockets.clear()
+        self.tasks = []
+
+
+class Streams:
+    """TCP connections carried over the WebSocket, each with an id; ``dial`` opens the far side's."""
+
+    def __init__(self, send: Send, dial: Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+                 | None = None) -> None:
+        self.send = send
+        self.dial = dial
+        self.writers: dict[int, asyncio.StreamWriter] = {}
+        self.tasks: dict[int, asyncio.Task] = {}
+        self.next_id = 1
+
+    def adopt(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, stream: int | None = None) -> int:
+        if stream is None:
+            stream, self.next_id = self.next_id, self.next_id + 1
+        self.writers[stream] = writer
+        self.tasks[stream] = asyncio.ensure_future(self._pump(stream, reader))
+        return stream
+
+    async def _pump(self, stream: int, reader: asyncio.StreamReader) -> None:
+        try:
+            while data := await reader.read(CHUNK):
+                await self.send(pack_stream(DATA, stream, data))
+        except (asyncio.CancelledError, ConnectionError):
+            pass
+        except Exception:
+            log.debug("relay: stream %s stopped", stream, exc_info=True)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.send(pack_stream(CLOSE, stream))
+            self._forget(stream)
+
+    async def deliver(self, data: bytes) -> None:
+        kind, (stream,) = data[0], struct.unpack_from(">I", data, 1)
+        if kind == OPEN and self.dial is not None:
+            try:
+                reader, writer = await self.dial()
+            except OSError:
+                await self.send(pack_stream(CLOSE, stream))
+                return
+            self.adopt(reader, writer, stream)
+        elif kind == DATA and stream in self.writers:
+            self.writers[stream].write(data[5:])
+            with contextlib.suppress(ConnectionError):
+                await self.writers[stream].drain()
+        elif kind == CLOSE:
+            task = self.tasks.get(stream)
+            if task is not None:
+                task.cancel()
+            self._forget(stream)
+
+    def _forget(self, stream: int) -> None:
+        writer = self.writers.pop(stream, None)
+        self.tasks.pop(stream, None)
+        if writer is not None:
+            writer.close()
+
+    def close(self) -> None:
+        for stream in list(self.tasks):
+            self.tasks[stream].cancel()
+            self._forget(stream)
+
+
+async def route(data: bytes, zmq_end: ZmqEnd, streams: Streams) -> None:
+    """Hand one WebSocket message to the ZMQ sockets or to a stream."""
+    if not data:
+        return
+    if data[0] < len(CHANNELS):
+        await zmq_end.deliver(data)
+    elif data[0] in (OPEN, DATA, CLOSE):
+        await streams.deliver(data)
+
+
+class RelayClient:
+    """A's end: binds the kernel's ports here and relays them over a WebSocket that ``connect`` opens.
+
+    If the WebSocket drops, it dials again for ``patience`` seconds (what the kernel sends meanwhile
+    is lost, as on a network blip); after that the kernel counts as lost (:attr:`lost`).
+    """
+
+    def __init__(self, connection_info: dict, connect: Callable[[], Awaitable[Any]],
+                 api_target: tuple[str, int] | None, patience: float = 30.0) -> None:
+        self.info = connection_info
+        self.connect = connect
+        self.api_target = api_target
+        self.patience = patience
+        self.ws: Any = None
+        self.lost = False
+        self._closing = False
+        self._reader: asyncio.Task | None = None
+        self.zmq = ZmqEnd(connection_info, A_SIDE, self._send)
+        self.streams = Streams(self._send, dial=self._dial)
+
+    async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        if self.api_target is None:
+            raise OSError("no server address for the kernel's own calls")
+        return await asyncio.open_connection(*self.api_target)
+
+    async def start(self) -> None:
+        self.ws = await self.connect()
+        try:
+            self.zmq.open(bind=True)
+        except zmq.ZMQError:
+            self.ws.close()
+            raise
+        self._reader = asyncio.ensure_future(self._read())
+
+    async def _send(self, data: bytes) -> None:
+        ws = self.ws
+        if ws is None:
+            return
+        try:
+            await ws.write_message(data, binary=True)
+        except Exception:  # closed: dropped, as a network would; _read dials again
+            log.debug("relay: dropped a message while the WebSocket is down")
+
+    async def _read(self) -> None:
+        while not self._closing:
+            msg = await self.ws.read_message()
+            if msg is None:
+                if self._closing or not await self._redial():
+                    return
+                continue
+            try:
+                await route(msg if isinstance(msg, bytes) else msg.encode(), self.zmq, self.streams)
+            except zmq.ZMQError:
+                log.debug("relay: could not deliver a message", exc_info=True)
+
+    async def _redial(self) -> bool:
+        self.ws = None
+        self.streams.close()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.patience
+        while not self._closing and loop.time() < deadline:
+            try:
+                self.ws = await self.connect()
+                log.info("relay: reconnected")
+                return True
+            except Exception as exc:
+                log.warning("relay: the other host does not answer (%s); trying again", exc)
+                await asyncio.sleep(1.0)
+        self.lost = not self._closing
+        return False
+
+    async def stop(self) -> None:
+        self._closing = True
+        if self._reader is not None:
+            self._reader.cancel()
+        self.zmq.close()
+        self.streams.close()
+        if self.ws is not None:
+            self.ws.close()
+            self.ws = None
+
+
+class RelayServerEnd:
+    """B's end, behind the peer WebSocket: connects to the kernel's ports here, and listens on
+    ``api_listen`` (the address the kernel knows its server by) for its own calls."""
+
+    def __init__(self, connection_info: dict, send: Send, api_listen: tuple[str, int] | None) -> None:
+        self.send = send
+        self.zmq = ZmqEnd(connection_info, B_SIDE, send)
+        self.streams = Streams(send)
+        self.api_listen = api_listen
+        self.server: asyncio.base_events.Server | None = None
+
+    async def start(self) -> None:
+        self.zmq.open(bind=False)
+        if self.api_listen is not None:
+            try:
+                self.server = await asyncio.start_server(self._accept, *self.api_listen)
+            except OSError as exc:
+                log.warning("relay: cannot listen on %s:%s for the kernel's calls to its server (%s); "
+                            "%%migrate inside the kernel will not reach it", *self.api_listen, exc)
+
+    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        stream, self.streams.next_id = self.streams.next_id, self.streams.next_id + 1
+        await self.send(pack_stream(OPEN, stream))
+        self.streams.adopt(reader, writer, stream)
+
+    async def deliver(self, data: bytes) -> None:
+        await route(data, self.zmq, self.streams)
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+        self.zmq.close()
+        self.streams.close()

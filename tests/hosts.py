@@ -1,0 +1,164 @@
+"""Two "hosts" on one machine: network namespaces joined by a bridge, each with its own jupyter_server.
+
+    root namespace (the tests)   10.77.x.1 on bridge gmbr<x>
+    host a                       10.77.x.2, namespace gma<x>, its own server, state and config dirs
+    host b                       10.77.x.3, namespace gmb<x>
+
+Each server serves HTTPS with one self-signed certificate valid for both addresses, the peers'
+``ca_file``. The hosts share the filesystem and the PID namespace, as two machines with a shared home
+and the same software would share paths; their loopbacks, addresses and ports are their own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+PORT = 8888
+
+
+def sh(*cmd: str) -> None:
+    subprocess.run(cmd, check=True, capture_output=True, text=True)
+
+
+class Network:
+    """The bridge and the namespaces; ``close`` removes them."""
+
+    def __init__(self, tag: int) -> None:
+        self.tag = tag
+        self.bridge = f"gmbr{tag}"
+        self.prefix = f"10.77.{tag}"
+        self.namespaces: list[str] = []
+
+    def up(self) -> Network:
+        sh("ip", "link", "add", self.bridge, "type", "bridge")
+        sh("ip", "addr", "add", f"{self.prefix}.1/24", "dev", self.bridge)
+        sh("ip", "link", "set", self.bridge, "up")
+        return self
+
+    def add(self, name: str, last_octet: int) -> tuple[str, str]:
+        ns, veth = f"gm{name}{self.tag}", f"gm{name}{self.tag}h"
+        sh("ip", "netns", "add", ns)
+        self.namespaces.append(ns)
+        sh("ip", "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+        sh("ip", "link", "set", veth, "master", self.bridge, "up")
+        sh("ip", "-n", ns, "addr", "add", f"{self.prefix}.{last_octet}/24", "dev", "eth0")
+        sh("ip", "-n", ns, "link", "set", "eth0", "up")
+        sh("ip", "-n", ns, "link", "set", "lo", "up")
+        return ns, f"{self.prefix}.{last_octet}"
+
+    def close(self) -> None:
+        for ns in self.namespaces:
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+def make_certificate(folder: Path, addresses: list[str]) -> tuple[Path, Path]:
+    cert, key = folder / "cert.pem", folder / "key.pem"
+    san = ",".join(f"IP:{a}" for a in addresses)
+    sh("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=gpumigrate-test",
+       "-addext", f"subjectAltName={san}", "-keyout", str(key), "-out", str(cert))
+    os.chmod(key, 0o600)
+    return cert, key
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str
+    ip: str
+    root: Path
+    cert: Path
+    key: Path
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    peer_token: str = field(default_factory=lambda: secrets.token_hex(16))
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"https://{self.ip}:{PORT}/"
+
+    def peer_entry(self, token: str | None = None) -> dict:
+        return {"url": self.url, "token": token or self.peer_token, "ca_file": str(self.cert)}
+
+    def start(self, peers: dict[str, dict]) -> None:
+        for sub in ("config", "data", "runtime", "work", "state"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        config = self.root / "config" / "jupyter_server_config.json"
+        config.write_text(json.dumps({
+            "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}, "ip": self.ip, "port": PORT,
+                          "port_retries": 0, "certfile": str(self.cert), "keyfile": str(self.key),
+                          "allow_root": True, "open_browser": False, "root_dir": str(self.root / "work")},
+            "IdentityProvider": {"token": self.token},
+            "MigratableProvisioner": {"state_dir": str(self.root / "state")},
+            "GPUMigrateApp": {"host_name": self.name, "peers": peers, "peer_token": self.peer_token},
+        }))
+        env = {**os.environ, "JUPYTER_CONFIG_DIR": str(self.root / "config"),
+               "JUPYTER_DATA_DIR": str(self.root / "data"), "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
+               "JUPYTER_PLATFORM_DIRS": "1"}
+        self.log = open(self.root / "server.log", "ab")  # noqa: SIM115 (open while the server runs)
+        self.proc = subprocess.Popen(
+            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "jupyter_server"],
+            env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
+        )
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("GET", "api/status")
+                return
+            except (OSError, urllib.error.URLError):
+                assert self.proc.poll() is None, self.server_log()
+                assert time.monotonic() < deadline, self.server_log()
+                time.sleep(0.2)
+
+    def server_log(self) -> str:
+        return (self.root / "server.log").read_text(errors="replace")[-6000:]
+
+    def context(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=str(self.cert))
+
+    def api(self, method: str, path: str, body: Any = None, expect: int | None = None,
+            headers: dict[str, str] | None = None) -> Any:
+        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
+        req = urllib.request.Request(self.url + path, data=data, method=method)
+        req.add_header("Authorization", f"token {self.token}")
+        for k, v in (headers or {}).items():
+            req.add_header(k, v)
+        try:
+            with urllib.request.urlopen(req, timeout=120, context=self.context()) as resp:
+                status, raw = resp.status, resp.read()
+        except urllib.error.HTTPError as exc:
+            status, raw = exc.code, exc.read()
+            if expect is None:
+                raise AssertionError(f"{method} {path}: {status} {raw[:500]!r}") from None
+        if expect is not None:
+            assert status == expect, f"{method} {path}: {status} {raw[:500]!r}"
+        return json.loads(raw) if raw else None
+
+    def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
+        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)
+        deadline = time.monotonic() + timeout
+        while op["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, op
+            op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+        return op
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
