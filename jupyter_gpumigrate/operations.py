@@ -254,7 +254,8 @@ class OperationManager:
             link = provisioner.remote_link
         else:
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
-                            asyncio.get_running_loop(), self.api_address(), self.host_name)
+                            asyncio.get_running_loop(), self.api_address(), self.host_name,
+                            clients=provisioner.client_identities)
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here)
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, link))

@@ -219,7 +219,8 @@ class PeerLink(HostLink):
     """
 
     def __init__(self, peer: Peer, kernel_id: str, connection_info: dict, loop: asyncio.AbstractEventLoop,
-                 api_address: tuple[str, int] | None, home: str) -> None:
+                 api_address: tuple[str, int] | None, home: str,
+                 clients: Callable[[], list[tuple[str, bytes]]] = list) -> None:
         self.peer = peer
         self.host = peer.name
         self.kernel_id = kernel_id
@@ -228,6 +229,7 @@ class PeerLink(HostLink):
         self.api_address = api_address
         self.home = home
         self.client = PeerClient(peer)
+        self.clients = clients
         self.relay: RelayClient | None = None
 
     # -- moving there --------------------------------------------------------------------------------
@@ -276,6 +278,7 @@ class PeerLink(HostLink):
         if self.relay is None:
             relay = RelayClient(self.info, self._connect, self.api_address)
             await relay.start()
+            await relay.introduce(self.clients())
             self.relay = relay
 
     async def detach_async(self) -> None:

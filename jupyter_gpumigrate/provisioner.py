@@ -160,12 +160,39 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     # -- launching -----------------------------------------------------------------------------------
 
+    def client_identities(self) -> list[tuple[str, bytes]]:
+        """(channel, routing id) of the server's own clients of this kernel (its WebSocket bridges).
+
+        When the kernel moves to another host, the relay introduces them there before they speak, so
+        that the reply to a cell that ran during the move reaches its tab (relay.py). jupyter_client
+        has no hook for the sockets its kernel manager makes; so we wrap the one method that makes
+        them, on this kernel's manager only.
+        """
+        manager = self.parent
+        if manager is None:
+            return []
+        if not hasattr(manager, "_gpumigrate_identities"):
+            seen: dict[tuple[str, bytes], None] = {}
+            make = manager._create_connected_socket
+
+            def recording(channel: str, identity: bytes | None = None) -> Any:
+                if identity:
+                    seen[(channel, identity)] = None
+                    while len(seen) > 256:
+                        seen.pop(next(iter(seen)))
+                return make(channel, identity=identity)
+
+            manager._create_connected_socket = recording
+            manager._gpumigrate_identities = seen
+        return list(manager._gpumigrate_identities)
+
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         logs = Path(self.state_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
+        self.client_identities()  # start recording the server's clients of this kernel
         credentials = self._credentials()
         if credentials is not None:
             env.update(credentials.env(self.kernel_id))

@@ -8,8 +8,8 @@ re-dial by themselves, as after a local resume. The kernel's HMAC signatures are
 relay neither reads nor signs anything.
 
     channel                on A (bound to the old port)     on B (connected to the kernel)
-    shell, control, stdin  ROUTER                           DEALER (identity frames pass as they are)
-    hb                     ROUTER                           DEALER (the kernel's heartbeat echoes)
+    shell, control, stdin  ROUTER                           a DEALER per client, with its routing id
+    hb                     ROUTER                           a DEALER per client (the kernel echoes)
     iopub                  XPUB (subscriptions forwarded)   XSUB
 
 The same WebSocket carries the kernel's own calls to its server (``%migrate`` inside the kernel): B
@@ -70,7 +70,15 @@ def _addr(info: dict, channel: str) -> str:
 
 
 class ZmqEnd:
-    """One end's five sockets: ``bind`` on A, ``connect`` on B. Messages from them go to ``send``."""
+    """One end's sockets: A binds a ROUTER or XPUB per channel where the kernel's ports were; B connects
+    to the kernel. Messages from them go to ``send``.
+
+    On B, each client that A's ROUTER sees gets a DEALER of its own, with the client's routing id: the
+    kernel then addresses a client exactly as when the client is connected to it directly, so the
+    reply to a cell that ran while the kernel moved finds its client on either side.
+    """
+
+    MAX_CLIENTS = 64  # per channel, on B; the least recently used DEALER goes first
 
     def __init__(self, connection_info: dict, kinds: dict[str, int], send: Send) -> None:
         self.info = connection_info
@@ -78,9 +86,19 @@ class ZmqEnd:
         self.send = send
         self.context = zmq.asyncio.Context.instance()
         self.sockets: dict[str, zmq.asyncio.Socket] = {}
+        self.clients: dict[str, dict[bytes, tuple[zmq.asyncio.Socket, asyncio.Task]]] = {}
         self.tasks: list[asyncio.Task] = []
 
     def open(self, bind: bool) -> None:
+        if not bind:
+            # B: XSUB for IOPub now; a DEALER per client as clients appear.
+            sock = self.context.socket(zmq.XSUB)
+            sock.linger = 0
+            sock.connect(_addr(self.info, "iopub"))
+            self.sockets["iopub"] = sock
+            self.clients = {c: {} for c in CHANNELS if c != "iopub"}
+            self.tasks = [asyncio.ensure_future(self._pump(CHANNELS.index("iopub"), sock))]
+            return
         try:
             for channel in CHANNELS:
                 sock = self.context.socket(self.kinds[channel])
@@ -88,35 +106,72 @@ class ZmqEnd:
                 if self.kinds[channel] == zmq.XPUB:
                     sock.setsockopt(zmq.XPUB_VERBOSE, 1)  # every subscription reaches the kernel's welcome
                 self.sockets[channel] = sock
-                (sock.bind if bind else sock.connect)(_addr(self.info, channel))
+                sock.bind(_addr(self.info, channel))
         except zmq.ZMQError:
             self.close()
             raise
-        self.tasks = [asyncio.ensure_future(self._pump(i, c)) for i, c in enumerate(CHANNELS)]
+        self.tasks = [asyncio.ensure_future(self._pump(i, self.sockets[c])) for i, c in enumerate(CHANNELS)]
 
-    async def _pump(self, kind: int, channel: str) -> None:
-        sock = self.sockets[channel]
+    async def _pump(self, kind: int, sock: zmq.asyncio.Socket, routing_id: bytes | None = None) -> None:
         try:
             while True:
                 frames = await sock.recv_multipart(copy=True)
+                if routing_id is not None:
+                    frames = [routing_id, *frames]
                 await self.send(pack_frames(kind, frames))
         except (asyncio.CancelledError, zmq.ZMQError):
             pass
         except Exception:  # the WebSocket went away: the owner notices and decides
-            log.debug("relay: %s pump stopped", channel, exc_info=True)
+            log.debug("relay: channel %s pump stopped", CHANNELS[kind], exc_info=True)
+
+    def _client(self, kind: int, routing_id: bytes) -> zmq.asyncio.Socket:
+        channel = CHANNELS[kind]
+        clients = self.clients[channel]
+        if routing_id in clients:
+            clients[routing_id] = clients.pop(routing_id)  # most recently used last
+            return clients[routing_id][0]
+        if len(clients) >= self.MAX_CLIENTS:
+            old_sock, old_task = clients.pop(next(iter(clients)))
+            old_task.cancel()
+            old_sock.close(linger=0)
+        sock = self.context.socket(zmq.DEALER)
+        sock.linger = 0
+        # ZMQ reserves ids that start with a zero byte (those it makes up itself): such a client
+        # gets another id here; its replies still come back to it through this DEALER.
+        sock.setsockopt(zmq.ROUTING_ID, routing_id if routing_id[:1] != b"\0" else b"gm" + routing_id)
+        sock.connect(_addr(self.info, channel))
+        clients[routing_id] = (sock, asyncio.ensure_future(self._pump(kind, sock, routing_id)))
+        return sock
 
     async def deliver(self, data: bytes) -> None:
-        channel = CHANNELS[data[0]]
+        kind = data[0]
+        channel = CHANNELS[kind]
+        frames = unpack_frames(data)
+        if channel in self.clients:  # B, a client's message: on that client's own DEALER
+            if not frames or not frames[0]:
+                return
+            sock = self._client(kind, frames[0])
+            if len(frames) == 2 and frames[1] == b"":
+                return  # a hello (RelayClient.introduce): the client's DEALER is ready now
+            await sock.send_multipart(frames[1:])
+            return
         sock = self.sockets.get(channel)
         if sock is not None:
-            await sock.send_multipart(unpack_frames(data))
+            if self.kinds.get(channel) == zmq.ROUTER and len(frames) < 2:
+                return
+            await sock.send_multipart(frames)
 
     def close(self) -> None:
         for task in self.tasks:
             task.cancel()
         for sock in self.sockets.values():
             sock.close(linger=0)
+        for clients in self.clients.values():
+            for sock, task in clients.values():
+                task.cancel()
+                sock.close(linger=0)
         self.sockets.clear()
+        self.clients = {}
         self.tasks = []
 
 
@@ -225,6 +280,13 @@ class RelayClient:
             self.ws.close()
             raise
         self._reader = asyncio.ensure_future(self._read())
+
+    async def introduce(self, clients: list[tuple[str, bytes]]) -> None:
+        """Have B make the DEALERs of clients known by their routing ids, before they speak: a reply
+        the kernel sends to one of them (a cell that ran during the move) then finds it."""
+        for channel, routing_id in clients:
+            if channel in CHANNELS and channel != "iopub" and routing_id:
+                await self._send(pack_frames(CHANNELS.index(channel), [routing_id, b""]))
 
     async def _send(self, data: bytes) -> None:
         ws = self.ws

@@ -9,63 +9,19 @@ import stat
 from pathlib import Path
 
 import pytest
-from helpers import KernelSession, WebSocketTab, api, hold_pid, operate, start_kernel
+from helpers import (
+    BUILD_STATE,
+    CHECK_STATE,
+    EXPECTED,
+    KernelSession,
+    WebSocketTab,
+    api,
+    hold_pid,
+    operate,
+    start_kernel,
+)
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
-
-BUILD_STATE = r"""
-import threading, time, socket, itertools
-
-x = 41
-data = {"list": [1, 2, 3], "text": "héllo"}
-square = lambda v: v * v
-
-class Point:
-    def __init__(self, a, b):
-        self.a, self.b = a, b
-    def norm2(self):
-        return self.a ** 2 + self.b ** 2
-
-p = Point(3, 4)
-
-def counter():
-    for i in itertools.count():
-        yield i
-
-gen = counter()
-first = [next(gen) for _ in range(5)]          # the generator stops halfway, at 5
-
-ticks = [0]
-stop = threading.Event()
-def tick():
-    while not stop.is_set():
-        ticks[0] += 1
-        time.sleep(0.01)
-worker = threading.Thread(target=tick, daemon=True)
-worker.start()
-
-f = open(PATH, "w+")
-f.write("line one\nline two\n")
-f.flush()
-f.seek(5)
-
-left, right = socket.socketpair()
-left.sendall(b"in flight")                    # unread when the kernel is suspended
-print("built")
-"""
-
-CHECK_STATE = r"""
-before = ticks[0]
-time.sleep(0.3)
-print(x + 1, data["text"], square(7), p.norm2(), isinstance(p, Point))
-print(next(gen), next(gen))
-print(worker.is_alive(), ticks[0] > before)
-print(f.tell(), repr(f.read()))
-print(right.recv(100).decode())
-right.sendall(b"pong"); print(left.recv(100).decode())
-"""
-
-EXPECTED = ["42 héllo 49 25 True", "5 6", "True True", "5 'one\\nline two\\n'", "in flight", "pong"]
 
 
 async def test_round_trip_keeps_every_kind_of_state(jp_fetch, jp_serverapp, kernel, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
@@ -24,6 +25,10 @@ class NotManaged(Exception):
 
 class ApiError(Exception):
     """The server refused or failed a request; the message is the server's sentence."""
+
+
+class Unreachable(ApiError):
+    """The server did not answer at all (this kernel may be on its way to another host)."""
 
 
 class ServerClient:
@@ -63,7 +68,7 @@ class ServerClient:
                 message = exc.reason
             raise ApiError(str(message)) from None
         except (urllib.error.URLError, OSError) as exc:
-            raise ApiError(f"The Jupyter server at {self.url} does not answer ({exc}).") from None
+            raise Unreachable(f"The Jupyter server at {self.url} does not answer ({exc}).") from None
 
     def gpus(self) -> dict:
         return self.request("GET", "gpus")
@@ -74,14 +79,30 @@ class ServerClient:
     def me(self) -> dict:
         return self.request("GET", f"kernels/{self.kernel_id}")
 
-    def migrate(self, to_gpu: int) -> dict:
-        return self.request("POST", f"kernels/{self.kernel_id}/migrate", {"to_gpu": to_gpu})
+    def migrate(self, to_gpu: int | None, to_host: str | None = None) -> dict:
+        body: dict = {"to_gpu": to_gpu}
+        if to_host:
+            body["to_host"] = to_host
+        return self.request("POST", f"kernels/{self.kernel_id}/migrate", body)
 
-    def follow(self, op: dict, on_change: Callable[[dict], None] | None = None) -> dict:
+    def follow(self, op: dict, on_change: Callable[[dict], None] | None = None, patience: float = 120.0) -> dict:
         """Wait for the operation to end, calling ``on_change`` at each change (the server holds each
-        request until something changes, so this does not poll)."""
+        request until something changes, so this does not poll).
+
+        While this kernel itself is being moved, its connection to the server breaks, and until the
+        relay is up it has none: it keeps asking for up to ``patience`` seconds.
+        """
+        lost_since: float | None = None
         while op["status"] not in ("succeeded", "failed"):
-            op = self.request("GET", f"operations/{op['id']}?after={op['version']}", timeout=60)
+            try:
+                op = self.request("GET", f"operations/{op['id']}?after={op['version']}", timeout=60)
+            except Unreachable:
+                lost_since = lost_since or time.monotonic()
+                if time.monotonic() - lost_since > patience:
+                    raise
+                time.sleep(0.2)
+                continue
+            lost_since = None
             if on_change is not None:
                 on_change(op)
         return op

@@ -34,6 +34,11 @@ def describe(op: dict) -> str:
     timings = op.get("timings") or {}
     slowest = max(timings, key=timings.get) if timings else None
     slow = f"; slowest phase {slowest} {timings[slowest]:.2f} s" if slowest else ""
+    if op.get("to_host"):
+        gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+        return (f"Moved from host {op.get('from_host')} to host {op['to_host']}{gpu}: {op.get('bytes', 0) / GB:.2f} GB "
+                f"in {op.get('total', 0):.2f} s{slow}. This notebook reaches it through {op.get('from_host')} "
+                f"if that is its home; everything in memory came along.")
     return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {op.get('bytes', 0) / GB:.1f} GB "
             f"in {op.get('total', 0):.2f} s{slow}. torch still calls it cuda:0.")
 
@@ -55,6 +60,11 @@ def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
     others = [f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({k['state']})" for k in kernels if k["id"] not in on_gpu]
     if others:
         lines.append(f"No GPU: {', '.join(others)}")
+    away = [f"{k['id'][:8]}{'*' if k['id'] == me else ''} on {k['host']}" for k in kernels if k.get("remote")]
+    if away:
+        lines.append(f"On other hosts: {', '.join(away)}")
+    if gpus.get("peers"):
+        lines.append(f"Host {gpus.get('host')}; peers: {', '.join(gpus['peers'])}")
     lines.append("* this kernel")
     return "\n".join(lines)
 
@@ -69,6 +79,8 @@ class MigrateMagics(Magics):
 
     @magic_arguments()
     @argument("--to-gpu", type=int, metavar="N", help="move this kernel to GPU N (NVML's index) now")
+    @argument("--to-host", metavar="NAME", help="move this kernel to the peer server NAME (with --to-gpu: onto "
+              "its GPU N); the name of this kernel's home server brings it back")
     @argument("--list", action="store_true", help="print the GPUs, their memory and kernels")
     @argument("--help", action="store_true", help="show this help")
     @line_magic
@@ -77,7 +89,10 @@ class MigrateMagics(Magics):
 
         %migrate              a picker: each GPU, its memory and kernels, and a Migrate button
         %migrate --to-gpu N   move this kernel to GPU N; prints from, to, bytes, time, slowest phase
-        %migrate --list       the GPUs and the kernels on them (this one marked *)
+        %migrate --to-host B  move this kernel to the peer server B (add --to-gpu N for its GPU N);
+                              the notebook stays where it is; --to-host with the home server's name
+                              brings the kernel back
+        %migrate --list       the GPUs and the kernels on them (this one marked *), and the hosts
 
         After a move PyTorch still calls the device cuda:0. The cell with %migrate goes on once the
         move is done; a failed move leaves the kernel where it was, running.
@@ -86,17 +101,17 @@ class MigrateMagics(Magics):
         if args.help:
             print(self.migrate.__doc__)
             return
-        if args.list and args.to_gpu is not None:
-            raise UsageError("%migrate: give either --list or --to-gpu N, not both.")
+        if args.list and (args.to_gpu is not None or args.to_host):
+            raise UsageError("%migrate: give either --list or a target (--to-gpu N, --to-host NAME), not both.")
         if args.to_gpu is not None and args.to_gpu < 0:
             raise UsageError(f"%migrate: --to-gpu takes a GPU index, 0 or more (got {args.to_gpu}).")
         client = self._client()
         try:
             if args.list:
                 print(gpu_table(client.gpus(), client.kernels(), client.kernel_id))
-            elif args.to_gpu is not None:
+            elif args.to_gpu is not None or args.to_host:
                 release_torch_cache()
-                op = client.follow(client.migrate(args.to_gpu))
+                op = client.follow(client.migrate(args.to_gpu, args.to_host))
                 if op["status"] != "succeeded":
                     raise MigrateFailed(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
                 print(describe(op))

@@ -1,0 +1,150 @@
+"""Move live kernels between two hosts: network namespaces on this machine, each with its own server.
+
+tests/hosts.py builds them: a bridge, one namespace per host with its own address, loopback and
+jupyter_server (HTTPS), the other host as its peer. The notebook's client stays connected to host a's
+server the whole time, as a browser tab would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+
+import pytest
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab
+from hosts import Host, Network, make_certificate
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+WHERE = "import subprocess; print(subprocess.run(['ip', '-4', '-o', 'addr', 'show', 'eth0'], capture_output=True, text=True).stdout.split()[3])"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hosts")
+    net = Network(20 + os.getpid() % 200).up()
+    a = b = None
+    try:
+        ns_a, ip_a = net.add("a", 2)
+        ns_b, ip_b = net.add("b", 3)
+        cert, key = make_certificate(root, [ip_a, ip_b])
+        a = Host("a", ns_a, ip_a, root / "a", cert, key)
+        b = Host("b", ns_b, ip_b, root / "b", cert, key)
+        # "c" is b with a wrong credential.
+        a.start({"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)})
+        b.start({"a": a.peer_entry()})
+        yield a, b
+    finally:
+        for host in (a, b):
+            if host is not None:
+                host.stop()
+        net.close()
+
+
+async def open_tab(host: Host, kernel_id: str) -> WebSocketTab:
+    """A client of the kernel through the host's /api/kernels/{id}/channels, like a notebook tab."""
+    request = HTTPRequest(f"wss://{host.ip}:8888/api/kernels/{kernel_id}/channels",
+                          headers={"Authorization": f"token {host.token}"}, ca_certs=str(host.cert))
+    return WebSocketTab(await websocket_connect(request))
+
+
+async def call(fn, *args, **kwargs):
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def new_kernel(host: Host) -> tuple[str, WebSocketTab]:
+    kernel = await call(host.api, "POST", "api/kernels", {"name": "python3"})
+    tab = await open_tab(host, kernel["id"])
+    assert (await tab.run("print('up')")).strip() == "up"
+    return kernel["id"], tab
+
+
+async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_executing(hosts, tmp_path):
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    assert "built" in await tab.run(f"PATH = {str(tmp_path / 'notes.txt')!r}\n" + BUILD_STATE)
+    assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+
+    op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "dump", "transfer", "restore", "adopt"]
+    assert op["from_host"] == "a" and op["to_host"] == "b" and op["bytes"] > 1_000_000
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "b" and view["remote"] and view["state"] == "running" and view["pid"] is None
+
+    # The same tab, through a's server: the kernel runs in b's network namespace, with all its state.
+    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+    assert (await tab.run(CHECK_STATE)).splitlines() == EXPECTED
+    # The kernel's own calls to its server reach a through the relay.
+    listing = await tab.run("%migrate --list")
+    assert f"{kernel_id[:8]}* on b" in listing and "Host a; peers: b, c" in listing, listing
+    # b hosts it, for a peer only: b's own users do not see it among b's kernels.
+    assert kernel_id not in [k["id"] for k in await call(b.api, "GET", "api/kernels")]
+
+    # Back home, from inside the kernel, while the tab keeps executing.
+    out = await tab.run("%migrate --to-host a")
+    assert "Moved from host b to host a" in out, out
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "a" and not view["remote"] and view["pid"]
+    assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+    assert (await tab.run("print(x + 1, next(gen), worker.is_alive(), f.tell())")).strip() == "42 7 True 18"
+    # b deleted its copy of the kernel's memory.
+    assert not (b.root / "state" / "guests" / kernel_id).exists()
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    await tab.run("kept = 'still here'")
+    op = await call(a.operate, kernel_id, "migrate", {"to_host": "c"})
+    assert op["status"] == "failed" and op["failed_phase"] == "prepare"
+    assert "refused our credential" in op["error"] and "peer_token" in op["error"], op["error"]
+    assert (await tab.run("print(kept)")).strip() == "still here"
+    # b's peer routes take b's peer token only: not a wrong one, not b's own user token.
+    for header in ("gpumigrate-peer wrong", f"token {b.token}"):
+        answer = await call(b.api, "POST", "api/gpumigrate/peer/check", {}, expect=403,
+                            headers={"Authorization": header})
+        assert answer is None or "peer" in json.dumps(answer)
+    # An unknown peer, and a bad body, are refused before anything starts.
+    await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "nowhere"}, expect=400)
+    await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": 3}, expect=400)
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts):
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    # 600 MB of touched memory: the transfer takes long enough to be cut in the middle.
+    await tab.run("blob = bytearray(b'x') * (600 << 20); blob[12345] = 7; kept = 'still here'")
+    seen: list[str] = []
+
+    def kill_b_during_transfer() -> None:
+        op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+        while op["status"] not in ("succeeded", "failed"):
+            seen.append(op["phase"] or "")
+            if op["phase"] == "transfer" and b.proc.poll() is None:
+                b.stop(signal.SIGKILL)
+            op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+        seen.append(json.dumps(op))
+
+    await call(kill_b_during_transfer)
+    op = json.loads(seen[-1])
+    assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
+    assert op["status"] == "failed" and op["failed_phase"] in ("transfer", "restore"), op
+    assert "cannot be reached" in op["error"] or "b:" in op["error"], op["error"]
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "a" and view["state"] == "running" and not view["remote"]
+    assert (await tab.run("print(kept, blob[12345], len(blob) >> 20)")).strip() == "still here 7 600"
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+    b.start({"a": a.peer_entry()})
