@@ -142,25 +142,34 @@ def cmd_list(args: argparse.Namespace) -> int:
     rows = []
     for _, k in kernels:
         gpus = ",".join(str(g["index"]) for g in k["gpus"]) or "-"
-        rows.append([k["id"], k["name"], str(k["pid"] or "-"), k["state"], k["execution_state"] or "-",
-                     gpus, human_bytes(k["image_bytes"])])
+        rows.append([k["id"], k["name"], k.get("host") or "-", str(k["pid"] or "-"), k["state"],
+                     k["execution_state"] or "-", gpus, human_bytes(k["image_bytes"])])
     if not rows:
         print("No kernels are running.")
     else:
-        print(table(rows, ["KERNEL", "NAME", "PID", "STATE", "EXECUTION", "GPUS", "IMAGES"]))
+        print(table(rows, ["KERNEL", "NAME", "HOST", "PID", "STATE", "EXECUTION", "GPUS", "IMAGES"]))
     return EXIT_OK
 
 
 def cmd_action(args: argparse.Namespace) -> int:
     server, kernel = find_kernel(find_servers(args), args.kernel_id)
     body = {"to_gpu": args.to_gpu} if getattr(args, "to_gpu", None) is not None else {}
+    if getattr(args, "to_host", None):
+        body["to_host"] = args.to_host
+    if args.command == "migrate" and not body:
+        print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
+        return EXIT_USAGE
     op = server.request("POST", f"{API}/kernels/{kernel['id']}/{args.command}", body)
     op = follow(server, op, quiet=args.json, timeout=args.timeout)
     if args.json:
         print(json.dumps(op, indent=1))
     elif op["status"] == "succeeded":
         slowest = max(op["timings"], key=op["timings"].get) if op["timings"] else "-"
-        if args.command == "migrate":
+        if args.command == "migrate" and op.get("to_host"):
+            gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+            print(f"Kernel {kernel['id']} moved from host {op['from_host']} to host {op['to_host']}{gpu} in "
+                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} sent; slowest phase: {slowest}).")
+        elif args.command == "migrate":
             print(f"Kernel {kernel['id']} moved from GPU {op['from_gpu']} to GPU {op['to_gpu']} in "
                   f"{op['total']:.2f} s ({human_bytes(op['bytes'])} of GPU memory; slowest phase: {slowest}).")
         else:
@@ -243,9 +252,12 @@ def parser() -> argparse.ArgumentParser:
     r.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     r.add_argument("--to-gpu", type=int, help="GPU index to resume a GPU kernel on")
     r.set_defaults(func=cmd_action)
-    m = sub.add_parser("migrate", parents=[common, remote], help="move a running GPU kernel to another GPU")
+    m = sub.add_parser("migrate", parents=[common, remote],
+                       help="move a running kernel to another GPU, or to a peer host and back")
     m.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
-    m.add_argument("--to-gpu", type=int, required=True, help="index of the GPU to move it to")
+    m.add_argument("--to-gpu", type=int, help="index of the GPU to move it to (on --to-host, that host's)")
+    m.add_argument("--to-host", metavar="NAME", help="a peer server (c.GPUMigrateApp.peers); the server's own "
+                   "name brings a kernel back")
     m.set_defaults(func=cmd_action)
     dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
     dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")

@@ -40,7 +40,7 @@ from typing import Any
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from .engine import hostfit, proctree
+from .engine import hostfit, netstate, proctree
 from .engine.criu import Criu
 from .engine.errors import ImageError, InvalidState, MigrateError
 from .engine.images import MANIFEST, ImageStore, Manifest
@@ -286,13 +286,17 @@ class PeerLink(HostLink):
         if relay is not None:
             await relay.stop()
 
-    def attach(self) -> None:
+    def attach(self, clients: dict | None = None, timeout: float = 3.0) -> None:
         try:
             self._on_loop(self.attach_async())
         except MigrateError:
             raise
         except Exception as exc:
             raise PeerError(f"Cannot relay the kernel's channels to {self.host}: {exc}.") from exc
+        if clients:
+            # The relay's sockets live in this process: wait for the kernel's clients to be back on them.
+            expected = {int(port): int(n) for port, n in clients.items()}
+            netstate.wait_for_clients([os.getpid()], expected, timeout)
 
     def detach(self) -> None:
         self._on_loop(self.detach_async())

@@ -104,6 +104,8 @@ def test_restore_onto_a_taken_id_names_the_holder(criu_binary, tmp_path, taken):
     # must still come back as a PidConflict that names the holder. A taken PID makes CRIU say
     # "Can't fork for PID"; a taken thread TID only "Unable to create a thread: -17", on a "pie:"
     # line of its log (the restorer blob's).
+    # As the server is: the subreaper of what CRIU leaves behind (a failed restore's killed tasks).
+    proctree.become_subreaper()
     proc, fifo, out = start_counter(tmp_path)
     writer = open(fifo, "w")
     send(writer, 3, out, "3")

@@ -171,6 +171,9 @@ class Criu:
                 # The tasks CRIU had forked with the tree's PIDs are still dying: let them go, so
                 # that a retry does not find its own PIDs taken by 'criu'.
                 proctree.wait_ids_released(ids, name="criu", timeout=10)
+                # Those it had made and then killed come to us, the subreaper: collect them, or their
+                # zombies keep the tree's PIDs taken.
+                proctree.reap_dumped(ids, timeout=0.5)
             raise self._explain_restore_failure(exc, ids or []) from exc
         return int(pidfile.read_text().strip())
 

@@ -29,6 +29,7 @@ Nothing in this file knows about Jupyter: the kernel is anything that fits :clas
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -117,8 +118,9 @@ class HostLink(Protocol):
     def discard(self) -> None:
         """Kill the kernel there if it runs, and delete its images there."""
 
-    def attach(self) -> None:
-        """Bind the kernel's ports here and relay them to the kernel there."""
+    def attach(self, clients: dict | None = None) -> None:
+        """Bind the kernel's ports here and relay them to the kernel there; then wait (briefly) until
+        ``clients`` (port -> how many) are connected to them again."""
 
     def detach(self) -> None:
         """Stop relaying and free the kernel's ports here."""
@@ -530,7 +532,8 @@ class Migration:
         def adopt() -> None:
             # This host keeps the kernel's ports and relays them: its clients re-dial, as after a
             # resume, and reach the kernel there. It must answer through the relay, or all is undone.
-            link.attach()
+            assert manifest is not None
+            link.attach(manifest.clients)
             try:
                 kernel.adopt_remote(link, placed)
                 if not kernel.wait_ready(max(self.reconnect_timeout, 10.0)):
@@ -602,6 +605,10 @@ class Migration:
         def restore() -> None:
             nonlocal restored_pid
             assert manifest is not None
+            # The clients to wait for after the restore are those of the relay here, not those the
+            # kernel had there (the relay's own).
+            ports = {port for _, port in kernel_listens(kernel.kernel_connection_info)}
+            manifest.clients = {p: n for p, n in netstate.client_counts([os.getpid()]).items() if p in ports}
             link.detach()  # the kernel's ports, held by the relay, are the kernel's own again
             try:
                 restored_pid = criu.restore(images, manifest.ids)

@@ -199,7 +199,8 @@ def reap_orphans(sessions: set[int], skip: set[int]) -> list[int]:
 
 def reap_dumped(ids: list[int], timeout: float = 10.0) -> None:
     """After a dump killed a tree: reap those of its processes that became our children (orphans of the
-    tree come to us, the subreaper), so that none of its PIDs stays taken by a zombie."""
+    tree come to us, the subreaper), so that none of its PIDs stays taken by a zombie. Waits up to
+    ``timeout`` for them to die (a live child of ours that holds one of ``ids`` keeps it waiting)."""
     me = os.getpid()
     deadline = time.monotonic() + timeout
     while True:
@@ -225,7 +226,9 @@ def wait_gone(pid: int, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while True:
         reap(pid)
-        if not is_alive(pid):
+        found = info(pid)
+        # Our own zombie still holds its PID (a restore would find it taken): reap it on the next turn.
+        if found is None or (found.state in ("Z", "X") and found.ppid != os.getpid()):
             return True
         if time.monotonic() >= deadline:
             return False

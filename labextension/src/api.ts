@@ -14,6 +14,9 @@ export interface IKernel {
   name: string;
   pid: number | null;
   host: string;
+  /** The server that owns the kernel; `host` differs from it while the kernel runs on a peer. */
+  home?: string;
+  remote?: boolean;
   state: 'running' | 'migrating' | 'suspended' | 'stopped';
   execution_state: string | null;
   gpus: IGpuHeld[];

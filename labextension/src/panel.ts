@@ -181,7 +181,8 @@ export class GpuMigratePanel extends Widget {
       kernel.id.slice(0, 8),
       held ? humanBytes(held.memory_used) : null,
       kernel.state === 'suspended' ? `${humanBytes(kernel.image_bytes)} on disk` : null,
-      kernel.state
+      kernel.state,
+      kernel.remote ? `on host ${kernel.host}` : null
     ].filter(Boolean);
     const row = h(
       'div',
@@ -195,7 +196,8 @@ export class GpuMigratePanel extends Widget {
     );
     if (op) {
       row.append(this.progress(op));
-    } else if (kernel.migratable) {
+    } else if (kernel.migratable && !kernel.remote) {
+      // A kernel on a peer host comes back with %migrate --to-host or the CLI first.
       row.append(this.actions(kernel, held));
     }
     return row;

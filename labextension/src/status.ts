@@ -41,6 +41,10 @@ export class KernelGpuStatus extends Widget {
     if (kernel.state === 'suspended') {
       return 'Kernel suspended';
     }
+    if (kernel.remote) {
+      const gpu = kernel.gpus.length ? `, GPU ${kernel.gpus.map(g => g.index).join(', ')}` : '';
+      return `On host ${kernel.host}${gpu}`;
+    }
     const gpus = this.store.gpus.filter(g => g.kernels.some(k => k.id === kernel.id));
     return gpus.length ? `GPU ${gpus.map(g => g.index).join(', ')}` : 'CPU';
   }
