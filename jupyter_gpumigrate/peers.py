@@ -67,6 +67,10 @@ class UnknownPeer(MigrateError):
     http_status = 400
 
 
+class GuestNotFound(MigrateError):
+    http_status = 404
+
+
 @dataclass(frozen=True)
 class Peer:
     name: str
@@ -404,7 +408,7 @@ class GuestHost:
         try:
             return self.guests[kernel_id]
         except KeyError:
-            raise ImageError(f"This server hosts no kernel {kernel_id} for a peer.") from None
+            raise GuestNotFound(f"This server hosts no kernel {kernel_id} for a peer.") from None
 
     def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> list[str]:
         found = hostfit.problems(requirements)

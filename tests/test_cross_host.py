@@ -148,3 +148,24 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
     b.start({"a": a.peer_entry()})
+
+
+async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(hosts):
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+    pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                      headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+    assert pid and os.path.exists(f"/proc/{pid}")
+    # Suspending it there is refused with what to do; it keeps running.
+    answer = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=409)
+    assert "bring it back first" in answer["message"]
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{pid}") and open(f"/proc/{pid}/stat").read().split()[2] != "Z":
+        assert time.monotonic() < deadline, "the kernel still runs on b"
+        await asyncio.sleep(0.1)
+    await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
+               headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+    assert not (b.root / "state" / "guests" / kernel_id).exists()

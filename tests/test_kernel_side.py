@@ -28,7 +28,8 @@ async def test_bad_arguments_are_usage_errors_without_a_traceback(kernel):
     for line, words in [
         ("%migrate --to-gpu one", "invalid int value"),
         ("%migrate --to-gpu -1", "GPU index, 0 or more"),
-        ("%migrate --list --to-gpu 1", "either --list or --to-gpu"),
+        ("%migrate --list --to-gpu 1", "either --list or a target"),
+        ("%migrate --list --to-host b", "either --list or a target"),
         ("%migrate --frobnicate", "unrecognized arguments"),
     ]:
         result = await kernel.execute(line)
