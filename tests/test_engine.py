@@ -134,6 +134,23 @@ def test_restore_onto_a_taken_id_names_the_holder(criu_binary, tmp_path, taken):
     writer.close()
 
 
+def test_the_pid_cursor_steps_over_a_tree_on_both_sides_of_a_wrap_around():
+    # A kernel born just below pid_max whose threads came after the wrap-around: its numbers are at
+    # both ends. The cursor sits among the low ones: it must end past them, never at pid_max (from
+    # where the next PIDs would be exactly the low ones).
+    pid_max = int(open("/proc/sys/kernel/pid_max").read())
+    with open(proctree.NS_LAST_PID) as f:
+        now = int(f.read())
+    base = now + 5000 if now + 5100 < pid_max else 1000
+    ids = [pid_max - 2, base + 2, base + 7, base + 40]
+    with open(proctree.NS_LAST_PID, "w") as f:
+        f.write(str(base))
+    assert proctree.steer_pid_allocation(ids)
+    with open(proctree.NS_LAST_PID) as f:
+        assert int(f.read()) == base + 40
+    assert not proctree.steer_pid_allocation(ids)  # nothing of the tree is ahead any more
+
+
 def test_criu_errors_name_the_remedy(tmp_path):
     with pytest.raises(CriuNotFound, match="ensure-criu.sh"):
         find(str(tmp_path / "criu"))

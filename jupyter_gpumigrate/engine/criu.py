@@ -190,6 +190,10 @@ class Criu:
                 # Name the holder ourselves, once the tasks CRIU had made and then killed are gone.
                 holder = proctree.first_holder(ids, settle=1.0)
                 pid = holder.pid if holder else pid
+            if holder is None and not pid:
+                return PidConflict(
+                    "Cannot restore: a PID or thread ID that the kernel used was taken by a process that has "
+                    "exited since. Resume again; the images are kept.", 0, "a process that has exited")
             who = holder.describe() if holder else "another process"
             return PidConflict(
                 f"Cannot restore: PID {pid} that the kernel used is now taken by {who}. "

@@ -120,27 +120,52 @@ def first_holder(ids: list[int], settle: float = 0.0) -> ProcessInfo | None:
 
 
 NS_LAST_PID = "/proc/sys/kernel/ns_last_pid"
+#: the kernel hands out PIDs below this only at boot; after pid_max it starts again here
+RESERVED_PIDS = 300
 
 
-def steer_pid_allocation(ids: list[int]) -> bool:
+def steer_pid_allocation(ids: list[int], margin: int = 64) -> bool:
     """Move the kernel's PID cursor past ``ids`` if the next PIDs handed out would fall among them.
 
     CRIU restores each process and thread with its old number, so those numbers must stay free until
     it has run; but CRIU itself, its helpers and any thread the server starts meanwhile take the next
-    free PIDs. When the cursor sits just below a suspended tree's numbers (after PIDs wrapped around),
-    they would be taken by exactly those processes. Moving the cursor forward only skips numbers.
-    Needs root, which CRIU needs here anyway; True if it moved the cursor.
+    free PIDs. When the next ``margin`` numbers after the cursor hold some of a suspended tree's
+    numbers, the cursor moves to the last of them, again until none is ahead. Numbers wrap around
+    from pid_max to 300, as the kernel's do: a tree whose threads were born after a wrap-around has
+    its numbers on both sides of it. Moving the cursor forward only skips numbers. Needs root, which
+    CRIU needs here anyway; True if it moved the cursor.
     """
     if not ids:
         return False
     try:
         with open(NS_LAST_PID, encoding="ascii") as f:
             last = int(f.read())
-        if not min(ids) - 1 <= last < max(ids):
-            return False
-        with open(NS_LAST_PID, "w", encoding="ascii") as f:
-            f.write(str(max(ids)))
+        with open("/proc/sys/kernel/pid_max", encoding="ascii") as f:
+            pid_max = int(f.read())
     except (OSError, ValueError):
+        return False
+    taken = set(ids)
+
+    def ahead(start: int) -> list[int]:
+        found, n = [], start
+        for _ in range(margin):
+            n = n + 1 if n + 1 < pid_max else RESERVED_PIDS
+            if n in taken:
+                found.append(n)
+        return found
+
+    cursor = last
+    for _ in range(len(taken) + 1):
+        hits = ahead(cursor)
+        if not hits:
+            break
+        cursor = hits[-1]
+    if cursor == last:
+        return False
+    try:
+        with open(NS_LAST_PID, "w", encoding="ascii") as f:
+            f.write(str(cursor))
+    except OSError:
         return False
     return True
 
