@@ -40,7 +40,8 @@ from typing import Any
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from .engine import hostfit, netstate, proctree
+from .engine import gpus as gpus_mod
+from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import ImageError, InvalidState, MigrateError
 from .engine.images import MANIFEST, ImageStore, Manifest
@@ -417,9 +418,6 @@ class GuestHost:
         except MigrateError as exc:
             found.append(str(exc))
         if gpu is not None or to_gpu is not None:
-            from .engine import gpus as gpus_mod
-            from .engine import placement
-
             try:
                 if gpu is None:
                     raise InvalidState(f"the kernel holds no GPU, so it cannot go onto GPU {to_gpu}")
@@ -481,8 +479,6 @@ class GuestHost:
         guest.state = RUNNING
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
-            from .engine import gpus as gpus_mod
-
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
         return {"pid": guest.pid, "gpu": outcome.extra.get("to_gpu"), "gpus": gpus,
                 "timings": outcome.result.timings}

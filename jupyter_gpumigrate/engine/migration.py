@@ -211,6 +211,61 @@ class GpuState:
         self.checkpoint()
 
 
+class LocalRestore:
+    """Bringing a tree back here from its images: restore, [remap, unlock], adopt. A resume and a
+    kernel coming home from another host end the same way; each says first where the images are."""
+
+    def __init__(self, migration: Migration, images: Path, gpu: GpuState) -> None:
+        self.migration = migration
+        self.images = images
+        self.gpu = gpu
+        self.manifest: Manifest | None = None
+        self.move: Move | None = None
+        self.pid: int | None = None
+
+    def place(self, manifest: Manifest, to_gpu: int | None, no_gpu: str) -> None:
+        """Take ``manifest`` and choose its GPU (``to_gpu``, else where it was, else the roomiest);
+        ``no_gpu`` is the sentence for a ``to_gpu`` asked of a kernel that holds none."""
+        m = self.migration
+        self.manifest = manifest
+        if manifest.gpus:
+            self.move = placement.plan_resume(m.inventory(), manifest.gpus[0], to_gpu, m.driver_major())
+            self.gpu.pids, self.gpu.at = manifest.cuda_pids, manifest.gpus[0]["uuid"]
+        elif to_gpu is not None:
+            raise GpuError(no_gpu)
+
+    def restore(self) -> None:
+        assert self.manifest is not None and self.migration.criu is not None
+        self.pid = self.migration.criu.restore(self.images, self.manifest.ids)
+
+    def kill(self) -> None:
+        # The images are intact: killing the half-restored tree leaves them as they were.
+        if self.pid is not None:
+            proctree.kill_tree(self.pid)
+            proctree.wait_gone(self.pid, timeout=10)
+
+    def remap(self) -> None:
+        assert self.move is not None
+        self.gpu.restore_to(self.move.target.uuid)
+
+    def adopt(self) -> None:
+        assert self.pid is not None and self.manifest is not None
+        self.migration._adopt(self.pid, self.manifest)
+
+    def phases(self, restore: Callable[[], None] | None = None, kill: Callable[[], None] | None = None) -> list[Phase]:
+        on_gpu = self.gpu.holds_gpu
+        return [
+            Phase("restore", restore or self.restore, kill or self.kill),
+            Phase("remap", self.remap, when=on_gpu),
+            Phase("unlock", self.gpu.unlock, self.gpu.lock, when=on_gpu),
+            Phase("adopt", self.adopt),
+        ]
+
+    @property
+    def extra(self) -> dict:
+        return {"to_gpu": self.move.target.index} if self.move else {}
+
+
 class Migration:
     """Suspends, resumes and moves one kernel. Each method runs one plan and returns its :class:`Outcome`."""
 
@@ -347,13 +402,9 @@ class Migration:
         kernel, store, criu = self.kernel, self.store, self.criu
         assert criu is not None
         images = store.path_for(kernel.kernel_id)
-        manifest: Manifest | None = None
-        restored_pid: int | None = None
-        move: Move | None = None
-        gpu = GpuState([], self.lock_timeout, self.inventory)
+        here = LocalRestore(self, images, GpuState([], self.lock_timeout, self.inventory))
 
         def prepare() -> None:
-            nonlocal manifest, move
             if kernel.state != SUSPENDED:
                 raise InvalidState(f"The kernel is {kernel.state}, not suspended: there is nothing to resume.")
             manifest = store.read_manifest(kernel.kernel_id)
@@ -361,14 +412,8 @@ class Migration:
                 raise ImageError(
                     f"The images in {images} belong to kernel {manifest.kernel_id}, not {kernel.kernel_id}."
                 )
-            if manifest.gpus:
-                move = placement.plan_resume(self.inventory(), manifest.gpus[0], to_gpu, self.driver_major())
-                gpu.pids, gpu.at = manifest.cuda_pids, manifest.gpus[0]["uuid"]
-            elif to_gpu is not None:
-                raise GpuError(
-                    f"The kernel held no GPU when it was suspended, so it cannot be resumed onto GPU {to_gpu}: "
-                    "resume it without to_gpu."
-                )
+            here.place(manifest, to_gpu, f"The kernel held no GPU when it was suspended, so it cannot be resumed "
+                                         f"onto GPU {to_gpu}: resume it without to_gpu.")
             # CRIU gives every process and thread its old number back. Keep new processes off those
             # numbers, and say who holds one, if any, before CRIU starts (it would say "File exists").
             proctree.steer_pid_allocation(manifest.ids)
@@ -386,39 +431,12 @@ class Migration:
         def back_to_suspended() -> None:
             kernel.state = SUSPENDED
 
-        def restore() -> None:
-            nonlocal restored_pid
-            assert manifest is not None
-            restored_pid = criu.restore(images, manifest.ids)
-
-        def kill_restored() -> None:
-            # The images are intact: killing the half-resumed tree leaves the kernel suspended as before.
-            if restored_pid is not None:
-                proctree.kill_tree(restored_pid)
-                proctree.wait_gone(restored_pid, timeout=10)
-
-        def remap() -> None:
-            assert move is not None
-            gpu.restore_to(move.target.uuid)
-
-        def adopt() -> None:
-            assert restored_pid is not None and manifest is not None
-            self._adopt(restored_pid, manifest)
-
-        on_gpu = gpu.holds_gpu
-        phases = [
-            Phase("prepare", prepare, back_to_suspended),
-            Phase("restore", restore, kill_restored),
-            Phase("remap", remap, when=on_gpu),
-            Phase("unlock", gpu.unlock, gpu.lock, when=on_gpu),
-            Phase("adopt", adopt),
-        ]
+        phases = [Phase("prepare", prepare, back_to_suspended), *here.phases()]
         result = Plan(phases, self.progress).run()
-        assert manifest is not None
+        assert here.manifest is not None
         # The kernel runs again: its images are stale now, and they hold its memory. Remove them.
         store.remove(kernel.kernel_id)
-        extra = {"to_gpu": move.target.index} if move else {}
-        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest, extra=extra)
+        return Outcome(result, bytes=here.manifest.image_bytes, manifest=here.manifest, extra=here.extra)
 
     # -- move to another GPU -------------------------------------------------------------------------
 
@@ -568,10 +586,7 @@ class Migration:
         kernel, store, criu = self.kernel, self.store, self.criu
         assert criu is not None
         images = store.path_for(kernel.kernel_id)
-        manifest: Manifest | None = None
-        gpu = GpuState([], self.lock_timeout, self.inventory)
-        move: Move | None = None
-        restored_pid: int | None = None
+        here = LocalRestore(self, images, GpuState([], self.lock_timeout, self.inventory))
         received = 0
 
         def prepare() -> None:
@@ -591,66 +606,46 @@ class Migration:
             kernel.state = REMOTE
 
         def fetch() -> None:
-            nonlocal manifest, move, received
+            nonlocal received
             received = link.fetch_images(images)
             manifest = store.read_manifest(kernel.kernel_id)
             if manifest.kernel_id != kernel.kernel_id:
                 raise ImageError(f"{link.host} sent the images of kernel {manifest.kernel_id}, not {kernel.kernel_id}.")
-            if manifest.gpus:
-                move = placement.plan_resume(self.inventory(), manifest.gpus[0], to_gpu, self.driver_major())
-                gpu.pids, gpu.at = manifest.cuda_pids, manifest.gpus[0]["uuid"]
-            elif to_gpu is not None:
-                raise GpuError(f"The kernel holds no GPU on {link.host}, so it cannot come back onto GPU {to_gpu}.")
+            here.place(manifest, to_gpu, f"The kernel holds no GPU on {link.host}, so it cannot come back onto "
+                                         f"GPU {to_gpu}.")
 
         def restore() -> None:
-            nonlocal restored_pid
-            assert manifest is not None
+            assert here.manifest is not None
             # The clients to wait for after the restore are those of the relay here, not those the
             # kernel had there (the relay's own).
             ports = {port for _, port in kernel_listens(kernel.kernel_connection_info)}
-            manifest.clients = {p: n for p, n in netstate.client_counts([os.getpid()]).items() if p in ports}
+            here.manifest.clients = {p: n for p, n in netstate.client_counts([os.getpid()]).items() if p in ports}
             link.detach()  # the kernel's ports, held by the relay, are the kernel's own again
             try:
-                restored_pid = criu.restore(images, manifest.ids)
+                here.restore()
             except BaseException:
                 link.attach()
                 raise
 
         def kill_restored() -> None:
-            if restored_pid is not None:
-                proctree.kill_tree(restored_pid)
-                proctree.wait_gone(restored_pid, timeout=10)
+            here.kill()
             link.attach()
 
-        def remap() -> None:
-            assert move is not None
-            gpu.restore_to(move.target.uuid)
-
-        def adopt() -> None:
-            assert restored_pid is not None and manifest is not None
-            self._adopt(restored_pid, manifest)
-
-        on_gpu = gpu.holds_gpu
         phases = [
             Phase("prepare", prepare, forget_images),
             Phase("dump", link.dump, link.resume),
             Phase("transfer", fetch),
-            Phase("restore", restore, kill_restored),
-            Phase("remap", remap, when=on_gpu),
-            Phase("unlock", gpu.unlock, gpu.lock, when=on_gpu),
-            Phase("adopt", adopt),
+            *here.phases(restore, kill_restored),
         ]
         result = Plan(phases, self.progress).run()
-        assert manifest is not None
+        assert here.manifest is not None
         store.remove(kernel.kernel_id)
         try:
             link.discard()  # its images there hold the kernel's memory: delete them
         except Exception:
             log.warning("kernel %s is back, but %s could not delete its images there", kernel.kernel_id, link.host)
-        extra = {"to_host": "", "from_host": link.host, "transferred": received}
-        if move is not None:
-            extra["to_gpu"] = move.target.index
-        return Outcome(result, bytes=manifest.image_bytes, manifest=manifest, extra=extra)
+        extra = {"to_host": "", "from_host": link.host, "transferred": received, **here.extra}
+        return Outcome(result, bytes=here.manifest.image_bytes, manifest=here.manifest, extra=extra)
 
     def _adopt(self, pid: int, manifest: Manifest) -> None:
         """The restored tree is the kernel again, once its clients are back.
