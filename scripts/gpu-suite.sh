@@ -7,6 +7,8 @@
 #                                                        closure, MINUS what the GPU image already has,
 #                                                        plus this project's own wheel (entry points);
 #                                          .gpukit/criu  a CRIU bundle (bin/criu + lib/*.so);
+#                                          .gpukit/ip    iproute2's ip and its libraries (the GPU image has
+#                                                        none; the cross-host test makes network namespaces);
 #                                          then checks the kit with a clean python 3.12 here.
 #   scripts/gpu-suite.sh run [PYTEST_ARGS] ON THE GPU MACHINE, from a copy of the repo with .gpukit:
 #                                          installs the wheels in /tmp/site, CRIU as /usr/local/sbin/criu,
@@ -247,6 +249,25 @@ build_project_wheel() {
   log "built $(basename "$whl")"
 }
 
+make_ip_bundle() {
+  # The GPU image lacks iproute2; the cross-host GPU test needs `ip netns` and veth/bridge links.
+  local ipbin; ipbin="$(command -v ip)" || die "iproute2's ip is needed here (apt-get install iproute2)"
+  rm -rf "$KIT/ip"; mkdir -p "$KIT/ip/bin" "$KIT/ip/lib"
+  cp "$ipbin" "$KIT/ip/bin/ip.real"
+  # its own libraries, not the C library (the GPU image's glibc is newer)
+  ldd "$ipbin" | awk '/=>/ {print $3}' | grep -Ev '/lib(c|m)\.so' | xargs -r -I{} cp -L {} "$KIT/ip/lib/"
+  log "bundle: $("$ipbin" -V)"
+}
+
+install_ip() {
+  command -v ip >/dev/null && return 0
+  rm -rf /tmp/ipk; cp -a "$KIT/ip" /tmp/ipk
+  printf '#!/bin/sh\n# installed by scripts/gpu-suite.sh run\nLD_LIBRARY_PATH=/tmp/ipk/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec /tmp/ipk/bin/ip.real "$@"\n' >/tmp/ipk/bin/ip
+  chmod 0755 /tmp/ipk/bin/ip /tmp/ipk/bin/ip.real
+  export PATH="/tmp/ipk/bin:$PATH"
+  log "ip: $(ip -V)"
+}
+
 make_criu_bundle() {
   local tmpb="$KIT/.criu.new"
   rm -rf "$tmpb"
@@ -312,6 +333,7 @@ cmd_pack() {
   sync_wheels "$py"
   build_project_wheel "$py"
   make_criu_bundle
+  make_ip_bundle
   [ "${GPUKIT_NO_CHECK:-0}" = 1 ] || check_kit "$py"
 
   log "wheels carried ($(ls "$KIT"/whl/*.whl | wc -l)):"
@@ -366,6 +388,7 @@ cmd_run() {
   export PATH="/tmp/site/bin:$PATH"
 
   install_criu
+  [ -d "$KIT/ip" ] && install_ip
 
   echo "=== environment"
   date -u
