@@ -49,8 +49,12 @@ class Server:
         self.token = secrets.token_hex(16)
         self.url = f"http://127.0.0.1:{self.port}/"
         self.log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
+        # The extension is enabled here, not by the installed jupyter-config: where the package was
+        # installed with pip --target (the GPU machine), that file is not on Jupyter's config path.
+        config = root / "server_config.json"
+        config.write_text(json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}}}))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_server", "--no-browser", "--allow-root", f"--port={self.port}",
+            [sys.executable, "-m", "jupyter_server", f"--config={config}", "--no-browser", "--allow-root", f"--port={self.port}",
              "--ip=127.0.0.1", f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}",
              f"--MigratableProvisioner.state_dir={root / 'state'}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -156,7 +156,9 @@ def cmd_action(args: argparse.Namespace) -> int:
     body = {"to_gpu": args.to_gpu} if getattr(args, "to_gpu", None) is not None else {}
     if getattr(args, "to_host", None):
         body["to_host"] = args.to_host
-    if args.command == "migrate" and not body:
+    if getattr(args, "no_fast_path", False):
+        body["fast_path"] = "off"
+    if args.command == "migrate" and not body.keys() - {"fast_path"}:
         print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
         return EXIT_USAGE
     op = server.request("POST", f"{API}/kernels/{kernel['id']}/{args.command}", body)
@@ -170,8 +172,11 @@ def cmd_action(args: argparse.Namespace) -> int:
             print(f"Kernel {kernel['id']} moved from host {op['from_host']} to host {op['to_host']}{gpu} in "
                   f"{op['total']:.2f} s ({human_bytes(op['bytes'])} sent; slowest phase: {slowest}).")
         elif args.command == "migrate":
+            fast = op.get("fast_path") or {}
+            how = (f", {human_bytes(fast['stashed'])} of it by the fast path" if fast.get("stashed") else
+                   f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
             print(f"Kernel {kernel['id']} moved from GPU {op['from_gpu']} to GPU {op['to_gpu']} in "
-                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} of GPU memory; slowest phase: {slowest}).")
+                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} of GPU memory{how}; slowest phase: {slowest}).")
         else:
             done = "suspended" if args.command == "suspend" else "resumed"
             where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
@@ -258,6 +263,8 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--to-gpu", type=int, help="index of the GPU to move it to (on --to-host, that host's)")
     m.add_argument("--to-host", metavar="NAME", help="a peer server (c.GPUMigrateApp.peers); the server's own "
                    "name brings a kernel back")
+    m.add_argument("--no-fast-path", action="store_true", help="let the CUDA driver copy all GPU memory (no stash "
+                   "of tensors on the target GPU; docs/performance.md)")
     m.set_defaults(func=cmd_action)
     dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
     dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")

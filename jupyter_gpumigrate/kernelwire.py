@@ -78,3 +78,17 @@ def run_silently(connection_info: dict, code: str, timeout: float) -> bool:
         return False
     finally:
         shell.close()
+
+
+def send_silently(connection_info: dict, code: str, linger: float = 2.0) -> None:
+    """Send ``code`` to run silently on the shell channel and do not wait for its reply (the socket
+    lingers up to ``linger`` seconds to deliver the request)."""
+    session = _session(connection_info)
+    shell = _socket(connection_info, zmq.DEALER, "shell")
+    shell.linger = int(linger * 1000)
+    try:
+        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
+                   "allow_stdin": False, "stop_on_error": False}
+        session.send(shell, "execute_request", content)
+    finally:
+        shell.close()

@@ -23,6 +23,7 @@ from .engine.criu import Criu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.images import Manifest
 from .engine.migration import REMOTE, RUNNING, SUSPENDED, Migration
+from .engine.stash import Stash
 from .peers import Peer, PeerLink, UnknownPeer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 
@@ -68,6 +69,10 @@ class Operation:
     finished: float | None = None
     #: bumped on every change; GET /operations/{id}?after=N waits until it is past N
     version: int = 0
+    #: a move to another GPU: what the fast path carried (stashed bytes, seconds) or why it stepped aside
+    fast_path: dict[str, Any] | None = None
+    #: the fast path's socket, when the kernel's own %migrate serves it (told to that caller only)
+    stager: dict[str, str] | None = field(default=None, repr=False)
 
     @property
     def done(self) -> bool:
@@ -75,6 +80,7 @@ class Operation:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data.pop("stager")
         data["total"] = round(sum(self.timings.values()), 4)
         data["timings"] = {k: round(v, 4) for k, v in self.timings.items()}
         return data
@@ -191,7 +197,8 @@ class OperationManager:
         except KeyError:
             raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
 
-    def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None) -> Operation:
+    def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
+              fast_path: str = "auto") -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.active:
@@ -228,8 +235,13 @@ class OperationManager:
         if action != "migrate":
             criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
+        stash = None
+        if action == "migrate" and fast_path != "off":
+            stash = Stash()  # listening before the caller hears where, so that it cannot come too early
+            if fast_path == "caller":
+                op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
-        return self._launch(op, self._run(op, provisioner, criu))
+        return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller"))
 
     def _start_host_move(self, kernel_id: str, provisioner: MigratableProvisioner, action: str,
                          to_gpu: int | None, to_host: str | None) -> Operation:
@@ -366,7 +378,7 @@ class OperationManager:
                 return
 
     async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None,
-                   link: PeerLink | None = None) -> None:
+                   link: PeerLink | None = None, stash: Stash | None = None, invite: bool = True) -> None:
         loop = asyncio.get_running_loop()
 
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
@@ -377,7 +389,7 @@ class OperationManager:
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),
-            "migrate": lambda: migration.move_to_gpu(op.to_gpu),
+            "migrate": lambda: migration.move_to_gpu(op.to_gpu, stash=stash, invite=invite),
         }
         if link is not None and op.to_host == self.host_name:
             steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)
@@ -404,6 +416,7 @@ class OperationManager:
             op.from_gpu, op.to_gpu = outcome.extra.get("from_gpu", op.from_gpu), outcome.extra.get("to_gpu", op.to_gpu)
             if "transferred" in outcome.extra:
                 op.bytes = outcome.extra["transferred"]
+            op.fast_path = outcome.extra.get("fast_path")
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()
@@ -434,6 +447,8 @@ class OperationManager:
         for key in ("from_gpu", "to_gpu", "from_host", "to_host"):
             if getattr(op, key) is not None:
                 data[key] = getattr(op, key)
+        if op.fast_path is not None:
+            data["fast_path"] = {"stashed": op.fast_path["stashed"], "reason": op.fast_path["reason"] or ""}
         if op.action == "drain":
             data["gpu"] = op.gpu
             data["children"] = list(op.children)

@@ -35,7 +35,7 @@ from .engine import proctree
 from .engine.images import ImageStore
 from .engine.errors import MigrateError
 from .engine.migration import MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import kernel_answers, run_silently
+from .kernelwire import kernel_answers, run_silently, send_silently
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
@@ -46,6 +46,9 @@ RELEASE_TORCH_CACHE = (
     "(__import__('sys').modules.get('torch'))"
 )
 
+#: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
+STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
+
 
 def is_ipython_kernel(cmd: list[str]) -> bool:
     """True for ipykernel's command lines (``python -m ipykernel_launcher ...``, ``ipykernel ...``)."""
@@ -54,6 +57,9 @@ def is_ipython_kernel(cmd: list[str]) -> bool:
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     """Launches local kernels so that jupyter-gpumigrate can suspend, resume and move them."""
+
+    #: the kernel is IPython, started with the extension (so it can serve the fast path of a GPU move)
+    ipython: bool = False
 
     state_dir = Unicode(
         help="Where suspended kernels' images and kernels' logs are kept (created 0700). "
@@ -158,6 +164,17 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return
         run_silently(self.connection_info, RELEASE_TORCH_CACHE, timeout=self.cache_release_timeout)
 
+    def invite_stager(self, path: str, token: str) -> str | None:
+        """Have an idle IPython kernel serve the fast path of a GPU move (engine/stash.py) on the socket at
+        ``path``: a silent request, whose reply nobody waits for (the socket says what happens). None
+        if invited, else why not."""
+        if not self.ipython:
+            return "the kernel is not an IPython kernel started with the extension"
+        if getattr(self.parent, "execution_state", None) != "idle":
+            return "the kernel is busy with a cell (the fast path runs between cells, or from %migrate)"
+        send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
+        return None
+
     # -- launching -----------------------------------------------------------------------------------
 
     def client_identities(self) -> list[tuple[str, bytes]]:
@@ -196,7 +213,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         credentials = self._credentials()
         if credentials is not None:
             env.update(credentials.env(self.kernel_id))
-        if is_ipython_kernel(cmd):
+        self.ipython = is_ipython_kernel(cmd)
+        if self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
         kwargs = self._scrub_kwargs(kwargs)

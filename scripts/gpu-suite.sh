@@ -31,7 +31,7 @@
 #                     GPU_SUITE_PYTEST_TIMEOUT wall bound of the whole pytest run, s (default 1800)
 #                     GPU_SUITE_BENCH_TIMEOUT  wall bound of bench/gpu_bench.py, s (default 900)
 #                     GPU_SUITE_TESTS=0 / GPU_SUITE_BENCH=0  skip the tests / the bench
-#                     GPU_SUITE_BENCH_ARGS     arguments for bench/gpu_bench.py (e.g. "--sizes 1,8")
+#                     GPU_SUITE_BENCH_ARGS     arguments for bench/gpu_bench.py (e.g. "--sizes 1,8 --cpu-sizes ''")
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -46,7 +46,7 @@ usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-0}"; }
 # What the tests and the bench need on the GPU machine (pyproject's dependencies and test extra are
 # added to these at pack time).
 TOP_REQS=(jupyter_server jupyter_client ipykernel ipython pyzmq tornado "pytest-jupyter[server]"
-  nbclient nbformat ipywidgets widgetsnbextension jupyterlab_widgets comm pytest-timeout)
+  nbclient nbformat ipywidgets widgetsnbextension jupyterlab_widgets comm pytest-timeout dill)
 
 # The GPU image's Python packages ('cuda' image; /work/.library/device/KINDS.md, "Python packages
 # already there", read 2026-11-17). None of these is carried.
@@ -432,7 +432,8 @@ PY
     echo "=== bench/gpu_bench.py ${GPU_SUITE_BENCH_ARGS:-}"
     set +e
     # shellcheck disable=SC2086
-    timeout -k 30 "${GPU_SUITE_BENCH_TIMEOUT:-900}" python3 bench/gpu_bench.py ${GPU_SUITE_BENCH_ARGS:-} --out "$OUT/bench.json" 2>&1 \
+    PYTHONUNBUFFERED=1 timeout -k 30 "${GPU_SUITE_BENCH_TIMEOUT:-900}" python3 bench/gpu_bench.py ${GPU_SUITE_BENCH_ARGS:-} \
+      --out-dir "$OUT" --tag "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr -cd 'A-Za-z0-9')x$(nvidia-smi -L | wc -l)" 2>&1 \
       | tee "$OUT/bench.log"
     brc=${PIPESTATUS[0]}
     set -e
@@ -445,7 +446,7 @@ PY
     echo "pytest: ${summary:-no summary line (see $OUT/gpu-tests.log)} (exit $rc)"
   fi
   if [ -f "$OUT/bench.log" ]; then
-    echo "bench: exit $brc (log $OUT/bench.log, results $OUT/bench.json)"
+    echo "bench: exit $brc (log $OUT/bench.log, results $OUT/*-bench.json and .png)"
     sed -n '/^# /,$p' "$OUT/bench.log"   # the bench's table, last
   fi
   if [ "$rc" != 0 ]; then exit "$rc"; fi

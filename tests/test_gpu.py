@@ -21,6 +21,7 @@ from helpers import KernelSession, api, cli, operate, remote, start_kernel, wait
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.errors import PhaseFailed
 from jupyter_gpumigrate.engine.migration import Migration
+from jupyter_gpumigrate.engine.stash import Stash
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_binary")]
 
@@ -98,14 +99,20 @@ async def build(kernel, gib: float = 1.0) -> int:
 async def test_move_0_to_1_to_0_keeps_every_value(jp_fetch, jp_serverapp, kernel):
     pid = await build(kernel, gib=2)
     for src, dst in ((0, 1), (1, 0)):
-        if dst == 1:
+        if dst == 1:  # the idle kernel is asked to serve the fast path: its 2 GiB go through the stash
             op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": dst})
-        else:  # the way back through the command line
-            code, out, err = await cli("migrate", kernel.id[:8], "--to-gpu", "0", "--json", *remote(jp_serverapp))
+            assert op["status"] == "succeeded", op
+            assert list(op["timings"]) == ["prepare", "stash", "lock", "checkpoint", "remap", "unlock", "unstash",
+                                           "verify"]
+            assert op["fast_path"]["stashed"] >= 2 * GIB and op["fast_path"]["reason"] is None, op["fast_path"]
+        else:  # the way back through the command line, by the driver alone
+            code, out, err = await cli("migrate", kernel.id[:8], "--to-gpu", "0", "--no-fast-path", "--json",
+                                       *remote(jp_serverapp))
             assert code == 0, err
             op = json.loads(out)
+            assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "remap", "unlock", "verify"]
+            assert op["fast_path"] is None
         assert op["status"] == "succeeded", op
-        assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "remap", "unlock", "verify"]
         assert (op["from_gpu"], op["to_gpu"]) == (src, dst) and op["bytes"] > 2 * GIB
         assert where(pid) == {dst}, "NVML shows the kernel's memory on the target alone"
         view = await api(jp_fetch, "kernels", kernel.id)
@@ -133,6 +140,7 @@ async def test_a_running_training_loop_moves_and_its_losses_match_an_unmoved_run
     op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
     assert op["status"] == "succeeded", op
     assert not cell.done(), "the move happened while the cell ran"
+    assert "busy with a cell" in op["fast_path"]["reason"], "a busy kernel's tensors go with the driver"
     assert (await cell).strip() == "400"
     out = await kernel.run("print(moved == reference, torch.cuda.current_device())")
     assert out.split() == ["True", "0"], "the loss sequence is identical to the unmoved run"
@@ -260,3 +268,98 @@ async def test_a_gpu_suspend_whose_dump_fails_leaves_the_kernel_on_its_gpu_unloc
     out = await kernel.run("print(state_digest() == before, len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "3"], "CUDA is unlocked and the values are intact"
     await kernel.run("os.close(ring)")
+
+
+# -- the fast path (engine/stash.py, kernel/stager.py) ---------------------------------------------------
+
+MORE_TENSORS = r"""
+half = torch.randn(2**28, device="cuda").to(torch.bfloat16)     # 512 MiB of bf16
+ints = torch.arange(2**26, device="cuda", dtype=torch.int64)     # 512 MiB of int64
+view = big[1000:2**20 + 1000]                                    # a view: shares big's storage
+strided = big[::3]                                               # a strided view of it
+small = torch.randn(1000, device="cuda")                         # below the fast path's floor: stays
+probe = torch.randn(64, 512, device="cuda")
+loss = torch.nn.functional.cross_entropy(model(probe), torch.zeros(64, dtype=torch.long, device="cuda"))
+loss.backward()                                                  # gradients too
+
+def every_digest():
+    grads = [p.grad for p in model.parameters()]
+    return [digest(t) for t in (half, ints, view, strided, small, big, *grads)] + [state_digest(), digest(model(probe))]
+
+all_before = every_digest()
+print(len(all_before))
+"""
+
+
+async def test_the_fast_path_changes_no_value(jp_fetch, kernel):
+    """Every tensor (bf16, int64, views, strided views, a small one, gradients, the model and Adam's
+    state) has the same SHA-256 after going through the stash, there and back, and the model gives
+    the same output; views still share their base's storage."""
+    pid = await build(kernel, gib=2)
+    assert (await kernel.run(MORE_TENSORS, timeout=120)).strip() == "12"
+    out = await kernel.run("%migrate --to-gpu 1", timeout=300)
+    assert out.startswith("Moved from GPU 0 to GPU 1:") and "by the fast path" in out, out
+    assert where(pid) == {1}
+    check = ("print(every_digest() == all_before, view.untyped_storage().data_ptr() == big.untyped_storage().data_ptr(),"
+             " big.device, len(train(model, opt, gen, 3)))")
+    assert (await kernel.run(check)).split() == ["True", "True", "cuda:0", "3"]
+    await kernel.run("all_before = every_digest()")  # trained 3 steps: a new reference
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 0})
+    assert op["status"] == "succeeded" and op["fast_path"]["stashed"] > 3 * GIB, op
+    assert where(pid) == {0}
+    assert (await kernel.run("print(every_digest() == all_before)")).strip() == "True"
+
+
+GRAPH = r"""
+static_in = torch.ones(2**20, device="cuda")
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    static_out = static_in * 2 + 1                               # warm up outside the capture
+torch.cuda.current_stream().wait_stream(side)
+graph = torch.cuda.CUDAGraph()
+with torch.cuda.graph(graph):
+    static_out = static_in * 2 + 1
+graph.replay(); torch.cuda.synchronize()
+print(bool((static_out == 3).all()))
+"""
+
+
+async def test_the_fast_path_steps_aside_for_a_cuda_graph_and_for_a_users_thread(jp_fetch, kernel):
+    pid = await build(kernel)
+    assert (await kernel.run(GRAPH)).strip() == "True"
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
+    assert op["status"] == "succeeded" and op["fast_path"]["stashed"] == 0, op
+    assert "CUDA graph" in op["fast_path"]["reason"], op["fast_path"]
+    out = await kernel.run("static_in.fill_(3); graph.replay(); torch.cuda.synchronize(); print(bool((static_out == 7).all()))")
+    assert out.strip() == "True", "the graph's fixed addresses still hold its tensors"
+    await kernel.run("del graph; import gc, threading; gc.collect()\n"
+                     "threading.Thread(target=time.sleep, args=(300,), name='users-worker', daemon=True).start()")
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 0})
+    assert op["status"] == "succeeded" and op["fast_path"]["stashed"] == 0, op
+    assert "users-worker" in op["fast_path"]["reason"], op["fast_path"]
+    assert where(pid) == {0}
+    assert (await kernel.run("print(state_digest() == before)")).strip() == "True"
+
+
+async def test_a_failed_remap_after_the_stash_brings_the_tensors_back_on_the_original_gpu(kernel):
+    pid = await build(kernel, gib=2)
+    provisioner = kernel.manager.provisioner
+    stash = Stash()
+
+    def inventory() -> list[gpus_mod.GpuInfo]:
+        # Once the tensors are in the stash, GPU 1 turns into a UUID the driver does not know: the
+        # remap fails, after the stash.
+        gpus = gpus_mod.snapshot()
+        if stash.held:
+            gpus[1] = dataclasses.replace(gpus[1], uuid="GPU-0badc0de-0000-4000-8000-000000000001")
+        return gpus
+
+    migration = Migration(provisioner, provisioner.images, None, inventory=inventory)
+    with pytest.raises(PhaseFailed) as info:
+        await asyncio.to_thread(migration.move_to_gpu, 1, stash=stash)
+    assert info.value.phase == "remap" and info.value.rolled_back, info.value
+    assert stash.stashed > 2 * GIB and stash.held == 0, "the stash was used, and emptied by the undo"
+    assert provisioner.state == "running" and where(pid) == {0}
+    out = await kernel.run("print(state_digest() == before); print(len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "3"], "unlocked, with its state intact"

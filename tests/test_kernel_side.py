@@ -12,6 +12,8 @@ import sys
 import pytest
 from helpers import KernelSession, api, cli, operate, remote, start_kernel
 
+from jupyter_gpumigrate.engine.stash import Offer, Stash, pack
+from jupyter_gpumigrate.kernel import stager
 from jupyter_gpumigrate.operations import EVENT_SCHEMA_ID
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
@@ -172,4 +174,66 @@ async def test_drain_without_a_gpu(jp_fetch, jp_serverapp, kernel):
     await api(jp_fetch, "gpus", "0", "drain", method="POST", body={"to_gpu": "1"}, expect=400)
     code, out, err = await cli("drain", "--gpu", "0", *remote(jp_serverapp))
     assert code == 1 and "no NVIDIA GPU" in err
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+
+
+async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(jp_fetch, jp_serverapp, kernel):
+    """The server's end of the fast path (engine/stash.py) and the kernel's (kernel/stager.py) over the
+    real socket: an idle kernel without torch's CUDA comes, gives the session's token and steps aside,
+    changing nothing; a stranger without the token is turned away; a busy kernel is not asked."""
+    manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
+    provisioner = manager.provisioner
+    for _ in range(200):  # the server hears the kernel's last "idle" a moment after the client does
+        if manager.execution_state == "idle":
+            break
+        await asyncio.sleep(0.05)
+    stash = Stash()
+    try:
+        assert provisioner.invite_stager(stash.path, stash.token) is None
+        offer = await asyncio.to_thread(stash.accept, 20)
+        assert offer is not None and offer.pid == provisioner.pid and offer.storages == []
+        assert offer.aside == "the kernel does not use CUDA through PyTorch"
+        assert stash.stash("GPU-unused", 1 << 40) == 0 and stash.helper is None, "no helper for nothing"
+        # What the server decides with what a kernel offers (largest first), before any helper starts:
+        stash.offer = Offer(offer.pid, [10**9, 5 * 10**8])
+        assert stash.stash("GPU-unused", 1 << 40) == 0 and stash.helper is None
+        assert stash.reason == "the kernel holds 1.5 GB of large tensors: under 2 GB the driver alone is as fast"
+        stash.offer = Offer(offer.pid, [3 * 10**9, 2 * 10**9])
+        assert stash.stash("GPU-unused", 2 * 10**9) == 0 and stash.helper is None
+        assert stash.reason.startswith("the target GPU has no room for a stash beside the kernel")
+        assert pack([3000, 1000, 700, 10], 4200) == ([0, 1, 3], [0, 3072, 4096], 4106)
+    finally:
+        await asyncio.to_thread(stash.close)
+    assert not os.path.exists(stash.path) and not os.path.exists(stash.folder)
+    assert (await kernel.run("x = 41; print(x + 1)")).strip() == "42"
+
+    stranger = Stash()
+    try:
+        answer = asyncio.create_task(asyncio.to_thread(stager.run, stranger.path, "not-the-token"))
+        assert await asyncio.to_thread(stranger.accept, 20) is None
+        assert stranger.reason == "the kernel's side of the fast path did not give the session's token"
+        assert "aside" in await answer
+    finally:
+        await asyncio.to_thread(stranger.close)
+
+    busy = asyncio.create_task(kernel.execute("import time; time.sleep(4)"))
+    for _ in range(100):
+        if manager.execution_state == "busy":
+            break
+        await asyncio.sleep(0.05)
+    later = Stash()
+    try:
+        assert "busy with a cell" in provisioner.invite_stager(later.path, later.token)
+    finally:
+        later.close()
+    assert (await busy).status == "ok"
+
+
+async def test_the_fast_path_field_is_checked(jp_fetch, kernel):
+    error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST",
+                      body={"to_gpu": 1, "fast_path": "warp"}, expect=400)
+    assert "'fast_path' is one of auto, off" in error["message"]
+    error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST",
+                      body={"to_gpu": 1, "fast_path": "caller"}, expect=400)
+    assert "'caller' is for a kernel's own %migrate" in error["message"]
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"

@@ -2,7 +2,7 @@
 
     suspend:          prepare -> [lock -> checkpoint] -> dump
     resume:           prepare -> restore -> [remap -> unlock] -> adopt
-    move to a GPU:    prepare -> lock -> checkpoint -> remap -> unlock -> verify
+    move to a GPU:    prepare -> [stash] -> lock -> checkpoint -> remap -> unlock -> [unstash] -> verify
     move to a host:   prepare -> [lock -> checkpoint] -> dump -> transfer -> restore (there) -> adopt
     come back home:   prepare -> dump (there) -> transfer -> restore -> [remap -> unlock] -> adopt
 
@@ -12,7 +12,10 @@ manager adopts the new root. The bracketed GPU phases join the plan when the ker
 CUDA's checkpoint API locks the process's CUDA calls (after the GPU work in flight), moves its GPU
 memory into its host memory and frees the GPU; later it puts the memory back on a GPU of our choice
 (the remap) and unlocks. A live move to another GPU is those GPU phases alone, on the running process:
-the cell that runs goes on, on the new GPU, and torch still calls it cuda:0.
+the cell that runs goes on, on the new GPU, and torch still calls it cuda:0. The driver copies at a
+few GB/s, so when the kernel can (an idle PyTorch kernel, or one that runs %migrate) its large tensors
+first go into a stash on the target GPU over the GPUs' peer link, and come back from there once the
+kernel is on it (stash.py): the driver then moves only the rest.
 
 A move to another host is a suspend whose images travel: the other host (a :class:`HostLink`) checks
 first that it can take the tree, receives the images, restores them (onto one of its GPUs), and this
@@ -46,6 +49,7 @@ from .errors import GpuError, ImageError, InvalidState, PidConflict
 from .gpus import GpuInfo
 from .images import ImageStore, Manifest
 from .placement import Move
+from .stash import Stash
 from .plan import Phase, Plan, PlanResult, ProgressCallback
 
 log = logging.getLogger(__name__)
@@ -93,6 +97,10 @@ class KernelProcess(Protocol):
 
     def release_gpu_cache(self) -> None:
         """If the kernel is idle and can, free the GPU memory it caches but does not use (best effort)."""
+
+    def invite_stager(self, path: str, token: str) -> str | None:
+        """If the kernel is idle and can, have it connect to the fast path's socket at ``path`` (see
+        stash.py) and serve it; None if invited, else why not."""
 
     def adopt_remote(self, link: HostLink, placed: dict) -> None:
         """The kernel runs on ``link``'s host now (``placed``: what that host said of it, its GPU)."""
@@ -440,7 +448,11 @@ class Migration:
 
     # -- move to another GPU -------------------------------------------------------------------------
 
-    def move_to_gpu(self, to_gpu: int, verify_timeout: float = 10.0) -> Outcome:
+    def move_to_gpu(self, to_gpu: int, verify_timeout: float = 10.0, stash: Stash | None = None,
+                    invite: bool = True) -> Outcome:
+        """Move the running kernel onto GPU ``to_gpu``. With ``stash`` (listening), its large tensors take
+        the fast path: the kernel is invited to connect to it (``invite``), or the caller, the kernel's
+        own %migrate, connects itself."""
         kernel = self.kernel
         gpu = GpuState([], self.lock_timeout, self.inventory)
         move: Move | None = None
@@ -457,13 +469,34 @@ class Migration:
             _, held, gpus = self._gpu_use(pid)
             placement.plan_move(gpus, held, to_gpu, self.driver_major())
             with migrating(kernel, otherwise=RUNNING):
-                self._release_cache(pid)
+                if invite:
+                    self._release_cache(pid)
                 gpu.pids, held, gpus = self._gpu_use(pid)
                 move = placement.plan_move(gpus, held, to_gpu, self.driver_major())
                 gpu.home = gpu.at = move.source.uuid
 
         def back_to_running() -> None:
             kernel.state = RUNNING
+
+        def stash_tensors() -> None:
+            # The fast path, when the kernel can take it: what fits on the target beside the move goes
+            # into a stash there, over the peer link. Where it steps aside, the driver moves it all.
+            assert move is not None and stash is not None
+            if invite:
+                stash.reason = getattr(kernel, "invite_stager", lambda path, token: "not a Python kernel")(
+                    stash.path, stash.token)
+                if stash.reason:
+                    return
+            try:
+                offer = stash.accept(timeout=10.0 if invite else 30.0)
+                if offer is None or offer.aside:
+                    return
+                target = next(g for g in self.inventory() if g.uuid == move.target.uuid)
+                stash.stash(move.target.uuid, target.memory_total - target.memory_used - move.needed)
+            except (GpuError, OSError, ValueError) as exc:
+                if stash.held:
+                    raise
+                stash.reason = str(exc)  # nothing left the kernel: the driver moves it all
 
         def remap() -> None:
             assert move is not None
@@ -488,17 +521,31 @@ class Migration:
                 time.sleep(0.1)
             kernel.state = RUNNING
 
+        def stashed() -> bool:
+            return stash is not None and stash.held > 0
+
         phases = [
             Phase("prepare", prepare, back_to_running),
+            # Undo: the tensors come back from the stash onto the GPU the kernel is on again.
+            Phase("stash", stash_tensors, lambda: stash.unstash() if stash else None, when=lambda: stash is not None),
             Phase("lock", gpu.lock, gpu.unlock),
             Phase("checkpoint", gpu.checkpoint, gpu.restore_home),
             Phase("remap", remap, gpu.checkpoint_again),
             Phase("unlock", gpu.unlock, gpu.lock),
+            Phase("unstash", lambda: stash.unstash() if stash else None, when=stashed),
             Phase("verify", verify),
         ]
-        result = Plan(phases, self.progress).run()
+        try:
+            result = Plan(phases, self.progress).run()
+        finally:
+            if stash is not None:
+                stash.close()
         assert move is not None
-        return Outcome(result, bytes=move.needed, extra={"from_gpu": move.source.index, "to_gpu": move.target.index})
+        extra: dict = {"from_gpu": move.source.index, "to_gpu": move.target.index}
+        if stash is not None:
+            extra["fast_path"] = {"stashed": stash.stashed, "reason": stash.reason,
+                                  "seconds": {k: round(v, 4) for k, v in stash.seconds.items()}}
+        return Outcome(result, bytes=move.needed, extra=extra)
 
     # -- move to another host -----------------------------------------------------------------------
 

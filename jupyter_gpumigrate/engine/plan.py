@@ -19,7 +19,8 @@ from .errors import PhaseFailed
 log = logging.getLogger(__name__)
 
 #: The phase names, in the order they can appear in a migration.
-PHASES = ("prepare", "lock", "checkpoint", "dump", "transfer", "restore", "remap", "unlock", "adopt")
+PHASES = ("prepare", "stash", "lock", "checkpoint", "dump", "transfer", "restore", "remap", "unlock", "unstash",
+          "verify", "adopt")
 
 Step = Callable[[], None]
 

@@ -79,10 +79,12 @@ class ServerClient:
     def me(self) -> dict:
         return self.request("GET", f"kernels/{self.kernel_id}")
 
-    def migrate(self, to_gpu: int | None, to_host: str | None = None) -> dict:
+    def migrate(self, to_gpu: int | None, to_host: str | None = None, fast_path: str | None = None) -> dict:
         body: dict = {"to_gpu": to_gpu}
         if to_host:
             body["to_host"] = to_host
+        if fast_path:
+            body["fast_path"] = fast_path
         return self.request("POST", f"kernels/{self.kernel_id}/migrate", body)
 
     def follow(self, op: dict, on_change: Callable[[dict], None] | None = None, patience: float = 120.0) -> dict:

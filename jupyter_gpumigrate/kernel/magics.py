@@ -39,8 +39,15 @@ def describe(op: dict) -> str:
         return (f"Moved from host {op.get('from_host')} to host {op['to_host']}{gpu}: {op.get('bytes', 0) / GB:.2f} GB "
                 f"in {op.get('total', 0):.2f} s{slow}. This notebook reaches it through {op.get('from_host')} "
                 f"if that is its home; everything in memory came along.")
+    fast = op.get("fast_path") or {}
+    if fast.get("stashed"):
+        how = f" ({fast['stashed'] / GB:.1f} GB of tensors by the fast path)"
+    elif fast.get("reason"):
+        how = f" (by the driver alone: {fast['reason']})"
+    else:
+        how = ""
     return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {op.get('bytes', 0) / GB:.1f} GB "
-            f"in {op.get('total', 0):.2f} s{slow}. torch still calls it cuda:0.")
+            f"in {op.get('total', 0):.2f} s{how}{slow}. torch still calls it cuda:0.")
 
 
 def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
@@ -111,7 +118,13 @@ class MigrateMagics(Magics):
                 print(gpu_table(client.gpus(), client.kernels(), client.kernel_id))
             elif args.to_gpu is not None or args.to_host:
                 release_torch_cache()
-                op = client.follow(client.migrate(args.to_gpu, args.to_host))
+                op = client.migrate(args.to_gpu, args.to_host, fast_path=None if args.to_host else "caller")
+                if op.get("stager"):
+                    # This cell is the only code running: serve the move's fast path from here.
+                    from .stager import run
+
+                    run(op["stager"]["path"], op["stager"]["token"])
+                op = client.follow(op)
                 if op["status"] != "succeeded":
                     raise MigrateFailed(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
                 print(describe(op))

@@ -13,7 +13,7 @@ from IPython.display import display
 from .client import ApiError, ServerClient
 from .magics import GB, describe, release_torch_cache
 
-MOVE_PHASES = ("prepare", "lock", "checkpoint", "remap", "unlock", "verify")
+MOVE_PHASES = ("prepare", "stash", "lock", "checkpoint", "remap", "unlock", "unstash", "verify")
 
 
 class MigrateWidget:

@@ -12,7 +12,7 @@ import { GpuMigrateStore } from './store';
 const HEADROOM = 512 * 1024 ** 2;
 
 const PHASES: Record<string, string[]> = {
-  migrate: ['prepare', 'lock', 'checkpoint', 'remap', 'unlock', 'verify'],
+  migrate: ['prepare', 'stash', 'lock', 'checkpoint', 'remap', 'unlock', 'unstash', 'verify'],
   suspend: ['prepare', 'lock', 'checkpoint', 'dump'],
   resume: ['prepare', 'restore', 'remap', 'unlock', 'adopt'],
   drain: ['drain']

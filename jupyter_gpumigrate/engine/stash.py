@@ -1,0 +1,292 @@
+"""The fast path of a move to another GPU: a stash on the target GPU for the kernel's large tensors.
+
+The CUDA checkpoint driver copies a process's GPU memory out and back at 2-7 GB/s (bench/results), so
+a kernel with 32 GB of tensors takes some 20 s to change GPU, while the two GPUs' peer link (NVLink)
+copies at about 400 GB/s. So, before the driver runs:
+
+1. a short-lived helper process (``python -m jupyter_gpumigrate.engine.stash``, this module) allocates
+   one buffer on the *target* GPU and exports it as a CUDA IPC handle;
+2. inside the kernel (kernel/stager.py), the large tensor storages are copied into that buffer over
+   the peer link and freed: the driver then moves only what is left (the CUDA context, small blocks);
+3. after the remap the kernel's context is on the target GPU, the buffer is local to it, and the
+   storages are allocated again and copied back (``Storage.resize_``: every tensor, view, parameter
+   and optimizer state keeps its storage; only addresses change); then the helper frees the buffer.
+
+The kernel's side runs in its main thread and never beside user code; it steps aside, changing
+nothing, when it cannot be sure (kernel/stager.py lists when). The server's side here decides how
+much goes into the stash: what the target GPU has free beyond what the move itself needs there.
+
+Protocol, JSON lines over a Unix socket in a private (0700) folder; the kernel connects:
+    kernel -> {"token", "pid", "storages": [bytes, ...] (largest first), "aside": reason | null}
+    server -> {"op": "stash", "handle": hex, "take": [i, ...], "offsets": [o, ...]}
+              kernel -> {"stashed": bytes, "seconds": s}   or {"aside": reason}: nothing changed
+    server -> {"op": "unstash"}
+              kernel -> {"unstashed": bytes, "seconds": s} or {"error": sentence}: may be retried
+    server -> {"op": "bye"} (or the socket closes): the kernel unstashes first if it has not yet.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import GpuError
+
+#: Kept free on the target beyond the move and the stash: the helper's CUDA context and some slack.
+HELPER_RESERVE = 1 << 30
+#: Below this many bytes of large tensors the driver alone is as fast: starting the helper costs about
+#: 0.2 s, the driver moves 1 GB in about 1.2 s (docs/performance.md).
+MIN_STASH = 2 * 10**9
+#: Each storage in the stash starts at a multiple of this (CUDA's allocation alignment).
+ALIGN = 512
+#: The helper keeps the buffer this long after the server went away, so that the kernel can still
+#: take its tensors back (it does so as soon as its socket closes).
+ORPHAN_GRACE = 60.0
+
+
+@dataclass
+class Offer:
+    """What the kernel said when it came: its stashable storages, or why it steps aside."""
+
+    pid: int
+    storages: list[int] = field(default_factory=list)
+    aside: str | None = None
+
+
+def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
+    """Pick storages (largest first) that fit in ``budget`` bytes; their indices, offsets, and the size
+    of the buffer that holds them."""
+    take, offsets, end = [], [], 0
+    for i, size in enumerate(sizes):
+        start = -(-end // ALIGN) * ALIGN
+        if start + size <= budget:
+            take.append(i)
+            offsets.append(start)
+            end = start + size
+    return take, offsets, end
+
+
+class Helper:
+    """The process that holds the stash buffer on the target GPU (see :func:`_hold`)."""
+
+    def __init__(self, gpu_uuid: str, size: int, timeout: float = 60.0) -> None:
+        env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu_uuid)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_gpumigrate.engine.stash", str(size)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
+        )
+        line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
+        answer = json.loads(line) if line.startswith("{") else {}
+        if "handle" not in answer:
+            self.stop()
+            err = answer.get("error") or (self.proc.stderr.read() if self.proc.stderr else "")[-500:]
+            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {gpu_uuid}: {err}")
+        self.handle: str = answer["handle"]
+
+    def stop(self) -> None:
+        """Free the buffer and end the helper (at once, or killed after 10 s)."""
+        try:
+            if self.proc.poll() is None and self.proc.stdin is not None:
+                self.proc.stdin.write("free\n")
+                self.proc.stdin.flush()
+        except OSError:
+            pass
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
+            if stream is not None:
+                stream.close()
+
+
+def _readline(stream, timeout: float) -> str:  # type: ignore[no-untyped-def]
+    import selectors
+
+    with selectors.DefaultSelector() as sel:
+        sel.register(stream, selectors.EVENT_READ)
+        if not sel.select(timeout):
+            return ""
+    return stream.readline().strip()
+
+
+class Stash:
+    """The server's end of one fast-path session: a listening socket the kernel connects to, the
+    conversation with it, and the helper that holds the stash. Always :meth:`close` it."""
+
+    def __init__(self) -> None:
+        self.folder = Path(tempfile.mkdtemp(prefix="gpumigrate-stash-"))  # 0700
+        self.path = str(self.folder / "s")
+        self.token = secrets.token_hex(16)
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._listener.bind(self.path)
+        self._listener.listen(1)
+        self._conn: socket.socket | None = None
+        self._file = None
+        self.helper: Helper | None = None
+        self.offer: Offer | None = None
+        #: bytes in the stash now, and in all; why the fast path stepped aside (None: it did not)
+        self.held = 0
+        self.stashed = 0
+        self.reason: str | None = None
+        self.seconds: dict[str, float] = {}
+
+    # -- the conversation ---------------------------------------------------------------------------
+
+    def _send(self, message: dict) -> None:
+        assert self._file is not None
+        self._file.write(json.dumps(message).encode() + b"\n")
+        self._file.flush()
+
+    def _receive(self, timeout: float) -> dict:
+        assert self._conn is not None and self._file is not None
+        self._conn.settimeout(timeout)
+        try:
+            line = self._file.readline()
+        except OSError as exc:
+            raise GpuError(f"The kernel's side of the fast path did not answer ({exc}).") from exc
+        if not line:
+            raise GpuError("The kernel's side of the fast path went away.")
+        return json.loads(line)
+
+    def accept(self, timeout: float) -> Offer | None:
+        """Wait for the kernel's side to connect and say what it has; None if it did not come."""
+        self._listener.settimeout(timeout)
+        try:
+            conn, _ = self._listener.accept()
+        except OSError:
+            self.reason = "the kernel did not start its side of the fast path in time"
+            return None
+        self._conn, self._file = conn, conn.makefile("rwb")
+        hello = self._receive(30)
+        if not secrets.compare_digest(str(hello.get("token", "")), self.token):
+            self.reason = "the kernel's side of the fast path did not give the session's token"
+            self._hang_up()
+            return None
+        self.offer = Offer(int(hello.get("pid", 0)), [int(n) for n in hello.get("storages", [])], hello.get("aside"))
+        if self.offer.aside:
+            self.reason = self.offer.aside
+        return self.offer
+
+    def stash(self, gpu_uuid: str, budget: int) -> int:
+        """Have the kernel put what fits in ``budget`` bytes into a stash on GPU ``gpu_uuid``; the bytes
+        stashed (0, with :attr:`reason` set, if the fast path steps aside; the kernel is then as it was)."""
+        if self.offer is None or self.offer.aside or self._conn is None:
+            return 0
+        if sum(self.offer.storages) < MIN_STASH:
+            self.reason = (f"the kernel holds {sum(self.offer.storages) / 1e9:.1f} GB of large tensors: under "
+                           f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
+            return 0
+        take, offsets, size = pack(self.offer.storages, budget - HELPER_RESERVE)
+        if not take:
+            self.reason = (f"the target GPU has no room for a stash beside the kernel "
+                           f"({max(budget, 0) / 1e9:.1f} GB free beyond the move)") if self.offer.storages else \
+                "the kernel holds no large tensors"
+            return 0
+        started = time.perf_counter()
+        self.helper = Helper(gpu_uuid, size)
+        self.seconds["helper"] = time.perf_counter() - started
+        self._send({"op": "stash", "handle": self.helper.handle, "take": take, "offsets": offsets})
+        answer = self._receive(300)
+        if "stashed" not in answer:
+            self.reason = answer.get("aside") or answer.get("error") or "the kernel did not stash"
+            self._stop_helper()
+            return 0
+        self.held = self.stashed = int(answer["stashed"])
+        self.seconds["stash"] = float(answer.get("seconds", 0))
+        return self.held
+
+    def unstash(self) -> None:
+        """Have the kernel take its tensors back from the stash (on whatever GPU it is now); then free it."""
+        if not self.held:
+            return
+        self._send({"op": "unstash"})
+        answer = self._receive(300)
+        if "unstashed" not in answer:
+            raise GpuError(f"The kernel could not take its tensors back from the stash: "
+                           f"{answer.get('error', answer)}. They are still in the stash; it is tried again.")
+        self.held = 0
+        self.seconds["unstash"] = float(answer.get("seconds", 0))
+        self._stop_helper()
+
+    # -- the end --------------------------------------------------------------------------------------
+
+    def _hang_up(self) -> None:
+        for thing in (self._file, self._conn):
+            if thing is not None:
+                try:
+                    thing.close()
+                except OSError:
+                    pass
+        self._file = self._conn = None
+
+    def _stop_helper(self) -> None:
+        if self.helper is not None:
+            self.helper.stop()
+            self.helper = None
+
+    def close(self) -> None:
+        """Say goodbye (a kernel that still has tensors in the stash takes them back first), free the
+        stash, and remove the socket."""
+        if self._conn is not None:
+            try:
+                self._send({"op": "bye"})
+                self._conn.settimeout(300 if self.held else 5)
+                self._file.readline()  # type: ignore[union-attr]  # the kernel closes when done
+            except (OSError, ValueError):
+                pass
+            self._hang_up()
+        self._stop_helper()
+        self._listener.close()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+# -- the helper process ----------------------------------------------------------------------------
+
+
+def _hold(size: int) -> int:
+    """Allocate ``size`` bytes on the one GPU this process sees, print its IPC handle as JSON, wait for
+    ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more seconds), free, exit.
+
+    The CUDA driver API through cuda-bindings (the server's ``gpu`` extra): no torch in the server.
+    """
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        print(json.dumps({"error": f"cuda-bindings is not installed ({exc})"}), flush=True)
+        return 1
+
+    def ok(result: tuple) -> object:
+        if int(result[0]) != 0:
+            raise RuntimeError(f"{result[0]!r}")
+        return result[1] if len(result) > 1 else None
+
+    try:
+        ok(driver.cuInit(0))
+        device = ok(driver.cuDeviceGet(0))
+        context = ok(driver.cuDevicePrimaryCtxRetain(device))
+        ok(driver.cuCtxSetCurrent(context))
+        pointer = ok(driver.cuMemAlloc(size))
+        handle = ok(driver.cuIpcGetMemHandle(pointer))
+    except Exception as exc:  # said to the server, which steps aside
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    print(json.dumps({"handle": bytes(handle.reserved).hex()}), flush=True)  # type: ignore[attr-defined]
+    if sys.stdin.readline() == "":
+        time.sleep(ORPHAN_GRACE)
+    driver.cuMemFree(pointer)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_hold(int(sys.argv[1])))

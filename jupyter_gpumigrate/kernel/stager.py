@@ -1,0 +1,246 @@
+"""Inside the kernel: the kernel's side of the fast path of a GPU move (engine/stash.py tells the story).
+
+:func:`run` is called in the kernel's main thread, by a silent request of the server while the kernel
+is idle, or by ``%migrate`` in its own cell: never beside user code. It connects to the server's
+socket, offers the kernel's large PyTorch storages, copies those the server takes into the stash on
+the target GPU and frees them, and later copies them back. A storage keeps its identity (its size goes
+to 0 and back, ``Storage.resize_``), so every tensor, view, parameter, gradient and optimizer state
+that shares it sees the same values after the move; only the address changes.
+
+It steps aside, changing nothing (the driver then moves everything), when:
+- torch is not imported, or has not initialised CUDA;
+- a CUDA graph is alive (``torch.cuda.CUDAGraph``, also under ``torch.compile(mode="reduce-overhead")``):
+  graphs replay fixed addresses;
+- a CUDA library that holds memory by address outside torch is loaded (cupy, jax, numba.cuda,
+  tensorflow, pycuda): it may share a storage through DLPack;
+- a thread not started by Jupyter, IPython, ZMQ or this package is alive: it could touch a tensor
+  while its storage is away;
+- the GPUs have no peer access between them (opening the stash fails before anything is copied).
+A storage that cannot be resized (memory shared by CUDA IPC, ``from_blob``) or is smaller than
+:data:`MIN_BYTES` simply stays and goes with the driver.
+
+The CUDA driver library through ctypes, by necessity: torch has no public call to open another
+process's CUDA IPC handle, nor to copy between raw device addresses without making a context on the
+other GPU, and a kernel's environment need not have cuda-python.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+#: Storages smaller than this stay where they are (the driver moves them with the context).
+MIN_BYTES = 1 << 20
+#: Modules that hold CUDA memory by address, outside torch's sight.
+FOREIGN_CUDA = ("cupy", "jax", "numba.cuda", "tensorflow", "pycuda")
+#: Threads whose code comes from these modules are known not to touch tensors.
+QUIET_THREADS = ("ipykernel", "IPython", "zmq", "jupyter_client", "jupyter_core", "tornado", "asyncio", "anyio",
+                 "comm", "ipywidgets", "debugpy", "traitlets", "tqdm", "jupyter_gpumigrate")
+_LAZY_ENABLE_PEER_ACCESS = 1
+
+
+class StepAside(Exception):
+    """The fast path does not apply; nothing was changed."""
+
+
+def _thread_module(thread: threading.Thread) -> str:
+    if type(thread) is not threading.Thread:
+        return type(thread).__module__
+    target = getattr(thread, "_target", None)
+    return getattr(target, "__module__", None) or "?"
+
+
+def why_not(torch: Any) -> str | None:
+    """Why the fast path must step aside in this process, or None."""
+    if torch is None or not torch.cuda.is_initialized():
+        return "the kernel does not use CUDA through PyTorch"
+    loaded = [name for name in FOREIGN_CUDA if name in sys.modules]
+    if loaded:
+        return f"{', '.join(loaded)} is loaded and may hold GPU memory by address"
+    graph = getattr(torch.cuda, "CUDAGraph", None)
+    # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
+    if graph is not None and any(issubclass(type(o), graph) for o in gc.get_objects()):
+        return "a CUDA graph is alive (graphs replay fixed addresses)"
+    me = threading.current_thread()
+    for thread in threading.enumerate():
+        if thread is me or thread is threading.main_thread() or not thread.is_alive():
+            continue
+        module = _thread_module(thread)
+        if not module.startswith(QUIET_THREADS) and not thread.name.startswith("asyncio_"):
+            return f"thread {thread.name!r} ({module}) is running and could touch a tensor"
+    return None
+
+
+def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
+    """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more,
+    largest first."""
+    found: dict[int, Any] = {}
+    tensor = torch.Tensor
+    for obj in gc.get_objects():
+        if not issubclass(type(obj), tensor):
+            continue
+        try:
+            if not obj.is_cuda or obj.layout != torch.strided:
+                continue
+            storage = obj.untyped_storage()
+            pointer, size = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # sparse, nested, wrapper subclasses: they stay
+        if pointer and size >= min_bytes and pointer not in found and storage.resizable():
+            found[pointer] = storage
+    return sorted(found.values(), key=lambda s: s.nbytes(), reverse=True)
+
+
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_ubyte * 64)]
+
+
+class Driver:
+    """The few CUDA driver calls the stash needs, on the context torch made current."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
+        lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
+        lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        self.lib = lib
+
+    @staticmethod
+    def _check(result: int, what: str) -> None:
+        if result != 0:
+            raise RuntimeError(f"{what} failed (CUresult {result})")
+
+    def open(self, handle: str) -> int:
+        pointer = ctypes.c_uint64()
+        raw = _Handle.from_buffer_copy(bytes.fromhex(handle))
+        self._check(self.lib.cuIpcOpenMemHandle_v2(ctypes.byref(pointer), raw, _LAZY_ENABLE_PEER_ACCESS),
+                    "opening the stash")
+        return pointer.value
+
+    def close(self, pointer: int) -> None:
+        self._check(self.lib.cuIpcCloseMemHandle(pointer), "closing the stash")
+
+    def copy(self, dst: int, src: int, size: int, stream: int) -> None:
+        self._check(self.lib.cuMemcpyDtoDAsync_v2(dst, src, size, stream), "a copy")
+
+
+class Stager:
+    """The storages of one session and where they are (here, or in the stash)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.storages = large_storages(torch)
+        self.driver = Driver()
+        self.handle: str | None = None
+        self.away: list[tuple[Any, int, int]] = []  # (storage, size, offset in the stash)
+
+    def _stream(self) -> int:
+        return int(self.torch.cuda.current_stream().cuda_stream)
+
+    def stash(self, handle: str, take: list[int], offsets: list[int]) -> int:
+        torch = self.torch
+        torch.cuda.synchronize()  # every kernel launched so far has finished with these storages
+        try:
+            base = self.driver.open(handle)
+        except RuntimeError as exc:
+            raise StepAside(f"the stash on the target GPU cannot be reached from here ({exc}; no peer access?)")
+        chosen = [(self.storages[i], self.storages[i].nbytes(), off) for i, off in zip(take, offsets)]
+        try:
+            stream = self._stream()
+            for storage, size, offset in chosen:
+                self.driver.copy(base + offset, storage.data_ptr(), size, stream)
+            torch.cuda.synchronize()
+        except RuntimeError as exc:
+            raise StepAside(f"copying into the stash failed ({exc}); nothing was changed")
+        finally:
+            self.driver.close(base)  # no mapping of another process's memory may stay for the checkpoint
+        self.handle = handle
+        for storage, size, offset in chosen:
+            storage.resize_(0)
+            self.away.append((storage, size, offset))
+        torch.cuda.empty_cache()  # give the freed blocks back, or the driver would move them anyway
+        torch.cuda.synchronize()
+        return sum(size for _, size, _ in chosen)
+
+    def unstash(self) -> int:
+        """Copy every storage back from the stash; a storage brought back stays back if a later one fails,
+        so a second call finishes the job."""
+        torch = self.torch
+        assert self.handle is not None
+        base = self.driver.open(self.handle)
+        total = 0
+        try:
+            stream = self._stream()
+            while self.away:
+                storage, size, offset = self.away[-1]
+                storage.resize_(size)
+                self.driver.copy(storage.data_ptr(), base + offset, size, stream)
+                torch.cuda.synchronize()
+                self.away.pop()
+                total += size
+        finally:
+            self.driver.close(base)
+        return total
+
+
+def _send(out: Any, message: dict) -> None:
+    out.write(json.dumps(message).encode() + b"\n")
+    out.flush()
+
+
+def run(path: str, token: str) -> dict:
+    """The kernel's side of one fast-path session with the server at ``path`` (see engine/stash.py).
+    Never raises: what happened is said to the server, and returned."""
+    torch = sys.modules.get("torch")
+    result: dict = {}
+    try:
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.settimeout(30)
+        conn.connect(path)
+    except OSError as exc:
+        return {"aside": f"the server's socket is gone ({exc})"}
+    with conn, conn.makefile("rwb") as io:
+        stager: Stager | None = None
+        aside = why_not(torch)
+        if aside is None:
+            try:
+                stager = Stager(torch)
+            except OSError as exc:
+                aside = f"the CUDA driver library cannot be loaded ({exc})"
+        sizes = [s.nbytes() for s in stager.storages] if stager else []
+        _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside})
+        result = {"aside": aside} if aside else {}
+        conn.settimeout(None)  # the move in between may take as long as the driver needs
+        for line in io:
+            message = json.loads(line)
+            op = message.get("op")
+            started = time.perf_counter()
+            if op == "stash" and stager is not None:
+                try:
+                    moved = stager.stash(message["handle"], message["take"], message["offsets"])
+                    result = {"stashed": moved, "seconds": time.perf_counter() - started}
+                except StepAside as exc:
+                    result = {"aside": str(exc)}
+            elif op == "unstash" and stager is not None:
+                result = _unstash(stager, started)
+            elif op == "bye":
+                break
+            _send(io, result)
+        if stager is not None and stager.away:  # the server said bye, or went away: take them back now
+            result = _unstash(stager, time.perf_counter())
+    return result
+
+
+def _unstash(stager: Stager, started: float) -> dict:
+    try:
+        moved = stager.unstash()
+    except Exception as exc:  # said to the server, which rolls back and asks again
+        return {"error": f"{exc}"}
+    return {"unstashed": moved, "seconds": time.perf_counter() - started}
