@@ -237,8 +237,11 @@ class OperationManager:
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
         stash = None
         if action == "migrate" and fast_path != "off":
-            stash = Stash()  # listening before the caller hears where, so that it cannot come too early
-            if fast_path == "caller":
+            try:
+                stash = Stash()  # listening before the caller hears where, so that it cannot come too early
+            except OSError as exc:  # the driver moves everything
+                log.warning("gpumigrate: no fast path for kernel %s: %s", kernel_id, exc)
+            if stash is not None and fast_path == "caller":
                 op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller"))

@@ -482,21 +482,21 @@ class Migration:
             # The fast path, when the kernel can take it: what fits on the target beside the move goes
             # into a stash there, over the peer link. Where it steps aside, the driver moves it all.
             assert move is not None and stash is not None
-            if invite:
-                stash.reason = getattr(kernel, "invite_stager", lambda path, token: "not a Python kernel")(
-                    stash.path, stash.token)
-                if stash.reason:
-                    return
             try:
+                if invite:
+                    stash.reason = getattr(kernel, "invite_stager", lambda path, token: "not a Python kernel")(
+                        stash.path, stash.token)
+                    if stash.reason:
+                        return
                 offer = stash.accept(timeout=10.0 if invite else 30.0)
                 if offer is None or offer.aside:
                     return
                 target = next(g for g in self.inventory() if g.uuid == move.target.uuid)
                 stash.stash(move.target.uuid, target.memory_total - target.memory_used - move.needed)
-            except (GpuError, OSError, ValueError) as exc:
-                if stash.held:
-                    raise
-                stash.reason = str(exc)  # nothing left the kernel: the driver moves it all
+            except Exception as exc:
+                if stash.held or stash.unsure:
+                    raise  # tensors may be in the stash: undo (the kernel takes them back), not the driver
+                stash.reason = str(exc) or type(exc).__name__  # nothing left the kernel: the driver moves it all
 
         def remap() -> None:
             assert move is not None

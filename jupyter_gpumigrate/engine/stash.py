@@ -84,16 +84,26 @@ class Helper:
             [sys.executable, "-m", "jupyter_gpumigrate.engine.stash", str(size)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
         )
-        line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
-        answer = json.loads(line) if line.startswith("{") else {}
+        try:
+            line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
+            answer = json.loads(line) if line.startswith("{") else {}
+        except (OSError, ValueError) as exc:
+            answer = {"error": str(exc)}
         if "handle" not in answer:
+            if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
+                answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
             self.stop()
-            err = answer.get("error") or (self.proc.stderr.read() if self.proc.stderr else "")[-500:]
-            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {gpu_uuid}: {err}")
+            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {gpu_uuid}: "
+                           f"{answer.get('error') or 'no answer'}")
         self.handle: str = answer["handle"]
 
-    def stop(self) -> None:
-        """Free the buffer and end the helper (at once, or killed after 10 s)."""
+    def stop(self, orphan: bool = False) -> None:
+        """Free the buffer and end the helper (at once, or killed after 10 s). With ``orphan`` (the kernel
+        may still be taking its tensors back), only let go: the helper frees after :data:`ORPHAN_GRACE`."""
+        if orphan:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+            return
         try:
             if self.proc.poll() is None and self.proc.stdin is not None:
                 self.proc.stdin.write("free\n")
@@ -129,8 +139,13 @@ class Stash:
         self.path = str(self.folder / "s")
         self.token = secrets.token_hex(16)
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self.path)
-        self._listener.listen(1)
+        try:
+            self._listener.bind(self.path)
+            self._listener.listen(1)
+        except OSError:
+            self._listener.close()
+            shutil.rmtree(self.folder, ignore_errors=True)
+            raise
         self._conn: socket.socket | None = None
         self._file = None
         self.helper: Helper | None = None
@@ -138,6 +153,8 @@ class Stash:
         #: bytes in the stash now, and in all; why the fast path stepped aside (None: it did not)
         self.held = 0
         self.stashed = 0
+        #: a stash was asked for and no answer came: the kernel may hold tensors there or not
+        self.unsure = False
         self.reason: str | None = None
         self.seconds: dict[str, float] = {}
 
@@ -197,7 +214,9 @@ class Stash:
         self.helper = Helper(gpu_uuid, size)
         self.seconds["helper"] = time.perf_counter() - started
         self._send({"op": "stash", "handle": self.helper.handle, "take": take, "offsets": offsets})
+        self.unsure = True
         answer = self._receive(300)
+        self.unsure = False
         if "stashed" not in answer:
             self.reason = answer.get("aside") or answer.get("error") or "the kernel did not stash"
             self._stop_helper()
@@ -238,14 +257,19 @@ class Stash:
     def close(self) -> None:
         """Say goodbye (a kernel that still has tensors in the stash takes them back first), free the
         stash, and remove the socket."""
+        gone = True
         if self._conn is not None:
             try:
                 self._send({"op": "bye"})
-                self._conn.settimeout(300 if self.held else 5)
-                self._file.readline()  # type: ignore[union-attr]  # the kernel closes when done
+                self._conn.settimeout(300 if self.held or self.unsure else 5)
+                while self._file.readline():  # type: ignore[union-attr]  # until the kernel closes: done
+                    pass
             except (OSError, ValueError):
-                pass
+                gone = False
             self._hang_up()
+        if self.helper is not None and not gone and (self.held or self.unsure):
+            self.helper.stop(orphan=True)  # it may still be copying back: the helper frees later
+            self.helper = None
         self._stop_helper()
         self._listener.close()
         shutil.rmtree(self.folder, ignore_errors=True)

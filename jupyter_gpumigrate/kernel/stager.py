@@ -73,15 +73,27 @@ def why_not(torch: Any) -> str | None:
         if thread is me or thread is threading.main_thread() or not thread.is_alive():
             continue
         module = _thread_module(thread)
-        if not module.startswith(QUIET_THREADS) and not thread.name.startswith("asyncio_"):
+        if not any(module == q or module.startswith(q + ".") for q in QUIET_THREADS) and not _parked(thread):
             return f"thread {thread.name!r} ({module}) is running and could touch a tensor"
     return None
 
 
+def _parked(thread: threading.Thread) -> bool:
+    """A pool worker (concurrent.futures) that waits for work now: it runs no user code."""
+    frame = sys._current_frames().get(thread.ident or -1)
+    names = []
+    while frame is not None:
+        names.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+        frame = frame.f_back
+    waiting = bool(names) and (names[0] == ("thread.py", "_worker") or names[0][0] in ("threading.py", "queue.py"))
+    return waiting and ("thread.py", "_worker") in names
+
+
 def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
     """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more,
-    largest first."""
+    largest first. Raises :class:`StepAside` if a storage that cannot be resized aliases one of them."""
     found: dict[int, Any] = {}
+    fixed: dict[int, int] = {}
     tensor = torch.Tensor
     for obj in gc.get_objects():
         if not issubclass(type(obj), tensor):
@@ -93,8 +105,17 @@ def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
             pointer, size = storage.data_ptr(), storage.nbytes()
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # sparse, nested, wrapper subclasses: they stay
-        if pointer and size >= min_bytes and pointer not in found and storage.resizable():
+        if not pointer:
+            continue
+        if not storage.resizable():
+            fixed[pointer] = size  # memory someone else owns (IPC, DLPack, from_blob): it stays
+        elif size >= min_bytes:
             found[pointer] = storage
+    taken = sorted((p, p + s.nbytes()) for p, s in found.items())
+    for pointer, size in fixed.items():
+        if any(start < pointer + size and pointer < end for start, end in taken):
+            raise StepAside("a tensor shares GPU memory with another without sharing its storage (DLPack, "
+                            "__cuda_array_interface__): it would keep the old address")
     return sorted(found.values(), key=lambda s: s.nbytes(), reverse=True)
 
 
@@ -214,27 +235,35 @@ def run(path: str, token: str) -> dict:
                 stager = Stager(torch)
             except OSError as exc:
                 aside = f"the CUDA driver library cannot be loaded ({exc})"
+            except StepAside as exc:
+                aside = str(exc)
         sizes = [s.nbytes() for s in stager.storages] if stager else []
-        _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside})
         result = {"aside": aside} if aside else {}
-        conn.settimeout(None)  # the move in between may take as long as the driver needs
-        for line in io:
-            message = json.loads(line)
-            op = message.get("op")
-            started = time.perf_counter()
-            if op == "stash" and stager is not None:
-                try:
-                    moved = stager.stash(message["handle"], message["take"], message["offsets"])
-                    result = {"stashed": moved, "seconds": time.perf_counter() - started}
-                except StepAside as exc:
-                    result = {"aside": str(exc)}
-            elif op == "unstash" and stager is not None:
-                result = _unstash(stager, started)
-            elif op == "bye":
-                break
-            _send(io, result)
-        if stager is not None and stager.away:  # the server said bye, or went away: take them back now
-            result = _unstash(stager, time.perf_counter())
+        try:
+            _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside})
+            conn.settimeout(None)  # the move in between may take as long as the driver needs
+            for line in io:
+                message = json.loads(line)
+                op = message.get("op")
+                started = time.perf_counter()
+                if op == "stash" and stager is not None:
+                    try:
+                        moved = stager.stash(message["handle"], message["take"], message["offsets"])
+                        result = {"stashed": moved, "seconds": time.perf_counter() - started}
+                    except StepAside as exc:
+                        result = {"aside": str(exc)}
+                elif op == "unstash" and stager is not None:
+                    result = _unstash(stager, started)
+                elif op == "bye":
+                    break
+                _send(io, result)
+        except (OSError, ValueError) as exc:  # the server went away, or said something unreadable
+            result = {"aside": f"the session with the server broke off ({exc})"}
+        finally:
+            # Whatever ended the session (bye, the server gone, an interrupt): tensors still in the
+            # stash come back now, while the helper keeps it (it waits for the server, or a minute).
+            if stager is not None and stager.away:
+                result = _unstash(stager, time.perf_counter())
     return result
 
 
