@@ -94,7 +94,9 @@ The kernel's side (`jupyter_gpumigrate/kernel/stager.py`) runs only in the kerne
 between cells (the server asks an idle kernel) or from `%migrate` itself; a kernel busy with another
 cell moves by the driver alone. It also steps aside, changing nothing, when a CUDA graph is alive,
 when cupy, jax, numba.cuda, tensorflow or pycuda is loaded, when a thread that is not Jupyter's,
-IPython's, ZMQ's or ours is running, or when the GPUs have no peer access; storages that cannot be
+IPython's, ZMQ's or ours runs (an idle pool worker is fine), when a tensor aliases another's memory
+without sharing its storage (DLPack), when under 2 GB of large tensors would move (the driver alone is
+as fast), or when the GPUs have no peer access; storages that cannot be
 resized or are under 1 MiB stay behind and go with the driver. The stash takes what fits on the
 target beside the move (it needs the kernel's memory twice, briefly). Each operation says what it
 did (`fast_path` in the operation and its last event; `%migrate` and the CLI print it). The GPU
