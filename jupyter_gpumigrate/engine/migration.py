@@ -307,6 +307,17 @@ class Migration:
             h["name"] = gpus[h["index"]].name
         return cuda_pids, held, gpus
 
+    def _running_pid(self, verb: str) -> int:
+        """The running kernel's PID; :class:`InvalidState` saying why it cannot be ``verb`` otherwise.
+        Checked in each plan's prepare, not only by the caller: another request may have come meanwhile."""
+        kernel = self.kernel
+        if kernel.state != RUNNING:
+            raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be {verb}.")
+        pid = kernel.kernel_pid
+        if pid is None or not proctree.is_alive(pid):
+            raise InvalidState("The kernel process is not running: restart the kernel instead.")
+        return pid
+
     def _release_cache(self, pid: int) -> None:
         # Freed-but-cached blocks of PyTorch's allocator would be moved too (8 GB live + 24 GB cached:
         # 29.2 s; after empty_cache: 7.2 s, FACTS.md). Ask the kernel to drop them, if it is idle.
@@ -366,11 +377,7 @@ class Migration:
 
         def prepare() -> None:
             # Checked again here, not only by the caller: another request may have started meanwhile.
-            if kernel.state != RUNNING:
-                raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be suspended.")
-            pid = kernel.kernel_pid
-            if pid is None or not proctree.is_alive(pid):
-                raise InvalidState("The kernel process is not running: restart the kernel instead.")
+            pid = self._running_pid("suspended")
             with migrating(kernel, otherwise=RUNNING):
                 prepare_images(pid)
 
@@ -459,11 +466,7 @@ class Migration:
 
         def prepare() -> None:
             nonlocal move
-            if kernel.state != RUNNING:
-                raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be moved.")
-            pid = kernel.kernel_pid
-            if pid is None or not proctree.is_alive(pid):
-                raise InvalidState("The kernel process is not running: restart the kernel instead.")
+            pid = self._running_pid("moved")
             # Refuse what cannot work before anything is touched; then drop cached blocks, and check
             # again with what the kernel really holds.
             _, held, gpus = self._gpu_use(pid)
@@ -560,11 +563,7 @@ class Migration:
 
         def prepare() -> None:
             nonlocal manifest
-            if kernel.state != RUNNING:
-                raise InvalidState(f"The kernel is {kernel.state}, not running: it cannot be moved.")
-            pid = kernel.kernel_pid
-            if pid is None or not proctree.is_alive(pid):
-                raise InvalidState("The kernel process is not running: restart the kernel instead.")
+            pid = self._running_pid("moved")
             # The other host says everything it lacks before anything here is touched.
             _, held, _ = self._gpu_use(pid)
             link.check(hostfit.requirements_of(pid, kernel_listens(kernel.kernel_connection_info)),
