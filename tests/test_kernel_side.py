@@ -183,10 +183,13 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
     changing nothing; a stranger without the token is turned away; a busy kernel is not asked."""
     manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
     provisioner = manager.provisioner
-    for _ in range(200):  # the server hears the kernel's last "idle" a moment after the client does
+    for _ in range(600):  # the server hears the kernel's last "idle" a moment after the client does
         if manager.execution_state == "idle":
             break
+        if _ % 100 == 99:
+            await kernel.run("pass")  # a fresh busy/idle pair for the server's activity watcher
         await asyncio.sleep(0.05)
+    assert manager.execution_state == "idle", f"the server still sees the kernel {manager.execution_state}"
     stash = Stash()
     try:
         assert provisioner.invite_stager(stash.path, stash.token) is None
