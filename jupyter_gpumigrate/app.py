@@ -17,7 +17,7 @@ from .credentials import KernelCredentials
 from .engine import proctree
 from .handlers import handlers
 from .engine import gpus as gpus_mod
-from .engine.criu import Criu
+from .engine.access import images_root, open_criu
 from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -93,8 +93,11 @@ class GPUMigrateApp(ExtensionApp):
             api_address=lambda: self._kernel_api_address,
         )
         self.settings["gpumigrate_operations"] = operations
-        state_dir = MigratableProvisioner(config=self.serverapp.config).state_dir
-        self.guests = GuestHost(Path(state_dir) / "guests", lambda: Criu(self.criu_path or None), gpus_mod.snapshot)
+        defaults = MigratableProvisioner(config=self.serverapp.config)
+        helper_socket = defaults.helper_socket or None
+        self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
+                                lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
+                                gpus_mod.snapshot)
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()

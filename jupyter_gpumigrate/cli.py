@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .engine import doctor
+from .engine.nodehelper import DEFAULT_SOCKET
 
 API = "api/gpumigrate"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
@@ -121,7 +122,7 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    checks = doctor.run_checks(args.criu)
+    checks = doctor.run_checks(args.criu, args.helper_socket or None)
     ok = doctor.can_migrate(checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [c.to_dict() for c in checks]}, indent=1))
@@ -247,6 +248,9 @@ def parser() -> argparse.ArgumentParser:
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser("doctor", parents=[common], help="can this machine migrate kernels? what to fix")
     d.add_argument("--criu", help="the CRIU binary to check (default: /usr/local/sbin/criu, else PATH)")
+    d.add_argument("--helper-socket", default=DEFAULT_SOCKET,
+                   help=f"the node helper's socket, used by a server run by an ordinary user ({DEFAULT_SOCKET}; "
+                   "empty: none)")
     d.set_defaults(func=cmd_doctor)
     lst = sub.add_parser("list", parents=[common, remote], help="kernels, their state, GPUs and images")
     lst.set_defaults(func=cmd_list)

@@ -19,7 +19,9 @@ from typing import Any
 
 from .engine import gpus as gpus_mod
 from .engine import cudackpt, placement, proctree
+from .engine.access import open_criu
 from .engine.criu import Criu
+from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.images import Manifest
 from .engine.migration import REMOTE, RUNNING, SUSPENDED, Migration
@@ -233,7 +235,7 @@ class OperationManager:
             cudackpt.ensure_available()  # CudaUnavailable (503) says what to install
         criu = None
         if action != "migrate":
-            criu = Criu(self.criu_path or provisioner.criu_path or None)  # CriuNotFound says what to install
+            criu = self._criu(provisioner)
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
         stash = None
         if action == "migrate" and fast_path != "off":
@@ -264,7 +266,7 @@ class OperationManager:
                                f"then move it to {to_host}.")
         if provisioner.state not in (RUNNING, REMOTE):
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved.")
-        criu = Criu(self.criu_path or provisioner.criu_path or None)
+        criu = self._criu(provisioner)
         if provisioner.state == REMOTE:
             link = provisioner.remote_link
         else:
@@ -274,6 +276,10 @@ class OperationManager:
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here)
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, link))
+
+    def _criu(self, provisioner: MigratableProvisioner) -> Criu | HelperCriu:
+        # CriuNotFound, PrivilegeMissing or HelperError (503) say what to install or set up.
+        return open_criu(self.criu_path or provisioner.criu_path or None, provisioner.helper_socket or None)
 
     def _resumes_on_gpu(self, provisioner: MigratableProvisioner, kernel_id: str) -> bool:
         manifest = self._manifest(provisioner)

@@ -32,7 +32,9 @@ from traitlets import Float, Unicode, default
 
 from .credentials import KernelCredentials
 from .engine import proctree
+from .engine.access import images_root
 from .engine.images import ImageStore
+from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.errors import MigrateError
 from .engine.migration import MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import kernel_answers, run_silently, send_silently
@@ -68,6 +70,11 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     criu_path = Unicode(
         "", help="The CRIU binary to use; empty: /usr/local/sbin/criu, else criu on PATH."
+    ).tag(config=True)
+
+    helper_socket = Unicode(
+        DEFAULT_SOCKET, help="The node helper's socket (docs/users.md). A server run by an ordinary user goes "
+        "through the helper whenever this socket exists; empty: never.",
     ).tag(config=True)
 
     gpu_lock_timeout = Float(
@@ -110,7 +117,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     @property
     def images(self) -> ImageStore:
-        return ImageStore(os.path.join(self.state_dir, "images"))
+        # With the node helper, the folder it made for this user (access.py).
+        return ImageStore(images_root(Path(self.state_dir), self.helper_socket or None) / "images")
 
     def release(self) -> None:
         # The dead root must be reaped, or its PID stays taken and the restore fails: by Popen if we

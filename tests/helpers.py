@@ -8,11 +8,34 @@ import os
 import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from jupyter_client.session import Session
+
+
+def rest(base_url: str, token: str, method: str, path: str, body: Any = None, expect: int | None = None,
+         headers: dict[str, str] | None = None, context: Any = None) -> Any:
+    """A blocking REST call to a server run as a process of its own; asserts ``expect`` if given, else
+    success; the decoded JSON."""
+    data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
+    req = urllib.request.Request(base_url + path, data=data, method=method)
+    req.add_header("Authorization", f"token {token}")
+    for k, v in (headers or {}).items():
+        req.add_header(k, v)
+    try:
+        with urllib.request.urlopen(req, timeout=120, context=context) as resp:
+            status, raw = resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        status, raw = exc.code, exc.read()
+        if expect is None:
+            raise AssertionError(f"{method} {path}: {status} {raw[:500]!r}") from None
+    if expect is not None:
+        assert status == expect, f"{method} {path}: {status} {raw[:500]!r}"
+    return json.loads(raw) if raw else None
 
 
 async def api(jp_fetch: Any, *parts: str, method: str = "GET", body: Any = None, expect: int = 200,

@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from helpers import rest
+
 PORT = 8888
 
 
@@ -130,21 +132,7 @@ class Host:
 
     def api(self, method: str, path: str, body: Any = None, expect: int | None = None,
             headers: dict[str, str] | None = None) -> Any:
-        data = json.dumps(body).encode() if body is not None else (b"" if method in ("POST", "PUT") else None)
-        req = urllib.request.Request(self.url + path, data=data, method=method)
-        req.add_header("Authorization", f"token {self.token}")
-        for k, v in (headers or {}).items():
-            req.add_header(k, v)
-        try:
-            with urllib.request.urlopen(req, timeout=120, context=self.context()) as resp:
-                status, raw = resp.status, resp.read()
-        except urllib.error.HTTPError as exc:
-            status, raw = exc.code, exc.read()
-            if expect is None:
-                raise AssertionError(f"{method} {path}: {status} {raw[:500]!r}") from None
-        if expect is not None:
-            assert status == expect, f"{method} {path}: {status} {raw[:500]!r}"
-        return json.loads(raw) if raw else None
+        return rest(self.url, self.token, method, path, body, expect, headers, self.context())
 
     def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
         op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)

@@ -9,6 +9,9 @@ Options, as measured (../shared/FACTS.md):
 - ``--ext-unix-sk``: unix sockets whose peer is outside the tree (syslog, a desktop bus...).
 - ``--file-locks``: kernels that hold flock/fcntl locks (sqlite, h5py...).
 - restore with ``-d``: CRIU detaches, the tree is re-parented away from the caller.
+- ``--unprivileged`` when the server is not root: CRIU then runs on the capabilities its binary was
+  given (``setcap``, docs/users.md). A server that uses the node helper goes through
+  :class:`~.nodehelper.HelperCriu` instead, which has the same methods.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import struct
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +46,36 @@ INSTALL_HINT = (
     "(it builds CRIU from Debian's source package), or point the provisioner at a binary with "
     "c.MigratableProvisioner.criu_path."
 )
+
+
+#: The capabilities CRIU needs as an ordinary user: to dump (the first) and to restore (both; SETPCAP
+#: where the bounding set is not full, as in VMs and containers). Bit numbers of capabilities(7).
+NEEDED_CAPS = {"cap_checkpoint_restore": 40, "cap_setpcap": 8}
+SETCAP_HINT = "setcap cap_checkpoint_restore,cap_setpcap+eip {path}"
+
+
+def file_capabilities(path: str) -> set[str]:
+    """Which of :data:`NEEDED_CAPS` the file ``path`` is given as permitted and effective (its
+    ``security.capability`` attribute; read here rather than through libcap, which is not a Python
+    dependency, for two bits of a fixed layout)."""
+    try:
+        raw = os.getxattr(path, "security.capability")
+    except OSError:
+        return set()
+    if len(raw) < 12:
+        return set()
+    magic, permitted_lo = struct.unpack_from("<II", raw)
+    permitted_hi = struct.unpack_from("<I", raw, 12)[0] if len(raw) >= 16 else 0
+    permitted = permitted_lo | permitted_hi << 32
+    effective = magic & 1  # VFS_CAP_FLAGS_EFFECTIVE
+    return {name for name, bit in NEEDED_CAPS.items() if effective and permitted >> bit & 1}
+
+
+def failure(log_path: Path, output: str, what: str) -> CriuFailed:
+    """The error of a CRIU run that failed: its first telling ``Error`` line, and where the log is."""
+    errors = error_lines(log_path) or [output.strip() or "no error logged"]
+    cause = next((e for e in errors if not e.startswith(_GENERIC)), errors[0])
+    return CriuFailed(f"CRIU could not {what}: {cause}. Full log: {log_path}", str(log_path), "\n".join(errors[-10:]))
 
 
 @dataclass(frozen=True)
@@ -104,14 +138,20 @@ def error_lines(log_path: Path) -> list[str]:
 
 
 class Criu:
-    """Runs CRIU commands. ``binary`` is a path, or None to look for one."""
+    """Runs CRIU commands. ``binary`` is a path, or None to look for one. ``unprivileged`` (default:
+    unless root) runs CRIU in its ``--unprivileged`` mode, on its file capabilities."""
 
-    def __init__(self, binary: str | None = None, timeout: float = 3600.0) -> None:
+    def __init__(self, binary: str | None = None, timeout: float = 3600.0, unprivileged: bool | None = None) -> None:
         self.binary = find(binary)
         self.timeout = timeout
+        self.unprivileged = os.geteuid() != 0 if unprivileged is None else unprivileged
+
+    def _mode(self) -> list[str]:
+        return ["--unprivileged"] if self.unprivileged else []
 
     def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str) -> None:
-        cmd = [self.binary.path, *args, "--images-dir", str(images_dir), "--log-file", str(log_path), "-v4"]
+        cmd = [self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir), "--log-file", str(log_path),
+               "-v4"]
         try:
             proc = subprocess.run(
                 cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout
@@ -122,18 +162,12 @@ class Criu:
                 str(log_path),
             ) from exc
         if proc.returncode != 0:
-            errors = error_lines(log_path) or [(proc.stderr or proc.stdout).strip() or "no error logged"]
-            cause = next((e for e in errors if not e.startswith(_GENERIC)), errors[0])
-            raise CriuFailed(
-                f"CRIU could not {what}: {cause}. Full log: {log_path}",
-                str(log_path),
-                "\n".join(errors[-10:]),
-            )
+            raise failure(log_path, proc.stderr or proc.stdout, what)
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: (passed, what it printed)."""
         proc = subprocess.run(
-            [self.binary.path, "check"], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+            [self.binary.path, "check", *self._mode()], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
         )
         out = "\n".join(
             line for line in (proc.stdout + proc.stderr).splitlines() if not any(h in line for h in _HARMLESS)
@@ -174,11 +208,11 @@ class Criu:
                 # Those it had made and then killed come to us, the subreaper: collect them, or their
                 # zombies keep the tree's PIDs taken.
                 proctree.reap_dumped(ids, timeout=0.5)
-            raise self._explain_restore_failure(exc, ids or []) from exc
+            raise self.explain_restore_failure(exc, ids or []) from exc
         return int(pidfile.read_text().strip())
 
     @staticmethod
-    def _explain_restore_failure(exc: CriuFailed, ids: list[int]) -> CriuFailed | PidConflict:
+    def explain_restore_failure(exc: CriuFailed, ids: list[int]) -> CriuFailed | PidConflict:
         text = exc.log_tail
         pid_match = re.search(r"Can't fork for (\d+)", text) or re.search(r"PID (\d+).*File exists", text)
         # A thread whose TID is taken: the restorer says only "Unable to create a thread: -17" (EEXIST).

@@ -8,13 +8,16 @@ import platform
 import subprocess
 from dataclasses import asdict, dataclass
 
+from . import access
 from . import criu as criu_mod
 from . import gpus as gpus_mod
 from .cudackpt import MIN_DRIVER_FOR_REMAP
-from .errors import CriuNotFound
+from .errors import CriuNotFound, HelperError
+from .nodehelper import DEFAULT_SOCKET, HelperCriu
 
 OK, WARN, FAIL, INFO = "ok", "warn", "fail", "info"
 RECOMMENDED_PID_MAX = 4194304
+YAMA_SCOPE = "/proc/sys/kernel/yama/ptrace_scope"
 
 
 @dataclass
@@ -28,7 +31,16 @@ class Check:
         return asdict(self)
 
 
-def check_criu(criu_path: str | None) -> list[Check]:
+def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET) -> list[Check]:
+    if access.how(criu_path, helper_socket).mode == access.HELPER:
+        try:
+            helper = HelperCriu(helper_socket or DEFAULT_SOCKET)
+            passed, last = helper.check()
+        except HelperError as exc:
+            return [Check("criu", FAIL, str(exc).split(":")[0], str(exc).split("): ", 1)[-1])]
+        checks = [Check("criu", OK, f"{helper.binary.path}, version {helper.binary.version_string}")]
+        remedy = "Ask an administrator to run `criu check` as root and fix what it reports."
+        return [*checks, Check("criu check", OK if passed else FAIL, last or "failed", "" if passed else remedy)]
     try:
         binary = criu_mod.find(criu_path)
     except CriuNotFound as exc:
@@ -42,30 +54,29 @@ def check_criu(criu_path: str | None) -> list[Check]:
     if passed:
         checks.append(Check("criu check", OK, last or "passed"))
     else:
-        checks.append(
-            Check(
-                "criu check",
-                FAIL,
-                last or "failed",
-                f"Run `{binary.path} check` as root and fix what it reports "
-                "(jupyter-gpumigrate runs CRIU as root).",
-            )
-        )
+        how = "as root" if os.geteuid() == 0 else "--unprivileged as this user"
+        checks.append(Check("criu check", FAIL, last or "failed",
+                            f"Run `{binary.path} check {how}` and fix what it reports."))
     return checks
 
 
-def check_privileges(criu_path: str | None) -> Check:
-    # CRIU as a non-root user needs its --unprivileged mode, which jupyter-gpumigrate does not drive yet
-    # (the kernel's network and file state need root to restore as they were): root is required.
-    if os.geteuid() == 0:
-        return Check("privileges", OK, "running as root")
-    return Check(
-        "privileges",
-        FAIL,
-        f"running as uid {os.geteuid()}: dumping and restoring kernels with CRIU needs root",
-        "Run the Jupyter server as root (for example in a container of its own, as JupyterHub's "
-        "container spawners do).",
-    )
+def check_privileges(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET) -> list[Check]:
+    found = access.how(criu_path, helper_socket)
+    checks = [Check("privileges", FAIL if found.mode == access.NONE else OK, found.detail, found.remedy)]
+    if found.mode != access.ROOT:
+        # CRIU runs as this user without CAP_SYS_PTRACE (helper or capabilities): Yama's scope >= 1
+        # would keep it from reading the user's own kernels, which are not its descendants.
+        try:
+            scope = int(open(YAMA_SCOPE).read())
+        except (OSError, ValueError):
+            scope = 0
+        if scope >= 1:
+            checks.append(Check(
+                "ptrace scope", FAIL,
+                f"kernel.yama.ptrace_scope is {scope}: CRIU, run as a user, cannot read that user's kernels",
+                "Ask an administrator for sysctl -w kernel.yama.ptrace_scope=0 (and in /etc/sysctl.d/), or "
+                "run the Jupyter server as root."))
+    return checks
 
 
 def check_kernel() -> list[Check]:
@@ -154,8 +165,9 @@ def check_gpus() -> list[Check]:
     return checks
 
 
-def run_checks(criu_path: str | None = None) -> list[Check]:
-    return [*check_criu(criu_path), check_privileges(criu_path), *check_kernel(), *check_gpus()]
+def run_checks(criu_path: str | None = None, helper_socket: str | None = DEFAULT_SOCKET) -> list[Check]:
+    return [*check_criu(criu_path, helper_socket), *check_privileges(criu_path, helper_socket), *check_kernel(),
+            *check_gpus()]
 
 
 def can_migrate(checks: list[Check]) -> bool:

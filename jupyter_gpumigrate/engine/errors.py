@@ -85,3 +85,15 @@ class CudaCheckpointFailed(MigrateError):
     def __init__(self, message: str, pid: int) -> None:
         super().__init__(message)
         self.pid = pid
+
+
+class HelperError(MigrateError):
+    """The node helper (nodehelper.py) is unreachable, or refused a request."""
+
+    http_status = 503
+
+
+class PrivilegeMissing(MigrateError):
+    """This server runs as an ordinary user, and nothing lends CRIU the privileges it needs."""
+
+    http_status = 503

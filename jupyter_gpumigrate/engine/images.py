@@ -95,6 +95,9 @@ class ImageStore:
         return logs / f"{self.path_for(name).name}-{what}.log"
 
     def write_manifest(self, path: Path, manifest: Manifest) -> None:
+        for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
+            if entry.is_file() and not entry.is_symlink():
+                entry.chmod(0o600)
         manifest.image_bytes = directory_size(path)
         tmp = path / (MANIFEST + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

@@ -1,0 +1,257 @@
+"""Ordinary users on one machine: each suspends and resumes their own kernels through the node helper (or a
+CRIU given capabilities), and nobody reaches anyone else's kernels or images. Real users (made here),
+the real helper as root, real servers run by those users, real CRIU."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from tornado.httpclient import HTTPRequest
+from tornado.websocket import websocket_connect
+
+from helpers import WebSocketTab
+from users import NodeHelper, UserServer, Users, remove
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
+
+A, B = "gmtest-a", "gmtest-b"
+
+
+@pytest.fixture(scope="module")
+def world():
+    base = Path(tempfile.mkdtemp(prefix="gm-users-", dir="/tmp"))
+    os.chmod(base, 0o755)
+    users = helper = None
+    servers: dict[str, UserServer] = {}
+    try:
+        users = Users([A, B])
+        helper = NodeHelper(base)
+        for name in (A, B):
+            servers[name] = UserServer(name, base / name, {"helper_socket": str(helper.socket)}).start()
+        yield users, helper, servers, base
+    finally:
+        for server in servers.values():
+            server.stop()
+        if helper is not None:
+            helper.stop()
+        if users is not None:
+            users.close()
+        remove(base)
+
+
+async def open_tab(server: UserServer, kernel_id: str) -> WebSocketTab:
+    request = HTTPRequest(f"ws://127.0.0.1:{server.port}/api/kernels/{kernel_id}/channels",
+                          headers={"Authorization": f"token {server.token}"})
+    return WebSocketTab(await websocket_connect(request))
+
+
+async def call(fn, *args, **kwargs):
+    return await asyncio.to_thread(fn, *args, **kwargs)
+
+
+async def new_kernel(server: UserServer) -> tuple[str, WebSocketTab]:
+    kernel = await call(server.api, "POST", "api/kernels", {"name": "python3"})
+    tab = await open_tab(server, kernel["id"])
+    assert (await tab.run("print('up')")).strip() == "up"
+    return kernel["id"], tab
+
+
+def ask_as(users: Users, user: str, helper: NodeHelper, *requests: dict) -> list[dict]:
+    """Send each request to the helper from a process of ``user`` (so SO_PEERCRED says ``user``)."""
+    script = (
+        "import json, sys\n"
+        "from jupyter_gpumigrate.engine.nodehelper import HelperClient\n"
+        f"client = HelperClient({str(helper.socket)!r})\n"
+        "for line in sys.stdin:\n"
+        "    print(json.dumps(client.request(json.loads(line))), flush=True)\n"
+    )
+    done = users.run(user, sys.executable, "-c", script, input="".join(json.dumps(r) + "\n" for r in requests))
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+async def test_each_user_suspends_and_resumes_their_own_kernel_through_the_helper(world):
+    users, helper, servers, _ = world
+    for name, other in ((A, B), (B, A)):
+        server, uid = servers[name], users.uid(name)
+        kernel_id, tab = await new_kernel(server)
+        code = "import os, itertools\nsecret = 'only " + name + "'\ncount = itertools.count(41)\nnext(count)\n"
+        await tab.run(code)
+        op = await call(server.operate, kernel_id, "suspend")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        listed = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert listed["state"] == "suspended" and listed["pid"] is None
+
+        # The images are the user's, closed to everyone else, in the folder the helper made for them.
+        images = helper.images / str(uid) / "images" / kernel_id
+        assert images.is_dir() and images.stat().st_uid == uid and images.stat().st_mode & 0o077 == 0
+        pages = sorted(images.glob("pages-*.img"))
+        assert pages and all(p.stat().st_uid == uid for p in pages)
+        assert all(f.stat().st_mode & 0o077 == 0 for f in images.iterdir()), sorted(
+            (f.name, oct(f.stat().st_mode)) for f in images.iterdir())
+        peek = users.run(other, "cat", str(pages[0]))
+        assert peek.returncode != 0 and "Permission denied" in peek.stderr
+
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        out = await tab.run("print(secret, next(count), os.getuid())")
+        assert out.split() == ["only", name, "42", str(uid)]
+        log = helper.log()
+        assert f"uid={uid}({name})" in log and "dump pid=" in log and f"restore images='images/{kernel_id}'" in log
+
+
+async def test_a_user_naming_another_users_kernel_or_images_is_refused_and_logged(world):
+    users, helper, servers, _ = world
+    b_kernel, b_tab = await new_kernel(servers[B])
+    await b_tab.run("x = 'b was here'")
+    b_pid = (await call(servers[B].api, "GET", f"api/gpumigrate/kernels/{b_kernel}"))["pid"]
+    assert b_pid
+    # B suspends once, so that B's images exist, then resumes.
+    assert (await call(servers[B].operate, b_kernel, "suspend"))["status"] == "succeeded"
+    b_images = f"images/{b_kernel}"
+    b_uid = users.uid(B)
+    replies = await call(ask_as, users, A, helper,
+                         {"op": "restore", "images": f"../{b_uid}/{b_images}"},
+                         {"op": "restore", "images": str(helper.images / str(b_uid) / b_images)})
+    assert [r["code"] for r in replies] == ["refused", "refused"], replies
+    assert all("inside your images folder" in r["error"] for r in replies)
+    assert (await call(servers[B].operate, b_kernel, "resume"))["status"] == "succeeded"
+    b_pid = (await call(servers[B].api, "GET", f"api/gpumigrate/kernels/{b_kernel}"))["pid"]
+
+    (dump,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": b_pid, "images": "images/stolen"})
+    assert dump["ok"] is False and dump["code"] == "refused", dump
+    assert f"not as you ({users.uid(A)})" in dump["error"]
+    # B's kernel never noticed.
+    assert (await b_tab.run("print(x)")).strip() == "b was here"
+    refusals = [line for line in helper.log().splitlines() if "WARNING" in line and f"uid={users.uid(A)}(" in line]
+    assert any(f"dump pid={b_pid}" in line and "refused" in line for line in refusals), refusals
+    assert sum("restore" in line and "refused" in line for line in refusals) >= 2, refusals
+
+
+async def test_forged_image_folders_are_refused(world):
+    users, helper, servers, _ = world
+    a_uid, b_uid = users.uid(A), users.uid(B)
+    mine = helper.images / str(a_uid)
+    # As A: a folder open to others, a link to B's images folder, a path through that link.
+    made = users.run(A, "sh", "-c", f"cd {mine} && mkdir -m 755 open && ln -s {helper.images / str(b_uid)} link "
+                     "&& mkdir -m 700 real && ln -s real alias")
+    assert made.returncode == 0, made.stderr
+    # As root, in A's folder: a folder that is not A's (A could not make it, but it must not count).
+    os.mkdir(mine / "roots", 0o700)
+    replies = await call(ask_as, users, A, helper,
+                         {"op": "restore", "images": "roots"},
+                         {"op": "restore", "images": "open"},
+                         {"op": "restore", "images": "link"},
+                         {"op": "restore", "images": "link/images"},
+                         {"op": "restore", "images": "alias"},
+                         {"op": "restore", "images": "real/../../0"},
+                         {"op": "dump", "pid": os.getpid(), "images": "real"})
+    assert [r.get("code") for r in replies] == ["refused"] * 7, replies
+    errors = [r["error"] for r in replies]
+    assert "belongs to uid 0" in errors[0]
+    assert "open to other users" in errors[1]
+    assert "symbolic link" in errors[2] and "symbolic link" in errors[3] and "symbolic link" in errors[4]
+    assert "inside your images folder" in errors[5]
+    assert "runs as user [0]" in errors[6]
+    assert helper.proc.poll() is None
+
+
+async def test_the_helper_outlives_malformed_oversized_and_abandoned_requests(world):
+    users, helper, _, _ = world
+    idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # says nothing at all
+    idle.connect(str(helper.socket))
+    started = time.monotonic()
+    answers = {
+        "not json": await call(helper.request, b"{not json\n"),
+        "a list": await call(helper.request, b"[1, 2]\n"),
+        "unknown op": await call(helper.request, b'{"op": "launch", "argv": ["sh"]}\n'),
+        "bad pid": await call(helper.request, b'{"op": "dump", "pid": "1; reboot", "images": "x"}\n'),
+        "bad ids": await call(helper.request, b'{"op": "restore", "images": "x", "ids": "all"}\n'),
+        "oversized": await call(helper.request, b'{"op": "hello", "pad": "' + b"x" * 300_000),
+    }
+    for what, reply in answers.items():
+        assert reply is not None and reply["ok"] is False and reply["code"] == "bad-request", (what, reply)
+    assert "at most 65536 bytes" in answers["oversized"]["error"]
+    # A client that leaves halfway through its request, and one that connects and leaves.
+    for raw in (b'{"op": "du', b""):
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.connect(str(helper.socket))
+            sock.sendall(raw)
+    # A client that leaves while its dump runs: the helper finishes it and stays.
+    sleeper = users.run(A, "sh", "-c", "setsid sleep 300 >/dev/null 2>&1 < /dev/null & echo $!")
+    pid = int(sleeper.stdout.strip())
+    made = users.run(A, "mkdir", "-m", "700", "-p", str(helper.images / str(users.uid(A)) / "gone"))
+    assert made.returncode == 0, made.stderr
+    leave = users.run(A, sys.executable, "-c", (
+        "import json, socket\n"
+        f"s = socket.socket(socket.AF_UNIX); s.connect({str(helper.socket)!r})\n"
+        f"s.sendall(json.dumps({{'op': 'dump', 'pid': {pid}, 'images': 'gone'}}).encode() + b'\\n')\n"
+        "s.close()\n"))
+    assert leave.returncode == 0, leave.stderr
+    # The idle client is dropped after the request timeout, and the helper answers as before.
+    idle.settimeout(30)
+    assert idle.recv(10) == b""
+    idle.close()
+    assert time.monotonic() - started >= 9
+    hello = await call(ask_as, users, A, helper, {"op": "hello"})
+    assert hello[0]["ok"] is True and hello[0]["uid"] == users.uid(A)
+    assert helper.proc.poll() is None
+    log = helper.log()
+    assert "left before the end of its request" in log
+    assert "did not arrive" in log  # the idle one
+    assert "bad-request" in log
+    deadline = time.monotonic() + 30
+    while "dump pid=%d" % pid not in helper.log():
+        assert time.monotonic() < deadline, helper.log()[-2000:]
+        await asyncio.sleep(0.2)
+
+
+async def test_doctor_tells_an_ordinary_user_what_an_administrator_must_set_up(world):
+    users, helper, _, _ = world
+    cli = str(Path(sys.executable).parent / "jupyter-gpumigrate")
+    alone = users.run(A, cli, "doctor", "--json", "--helper-socket", "")
+    assert alone.returncode != 0
+    rows = {c["name"]: c for c in json.loads(alone.stdout)["checks"]}
+    assert rows["privileges"]["status"] == "fail"
+    assert "node helper" in rows["privileges"]["remedy"] and "setcap cap_checkpoint_restore,cap_setpcap+eip" in \
+        rows["privileges"]["remedy"]
+    helped = users.run(A, cli, "doctor", "--json", "--helper-socket", str(helper.socket))
+    rows = {c["name"]: c for c in json.loads(helped.stdout)["checks"]}
+    assert rows["privileges"]["status"] == "ok" and "node helper" in rows["privileges"]["detail"]
+    assert rows["criu check"]["status"] == "ok", rows["criu check"]
+
+
+async def test_a_user_with_a_criu_given_capabilities_needs_no_helper(world):
+    users, helper, _, base = world
+    criu = base / "criu-with-capabilities"
+    criu.write_bytes(Path("/usr/local/sbin/criu").read_bytes())
+    os.chmod(criu, 0o755)
+    done = await call(subprocess.run, ["setcap", "cap_checkpoint_restore,cap_setpcap+eip", str(criu)],
+                      capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    doctor = users.run(A, str(Path(sys.executable).parent / "jupyter-gpumigrate"), "doctor", "--json",
+                       "--criu", str(criu), "--helper-socket", "")
+    rows = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+    assert rows["privileges"]["status"] == "ok" and "capabilities" in rows["privileges"]["detail"], rows
+    server = UserServer(A, base / "a-caps", {"helper_socket": "", "criu_path": str(criu)}).start()
+    try:
+        kernel_id, tab = await new_kernel(server)
+        await tab.run("import os\ny = [1, 2, 3]")
+        assert (await call(server.operate, kernel_id, "suspend"))["status"] == "succeeded"
+        images = server.root / "state" / "images" / kernel_id
+        assert images.stat().st_uid == users.uid(A) and images.stat().st_mode & 0o077 == 0
+        assert all(f.stat().st_mode & 0o077 == 0 for f in images.iterdir())
+        assert (await call(server.operate, kernel_id, "resume"))["status"] == "succeeded"
+        out = await tab.run("print(sum(y), os.getuid())")
+        assert out.split() == ["6", str(users.uid(A))]
+    finally:
+        server.stop()

@@ -1,0 +1,212 @@
+"""Ordinary Unix users for the tests, each with a jupyter_server of their own, and the node helper as root.
+
+Made by the tests (useradd) and removed after them. The users must reach this checkout and its Python:
+where a folder on the way lets no one else pass (a checkout under /root), the tests let others pass
+through it (o+x only, nothing listed) while they run, then put its mode back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from helpers import rest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def as_user(user: str) -> list[str]:
+    """The command prefix that runs the rest as ``user``, without any capability (util-linux)."""
+    return ["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups", "--inh-caps=-all", "--"]
+
+
+def user_env(user: str, **extra: str) -> dict[str, str]:
+    home = pwd.getpwnam(user).pw_dir
+    return {"HOME": home, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
+            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", **extra}
+
+
+class Users:
+    """Creates ``names`` (if missing) and makes this checkout reachable for them; ``close`` undoes both."""
+
+    def __init__(self, names: list[str]) -> None:
+        self.names = names
+        self.created: list[str] = []
+        self.opened: dict[Path, int] = {}
+        for name in names:
+            try:
+                pwd.getpwnam(name)
+            except KeyError:
+                subprocess.run(["useradd", "--create-home", "--shell", "/bin/bash", name], check=True)
+                self.created.append(name)
+        for target in (Path(sys.executable).resolve(), Path(sys.prefix).resolve(), REPO):
+            for folder in [*reversed(target.parents), target] if target.is_dir() else reversed(target.parents):
+                mode = folder.stat().st_mode
+                if not mode & stat.S_IXOTH and folder not in self.opened:
+                    self.opened[folder] = stat.S_IMODE(mode)
+                    os.chmod(folder, stat.S_IMODE(mode) | stat.S_IXOTH)
+
+    def uid(self, name: str) -> int:
+        return pwd.getpwnam(name).pw_uid
+
+    def run(self, name: str, *cmd: str, timeout: float = 60, **kwargs: Any) -> subprocess.CompletedProcess:
+        return subprocess.run([*as_user(name), *cmd], env=user_env(name), capture_output=True, text=True,
+                              timeout=timeout, cwd="/", **kwargs)
+
+    def close(self) -> None:
+        for name in self.names:
+            subprocess.run(["pkill", "-KILL", "-u", name], capture_output=True)
+        time.sleep(0.2)
+        for name in self.created:
+            subprocess.run(["userdel", "--remove", name], capture_output=True)
+        for folder, mode in self.opened.items():
+            os.chmod(folder, mode)
+
+
+class NodeHelper:
+    """The node helper, as root, on a socket and an images root of its own."""
+
+    def __init__(self, base: Path) -> None:
+        self.socket = base / "helper.sock"
+        self.images = base / "images"
+        self.log_path = base / "helper.log"
+        self.out = open(base / "helper.out", "ab")  # noqa: SIM115 (open while the helper runs)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "jupyter_gpumigrate.engine.nodehelper", "--socket", str(self.socket),
+             "--images-root", str(self.images), "--log-file", str(self.log_path)],
+            stdin=subprocess.DEVNULL, stdout=self.out, stderr=self.out, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():
+            assert self.proc.poll() is None, (base / "helper.out").read_text()
+            assert time.monotonic() < deadline, "the helper did not listen within 30 s"
+            time.sleep(0.1)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def request(self, raw: bytes, timeout: float = 15) -> dict | None:
+        """Send ``raw`` as it is, as root; the helper's answer, or None if it closed without one."""
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(timeout)
+            sock.connect(str(self.socket))
+            try:
+                sock.sendall(raw)
+            except BrokenPipeError:
+                pass
+            data = b""
+            while not data.endswith(b"\n"):
+                try:
+                    chunk = sock.recv(65536)
+                except ConnectionResetError:
+                    break
+                if not chunk:
+                    break
+                data += chunk
+        return json.loads(data) if data.strip() else None
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        self.out.close()
+
+
+@dataclass
+class UserServer:
+    """A jupyter_server run by an ordinary user, with the extension, on a loopback port."""
+
+    user: str
+    root: Path
+    config: dict = field(default_factory=dict)
+    token: str = field(default_factory=lambda: secrets.token_hex(16))
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/"
+
+    def start(self) -> UserServer:
+        pw = pwd.getpwnam(self.user)
+        for sub in ("config", "data", "runtime", "work", "state"):
+            (self.root / sub).mkdir(parents=True, exist_ok=True)
+        (self.root / "config" / "jupyter_server_config.json").write_text(json.dumps({
+            "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}, "ip": "127.0.0.1",
+                          "port": self.port, "port_retries": 0, "open_browser": False,
+                          "root_dir": str(self.root / "work")},
+            "IdentityProvider": {"token": self.token},
+            "MigratableProvisioner": {"state_dir": str(self.root / "state"), **self.config},
+        }))
+        for path in [self.root, *self.root.rglob("*")]:
+            os.chown(path, pw.pw_uid, pw.pw_gid)
+        os.chmod(self.root, 0o700)
+        env = user_env(self.user, JUPYTER_CONFIG_DIR=str(self.root / "config"),
+                       JUPYTER_DATA_DIR=str(self.root / "data"), JUPYTER_RUNTIME_DIR=str(self.root / "runtime"),
+                       JUPYTER_PLATFORM_DIRS="1")
+        self.log = open(self.root.parent / f"{self.root.name}-server.log", "ab")  # noqa: SIM115
+        self.proc = subprocess.Popen([*as_user(self.user), sys.executable, "-m", "jupyter_server"], env=env,
+                                     cwd=str(self.root / "work"), stdin=subprocess.DEVNULL, stdout=self.log,
+                                     stderr=self.log, start_new_session=True)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self.api("GET", "api/status")
+                return self
+            except (OSError, urllib.error.URLError):
+                assert self.proc.poll() is None, self.server_log()
+                assert time.monotonic() < deadline, self.server_log()
+                time.sleep(0.2)
+
+    def server_log(self) -> str:
+        return (self.root.parent / f"{self.root.name}-server.log").read_text(errors="replace")[-6000:]
+
+    def api(self, method: str, path: str, body: Any = None, expect: int | None = None) -> Any:
+        return rest(self.url, self.token, method, path, body, expect)
+
+    def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 120) -> dict:
+        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)
+        deadline = time.monotonic() + timeout
+        while op["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, op
+            time.sleep(0.1)
+            op = self.api("GET", f"api/gpumigrate/operations/{op['id']}")
+        return op
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(timeout=10)
+        if getattr(self, "log", None):
+            self.log.close()
+
+
+def remove(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
