@@ -23,7 +23,8 @@ from users import NodeHelper, UserServer, Users, remove
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
 
-A, B = "gmtest-a", "gmtest-b"
+# Names of this run's own: two runs at once (a review beside CI) must not share users.
+A, B = f"gm{os.getpid()}a", f"gm{os.getpid()}b"
 
 
 @pytest.fixture(scope="module")
@@ -255,3 +256,36 @@ async def test_a_user_with_a_criu_given_capabilities_needs_no_helper(world):
         assert out.split() == ["6", str(users.uid(A))]
     finally:
         server.stop()
+
+
+@pytest.mark.gpu
+async def test_an_ordinary_users_gpu_kernel_moves_between_gpus_and_suspends_through_the_helper(world):
+    """As user A: the CUDA checkpoint API as A itself, CRIU through the helper (docs/users.md)."""
+    from jupyter_gpumigrate.engine import gpus as gpus_mod
+
+    if len(gpus_mod.snapshot()) < 2:
+        pytest.skip("needs two GPUs")
+    users, helper, servers, _ = world
+    server = servers[A]
+    kernel_id, tab = await new_kernel(server)
+    await tab.run("import torch\nx = torch.arange(2**28, device='cuda', dtype=torch.float32)\ns = float(x.sum())",
+                  timeout=180)
+
+    def on() -> list[int]:
+        return [g["index"] for g in server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["gpus"]]
+
+    start = (await call(on))[0]
+    other = 1 - start
+    op = await call(server.operate, kernel_id, "migrate", {"to_gpu": other})
+    assert op["status"] == "succeeded", (op, server.server_log())
+    assert await call(on) == [other]
+    assert (await tab.run("print(float(x.sum()) == s, torch.cuda.current_device())")).split() == ["True", "0"]
+    op = await call(server.operate, kernel_id, "suspend")
+    assert op["status"] == "succeeded", (op, server.server_log())
+    assert op["bytes"] > 2**30
+    op = await call(server.operate, kernel_id, "resume", {"to_gpu": start})
+    assert op["status"] == "succeeded", (op, server.server_log())
+    assert await call(on) == [start]
+    out = await tab.run("import os; print(float(x.sum()) == s, torch.cuda.current_device(), os.getuid())")
+    assert out.split() == ["True", "0", str(users.uid(A))]
+    assert f"uid={users.uid(A)}({A})" in helper.log()

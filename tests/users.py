@@ -42,8 +42,11 @@ def as_user(user: str) -> list[str]:
 
 def user_env(user: str, **extra: str) -> dict[str, str]:
     home = pwd.getpwnam(user).pw_dir
-    return {"HOME": home, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
-            "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", **extra}
+    env = {"HOME": home, "USER": user, "LOGNAME": user, "LANG": "C.UTF-8",
+           "PATH": f"{Path(sys.executable).parent}:/usr/local/bin:/usr/bin:/bin", **extra}
+    if os.environ.get("PYTHONPATH"):  # the GPU machine's packages (scripts/gpu-suite.sh)
+        env["PYTHONPATH"] = os.environ["PYTHONPATH"]
+    return env
 
 
 class Users:
