@@ -5,7 +5,12 @@ for each size starts an IPython kernel, fills that much memory in it, then suspe
 through the REST API, checking after the resume that the kernel still holds its data. Phase timings come
 from the operations themselves. The last thing printed is a short table; --out writes all as JSON.
 
-    .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--out bench.json]
+``--ways`` compares who runs CRIU (docs/users.md), in one run, side by side: ``root`` (the server is
+root), ``helper`` (the server runs as an ordinary user made for the run, the node helper as root) and
+``capabilities`` (that user, and a copy of CRIU given cap_checkpoint_restore,cap_setpcap). The user
+ways need root to set up, and reuse the tests' users.py.
+
+    .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--ways root,helper] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -86,33 +91,7 @@ class Server:
         return op
 
     def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
-        """Execute ``code`` through the server's websocket, as a notebook tab does; return its output."""
-        ws = websocket.create_connection(
-            self.url.replace("http", "ws") + f"api/kernels/{kernel_id}/channels",
-            header=[f"Authorization: token {self.token}"], timeout=timeout,
-        )
-        msg_id = uuid.uuid4().hex
-        ws.send(json.dumps({
-            "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "bench", "session": msg_id,
-                       "version": "5.3", "date": ""},
-            "parent_header": {}, "metadata": {}, "channel": "shell",
-            "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
-                        "allow_stdin": False},
-        }))
-        out = []
-        try:
-            while True:
-                msg = json.loads(ws.recv())
-                if msg.get("parent_header", {}).get("msg_id") != msg_id:
-                    continue
-                if msg["msg_type"] == "stream":
-                    out.append(msg["content"]["text"])
-                elif msg["msg_type"] == "error":
-                    raise RuntimeError("\n".join(msg["content"]["traceback"]))
-                elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
-                    return "".join(out)
-        finally:
-            ws.close()
+        return execute(self.url, self.token, kernel_id, code, timeout)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, 15)
@@ -120,13 +99,84 @@ class Server:
         self.log.close()
 
 
+def execute(url: str, token: str, kernel_id: str, code: str, timeout: float = 600) -> str:
+    """Execute ``code`` through the server's websocket, as a notebook tab does; return its output."""
+    ws = websocket.create_connection(
+        url.replace("http", "ws") + f"api/kernels/{kernel_id}/channels",
+        header=[f"Authorization: token {token}"], timeout=timeout,
+    )
+    msg_id = uuid.uuid4().hex
+    ws.send(json.dumps({
+        "header": {"msg_id": msg_id, "msg_type": "execute_request", "username": "bench", "session": msg_id,
+                   "version": "5.3", "date": ""},
+        "parent_header": {}, "metadata": {}, "channel": "shell",
+        "content": {"code": code, "silent": False, "store_history": False, "user_expressions": {},
+                    "allow_stdin": False},
+    }))
+    out = []
+    try:
+        while True:
+            msg = json.loads(ws.recv())
+            if msg.get("parent_header", {}).get("msg_id") != msg_id:
+                continue
+            if msg["msg_type"] == "stream":
+                out.append(msg["content"]["text"])
+            elif msg["msg_type"] == "error":
+                raise RuntimeError("\n".join(msg["content"]["traceback"]))
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                return "".join(out)
+    finally:
+        ws.close()
+
+
+class UserWay:
+    """A server run by an ordinary user, CRIU through the node helper or with capabilities (users.py)."""
+
+    def __init__(self, way: str, root: Path) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+        from users import NodeHelper, UserServer, Users
+
+        self.users = Users([f"gmbench{os.getpid()}"])
+        self.helper = None
+        name = self.users.names[0]
+        os.chmod(root, 0o755)
+        if way == "helper":
+            self.helper = NodeHelper(root)
+            config = {"helper_socket": str(self.helper.socket)}
+        else:
+            criu = root / "criu-with-capabilities"
+            shutil.copy("/usr/local/sbin/criu", criu)
+            subprocess.run(["setcap", "cap_checkpoint_restore,cap_setpcap+eip", str(criu)], check=True)
+            config = {"helper_socket": "", "criu_path": str(criu)}
+        self.server = UserServer(name, root / name, config).start()
+        self.url, self.token = self.server.url, self.server.token
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        return self.server.api(method, path, body if method == "POST" else None) or {}
+
+    def operate(self, kernel_id: str, action: str) -> dict:
+        op = self.server.operate(kernel_id, action, timeout=3600)
+        if op["status"] != "succeeded":
+            raise RuntimeError(f"{action} failed: {op['error']}")
+        return op
+
+    def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
+        return execute(self.url, self.token, kernel_id, code, timeout)
+
+    def stop(self) -> None:
+        self.server.stop()
+        if self.helper is not None:
+            self.helper.stop()
+        self.users.close()
+
+
 def table(rows: list[dict]) -> str:
-    head = ["kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s", "GB/s dump", "GB/s restore"]
+    head = ["way", "kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s", "GB/s dump", "GB/s restore"]
     body = []
     for r in rows:
         s, m = r["suspend"]["timings"], r["resume"]["timings"]
         gbytes = r["image_bytes"] / GB
-        body.append([f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}", f"{s['dump']:.2f}",
+        body.append([r.get("way", "root"), f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}", f"{s['dump']:.2f}",
                      f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
                      f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}"])
     return text_table(head, body)
@@ -136,27 +186,18 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="0,1,4", help="GB of memory each kernel holds")
     parser.add_argument("--repeat", type=int, default=2, help="suspend/resume rounds per size")
+    parser.add_argument("--ways", default="root", help="who runs CRIU: root, helper, capabilities (comma-separated)")
     parser.add_argument("--out", help="write every row as JSON here")
     args = parser.parse_args()
-    root = Path(tempfile.mkdtemp(prefix="gpumigrate-cpu-bench-"))
-    server = Server(root)
-    rows = []
-    try:
-        for size in (float(s) for s in args.sizes.split(",")):
-            kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
-            server.run(kernel_id, FILL.format(size=size))
-            for _ in range(args.repeat):
-                suspended = server.operate(kernel_id, "suspend")
-                resumed = server.operate(kernel_id, "resume")
-                assert server.run(kernel_id, CHECK).split()[0] == "True", "the kernel lost its data"
-                row = {"size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended, "resume": resumed}
-                rows.append(row)
-                print(json.dumps({k: row[k] for k in ("size_gb", "image_bytes")} | {
-                    "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
-            server.api("DELETE", f"api/kernels/{kernel_id}")
-    finally:
-        server.stop()
-        shutil.rmtree(root, ignore_errors=True)
+    rows: list[dict] = []
+    for way in args.ways.split(","):
+        root = Path(tempfile.mkdtemp(prefix="gpumigrate-cpu-bench-", dir="/tmp"))
+        server = Server(root) if way == "root" else UserWay(way, root)
+        try:
+            bench(server, way, args, rows)
+        finally:
+            server.stop()
+            shutil.rmtree(root, ignore_errors=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": socket.gethostname(),
             "cpus": os.cpu_count(), "kernel": os.uname().release}
     if args.out:
@@ -164,6 +205,22 @@ def main() -> int:
     print(f"\n# {meta['date']}, {meta['cpus']} CPUs, Linux {meta['kernel']}")
     print(table(rows))
     return 0
+
+
+def bench(server: Server | UserWay, way: str, args: argparse.Namespace, rows: list[dict]) -> None:
+    for size in (float(s) for s in args.sizes.split(",")):
+        kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
+        server.run(kernel_id, FILL.format(size=size))
+        for _ in range(args.repeat):
+            suspended = server.operate(kernel_id, "suspend")
+            resumed = server.operate(kernel_id, "resume")
+            assert server.run(kernel_id, CHECK).split()[0] == "True", "the kernel lost its data"
+            row = {"way": way, "size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended,
+                   "resume": resumed}
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in ("way", "size_gb", "image_bytes")} | {
+                "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
+        server.api("DELETE", f"api/kernels/{kernel_id}")
 
 
 if __name__ == "__main__":
