@@ -18,9 +18,12 @@ the changes that CRIU needs (measured, ../shared/FACTS.md):
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +55,26 @@ RELEASE_TORCH_CACHE = (
 STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
 
 
+@functools.lru_cache(maxsize=32)
+def can_import_package(python: str, pythonpath: str | None = None) -> bool:
+    """Whether the interpreter ``python``, with ``pythonpath`` as its PYTHONPATH, can import this package
+    (so that an IPython kernel it runs can serve the fast path); asked once per pair. Without it, a
+    move would wait for a kernel that cannot come (10 s)."""
+    same = os.path.realpath(shutil.which(python) or python) == os.path.realpath(sys.executable)
+    if same and pythonpath == os.environ.get("PYTHONPATH"):
+        return True
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
+    try:
+        done = subprocess.run([python, "-c", "import jupyter_gpumigrate.kernel.stager"], capture_output=True,
+                              timeout=30, stdin=subprocess.DEVNULL, env=env,
+                              cwd="/")  # not this folder: -c would import from it
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return done.returncode == 0
+
+
 def is_ipython_kernel(cmd: list[str]) -> bool:
     """True for ipykernel's command lines (``python -m ipykernel_launcher ...``, ``ipykernel ...``)."""
     return any(part in ("ipykernel_launcher", "ipykernel") or part.endswith("/ipykernel") for part in cmd)
@@ -62,6 +85,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     #: the kernel is IPython, started with the extension (so it can serve the fast path of a GPU move)
     ipython: bool = False
+    #: its interpreter, when its command line names one, and the PYTHONPATH it was started with
+    python: str | None = None
+    python_path: str | None = None
 
     state_dir = Unicode(
         help="Where suspended kernels' images and kernels' logs are kept (created 0700). "
@@ -178,6 +204,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if invited, else why not."""
         if not self.ipython:
             return "the kernel is not an IPython kernel started with the extension"
+        if self.python and not can_import_package(self.python, self.python_path):
+            return (f"the kernel's Python ({self.python}) cannot import jupyter_gpumigrate: install it there for "
+                    "the fast path")
         if getattr(self.parent, "execution_state", None) != "idle":
             return "the kernel is busy with a cell (the fast path runs between cells, or from %migrate)"
         send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
@@ -222,6 +251,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if credentials is not None:
             env.update(credentials.env(self.kernel_id))
         self.ipython = is_ipython_kernel(cmd)
+        self.python = cmd[0] if self.ipython and "python" in os.path.basename(cmd[0]) else None
+        self.python_path = env.get("PYTHONPATH")
         if self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]

@@ -12,6 +12,7 @@ import sys
 import pytest
 from helpers import KernelSession, api, cli, operate, remote, start_kernel
 
+from jupyter_gpumigrate.provisioner import can_import_package
 from jupyter_gpumigrate.engine.stash import Offer, Stash, pack
 from jupyter_gpumigrate.kernel import stager
 from jupyter_gpumigrate.operations import EVENT_SCHEMA_ID
@@ -227,6 +228,17 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
     later = Stash()
     try:
         assert "busy with a cell" in provisioner.invite_stager(later.path, later.token)
+        # A kernel whose interpreter lacks this package (a kernelspec of another environment) is not
+        # asked either: it could not come, and the move would wait 10 s for it. Debian's own python3,
+        # without this test's PYTHONPATH, is such an interpreter here.
+        assert can_import_package(provisioner.python, provisioner.python_path)
+        assert not can_import_package("/usr/bin/python3", None)
+        ours = provisioner.python, provisioner.python_path
+        provisioner.python, provisioner.python_path = "/usr/bin/python3", None
+        try:
+            assert "cannot import jupyter_gpumigrate" in provisioner.invite_stager(later.path, later.token)
+        finally:
+            provisioner.python, provisioner.python_path = ours
     finally:
         later.close()
     assert (await busy).status == "ok"
