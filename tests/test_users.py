@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab
-from users import NodeHelper, UserServer, Users, remove
+from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
 
@@ -66,6 +67,12 @@ async def new_kernel(server: UserServer) -> tuple[str, WebSocketTab]:
     return kernel["id"], tab
 
 
+def sleep_as(user: str) -> subprocess.Popen:
+    """A process of ``user``, a session leader (as kernels are), and our child (so that we reap it)."""
+    return subprocess.Popen([*as_user(user), "setsid", "sleep", "300"], cwd="/", stdin=subprocess.DEVNULL,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def ask_as(users: Users, user: str, helper: NodeHelper, *requests: dict) -> list[dict]:
     """Send each request to the helper from a process of ``user`` (so SO_PEERCRED says ``user``)."""
     script = (
@@ -107,7 +114,7 @@ async def test_each_user_suspends_and_resumes_their_own_kernel_through_the_helpe
         out = await tab.run("print(secret, next(count), os.getuid())")
         assert out.split() == ["only", name, "42", str(uid)]
         log = helper.log()
-        assert f"uid={uid}({name})" in log and "dump pid=" in log and f"restore images='images/{kernel_id}'" in log
+        assert f"uid={uid}({name})" in log and "'dump' pid=" in log and f"'restore' images='images/{kernel_id}'" in log
 
 
 async def test_a_user_naming_another_users_kernel_or_images_is_refused_and_logged(world):
@@ -134,7 +141,7 @@ async def test_a_user_naming_another_users_kernel_or_images_is_refused_and_logge
     # B's kernel never noticed.
     assert (await b_tab.run("print(x)")).strip() == "b was here"
     refusals = [line for line in helper.log().splitlines() if "WARNING" in line and f"uid={users.uid(A)}(" in line]
-    assert any(f"dump pid={b_pid}" in line and "refused" in line for line in refusals), refusals
+    assert any(f"'dump' pid={b_pid}" in line and "refused" in line for line in refusals), refusals
     assert sum("restore" in line and "refused" in line for line in refusals) >= 2, refusals
 
 
@@ -163,6 +170,56 @@ async def test_forged_image_folders_are_refused(world):
     assert "symbolic link" in errors[2] and "symbolic link" in errors[3] and "symbolic link" in errors[4]
     assert "inside your images folder" in errors[5]
     assert "runs as user [0]" in errors[6]
+    assert helper.proc.poll() is None
+
+
+async def test_a_forged_image_that_asks_for_capabilities_is_killed_not_let_run(world):
+    """The images are the user's files. Whatever they ask for, a restore runs as the user with only what
+    CRIU was lent, and the helper kills what it restored if any of that is left (docs/users.md)."""
+    users, helper, _, _ = world
+    a_uid = users.uid(A)
+    folder = helper.images / str(a_uid) / "forged-caps"
+    assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
+    sleeper = sleep_as(A)
+    pid = sleeper.pid
+    (dumped,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": pid, "images": "forged-caps"})
+    assert dumped["ok"], dumped
+    sleeper.wait(timeout=10)  # its zombie would keep its PID
+    forge_capabilities(folder / f"core-{pid}.img", [8, 40])  # CAP_SETPCAP, CAP_CHECKPOINT_RESTORE
+    (restored,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "forged-caps", "ids": [pid]})
+    log = [ln for ln in (folder / "restore.log").read_text(errors="replace").splitlines() if "Error" in ln]
+    assert restored["ok"] is False and restored["code"] == "refused", (restored, log)
+    assert "holds capabilities" in restored["error"] and "killed" in restored["error"]
+    time.sleep(0.2)
+    left = users.run(A, "pgrep", "-u", A, "-x", "sleep")
+    assert str(pid) not in left.stdout.split(), "the forged process must not live on"
+    assert "'restore' images='forged-caps'" in helper.log()
+
+
+async def test_a_restore_whose_pid_file_is_swapped_signals_nothing_outside_it(world):
+    """A user may rewrite restore.pid while CRIU runs (it is their file): the helper takes what the
+    restore made from the restore's cgroup, and never signals anything else (here: B's kernel)."""
+    users, helper, servers, _ = world
+    b_kernel, b_tab = await new_kernel(servers[B])
+    b_pid = (await call(servers[B].api, "GET", f"api/gpumigrate/kernels/{b_kernel}"))["pid"]
+    folder = helper.images / str(users.uid(A)) / "swapped"
+    assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
+    swapper = subprocess.Popen(
+        [*as_user(A), "sh", "-c", f"cd {folder} && while :; do echo {b_pid} > x && mv -f x restore.pid; done"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        for _ in range(3):
+            sleeper = sleep_as(A)
+            (dumped,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": sleeper.pid, "images": "swapped"})
+            sleeper.kill()
+            sleeper.wait(timeout=10)
+            if dumped["ok"]:
+                (restored,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "swapped"})
+                assert restored.get("pid") != b_pid, restored
+    finally:
+        os.killpg(swapper.pid, signal.SIGKILL)
+        swapper.wait()
+    assert (await b_tab.run("print('b still here')")).strip() == "b still here"
     assert helper.proc.poll() is None
 
 
@@ -211,7 +268,7 @@ async def test_the_helper_outlives_malformed_oversized_and_abandoned_requests(wo
     assert "did not arrive" in log  # the idle one
     assert "bad-request" in log
     deadline = time.monotonic() + 30
-    while "dump pid=%d" % pid not in helper.log():
+    while f"'dump' pid={pid}" not in helper.log():
         assert time.monotonic() < deadline, helper.log()[-2000:]
         await asyncio.sleep(0.2)
 

@@ -15,6 +15,7 @@ import shutil
 import signal
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import time
@@ -90,8 +91,9 @@ class NodeHelper:
     """The node helper, as root, on a socket and an images root of its own."""
 
     def __init__(self, base: Path) -> None:
-        self.socket = base / "helper.sock"
-        self.images = base / "images"
+        # Folders that do not exist yet, as on a fresh machine: the helper must make them reachable.
+        self.socket = base / "run" / "helper.sock"
+        self.images = base / "lib" / "images"
         self.log_path = base / "helper.log"
         self.out = open(base / "helper.out", "ab")  # noqa: SIM115 (open while the helper runs)
         self.proc = subprocess.Popen(
@@ -213,3 +215,92 @@ class UserServer:
 
 def remove(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+# -- forging images, as a user could (they are the user's files) -------------------------------------
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[i]
+        i += 1
+        value |= (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, i
+
+
+def _put_varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, value = value & 0x7F, value >> 7
+        out.append(low | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def _fields(data: bytes) -> list[list]:
+    """Protobuf wire format, one level: [[number, wire type, value], ...] (varints and bytes only)."""
+    out, i = [], 0
+    while i < len(data):
+        key, i = _varint(data, i)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, i = _varint(data, i)
+        elif kind == 2:
+            size, i = _varint(data, i)
+            value, i = data[i:i + size], i + size
+        elif kind in (1, 5):
+            width = 8 if kind == 1 else 4
+            value, i = data[i:i + width], i + width
+        else:
+            raise ValueError(f"wire type {kind}")
+        out.append([number, kind, value])
+    return out
+
+
+def _encode(fields: list[list]) -> bytes:
+    out = bytearray()
+    for number, kind, value in fields:
+        out += _put_varint(number << 3 | kind)
+        out += _put_varint(value) if kind == 0 else (_put_varint(len(value)) + value if kind == 2 else value)
+    return bytes(out)
+
+
+def forge_capabilities(core_image: Path, capabilities: list[int]) -> None:
+    """Edit a CRIU ``core-PID.img`` so that its task asks for ``capabilities`` (bit numbers) in its
+    inheritable, permitted, effective and ambient sets: what a user who owns their images could do.
+
+    CRIU's image: 8 bytes of magic, then entries (u32 size + a protobuf message). The first entry is a
+    CoreEntry; its field 5 is the ThreadCoreEntry, whose field 10 is the CredsEntry, where fields 9,
+    10, 11 and 19 are those sets, as repeated 32-bit words (images/core.proto, images/creds.proto).
+    """
+    raw = core_image.read_bytes()
+    head, entries, i = raw[:8], [], 8
+    while i < len(raw):
+        (size,) = struct.unpack_from("<I", raw, i)
+        entries.append(raw[i + 4:i + 4 + size])
+        i += 4 + size
+    core = _fields(entries[0])
+    for entry in core:
+        if entry[0] != 5:
+            continue
+        thread = _fields(entry[2])
+        for sub in thread:
+            if sub[0] != 10:
+                continue
+            creds = _fields(sub[2])
+            words: dict[int, int] = {}
+            for cred in creds:
+                if cred[0] in (9, 10, 11, 19) and cred[1] == 0:
+                    word = words.get(cred[0], 0)
+                    words[cred[0]] = word + 1
+                    cred[2] |= sum(1 << (c - 32 * word) for c in capabilities if c // 32 == word)
+            for number in (9, 10, 11, 19):
+                for word in range(words.get(number, 0), 2):
+                    creds.append([number, 0, sum(1 << (c - 32 * word) for c in capabilities if c // 32 == word)])
+            sub[2] = _encode(creds)
+        entry[2] = _encode(thread)
+    entries[0] = _encode(core)
+    core_image.write_bytes(head + b"".join(struct.pack("<I", len(e)) + e for e in entries))

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import criu as criu_mod
-from .errors import CriuNotFound, HelperError, PrivilegeMissing
+from .errors import CriuNotFound, PrivilegeMissing
 from .nodehelper import DEFAULT_SOCKET, HelperCriu
 
 ROOT, HELPER, CAPABILITIES, NONE = "root", "helper", "capabilities", "none"
@@ -87,14 +87,12 @@ _helper_roots: dict[str, Path] = {}
 
 def images_root(default: Path, helper_socket: str | None = DEFAULT_SOCKET) -> Path:
     """Where this server keeps images: ``default``, or, with the node helper, the folder the helper
-    made for this user (the only place it dumps to and restores from)."""
+    made for this user (the only place it dumps to and restores from; asked once, then kept). Raises
+    :class:`HelperError` if the helper is there but does not say: never another folder meanwhile."""
     if os.geteuid() == 0 or not helper_socket or not _is_socket(helper_socket):
         return default
     if helper_socket not in _helper_roots:
-        try:
-            _helper_roots[helper_socket] = HelperCriu(helper_socket).images_root
-        except HelperError:
-            return default  # the operation itself will say that the helper does not answer
+        _helper_roots[helper_socket] = HelperCriu(helper_socket, hello_timeout=5).images_root
     return _helper_roots[helper_socket]
 
 

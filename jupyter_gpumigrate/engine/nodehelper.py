@@ -14,15 +14,20 @@ caller's), and for each request runs CRIU *as the caller*, with only those capab
   folder on the way is opened without following links and must belong to the caller and be closed
   to others; CRIU writes as the caller, so images are the caller's and readable by nobody else;
 - a restore runs as the caller, so it cannot make a process of anyone else, whatever the images say
-  (images are the caller's files: they may be forged). The tree is restored stopped, checked (the
-  caller's IDs, no capability left over from those lent), and only then let go; else it is killed.
+  (images are the caller's files: they may be forged);
+- each CRIU run is confined in a cgroup of its own (cgroups.py): the helper learns what a restore
+  made from that cgroup, never from a file of the caller's. It freezes it, checks every process in it
+  (the caller's IDs, no capability left over from those lent), and only then moves them into the
+  caller's server's cgroup and lets them run. On any failure or refusal, whatever is left in the
+  cgroup is killed.
 
 The CUDA checkpoint API needs no helper: the driver lets a user lock, checkpoint and restore only
 their own processes (measured, docs/users.md), so the user's server calls it directly.
 
 Protocol (version 1), over a SOCK_STREAM Unix socket (default ``/run/jupyter-gpumigrate/helper.sock``,
 mode 0666: anyone may ask, the helper decides). One request per connection: one JSON object on one
-line (at most 64 KiB, within 10 s), answered by one JSON object on one line, then the helper closes.
+line (at most 64 KiB, all of it within 10 s), answered by one JSON object on one line, then the
+helper closes. At most 32 requests run at once, 4 per user.
 
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu"}
@@ -48,6 +53,8 @@ examples/jupyter-gpumigrate-helper.service is a systemd unit for it. It imports 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import itertools
 import json
 import logging
 import os
@@ -61,10 +68,12 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from . import cgroups
 from . import criu as criu_mod
 from . import proctree
 from .errors import CriuFailed, HelperError
@@ -77,6 +86,8 @@ DEFAULT_IMAGES = "/var/lib/jupyter-gpumigrate/images"
 MAX_REQUEST = 64 * 1024
 REQUEST_TIMEOUT = 10.0
 MAX_CLIENTS = 32
+MAX_PER_USER = 4
+CGROUP_PREFIX = "gpumigrate-"
 MAX_IDS = 1 << 16
 MAX_DEPTH = 4
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -107,6 +118,8 @@ class Caller:
     pid: int
     uid: int
     gid: int
+    #: its cgroup2 path when it connected: where the kernels it gets restored will run
+    cgroup: str | None = None
 
     def __str__(self) -> str:
         try:
@@ -118,7 +131,7 @@ class Caller:
 
 def peer_credentials(sock: socket.socket) -> Caller:
     pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
-    return Caller(pid, uid, gid)
+    return Caller(pid, uid, gid, cgroups.of(pid))
 
 
 def _status(path: str) -> dict[str, str]:
@@ -165,15 +178,34 @@ class Helper:
                  criu_timeout: float = 3600.0) -> None:
         self.criu = criu_mod.find(criu_path)
         self.criu_timeout = criu_timeout
+        self.cgroups = cgroups.base()
+        if self.cgroups is None:
+            raise SystemExit("The helper needs cgroup v2 (mounted, with this process in it): it confines each "
+                             "CRIU run in a cgroup of its own. Under systemd, set Delegate=yes in the unit.")
         self.root = Path(images_root)
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o711)
+        for folder in [*reversed(self.root.parents), self.root]:
+            if not folder.exists():
+                folder.mkdir()
+                os.chmod(folder, 0o711 if folder == self.root else 0o755)  # users pass through to ROOT/UID
         st = os.lstat(self.root)
         if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise SystemExit(f"{self.root} must be a folder owned by uid {os.geteuid()} that no one else can "
                              "write (chmod 711): it holds every user's images folder.")
         os.chmod(self.root, 0o711)
-        self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see _reap
+        self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see reap()
         self._ours: set[int] = set()
+        self._runs = itertools.count(1)
+        self._kept: set[cgroups.Cgroup] = set()  # cgroups whose restored processes could not be moved out
+        self._tidy_earlier_runs()
+
+    def _tidy_earlier_runs(self) -> None:
+        """Cgroups of an earlier helper: remove the empty ones, name the others (never kill: they may hold
+        restored kernels that could not be moved out, or a CRIU that a restart interrupted)."""
+        assert self.cgroups is not None
+        for path in self.cgroups.glob(CGROUP_PREFIX + "*"):
+            cgroup = cgroups.Cgroup(path)
+            if not cgroup.remove():
+                log.warning("%s, left by an earlier helper, still holds processes %s", path, cgroup.procs())
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -183,7 +215,7 @@ class Helper:
         op = request["op"]
         handler = {"hello": self.hello, "check": self.check, "dump": self.dump, "restore": self.restore}.get(op)
         if handler is None:
-            raise BadRequest(f"unknown op {op!r}: hello, check, dump or restore")
+            raise BadRequest(f"unknown op {op[:40]!r}: hello, check, dump or restore")
         return handler(caller, request)
 
     def hello(self, caller: Caller, request: dict) -> dict:
@@ -192,8 +224,11 @@ class Helper:
                 "criu": self.criu.version_string, "criu_path": self.criu.path}
 
     def check(self, caller: Caller, request: dict) -> dict:
-        passed, output = criu_mod.Criu(self.criu.path, unprivileged=False).check()
-        return {"ok": passed, "output": output.splitlines()[-1] if output else ""}
+        """``criu check --unprivileged``, run as the caller with what a restore lends: what users get."""
+        with self._confined(caller) as cgroup:
+            proc = self._criu(caller, RESTORE_CAPS, None, ["check"], None, cgroup)
+        lines = [ln for ln in (proc.stdout or "").splitlines() if not any(h in ln for h in criu_mod._HARMLESS)]
+        return {"ok": proc.returncode == 0, "output": lines[-1].strip() if lines else ""}
 
     def dump(self, caller: Caller, request: dict) -> dict:
         pid = request.get("pid")
@@ -208,18 +243,18 @@ class Helper:
             why = foreign(p, caller.uid)
             if why:
                 raise Refused(f"{why}: you may only suspend your own processes")
-        ids = proctree.tree_ids(pid)
         fd = self._open_images(caller, request.get("images"))
         try:
             start = time.monotonic()
-            proc = self._criu(caller, DUMP_CAPS, fd, ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS],
-                              criu_mod.DUMP_LOG)
+            with self._confined(caller) as cgroup:
+                proc = self._criu(caller, DUMP_CAPS, fd, ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS],
+                                  criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
                 return {"ok": False, "code": "criu-failed", "log": criu_mod.DUMP_LOG,
                         "error": f"CRIU could not dump process {pid}"}
             # The tree's processes that were ours (kernels we restored) are zombies now: collect them,
-            # or their PIDs stay taken and the next restore fails.
-            proctree.reap_dumped([i for i in ids if i in set(tree)], timeout=10)
+            # or their PIDs stay taken and the next restore fails. Only those: the tree was checked.
+            proctree.reap_dumped([p for p in tree if p not in self._ours], timeout=10)
             return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
         finally:
             os.close(fd)
@@ -235,22 +270,69 @@ class Helper:
                 os.unlink(criu_mod.RESTORE_PIDFILE, dir_fd=fd)
             except FileNotFoundError:
                 pass
-            proctree.steer_pid_allocation(ids)
+            proctree.steer_pid_allocation(ids)  # only moves the PID cursor forward
             start = time.monotonic()
-            proc = self._criu(caller, RESTORE_CAPS, fd, [
-                "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
-                *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG)
-            if proc.returncode != 0:
-                if ids:  # as Criu.restore: let CRIU's dying tasks go, collect those that came to us
-                    proctree.wait_ids_released(ids, name="criu", timeout=10)
-                    proctree.reap_dumped(ids, timeout=0.5)
-                return {"ok": False, "code": "criu-failed", "log": criu_mod.RESTORE_LOG,
-                        "error": "CRIU could not restore the process"}
-            pid = self._restored_pid(fd, caller)
-            self._let_go(pid, caller)
+            with self._confined(caller) as cgroup:
+                proc = self._criu(caller, RESTORE_CAPS, fd, [
+                    "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
+                    *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup)
+                # Whatever CRIU said, what it made is in the cgroup and nowhere else: stop it all from
+                # running (the caller may signal its own processes) while it is looked at.
+                if not cgroup.freeze():
+                    raise Refused("the restored processes could not be stopped to be checked; they were killed")
+                made = cgroup.procs()
+                if proc.returncode != 0:
+                    return {"ok": False, "code": "criu-failed", "log": criu_mod.RESTORE_LOG,
+                            "error": "CRIU could not restore the process"}  # _confined kills what it made
+                pid = self._restored_pid(fd, caller)
+                if pid not in made:
+                    raise Refused(f"{criu_mod.RESTORE_PIDFILE} names process {pid}, which this restore did not make")
+                for p in made:
+                    why = foreign(p, caller.uid)
+                    if why:
+                        raise Refused(f"the restored processes were killed: {why}; these images cannot be restored")
+                self._hand_over(cgroup, made, caller)
             return {"ok": True, "pid": pid, "seconds": round(time.monotonic() - start, 3)}
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def _confined(self, caller: Caller) -> Iterator[cgroups.Cgroup]:
+        """A cgroup for one CRIU run. Whatever is still in it when the block ends (a failure, a refusal,
+        CRIU's own leftovers) is killed, and the PIDs of its dead that came to us are collected."""
+        assert self.cgroups is not None
+        cgroup = cgroups.Cgroup.create(self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}")
+        try:
+            yield cgroup
+        finally:
+            if cgroup.kept:
+                self._kept.add(cgroup)
+            else:
+                if cgroup.populated():
+                    cgroup.kill()
+                    # Its dead come to us (the subreaper) a moment after they leave the cgroup: collect
+                    # them before answering, so that their PIDs are free for the next try.
+                    deadline = time.monotonic() + 0.5
+                    while self.reap() or time.monotonic() < deadline:
+                        time.sleep(0.02)
+                if not cgroup.remove():
+                    log.warning("could not remove %s", cgroup.path)
+
+    def _hand_over(self, cgroup: cgroups.Cgroup, made: list[int], caller: Caller) -> None:
+        """Let a checked, restored tree run: in the cgroup of the caller's server (where its kernels
+        run), else thawed where it is; then wake it (CRIU left it stopped)."""
+        mount, path = cgroups.mount_point(), caller.cgroup
+        if mount is not None and path is not None:
+            cgroup.move(made, mount / path.lstrip("/"))
+        if cgroup.populated():
+            log.warning("%s: the restored processes stay in %s", caller, cgroup.path)
+            cgroup.thaw()
+            cgroup.kept = True
+        for p in made:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     # -- what keeps users apart ----------------------------------------------------------------------
 
@@ -309,56 +391,41 @@ class Helper:
     def _restored_pid(self, fd: int, caller: Caller) -> int:
         try:
             pf = os.open(criu_mod.RESTORE_PIDFILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+            try:
+                st = os.fstat(pf)
+                text = os.read(pf, 32) if stat.S_ISREG(st.st_mode) and st.st_uid == caller.uid else b""
+            finally:
+                os.close(pf)
         except OSError as exc:
             raise Refused(f"CRIU left no readable {criu_mod.RESTORE_PIDFILE} ({exc.strerror})") from exc
-        try:
-            st = os.fstat(pf)
-            text = os.read(pf, 32) if stat.S_ISREG(st.st_mode) and st.st_uid == caller.uid else b""
-        finally:
-            os.close(pf)
         if not text.strip().isdigit():
             raise Refused(f"{criu_mod.RESTORE_PIDFILE} is not what CRIU wrote")
         return int(text)
 
-    def _let_go(self, pid: int, caller: Caller) -> None:
-        """The tree CRIU restored (stopped) under ``pid``: resume it if it is all the caller's and holds
-        no capability, else kill it (the images asked for more than they may)."""
-        tree = proctree.descendants(pid)
-        why = None if tree else f"the restored process {pid} is gone"
-        for p in tree:
-            why = why or foreign(p, caller.uid)
-        if why:
-            for p in reversed(tree):
-                try:
-                    os.kill(p, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-            raise Refused(f"the restored tree was killed: {why}; these images cannot be restored")
-        for p in tree:
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
-
     # -- CRIU, as the caller -------------------------------------------------------------------------
 
-    def _criu(self, caller: Caller, caps: tuple[str, ...], fd: int, args: list[str],
-              log_name: str) -> subprocess.CompletedProcess:
-        # The child's working folder is the image folder already opened and checked (/proc/self/fd/N
-        # is resolved by the child, which holds N), so nothing can swap it for another on the way.
-        cmd = [*_setpriv(caller, caps), self.criu.path, *args, "--unprivileged", "--images-dir", ".",
-               "--log-file", log_name, "-v4"]
+    def _criu(self, caller: Caller, caps: tuple[str, ...], fd: int | None, args: list[str],
+              log_name: str | None, cgroup: cgroups.Cgroup) -> subprocess.CompletedProcess:
+        # A root shell puts itself in the run's cgroup and sets a private umask, then becomes setpriv,
+        # which becomes CRIU as the caller: nothing of the run is ever outside the cgroup. The working
+        # folder is the image folder already opened and checked (/proc/self/fd/N, resolved by the
+        # child, which holds N), so nothing can swap it for another on the way.
+        wrapper = ['sh', '-c', 'echo $$ > "$0/cgroup.procs" || exit 125; umask 077; exec "$@"', str(cgroup.path)]
+        cmd = [*wrapper, *_setpriv(caller, caps), self.criu.path, *args, "--unprivileged"]
+        if log_name is not None:
+            cmd += ["--images-dir", ".", "--log-file", log_name, "-v4"]
         env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8"}
         if os.environ.get("LD_LIBRARY_PATH"):  # a CRIU bundle with its own libraries
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         with self._spawn:
-            proc = subprocess.Popen(cmd, cwd=f"/proc/self/fd/{fd}", pass_fds=(fd,), env=env,
+            proc = subprocess.Popen(cmd, cwd=f"/proc/self/fd/{fd}" if fd is not None else "/",
+                                    pass_fds=(fd,) if fd is not None else (), env=env, text=True,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self._ours.add(proc.pid)
         try:
             out, _ = proc.communicate(timeout=self.criu_timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            cgroup.kill()
             out, _ = proc.communicate()
         finally:
             with self._spawn:
@@ -377,18 +444,27 @@ class Helper:
                 if info is not None and info.ppid == me and info.state in ("Z", "X"):
                     if proctree.reap(int(name)) is not None:
                         reaped.append(int(name))
+        for cgroup in list(self._kept):
+            if not cgroup.populated() and cgroup.remove():
+                self._kept.discard(cgroup)
         return reaped
 
 
 # -- the service -----------------------------------------------------------------------------------
 
 
-def read_request(sock: socket.socket) -> bytes | None:
-    """One line, at most MAX_REQUEST bytes; None if the caller left before its end."""
+def read_request(sock: socket.socket, timeout: float = REQUEST_TIMEOUT) -> bytes | None:
+    """One line, at most MAX_REQUEST bytes, all of it within ``timeout`` s (else :class:`TimeoutError`);
+    None if the caller left before its end."""
     data = b""
+    deadline = time.monotonic() + timeout
     while b"\n" not in data:
         if len(data) > MAX_REQUEST:
             raise RequestTooLarge(f"requests are at most {MAX_REQUEST} bytes")
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the request took more than {timeout:.0f} s to arrive")
+        sock.settimeout(left)
         chunk = sock.recv(MAX_REQUEST + 1 - len(data) if len(data) <= MAX_REQUEST else 1)
         if not chunk:
             return None
@@ -402,7 +478,7 @@ def read_request(sock: socket.socket) -> bytes | None:
 def _summary(request: Any) -> str:
     if not isinstance(request, dict):
         return "?"
-    parts = [str(request.get("op"))]
+    parts = [repr(request.get("op"))[:60]]
     for key in ("pid", "images"):
         if key in request:
             value = request[key]
@@ -418,18 +494,31 @@ class _Connection(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         sock: socket.socket = self.request
         caller = peer_credentials(sock)
-        if not self.server.slots.acquire(blocking=False):
-            log.warning("%s: refused, %d requests already in progress", caller, MAX_CLIENTS)
-            self._reply(caller, {"ok": False, "code": "busy", "error": "the helper is busy: try again"})
+        server = self.server
+        with server.lock:
+            mine = server.per_user.get(caller.uid, 0)
+            if mine >= MAX_PER_USER:
+                busy = f"you have {MAX_PER_USER} requests in progress already"
+            elif not server.slots.acquire(blocking=False):
+                busy = f"{MAX_CLIENTS} requests are in progress"
+            else:
+                busy = None
+                server.per_user[caller.uid] = mine + 1
+        if busy:
+            log.warning("%s: busy: %s", caller, busy)
+            self._reply(caller, {"ok": False, "code": "busy", "error": f"the helper is busy ({busy}): try again"})
             return
         try:
             self._serve(sock, caller)
         finally:
-            self.server.slots.release()
+            with server.lock:
+                server.per_user[caller.uid] -= 1
+                if not server.per_user[caller.uid]:
+                    del server.per_user[caller.uid]
+            server.slots.release()
 
     def _serve(self, sock: socket.socket, caller: Caller) -> None:
         start = time.monotonic()
-        sock.settimeout(REQUEST_TIMEOUT)
         request: Any = None
         try:
             line = read_request(sock)
@@ -447,9 +536,9 @@ class _Connection(socketserver.BaseRequestHandler):
             return
         except (BadRequest, Refused) as exc:
             reply = {"ok": False, "code": exc.code, "error": str(exc)}
-        except Exception as exc:  # noqa: BLE001 - the service must outlive any one request
+        except Exception:  # noqa: BLE001 - the service must outlive any one request
             log.exception("%s: %s: failed", caller, _summary(request))
-            reply = {"ok": False, "code": "internal", "error": f"the helper failed: {exc}"}
+            reply = {"ok": False, "code": "internal", "error": "the helper failed; its log says why"}
         outcome = "ok" if reply.get("ok") else f"{reply.get('code')}: {reply.get('error')}"
         level = logging.WARNING if reply.get("code") == "refused" else logging.INFO
         log.log(level, "%s: %s: %s (%.3f s)", caller, _summary(request), outcome, time.monotonic() - start)
@@ -470,9 +559,12 @@ class Service(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def __init__(self, path: str, helper: Helper) -> None:
         self.helper = helper
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
+        self.lock = threading.Lock()
+        self.per_user: dict[int, int] = {}
         folder = os.path.dirname(path)
-        if folder:
-            os.makedirs(folder, mode=0o755, exist_ok=True)
+        if folder and not os.path.isdir(folder):
+            os.makedirs(folder, exist_ok=True)
+            os.chmod(folder, 0o755)  # every user must reach the socket
         if os.path.exists(path) or os.path.islink(path):
             os.unlink(path)
         super().__init__(path, _Connection)
@@ -494,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"where users' images folders are made ({DEFAULT_IMAGES}); on a disk with room")
     parser.add_argument("--criu", default=None, help="the CRIU binary (default: /usr/local/sbin/criu, else PATH)")
     parser.add_argument("--log-file", default=None, help="also log every request to this file")
+    parser.add_argument("--criu-timeout", type=float, default=3600.0,
+                        help="seconds one CRIU run may take before it is killed (3600; images of 100 GB take minutes)")
     args = parser.parse_args(argv)
     handlers: list[logging.Handler] = [logging.StreamHandler()]
     if args.log_file:
@@ -502,9 +596,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s jupyter-gpumigrate-helper %(levelname)s %(message)s")
     if os.geteuid() != 0:
         parser.error("the helper runs as root (it lends CRIU's capabilities to each caller, as that caller)")
-    os.umask(0o077)  # CRIU, run as each caller, writes images only that caller can read
     try:
-        helper = Helper(args.images_root, args.criu)
+        helper = Helper(args.images_root, args.criu, args.criu_timeout)
     except Exception as exc:  # CriuNotFound says what to install
         log.error("%s", exc)
         return 1
@@ -537,17 +630,21 @@ def main(argv: list[str] | None = None) -> int:
 class HelperClient:
     """Talks to the node helper at ``path``. Each call raises :class:`HelperError` saying what to do."""
 
+    #: no answer of the helper's is near this long
+    MAX_REPLY = 1 << 20
+
     def __init__(self, path: str = DEFAULT_SOCKET) -> None:
         self.path = path
 
     def request(self, payload: dict, timeout: float = 30.0) -> dict:
+        """Send one request; the helper's answer (``ok`` may be false). ``timeout`` bounds each wait."""
+        data = b""
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(timeout)
                 sock.connect(self.path)
                 sock.sendall(json.dumps(payload).encode() + b"\n")
-                data = b""
-                while not data.endswith(b"\n"):
+                while not data.endswith(b"\n") and len(data) < self.MAX_REPLY:
                     chunk = sock.recv(65536)
                     if not chunk:
                         break
@@ -557,10 +654,13 @@ class HelperClient:
                 f"The node helper at {self.path} does not answer ({exc}): ask an administrator to start it "
                 "(systemctl start jupyter-gpumigrate-helper; docs/users.md)."
             ) from exc
+        if not data:
+            raise HelperError(f"The node helper at {self.path} closed the connection without an answer (did it "
+                              "restart?): try again; its log says more.")
         try:
             reply = json.loads(data)
-        except ValueError as exc:
-            raise HelperError(f"The node helper at {self.path} answered nothing readable: see its log.") from exc
+        except ValueError:
+            reply = None
         if not isinstance(reply, dict):
             raise HelperError(f"The node helper at {self.path} answered nothing readable: see its log.")
         return reply
@@ -571,10 +671,10 @@ class HelperCriu:
 
     Image folders must lie in the folder the helper made for this user (``images_root``)."""
 
-    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 3600.0) -> None:
+    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 3600.0, hello_timeout: float = 10.0) -> None:
         self.client = HelperClient(path)
         self.timeout = timeout
-        hello = self.client.request({"op": "hello"}, timeout=10)
+        hello = self.client.request({"op": "hello"}, timeout=hello_timeout)
         if not hello.get("ok"):
             raise HelperError(f"The node helper at {path} refused: {hello.get('error')}")
         self.images_root = Path(hello["images"])
@@ -591,6 +691,8 @@ class HelperCriu:
     def _failed(self, reply: dict, log_path: Path, what: str) -> CriuFailed | HelperError:
         if reply.get("code") == "criu-failed":
             return criu_mod.failure(log_path, "", what)
+        if reply.get("code") == "busy":
+            return HelperError(f"The node helper could not {what} now: {reply.get('error')}.")
         return HelperError(f"The node helper refused to {what}: {reply.get('error')}.")
 
     def dump(self, pid: int, images_dir: Path, *, log_path: Path | None = None) -> None:
