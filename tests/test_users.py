@@ -223,6 +223,30 @@ async def test_a_restore_whose_pid_file_is_swapped_signals_nothing_outside_it(wo
     assert helper.proc.poll() is None
 
 
+async def test_a_restore_whose_asker_left_is_not_let_run_outside_the_users_cgroup(world):
+    """The restored tree runs in the cgroup of the process that asked (the user's server, under the
+    user's limits). If that process is gone, there is nowhere to put it: it is killed, not let run
+    in the helper's cgroup."""
+    users, helper, _, _ = world
+    folder = helper.images / str(users.uid(A)) / "orphan"
+    assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
+    sleeper = sleep_as(A)
+    (dumped,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": sleeper.pid, "images": "orphan"})
+    assert dumped["ok"], dumped
+    sleeper.wait(timeout=10)
+    gone = users.run(A, sys.executable, "-c", (
+        "import json, socket\n"
+        f"s = socket.socket(socket.AF_UNIX); s.connect({str(helper.socket)!r})\n"
+        f"s.sendall(json.dumps({{'op': 'restore', 'images': 'orphan', 'ids': [{sleeper.pid}]}}).encode() + b'\\n')\n"))
+    assert gone.returncode == 0, gone.stderr
+    deadline = time.monotonic() + 30
+    while "the process that asked is gone" not in helper.log():
+        assert time.monotonic() < deadline, helper.log()[-2000:]
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.3)
+    assert str(sleeper.pid) not in users.run(A, "pgrep", "-u", A, "-x", "sleep").stdout.split()
+
+
 async def test_the_helper_outlives_malformed_oversized_and_abandoned_requests(world):
     users, helper, _, _ = world
     idle = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # says nothing at all

@@ -53,8 +53,6 @@ def base() -> Path | None:
 class Cgroup:
     def __init__(self, path: Path) -> None:
         self.path = path
-        #: its processes live on in it: remove it only once they are gone
-        self.kept = False
 
     @classmethod
     def create(cls, parent: Path, name: str) -> Cgroup:

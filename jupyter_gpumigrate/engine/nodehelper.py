@@ -2,7 +2,9 @@
 each on their own kernels only.
 
 CRIU needs capabilities that an ordinary user lacks (CAP_CHECKPOINT_RESTORE; CAP_SETPCAP to restore
-where the bounding set is not full, as in containers and VMs). The helper runs as root, listens on a
+where the bounding set is not full, as in containers and VMs: restore_caps()). docs/users.md says
+what remains open (a forged image in the window before the freeze; securebits where CAP_SETPCAP is
+lent). The helper runs as root, listens on a
 Unix socket, learns who calls from the socket itself (SO_PEERCRED: the kernel's word, not the
 caller's), and for each request runs CRIU *as the caller*, with only those capabilities lent
 (``setpriv``). So the kernel itself enforces what the checks below refuse first, with a sentence:
@@ -27,7 +29,7 @@ their own processes (measured, docs/users.md), so the user's server calls it dir
 Protocol (version 1), over a SOCK_STREAM Unix socket (default ``/run/jupyter-gpumigrate/helper.sock``,
 mode 0666: anyone may ask, the helper decides). One request per connection: one JSON object on one
 line (at most 64 KiB, all of it within 10 s), answered by one JSON object on one line, then the
-helper closes. At most 32 requests run at once, 4 per user.
+helper closes. At most 32 requests run at once, 2 per user.
 
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu"}
@@ -86,14 +88,14 @@ DEFAULT_IMAGES = "/var/lib/jupyter-gpumigrate/images"
 MAX_REQUEST = 64 * 1024
 REQUEST_TIMEOUT = 10.0
 MAX_CLIENTS = 32
-MAX_PER_USER = 4
+MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
 MAX_IDS = 1 << 16
 MAX_DEPTH = 4
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: lent to CRIU, as setpriv names them (capabilities(7))
 DUMP_CAPS = ("checkpoint_restore",)
-RESTORE_CAPS = ("checkpoint_restore", "setpcap")
+RESTORE_CAPS = ("checkpoint_restore", "setpcap")  # setpcap only where it is needed: restore_caps()
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
 
@@ -158,6 +160,19 @@ def foreign(pid: int, uid: int) -> str | None:
     return None
 
 
+def restore_caps() -> tuple[str, ...]:
+    """What a restore needs lent. CRIU's restorer trims the restored task's bounding set to the
+    image's, which needs CAP_SETPCAP for every capability not in it; where this machine's bounding set
+    is full (bare metal, most servers), the images' is too and nothing needs trimming. Lending it only
+    where needed keeps a forged image from setting securebits or trimming anything elsewhere."""
+    try:
+        last = int(open("/proc/sys/kernel/cap_last_cap").read())
+        bounding = int(_status("/proc/self/status").get("CapBnd", "0"), 16)
+    except (OSError, ValueError):
+        return RESTORE_CAPS
+    return RESTORE_CAPS[:1] if bounding == (1 << (last + 1)) - 1 else RESTORE_CAPS
+
+
 def _setpriv(caller: Caller, caps: tuple[str, ...]) -> list[str]:
     """The command prefix that runs the rest as ``caller`` with only ``caps`` (util-linux's setpriv:
     the well-kept tool for exactly this; Python has no capset)."""
@@ -195,7 +210,8 @@ class Helper:
         self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see reap()
         self._ours: set[int] = set()
         self._runs = itertools.count(1)
-        self._kept: set[cgroups.Cgroup] = set()  # cgroups whose restored processes could not be moved out
+        self.restore_caps = restore_caps()
+        self._kept: set[cgroups.Cgroup] = set()  # cgroups not empty yet when their run ended: removed later
         self._tidy_earlier_runs()
 
     def _tidy_earlier_runs(self) -> None:
@@ -226,7 +242,7 @@ class Helper:
     def check(self, caller: Caller, request: dict) -> dict:
         """``criu check --unprivileged``, run as the caller with what a restore lends: what users get."""
         with self._confined(caller) as cgroup:
-            proc = self._criu(caller, RESTORE_CAPS, None, ["check"], None, cgroup)
+            proc = self._criu(caller, self.restore_caps, None, ["check"], None, cgroup)
         lines = [ln for ln in (proc.stdout or "").splitlines() if not any(h in ln for h in criu_mod._HARMLESS)]
         return {"ok": proc.returncode == 0, "output": lines[-1].strip() if lines else ""}
 
@@ -254,7 +270,16 @@ class Helper:
                         "error": f"CRIU could not dump process {pid}"}
             # The tree's processes that were ours (kernels we restored) are zombies now: collect them,
             # or their PIDs stay taken and the next restore fails. Only those: the tree was checked.
-            proctree.reap_dumped([p for p in tree if p not in self._ours], timeout=10)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                with self._spawn:  # no Popen of ours may be given one of these PIDs meanwhile
+                    left = [p for p in tree if p not in self._ours and (info := proctree.info(p)) is not None
+                            and info.ppid == os.getpid()]
+                    for p in left:
+                        proctree.reap(p)
+                if not left:
+                    break
+                time.sleep(0.02)
             return {"ok": True, "seconds": round(time.monotonic() - start, 3)}
         finally:
             os.close(fd)
@@ -273,7 +298,7 @@ class Helper:
             proctree.steer_pid_allocation(ids)  # only moves the PID cursor forward
             start = time.monotonic()
             with self._confined(caller) as cgroup:
-                proc = self._criu(caller, RESTORE_CAPS, fd, [
+                proc = self._criu(caller, self.restore_caps, fd, [
                     "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
                     *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup)
                 # Whatever CRIU said, what it made is in the cgroup and nowhere else: stop it all from
@@ -301,38 +326,47 @@ class Helper:
         """A cgroup for one CRIU run. Whatever is still in it when the block ends (a failure, a refusal,
         CRIU's own leftovers) is killed, and the PIDs of its dead that came to us are collected."""
         assert self.cgroups is not None
-        cgroup = cgroups.Cgroup.create(self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}")
+        while True:
+            try:
+                cgroup = cgroups.Cgroup.create(self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}")
+                break
+            except FileExistsError:  # one an earlier helper of the same PID kept
+                continue
         try:
             yield cgroup
         finally:
-            if cgroup.kept:
+            if cgroup.populated():
+                cgroup.kill()
+                # Its dead come to us (the subreaper) a moment after they leave the cgroup: collect
+                # them before answering, so that their PIDs are free for the next try.
+                deadline = time.monotonic() + 0.5
+                while time.monotonic() < deadline:
+                    self.reap()
+                    time.sleep(0.02)
+            if not cgroup.remove():
+                log.warning("could not remove %s yet; the reaper tries again", cgroup.path)
+                cgroup.kill()
                 self._kept.add(cgroup)
-            else:
-                if cgroup.populated():
-                    cgroup.kill()
-                    # Its dead come to us (the subreaper) a moment after they leave the cgroup: collect
-                    # them before answering, so that their PIDs are free for the next try.
-                    deadline = time.monotonic() + 0.5
-                    while self.reap() or time.monotonic() < deadline:
-                        time.sleep(0.02)
-                if not cgroup.remove():
-                    log.warning("could not remove %s", cgroup.path)
 
     def _hand_over(self, cgroup: cgroups.Cgroup, made: list[int], caller: Caller) -> None:
-        """Let a checked, restored tree run: in the cgroup of the caller's server (where its kernels
-        run), else thawed where it is; then wake it (CRIU left it stopped)."""
+        """Let a checked, restored tree run in the cgroup of the caller's server (where its kernels run),
+        then wake it (CRIU left it stopped). Refused (and so killed) if it cannot go there: it must not
+        run on in the helper's cgroup, outside the user's limits."""
         mount, path = cgroups.mount_point(), caller.cgroup
-        if mount is not None and path is not None:
-            cgroup.move(made, mount / path.lstrip("/"))
-        if cgroup.populated():
-            log.warning("%s: the restored processes stay in %s", caller, cgroup.path)
-            cgroup.thaw()
-            cgroup.kept = True
-        for p in made:
-            try:
-                os.kill(p, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        target = mount / path.lstrip("/") if mount is not None and path is not None else None
+        if target is None or cgroups.of(caller.pid) != path:
+            raise Refused("the process that asked is gone, so there is no cgroup to restore into; ask again "
+                          "from the Jupyter server")
+        # The reaper waits meanwhile: no PID of the tree is freed, and so none reused, before it runs.
+        with self._spawn:
+            moved = cgroup.move(made, target)
+            if sorted(moved) != sorted(made):
+                raise Refused(f"the restored processes could not join the cgroup {path} of the process that asked")
+            for p in made:
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     # -- what keeps users apart ----------------------------------------------------------------------
 
@@ -607,8 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     threading.Thread(target=_reaper, args=(helper, stop), daemon=True, name="reaper").start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=service.shutdown).start())
-    log.info("listening on %s; images in %s; CRIU %s (%s)", args.socket, helper.root,
-             helper.criu.version_string, helper.criu.path)
+    log.info("listening on %s; images in %s; CRIU %s (%s); a restore is lent %s", args.socket, helper.root,
+             helper.criu.version_string, helper.criu.path, ", ".join(helper.restore_caps))
     try:
         service.serve_forever()
     except KeyboardInterrupt:
