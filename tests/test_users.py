@@ -173,27 +173,26 @@ async def test_forged_image_folders_are_refused(world):
     assert helper.proc.poll() is None
 
 
-async def test_a_forged_image_that_asks_for_capabilities_is_killed_not_let_run(world):
-    """The images are the user's files. Whatever they ask for, a restore runs as the user with only what
-    CRIU was lent, and the helper kills what it restored if any of that is left (docs/users.md)."""
+async def test_forged_images_asking_for_capabilities_or_securebits_are_refused(world):
+    """The images are the user's files. The helper restores from its own copy of the core images,
+    checked first: no capability, no securebits, the caller's IDs (docs/users.md)."""
     users, helper, _, _ = world
-    a_uid = users.uid(A)
-    folder = helper.images / str(a_uid) / "forged-caps"
-    assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
-    sleeper = sleep_as(A)
-    pid = sleeper.pid
-    (dumped,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": pid, "images": "forged-caps"})
-    assert dumped["ok"], dumped
-    sleeper.wait(timeout=10)  # its zombie would keep its PID
-    forge_capabilities(folder / f"core-{pid}.img", [8, 40])  # CAP_SETPCAP, CAP_CHECKPOINT_RESTORE
-    (restored,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "forged-caps", "ids": [pid]})
-    log = [ln for ln in (folder / "restore.log").read_text(errors="replace").splitlines() if "Error" in ln]
-    assert restored["ok"] is False and restored["code"] == "refused", (restored, log)
-    assert "holds capabilities" in restored["error"] and "killed" in restored["error"]
-    time.sleep(0.2)
-    left = users.run(A, "pgrep", "-u", A, "-x", "sleep")
-    assert str(pid) not in left.stdout.split(), "the forged process must not live on"
-    assert "'restore' images='forged-caps'" in helper.log()
+    for name, capabilities, securebits, said in (("forged-caps", [8, 40], 0, "capabilities"),
+                                                  ("forged-secbits", [], 0x3, "securebits 0x3")):
+        folder = helper.images / str(users.uid(A)) / name
+        assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
+        sleeper = sleep_as(A)
+        (dumped,) = await call(ask_as, users, A, helper, {"op": "dump", "pid": sleeper.pid, "images": name})
+        assert dumped["ok"], dumped
+        sleeper.wait(timeout=10)  # its zombie would keep its PID
+        # CAP_SETPCAP, CAP_CHECKPOINT_RESTORE; SECBIT_NOROOT and its lock
+        forge_capabilities(folder / f"core-{sleeper.pid}.img", capabilities, securebits)
+        (restored,) = await call(ask_as, users, A, helper, {"op": "restore", "images": name, "ids": [sleeper.pid]})
+        assert restored["ok"] is False and restored["code"] == "refused", restored
+        assert f"core-{sleeper.pid}.img: it asks for" in restored["error"] and said in restored["error"], restored
+        assert str(sleeper.pid) not in users.run(A, "pgrep", "-u", A, "-x", "sleep").stdout.split()
+        assert not (folder / "restore.log").exists(), "refused before CRIU ran"
+        assert f"'restore' images='{name}'" in helper.log()
 
 
 async def test_a_restore_whose_pid_file_is_swapped_signals_nothing_outside_it(world):

@@ -27,6 +27,8 @@ from typing import Any
 
 from helpers import rest
 
+from jupyter_gpumigrate.engine import criuimages
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -220,17 +222,6 @@ def remove(path: Path) -> None:
 # -- forging images, as a user could (they are the user's files) -------------------------------------
 
 
-def _varint(data: bytes, i: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        byte = data[i]
-        i += 1
-        value |= (byte & 0x7F) << shift
-        shift += 7
-        if byte < 0x80:
-            return value, i
-
-
 def _put_varint(value: int) -> bytes:
     out = bytearray()
     while True:
@@ -241,23 +232,7 @@ def _put_varint(value: int) -> bytes:
 
 
 def _fields(data: bytes) -> list[list]:
-    """Protobuf wire format, one level: [[number, wire type, value], ...] (varints and bytes only)."""
-    out, i = [], 0
-    while i < len(data):
-        key, i = _varint(data, i)
-        number, kind = key >> 3, key & 7
-        if kind == 0:
-            value, i = _varint(data, i)
-        elif kind == 2:
-            size, i = _varint(data, i)
-            value, i = data[i:i + size], i + size
-        elif kind in (1, 5):
-            width = 8 if kind == 1 else 4
-            value, i = data[i:i + width], i + width
-        else:
-            raise ValueError(f"wire type {kind}")
-        out.append([number, kind, value])
-    return out
+    return [list(f) for f in criuimages.fields(data)]
 
 
 def _encode(fields: list[list]) -> bytes:
@@ -268,20 +243,17 @@ def _encode(fields: list[list]) -> bytes:
     return bytes(out)
 
 
-def forge_capabilities(core_image: Path, capabilities: list[int]) -> None:
+def forge_capabilities(core_image: Path, capabilities: list[int], securebits: int = 0) -> None:
     """Edit a CRIU ``core-PID.img`` so that its task asks for ``capabilities`` (bit numbers) in its
-    inheritable, permitted, effective and ambient sets: what a user who owns their images could do.
+    inheritable, permitted, effective and ambient sets, and for ``securebits``: what a user who owns
+    their images could do.
 
     CRIU's image: 8 bytes of magic, then entries (u32 size + a protobuf message). The first entry is a
     CoreEntry; its field 5 is the ThreadCoreEntry, whose field 10 is the CredsEntry, where fields 9,
     10, 11 and 19 are those sets, as repeated 32-bit words (images/core.proto, images/creds.proto).
     """
     raw = core_image.read_bytes()
-    head, entries, i = raw[:8], [], 8
-    while i < len(raw):
-        (size,) = struct.unpack_from("<I", raw, i)
-        entries.append(raw[i + 4:i + 4 + size])
-        i += 4 + size
+    head, entries = raw[:8], criuimages.entries(raw)
     core = _fields(entries[0])
     for entry in core:
         if entry[0] != 5:
@@ -300,6 +272,8 @@ def forge_capabilities(core_image: Path, capabilities: list[int]) -> None:
             for number in (9, 10, 11, 19):
                 for word in range(words.get(number, 0), 2):
                     creds.append([number, 0, sum(1 << (c - 32 * word) for c in capabilities if c // 32 == word)])
+            if securebits:
+                creds = [c for c in creds if c[0] != 13] + [[13, 0, securebits]]
             sub[2] = _encode(creds)
         entry[2] = _encode(thread)
     entries[0] = _encode(core)

@@ -2,9 +2,7 @@
 each on their own kernels only.
 
 CRIU needs capabilities that an ordinary user lacks (CAP_CHECKPOINT_RESTORE; CAP_SETPCAP to restore
-where the bounding set is not full, as in containers and VMs: restore_caps()). docs/users.md says
-what remains open (a forged image in the window before the freeze; securebits where CAP_SETPCAP is
-lent). The helper runs as root, listens on a
+where the bounding set is not full, as in containers and VMs: restore_caps()). The helper runs as root, listens on a
 Unix socket, learns who calls from the socket itself (SO_PEERCRED: the kernel's word, not the
 caller's), and for each request runs CRIU *as the caller*, with only those capabilities lent
 (``setpriv``). So the kernel itself enforces what the checks below refuse first, with a sentence:
@@ -15,8 +13,10 @@ caller's), and for each request runs CRIU *as the caller*, with only those capab
 - images live in ``ROOT/UID/...`` (ROOT root-owned 0711, ``UID`` 0700 and owned by that user): every
   folder on the way is opened without following links and must belong to the caller and be closed
   to others; CRIU writes as the caller, so images are the caller's and readable by nobody else;
-- a restore runs as the caller, so it cannot make a process of anyone else, whatever the images say
-  (images are the caller's files: they may be forged);
+- a restore runs as the caller, so it cannot make a process of anyone else, whatever the images say;
+  and the images are the caller's files, so they may be forged: CRIU reads a staged copy in a folder
+  no user can reach, whose core images (each thread's credentials) were checked first
+  (criuimages.py: the caller's IDs, no capability, no securebits);
 - each CRIU run is confined in a cgroup of its own (cgroups.py): the helper learns what a restore
   made from that cgroup, never from a file of the caller's. It freezes it, checks every process in it
   (the caller's IDs, no capability left over from those lent), and only then moves them into the
@@ -66,8 +66,10 @@ import signal
 import socket
 import socketserver
 import stat
+import shutil
 import struct
 import subprocess
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -77,7 +79,7 @@ from typing import Any
 
 from . import cgroups
 from . import criu as criu_mod
-from . import proctree
+from . import criuimages, proctree
 from .errors import CriuFailed, HelperError
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
@@ -92,6 +94,9 @@ MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
 MAX_IDS = 1 << 16
 MAX_DEPTH = 4
+MAX_CORE_IMAGE = 16 << 20
+#: what a restore neither checks nor needs: CRIU's own outputs in the caller's folder
+SKIPPED = {criu_mod.DUMP_LOG, criu_mod.RESTORE_LOG, criu_mod.RESTORE_PIDFILE, "stats-dump", "stats-restore"}
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: lent to CRIU, as setpriv names them (capabilities(7))
 DUMP_CAPS = ("checkpoint_restore",)
@@ -207,6 +212,13 @@ class Helper:
             raise SystemExit(f"{self.root} must be a folder owned by uid {os.geteuid()} that no one else can "
                              "write (chmod 711): it holds every user's images folder.")
         os.chmod(self.root, 0o711)
+        self.staging = self.root / ".staging"  # restores' checked copies: no one else may reach them
+        self.staging.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(self.staging, 0o700)
+        if os.lstat(self.staging).st_uid != os.geteuid() or self.staging.is_symlink():
+            raise SystemExit(f"{self.staging} must be a folder of uid {os.geteuid()}")
+        for left in self.staging.iterdir():  # an earlier helper's, interrupted
+            shutil.rmtree(left, ignore_errors=True)
         self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see reap()
         self._ours: set[int] = set()
         self._runs = itertools.count(1)
@@ -297,10 +309,10 @@ class Helper:
                 pass
             proctree.steer_pid_allocation(ids)  # only moves the PID cursor forward
             start = time.monotonic()
-            with self._confined(caller) as cgroup:
+            with self._staged(fd, caller) as staged, self._confined(caller) as cgroup:
                 proc = self._criu(caller, self.restore_caps, fd, [
                     "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
-                    *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup)
+                    *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup, images_fd=staged)
                 # Whatever CRIU said, what it made is in the cgroup and nowhere else: stop it all from
                 # running (the caller may signal its own processes) while it is looked at.
                 if not cgroup.freeze():
@@ -320,6 +332,59 @@ class Helper:
             return {"ok": True, "pid": pid, "seconds": round(time.monotonic() - start, 3)}
         finally:
             os.close(fd)
+
+    @contextlib.contextmanager
+    def _staged(self, fd: int, caller: Caller) -> Iterator[int]:
+        """The caller's images as CRIU will read them: in a folder of ours that no user can reach or
+        write. The core images, which say what credentials each thread gets, are copied and checked
+        (the caller's IDs, no capability, no securebits); the rest is hard-linked (memory pages and
+        the like: the caller's own data, whatever they write into it). So nothing the caller does
+        during the restore changes what was checked, nor stalls CRIU after it let the tasks go."""
+        path = Path(tempfile.mkdtemp(prefix=f"{caller.uid}-", dir=self.staging))
+        os.chmod(path, 0o755)  # CRIU, as the caller, reaches it only through our descriptor
+        staged = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            cores = 0
+            for name in os.listdir(fd):
+                if name in SKIPPED or not NAME.fullmatch(name):
+                    continue
+                try:
+                    st = os.stat(name, dir_fd=fd, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                if name.startswith("core-") and name.endswith(".img"):
+                    data = self._read_own(fd, name, caller, MAX_CORE_IMAGE)
+                    why = criuimages.why_not(data, caller.uid, caller.gid)
+                    if why:
+                        raise Refused(f"{name}: {why}; these images cannot be restored")
+                    out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=staged)
+                    with os.fdopen(out, "wb") as f:
+                        f.write(data)
+                    cores += 1
+                else:
+                    os.link(name, name, src_dir_fd=fd, dst_dir_fd=staged, follow_symlinks=False)
+                    if not stat.S_ISREG(os.stat(name, dir_fd=staged, follow_symlinks=False).st_mode):
+                        raise Refused(f"{name} changed into something else than a file while it was read")
+            if not cores:
+                raise Refused("the folder holds no CRIU core images")
+            yield staged
+        finally:
+            os.close(staged)
+            shutil.rmtree(path, ignore_errors=True)
+
+    @staticmethod
+    def _read_own(fd: int, name: str, caller: Caller, limit: int) -> bytes:
+        try:
+            handle = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=fd)
+        except OSError as exc:
+            raise Refused(f"{name} cannot be read ({exc.strerror})") from exc
+        with os.fdopen(handle, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != caller.uid or st.st_size > limit:
+                raise Refused(f"{name} is not a file of yours of at most {limit} bytes")
+            return f.read(limit + 1)[:limit]
 
     @contextlib.contextmanager
     def _confined(self, caller: Caller) -> Iterator[cgroups.Cgroup]:
@@ -439,21 +504,25 @@ class Helper:
     # -- CRIU, as the caller -------------------------------------------------------------------------
 
     def _criu(self, caller: Caller, caps: tuple[str, ...], fd: int | None, args: list[str],
-              log_name: str | None, cgroup: cgroups.Cgroup) -> subprocess.CompletedProcess:
+              log_name: str | None, cgroup: cgroups.Cgroup, images_fd: int | None = None) -> subprocess.CompletedProcess:
         # A root shell puts itself in the run's cgroup and sets a private umask, then becomes setpriv,
-        # which becomes CRIU as the caller: nothing of the run is ever outside the cgroup. The working
-        # folder is the image folder already opened and checked (/proc/self/fd/N, resolved by the
-        # child, which holds N), so nothing can swap it for another on the way.
+        # which becomes CRIU as the caller: nothing of the run is ever outside the cgroup. CRIU finds its
+        # folders through descriptors opened and checked here (/proc/self/fd/N, resolved by CRIU, which
+        # holds N), so nothing can swap them on the way: its work folder (logs, pidfile) is the
+        # caller's image folder ``fd``; the images it reads are ``images_fd`` (a restore's staged copy)
+        # or that same folder.
         wrapper = ['sh', '-c', 'echo $$ > "$0/cgroup.procs" || exit 125; umask 077; exec "$@"', str(cgroup.path)]
         cmd = [*wrapper, *_setpriv(caller, caps), self.criu.path, *args, "--unprivileged"]
-        if log_name is not None:
-            cmd += ["--images-dir", ".", "--log-file", log_name, "-v4"]
+        fds = tuple(f for f in (fd, images_fd) if f is not None)
+        if log_name is not None and fd is not None:
+            images = images_fd if images_fd is not None else fd
+            cmd += ["--images-dir", f"/proc/self/fd/{images}", "--work-dir", f"/proc/self/fd/{fd}",
+                    "--log-file", log_name, "-v4"]
         env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8"}
         if os.environ.get("LD_LIBRARY_PATH"):  # a CRIU bundle with its own libraries
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
         with self._spawn:
-            proc = subprocess.Popen(cmd, cwd=f"/proc/self/fd/{fd}" if fd is not None else "/",
-                                    pass_fds=(fd,) if fd is not None else (), env=env, text=True,
+            proc = subprocess.Popen(cmd, cwd="/", pass_fds=fds, env=env, text=True,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             self._ours.add(proc.pid)
         try:
