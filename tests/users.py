@@ -246,7 +246,8 @@ def _encode(fields: list[list]) -> bytes:
 def forge_capabilities(core_image: Path, capabilities: list[int], securebits: int = 0) -> None:
     """Edit a CRIU ``core-PID.img`` so that its task asks for ``capabilities`` (bit numbers) in its
     inheritable, permitted, effective and ambient sets, and for ``securebits``: what a user who owns
-    their images could do.
+    their images could do. ``securebits`` -1 writes the sets packed; -2 adds a second creds message
+    (asking for securebits 0x3), which protobuf would merge into the first.
 
     CRIU's image: 8 bytes of magic, then entries (u32 size + a protobuf message). The first entry is a
     CoreEntry; its field 5 is the ThreadCoreEntry, whose field 10 is the CredsEntry, where fields 9,
@@ -272,9 +273,17 @@ def forge_capabilities(core_image: Path, capabilities: list[int], securebits: in
             for number in (9, 10, 11, 19):
                 for word in range(words.get(number, 0), 2):
                     creds.append([number, 0, sum(1 << (c - 32 * word) for c in capabilities if c // 32 == word)])
-            if securebits:
+            if securebits > 0:
                 creds = [c for c in creds if c[0] != 13] + [[13, 0, securebits]]
+            if securebits == -1:  # the same sets as packed lists, which protobuf also accepts
+                packed = {n: b"".join(_put_varint(v) for k, kind, v in creds if k == n and kind == 0)
+                          for n in (9, 10, 11, 19)}
+                creds = [c for c in creds if c[0] not in packed] + [[n, 2, v] for n, v in packed.items()]
             sub[2] = _encode(creds)
+            if securebits == -2:  # a second creds message, which protobuf merges into the first
+                extra = [10, 2, _encode([c for c in creds if c[0] != 13] + [[13, 0, 0x3]])]
+        if securebits == -2:
+            thread.append(extra)
         entry[2] = _encode(thread)
     entries[0] = _encode(core)
     core_image.write_bytes(head + b"".join(struct.pack("<I", len(e)) + e for e in entries))

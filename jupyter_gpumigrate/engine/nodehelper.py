@@ -95,6 +95,8 @@ CGROUP_PREFIX = "gpumigrate-"
 MAX_IDS = 1 << 16
 MAX_DEPTH = 4
 MAX_CORE_IMAGE = 16 << 20
+MAX_STAGED_BYTES = 256 << 20
+MAX_STAGED_FILES = 1 << 17
 #: what a restore neither checks nor needs: CRIU's own outputs in the caller's folder
 SKIPPED = {criu_mod.DUMP_LOG, criu_mod.RESTORE_LOG, criu_mod.RESTORE_PIDFILE, "stats-dump", "stats-restore"}
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
@@ -344,35 +346,55 @@ class Helper:
         os.chmod(path, 0o755)  # CRIU, as the caller, reaches it only through our descriptor
         staged = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
-            cores = 0
-            for name in os.listdir(fd):
-                if name in SKIPPED or not NAME.fullmatch(name):
-                    continue
+            cores = total = 0
+            names = os.listdir(fd)
+            if len(names) > MAX_STAGED_FILES:
+                raise Refused(f"the folder holds more than {MAX_STAGED_FILES} files")
+            for name in names:
+                if name in SKIPPED or not NAME.fullmatch(name) or name.startswith("creds-"):
+                    continue  # creds-*.img: an old format's credentials, never read when core images have them
                 try:
                     st = os.stat(name, dir_fd=fd, follow_symlinks=False)
                 except FileNotFoundError:
                     continue
                 if not stat.S_ISREG(st.st_mode):
                     continue
-                if name.startswith("core-") and name.endswith(".img"):
+                checked = name.startswith("core-") and name.endswith(".img") or name == "inventory.img"
+                if checked:
                     data = self._read_own(fd, name, caller, MAX_CORE_IMAGE)
-                    why = criuimages.why_not(data, caller.uid, caller.gid)
+                    total += len(data)
+                    if total > MAX_STAGED_BYTES:
+                        raise Refused(f"the core images add up to more than {MAX_STAGED_BYTES} bytes")
+                    if name == "inventory.img":
+                        why = self._inventory_why_not(data)
+                    else:
+                        why = criuimages.why_not(data, caller.uid, caller.gid)
+                        cores += 1
                     if why:
                         raise Refused(f"{name}: {why}; these images cannot be restored")
                     out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644, dir_fd=staged)
                     with os.fdopen(out, "wb") as f:
                         f.write(data)
-                    cores += 1
                 else:
                     os.link(name, name, src_dir_fd=fd, dst_dir_fd=staged, follow_symlinks=False)
                     if not stat.S_ISREG(os.stat(name, dir_fd=staged, follow_symlinks=False).st_mode):
                         raise Refused(f"{name} changed into something else than a file while it was read")
+            if "inventory.img" not in names:
+                raise Refused("the folder holds no inventory.img")
             if not cores:
                 raise Refused("the folder holds no CRIU core images")
             yield staged
         finally:
             os.close(staged)
             shutil.rmtree(path, ignore_errors=True)
+
+    @staticmethod
+    def _inventory_why_not(data: bytes) -> str | None:
+        try:
+            version = criuimages.inventory_version(data)
+        except (ValueError, IndexError, struct.error) as exc:
+            return f"it is not an inventory this helper can check ({exc})"
+        return None if version == criuimages.IMAGES_V1_1 else f"it says image version {version}"
 
     @staticmethod
     def _read_own(fd: int, name: str, caller: Caller, limit: int) -> bytes:
@@ -382,8 +404,8 @@ class Helper:
             raise Refused(f"{name} cannot be read ({exc.strerror})") from exc
         with os.fdopen(handle, "rb") as f:
             st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != caller.uid or st.st_size > limit:
-                raise Refused(f"{name} is not a file of yours of at most {limit} bytes")
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != caller.uid or st.st_size > limit or st.st_nlink != 1:
+                raise Refused(f"{name} is not a file of yours, of one name and at most {limit} bytes")
             return f.read(limit + 1)[:limit]
 
     @contextlib.contextmanager
