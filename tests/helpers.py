@@ -64,6 +64,19 @@ async def wait_operation(jp_fetch: Any, op: dict, timeout: float = 120) -> dict:
     return op
 
 
+async def server_sees_idle(jp_fetch: Any, kernel: Any, timeout: float = 30) -> None:
+    """Wait until the server, not only our client, has seen the kernel go idle: it hears the kernel's
+    last "idle" a moment later, and a move asks an idle kernel for the fast path but not a busy one."""
+    deadline = time.monotonic() + timeout
+    turn = 0
+    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "idle":
+        assert time.monotonic() < deadline, "the server never saw the kernel idle"
+        turn += 1
+        if turn % 100 == 0:
+            await kernel.run("pass")  # a fresh busy/idle pair for the server's activity watcher
+        await asyncio.sleep(0.05)
+
+
 async def operate(jp_fetch: Any, kernel_id: str, action: str, body: Any = None) -> dict:
     op = await api(jp_fetch, "kernels", kernel_id, action, method="POST", body=body, expect=202)
     return await wait_operation(jp_fetch, op)

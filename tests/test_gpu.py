@@ -16,7 +16,7 @@ import sys
 import time
 
 import pytest
-from helpers import KernelSession, api, cli, operate, remote, start_kernel, wait_operation
+from helpers import KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel, wait_operation
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.errors import PhaseFailed
@@ -328,6 +328,7 @@ print(bool((static_out == 3).all()))
 async def test_the_fast_path_steps_aside_for_a_cuda_graph_and_for_a_users_thread(jp_fetch, kernel):
     pid = await build(kernel)
     assert (await kernel.run(GRAPH)).strip() == "True"
+    await server_sees_idle(jp_fetch, kernel)
     op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
     assert op["status"] == "succeeded" and op["fast_path"]["stashed"] == 0, op
     assert "CUDA graph" in op["fast_path"]["reason"], op["fast_path"]
@@ -335,6 +336,7 @@ async def test_the_fast_path_steps_aside_for_a_cuda_graph_and_for_a_users_thread
     assert out.strip() == "True", "the graph's fixed addresses still hold its tensors"
     await kernel.run("del graph; import gc, threading; gc.collect()\n"
                      "threading.Thread(target=time.sleep, args=(300,), name='users-worker', daemon=True).start()")
+    await server_sees_idle(jp_fetch, kernel)
     op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 0})
     assert op["status"] == "succeeded" and op["fast_path"]["stashed"] == 0, op
     assert "users-worker" in op["fast_path"]["reason"], op["fast_path"]
