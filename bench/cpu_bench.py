@@ -46,7 +46,25 @@ print(len(data))
 CHECK = "print(all(data[i] == i % 251 for i in range(0, len(data), 4096 * 97)), len(data))"
 
 
-class Server:
+class Way:
+    """What the bench needs of a server, however it runs: ``api``, and these two."""
+
+    url = token = ""
+
+    def api(self, method: str, path: str, body: dict | None = None) -> dict:
+        raise NotImplementedError
+
+    def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
+        return execute(self.url, self.token, kernel_id, code, timeout)
+
+    @staticmethod
+    def succeeded(op: dict, action: str) -> dict:
+        if op["status"] != "succeeded":
+            raise RuntimeError(f"{action} failed: {op['error']}")
+        return op
+
+
+class Server(Way):
     def __init__(self, root: Path) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -86,12 +104,7 @@ class Server:
         op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}")
         while op["status"] not in ("succeeded", "failed"):
             op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-        if op["status"] != "succeeded":
-            raise RuntimeError(f"{action} failed: {op['error']}")
-        return op
-
-    def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
-        return execute(self.url, self.token, kernel_id, code, timeout)
+        return self.succeeded(op, action)
 
     def stop(self) -> None:
         os.killpg(self.proc.pid, 15)
@@ -129,7 +142,7 @@ def execute(url: str, token: str, kernel_id: str, code: str, timeout: float = 60
         ws.close()
 
 
-class UserWay:
+class UserWay(Way):
     """A server run by an ordinary user, CRIU through the node helper or with capabilities (users.py)."""
 
     def __init__(self, way: str, root: Path) -> None:
@@ -155,13 +168,7 @@ class UserWay:
         return self.server.api(method, path, body if method == "POST" else None) or {}
 
     def operate(self, kernel_id: str, action: str) -> dict:
-        op = self.server.operate(kernel_id, action, timeout=3600)
-        if op["status"] != "succeeded":
-            raise RuntimeError(f"{action} failed: {op['error']}")
-        return op
-
-    def run(self, kernel_id: str, code: str, timeout: float = 600) -> str:
-        return execute(self.url, self.token, kernel_id, code, timeout)
+        return self.succeeded(self.server.operate(kernel_id, action, timeout=3600), action)
 
     def stop(self) -> None:
         self.server.stop()
@@ -207,7 +214,7 @@ def main() -> int:
     return 0
 
 
-def bench(server: Server | UserWay, way: str, args: argparse.Namespace, rows: list[dict]) -> None:
+def bench(server: Way, way: str, args: argparse.Namespace, rows: list[dict]) -> None:
     for size in (float(s) for s in args.sizes.split(",")):
         kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
         server.run(kernel_id, FILL.format(size=size))

@@ -36,10 +36,11 @@ def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET
         try:
             helper = HelperCriu(helper_socket or DEFAULT_SOCKET)
             passed, last = helper.check()
-        except HelperError as exc:
-            return [Check("criu", FAIL, str(exc).split(":")[0], str(exc).split("): ", 1)[-1])]
+        except HelperError as exc:  # its message says what to ask for
+            return [Check("criu", FAIL, str(exc), "Ask an administrator to start the node helper (docs/users.md).")]
         checks = [Check("criu", OK, f"{helper.binary.path}, version {helper.binary.version_string}")]
-        remedy = "Ask an administrator to run `criu check` as root and fix what it reports."
+        # The helper ran `criu check --unprivileged` as this user, with what it lends a restore.
+        remedy = "Ask an administrator to fix what `criu check --unprivileged` reports in the node helper's log."
         return [*checks, Check("criu check", OK if passed else FAIL, last or "failed", "" if passed else remedy)]
     try:
         binary = criu_mod.find(criu_path)

@@ -35,6 +35,8 @@ helper closes. At most 32 requests run at once, 2 per user.
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu"}
                                               (makes the caller's images folder if it is missing)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
+                                              (criu check --unprivileged, as the caller, lent what a
+                                              restore is lent)
     {"op": "dump", "pid": P, "images": REL}
                                            -> {"ok": true, "seconds": s}   CRIU dumps the tree under P
                                               into ROOT/U/REL and kills it; on failure it runs on
