@@ -8,11 +8,13 @@ from typing import Any
 
 from jupyter_client.provisioning import KernelProvisionerFactory
 from jupyter_server.extension.application import ExtensionApp
+from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.netutil import bind_sockets
 from traitlets import Bool, Dict, TraitError, Unicode, default, validate
 
+from .autoresume import resuming
 from .credentials import KernelCredentials
 from .engine import proctree
 from .handlers import handlers
@@ -93,6 +95,7 @@ class GPUMigrateApp(ExtensionApp):
             api_address=lambda: self._kernel_api_address,
         )
         self.settings["gpumigrate_operations"] = operations
+        self._resume_on_cells(operations)
         defaults = MigratableProvisioner(config=self.serverapp.config)
         helper_socket = defaults.helper_socket or None
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
@@ -108,6 +111,22 @@ class GPUMigrateApp(ExtensionApp):
         else:
             self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
                              "not resume a second time if PID 1 does not reap it")
+
+    resume_on_execute = Bool(
+        True,
+        help="Resume a suspended kernel when a cell is run on it (an execute_request from its notebook); "
+        "the cell then runs on the resumed kernel. Set False to resume only on request.",
+    ).tag(config=True)
+
+    def _resume_on_cells(self, operations: OperationManager) -> None:
+        base = self.serverapp.web_app.settings.get("kernel_websocket_connection_class")
+        if not self.resume_on_execute:
+            return
+        if not (isinstance(base, type) and issubclass(base, ZMQChannelsWebsocketConnection)):
+            self.log.warning("gpumigrate: kernel WebSockets are served by %s, not by jupyter_server's ZMQ "
+                             "channels: running a cell will not resume a suspended kernel", base)
+            return
+        self.settings["kernel_websocket_connection_class"] = resuming(base, operations)
 
     _kernel_api_address: tuple[str, int] | None = None
 

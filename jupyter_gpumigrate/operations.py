@@ -73,6 +73,8 @@ class Operation:
     version: int = 0
     #: a move to another GPU: what the fast path carried (stashed bytes, seconds) or why it stepped aside
     fast_path: dict[str, Any] | None = None
+    #: what asked for it: "api" (REST, CLI, panel, magic, Hub) or "cell" (a cell run on a suspended kernel)
+    trigger: str = "api"
     #: the fast path's socket, when the kernel's own %migrate serves it (told to that caller only)
     stager: dict[str, str] | None = field(default=None, repr=False)
 
@@ -127,7 +129,8 @@ class OperationManager:
             )
         return provisioner
 
-    def kernel_view(self, kernel_id: str, gpus: list[gpus_mod.GpuInfo] | None = None) -> dict[str, Any]:
+    def kernel_view(self, kernel_id: str, gpus: list[gpus_mod.GpuInfo] | None = None,
+                    driver_major: int | None = None) -> dict[str, Any]:
         kernel = self._kernel(kernel_id)
         provisioner = getattr(kernel, "provisioner", None)
         migratable = isinstance(provisioner, MigratableProvisioner)
@@ -143,6 +146,11 @@ class OperationManager:
         active = self.active.get(kernel_id)
         remote = migratable and state == REMOTE
         held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
+        if driver_major is None and gpus:
+            driver_major = gpus_mod.driver_major()
+        targets: list[dict[str, Any]] = []
+        if migratable and not remote and active is None and gpus and (held or suspended_on):
+            targets = _targets(gpus, held, suspended_on, state, driver_major)
         return {
             "id": kernel_id,
             "name": kernel.kernel_name,
@@ -158,6 +166,7 @@ class OperationManager:
             "suspended_on": suspended_on,
             "migratable": migratable,
             "operation": active.id if active else None,
+            "targets": targets,
         }
 
     @staticmethod
@@ -189,7 +198,8 @@ class OperationManager:
 
     def list_kernels(self) -> list[dict[str, Any]]:
         gpus = gpus_mod.snapshot()
-        return [self.kernel_view(kid, gpus) for kid in self.kernel_manager.list_kernel_ids()]
+        driver_major = gpus_mod.driver_major() if gpus else None
+        return [self.kernel_view(kid, gpus, driver_major) for kid in self.kernel_manager.list_kernel_ids()]
 
     # -- operations ----------------------------------------------------------------------------------
 
@@ -247,6 +257,25 @@ class OperationManager:
                 op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller"))
+
+    def resume_for_cell(self, kernel_id: str) -> Operation:
+        """A cell was run on suspended kernel ``kernel_id`` (autoresume.py): resume it where it is best
+        placed. If it cannot start, the refusal is still an operation, failed, so that it reaches the
+        panel and the log; the cell waits until the kernel is resumed some other way."""
+        try:
+            op = self.start(kernel_id, "resume")
+            op.trigger = "cell"
+            log.info("gpumigrate: resuming kernel %s: a cell was run on it (operation %s)", kernel_id, op.id)
+            return op
+        except MigrateError as exc:
+            op = Operation(kernel_id=kernel_id, action="resume", trigger="cell", status=FAILED,
+                           error=f"A cell was run on suspended kernel {kernel_id}, but it could not be resumed: "
+                                 f"{exc} The cell runs once the kernel is resumed.", finished=time.time())
+            log.warning("gpumigrate: %s", op.error)
+            self.operations[op.id] = op
+            self._trim()
+            self._emit(op)
+            return op
 
     def _start_host_move(self, kernel_id: str, provisioner: MigratableProvisioner, action: str,
                          to_gpu: int | None, to_host: str | None) -> Operation:
@@ -313,6 +342,11 @@ class OperationManager:
             placement.gpu_by_index(gpus, to_gpu)
             if to_gpu == index:
                 raise GpuError(f"GPU {index} cannot be drained onto itself: name another GPU, or none.")
+        running = next((o for o in self.operations.values()
+                        if o.action == "drain" and o.gpu == index and not o.done), None)
+        if running is not None:
+            raise InvalidState(f"GPU {index} is already being drained by operation {running.id}: wait for it "
+                               "to finish.")
         op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
         return self._launch(op, self._drain(op, self.kernels_on(index, gpus)))
 
@@ -332,18 +366,18 @@ class OperationManager:
     async def _drain_each(self, op: Operation, kernel_ids: list[str]) -> None:
         started = time.perf_counter()
         for kernel_id in kernel_ids:
-            result: dict[str, Any] = {"kernel_id": kernel_id, "status": FAILED, "operation": None, "error": None}
+            result: dict[str, Any] = {"kernel_id": kernel_id, "status": PENDING, "operation": None, "error": None}
             op.results.append(result)
             try:
                 gpus = gpus_mod.snapshot()
                 target = op.to_gpu if op.to_gpu is not None else self._roomiest_other(op.gpu, kernel_id, gpus)
                 child = self.start(kernel_id, "migrate", to_gpu=target)
             except MigrateError as exc:
-                result["error"] = str(exc)
+                result.update(status=FAILED, error=str(exc))
                 self._emit(op)
                 continue
             op.children.append(child.id)
-            result["operation"] = child.id
+            result.update(operation=child.id, status=RUNNING_OP, to_gpu=target)
             self._emit(op)
             while not child.done:
                 await self.wait_change(child, child.version, 30)
@@ -452,6 +486,7 @@ class OperationManager:
             "bytes": op.bytes,
             "error": op.error or "",
             "version": op.version,
+            "trigger": op.trigger,
         }
         for key in ("from_gpu", "to_gpu", "from_host", "to_host"):
             if getattr(op, key) is not None:
@@ -461,6 +496,7 @@ class OperationManager:
         if op.action == "drain":
             data["gpu"] = op.gpu
             data["children"] = list(op.children)
+            data["results"] = [{k: v for k, v in r.items() if v is not None} for r in op.results]
         try:
             self.emit(data)
         except Exception:  # events are best effort; the operation record is the truth
@@ -475,6 +511,25 @@ class OperationManager:
         """Wait for every running operation (used at server shutdown and by tests)."""
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+
+def _targets(gpus: list[gpus_mod.GpuInfo], held: list[dict], suspended_on: list[dict], state: str,
+             driver_major: int | None) -> list[dict[str, Any]]:
+    """Each GPU, and whether this kernel can go there now (a live move if it runs, a resume if it is
+    suspended), with the sentence of the refusal if not: the same rules the operation checks."""
+    listed = []
+    for gpu in gpus:
+        try:
+            if state == SUSPENDED:
+                placement.plan_resume(gpus, suspended_on[0], gpu.index, driver_major)
+            elif state == RUNNING:
+                placement.plan_move(gpus, held, gpu.index, driver_major)
+            else:
+                continue
+            listed.append({"index": gpu.index, "ok": True, "reason": None})
+        except GpuError as exc:
+            listed.append({"index": gpu.index, "ok": False, "reason": str(exc)})
+    return listed
 
 
 def _iso(value: Any) -> str | None:

@@ -176,14 +176,18 @@ class WebSocketTab:
         self.ws = ws
         self.session = Session(key=b"", username="test")
 
-    async def run(self, code: str, timeout: float = 60) -> str:
-        msg = self.session.msg("execute_request", {"code": code, "silent": False, "store_history": True,
-                                                   "user_expressions": {}, "allow_stdin": False})
+    def send(self, msg_type: str, content: dict) -> str:
+        """Send a shell request as the notebook's frontend does; its msg_id."""
+        msg = self.session.msg(msg_type, content)
         msg["channel"] = "shell"
         msg["header"]["date"] = msg["header"]["date"].isoformat()
         msg["parent_header"] = {}
         self.ws.write_message(json.dumps(msg, default=str))
-        msg_id = msg["header"]["msg_id"]
+        return msg["header"]["msg_id"]
+
+    async def run(self, code: str, timeout: float = 60) -> str:
+        msg_id = self.send("execute_request", {"code": code, "silent": False, "store_history": True,
+                                               "user_expressions": {}, "allow_stdin": False})
         out: list[str] = []
         deadline = time.monotonic() + timeout
         status = None

@@ -103,3 +103,17 @@ async def test_migrate_requests_without_a_gpu(jp_fetch, kernel, criu_binary):
     await wait_operation(jp_fetch, ops[-1])
     error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 0}, expect=409)
     assert "suspended, so it cannot be moved" in error["message"]
+
+
+def test_the_kernel_list_offers_only_the_gpus_that_can_take_the_kernel():
+    from jupyter_gpumigrate.operations import _targets
+
+    gpus = [gpu(0, used=9 * GIB), gpu(1), gpu(2, used=79 * GIB), gpu(3, name="NVIDIA H100")]
+    running = _targets(gpus, held(0, 8 * GIB), [], "running", 580)
+    assert [t["index"] for t in running if t["ok"]] == [1]
+    why = {t["index"]: t["reason"] for t in running if not t["ok"]}
+    assert "already on GPU 0" in why[0] and "free" in why[2] and "same model" in why[3]
+    suspended_on = [{"index": 1, "uuid": UUIDS[1], "name": "NVIDIA H200", "memory_used": 8 * GIB}]
+    resumable = _targets(gpus, [], suspended_on, "suspended", 580)
+    assert [t["index"] for t in resumable if t["ok"]] == [0, 1], "back where it was, or another H200 with room"
+    assert [t["index"] for t in _targets(gpus, held(0, GIB), [], "running", 570) if t["ok"]] == []

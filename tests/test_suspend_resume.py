@@ -263,3 +263,67 @@ async def test_a_prepare_that_fails_leaves_the_kernel_running(jp_fetch, jp_serve
     images.unlink()
     assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+
+
+async def test_a_cell_run_on_a_suspended_kernel_resumes_it(jp_fetch, jp_ws_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    assert (await tab.run("secret = 'kept'; print('set')")).strip() == "set"
+    operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    # Opening or inspecting a notebook does not bring its kernel back; only running a cell does.
+    tab.send("kernel_info_request", {})
+    tab.send("complete_request", {"code": "secr", "cursor_pos": 4})
+    await asyncio.sleep(2)
+    assert (await api(jp_fetch, "kernels", kernel_id))["state"] == "suspended"
+    # The cell waits while the kernel is restored, then runs on it: its reply reaches the tab.
+    assert (await tab.run("print(secret)")).strip() == "kept"
+    view = await api(jp_fetch, "kernels", kernel_id)
+    assert view["state"] == "running" and view["pid"]
+    resumes = [op for op in operations.operations.values() if op.kernel_id == kernel_id and op.action == "resume"]
+    assert [(op.trigger, op.status) for op in resumes] == [("cell", "succeeded")]
+    tab.ws.close()
+
+
+async def test_a_cell_that_cannot_resume_its_kernel_says_why_and_waits(jp_fetch, jp_ws_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    await tab.run("value = 41")
+    operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    operations.criu_path = "/nonexistent/criu"
+    events: list[dict] = []
+    operations.emit, emit = (lambda data: (events.append(data), emit(data))), operations.emit
+    cell = asyncio.ensure_future(tab.run("print(value + 1)"))
+    for _ in range(50):
+        if any(e["trigger"] == "cell" for e in events):
+            break
+        await asyncio.sleep(0.1)
+    failed = [e for e in events if e["trigger"] == "cell"]
+    assert failed and failed[-1]["status"] == "failed", events
+    assert "could not be resumed" in failed[-1]["error"] and "CRIU was not found" in failed[-1]["error"]
+    assert (await api(jp_fetch, "kernels", kernel_id))["state"] == "suspended" and not cell.done()
+    # Resumed the ordinary way, the kernel runs the cell that waited.
+    operations.criu_path = None
+    assert (await operate(jp_fetch, kernel_id, "resume"))["status"] == "succeeded"
+    assert (await asyncio.wait_for(cell, 60)).strip() == "42"
+    tab.ws.close()
+
+
+def test_the_shell_message_type_is_read_in_both_websocket_protocols():
+    from jupyter_client.session import Session
+    from jupyter_server.services.kernels.connection.base import serialize_msg_to_ws_v1
+
+    from jupyter_gpumigrate.autoresume import V1, shell_msg_type
+
+    session = Session(key=b"")
+    msg = session.msg("execute_request", {"code": "1"})
+    parts = session.serialize(msg)[2:]  # header, parent, metadata, content (after the delimiter and signature)
+    assert shell_msg_type(serialize_msg_to_ws_v1(parts, "shell"), V1) == "execute_request"
+    assert shell_msg_type(serialize_msg_to_ws_v1(parts, "control"), V1) is None
+    legacy = json.dumps({**msg, "channel": "shell"}, default=str)
+    assert shell_msg_type(legacy, None) == "execute_request"
+    assert shell_msg_type(json.dumps({**msg, "channel": "stdin"}, default=str), None) is None
+    assert shell_msg_type("not json", None) is None and shell_msg_type(b"\x00", V1) is None
