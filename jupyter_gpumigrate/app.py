@@ -72,12 +72,20 @@ class GPUMigrateApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
-        if self.default_provisioner:
+        # jupyter-config/ ships default_provisioner_name = ours; a server configured with another one
+        # keeps it (and is told what that costs); the switch turns ours off.
+        configured = self.serverapp.config.get("KernelProvisionerFactory", {}).get("default_provisioner_name")
+        if self.default_provisioner and configured and configured != PROVISIONER_NAME:
+            self.log.warning("gpumigrate: keeping c.KernelProvisionerFactory.default_provisioner_name = %r: "
+                             "kernels whose kernelspec names no provisioner cannot be suspended or moved",
+                             configured)
+            factory.default_provisioner_name = configured
+        elif self.default_provisioner:
             factory.default_provisioner_name = PROVISIONER_NAME
         else:
             # The factory is one per process: say explicitly that this server's configuration decides.
-            configured = self.serverapp.config.get("KernelProvisionerFactory", {})
-            factory.default_provisioner_name = configured.get("default_provisioner_name", "local-provisioner")
+            keep = configured if configured and configured != PROVISIONER_NAME else "local-provisioner"
+            factory.default_provisioner_name = keep
         # Each kernel gets a credential for itself (credentials.py); the provisioner finds this object
         # on its kernel manager's parent, the server's multi-kernel manager.
         credentials = KernelCredentials(self._kernel_api_url)

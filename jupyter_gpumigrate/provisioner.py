@@ -253,7 +253,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.ipython = is_ipython_kernel(cmd)
         self.python = cmd[0] if self.ipython and "python" in os.path.basename(cmd[0]) else None
         self.python_path = env.get("PYTHONPATH")
-        if self.ipython:
+        if self.ipython and self.python and not await asyncio.to_thread(can_import_package, self.python,
+                                                                       self.python_path):
+            self.log.warning("gpumigrate: the Python of kernel %s (%s) cannot import jupyter_gpumigrate: the "
+                             "kernel can be suspended and moved, but has no %%migrate (install the package "
+                             "there for it)", self.kernel_id, self.python)
+        elif self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
         kwargs = self._scrub_kwargs(kwargs)

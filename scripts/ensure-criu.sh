@@ -66,7 +66,10 @@ good_criu() {
   v="$(criu_version "$bin")"
   if [ -z "$v" ]; then CHECK_OUT="$bin --version failed"; return 1; fi
   if ! version_ge "$v" "$MIN_VERSION"; then CHECK_OUT="$bin is version $v (< $MIN_VERSION)"; return 1; fi
-  if ! CHECK_OUT="$(timeout 30 "$bin" check 2>&1)"; then return 1; fi
+  if ! CHECK_OUT="$(timeout 30 "$bin" check 2>&1)"; then
+    # An ordinary user with a CRIU given capabilities (docs/users.md) checks in its unprivileged mode.
+    [ "$(id -u)" != 0 ] && CHECK_OUT="$(timeout 30 "$bin" check --unprivileged 2>&1)" || return 1
+  fi
   grep -q 'Looks good' <<<"$CHECK_OUT" || return 1
   GOOD_VERSION="$v"
 }
@@ -276,6 +279,13 @@ if ! find_good_criu; then
 fi
 
 log "using $GOOD_BIN (CRIU $GOOD_VERSION, criu check: Looks good)"
+# The server takes $INSTALL_PATH if it exists, else the first criu on PATH (engine/criu.py): say so if
+# that is not the one found good here.
+server_pick="$INSTALL_PATH"
+[ -x "$server_pick" ] || server_pick="$(command -v criu 2>/dev/null || true)"
+if [ -n "$server_pick" ] && [ "$(readlink -f "$server_pick")" != "$(readlink -f "$GOOD_BIN")" ]; then
+  log "WARNING: the Jupyter server would run $server_pick, not $GOOD_BIN: set c.GPUMigrateApp.criu_path = \"$GOOD_BIN\""
+fi
 case "$MODE" in
   print) printf '%s\n' "$GOOD_BIN" ;;
   bundle) make_bundle "$GOOD_BIN" "$BUNDLE_DIR" ;;

@@ -334,6 +334,9 @@ cmd_pack() {
   build_project_wheel "$py"
   make_criu_bundle
   make_ip_bundle
+  # Which code the kit was packed from: run prints it, so that each dated result names its commit.
+  { echo "commit $(git rev-parse HEAD)"
+    echo "uncommitted changes: $(git status --porcelain --untracked-files=no | wc -l) files"; } >"$KIT/source.txt"
   [ "${GPUKIT_NO_CHECK:-0}" = 1 ] || check_kit "$py"
 
   log "wheels carried ($(ls "$KIT"/whl/*.whl | wc -l)):"
@@ -392,6 +395,7 @@ cmd_run() {
 
   echo "=== environment"
   date -u
+  cat "$KIT/source.txt" 2>/dev/null || echo "commit: unknown (packed before source.txt existed)"
   timeout 60 nvidia-smi --query-gpu=index,name,memory.total,driver_version,persistence_mode --format=csv 2>&1 \
     || echo "nvidia-smi failed"
   python3 --version 2>&1
@@ -422,7 +426,8 @@ PY
   echo "=== pytest -m gpu $*"
   set +e
   timeout -k 30 "${GPU_SUITE_PYTEST_TIMEOUT:-1800}" \
-    python3 -m pytest -m gpu -ra -p no:cacheprovider --timeout 300 tests "$@" 2>&1 | tee "$OUT/gpu-tests.log"
+    python3 -m pytest -m gpu -rA -p no:cacheprovider --timeout 300 --junitxml "$OUT/gpu-tests.xml" tests "$@" 2>&1 \
+    | tee "$OUT/gpu-tests.log"
   rc=${PIPESTATUS[0]}
   set -e
   fi
@@ -444,6 +449,7 @@ PY
   if [ -f "$OUT/gpu-tests.log" ]; then
     summary="$(grep -E '^=+ .*(passed|failed|error|skipped|deselected|no tests ran).* =+$' "$OUT/gpu-tests.log" | tail -n1 || true)"
     echo "pytest: ${summary:-no summary line (see $OUT/gpu-tests.log)} (exit $rc)"
+    grep -E '^(PASSED|FAILED|ERROR|SKIPPED) ' "$OUT/gpu-tests.log" >"$OUT/gpu-tests-summary.txt" || true
   fi
   if [ -f "$OUT/bench.log" ]; then
     echo "bench: exit $brc (log $OUT/bench.log, results $OUT/*-bench.json and .png)"

@@ -35,12 +35,21 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
   NEED_INSTALL=1
 fi
 
+# Node.js >= 20.19 with npm: the labextension's build tools (rspack) and Playwright need it; Debian 12's
+# own nodejs is 18.
+need_node() {
+  command -v node >/dev/null && command -v npm >/dev/null || {
+    log "ERROR: Node.js 20.19 or newer and npm are needed to build the JupyterLab extension: install them (nodejs.org, or your distribution's nodejs 20 packages)"; exit 1; }
+  node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a === 20 && b >= 19) ? 0 : 1)' || {
+    log "ERROR: Node.js $(node --version) is too old to build the JupyterLab extension: install Node.js 20.19 or newer"; exit 1; }
+}
+
 # The JupyterLab extension (labextension/ -> jupyter_gpumigrate/labextension), rebuilt when its
 # sources are newer than the build. npm's own configuration names the registry.
 built=jupyter_gpumigrate/labextension/static/style.js
 if [ ! -f "$built" ] || [ -n "$(find labextension/src labextension/style labextension/package.json \
       labextension/package-lock.json -newer "$built" -print -quit)" ]; then
-  command -v npm >/dev/null || { log "ERROR: npm is missing: install Node.js 20 (apt-get install nodejs npm)"; exit 1; }
+  need_node
   log "building the JupyterLab extension (npm ci, then npm run build:prod)"
   (cd labextension && PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 npm ci --no-audit --no-fund --loglevel=error \
      && PATH="$PWD/../.venv/bin:$PATH" npm run --silent build:prod >/dev/null)
@@ -48,6 +57,7 @@ fi
 
 # configurable-http-proxy, for the JupyterHub service's tests (and a local hub): npm, into .venv/node.
 if [ ! -x .venv/node/node_modules/.bin/configurable-http-proxy ]; then
+  need_node
   log "installing configurable-http-proxy (npm) into .venv/node"
   npm install --no-audit --no-fund --loglevel=error --prefix .venv/node configurable-http-proxy@5 >/dev/null
 fi

@@ -27,8 +27,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     from jupyter_gpumigrate.engine import gpus
 
     reason = None
+    major = gpus.driver_major()
     if not gpus.snapshot():
         reason = "no NVIDIA GPU is visible to NVML on this machine (the gpu suite runs on the GPU machine)"
+    elif major is None or major < 580:
+        reason = f"the NVIDIA driver is {gpus.driver_version()}: the gpu suite needs 580 or newer (GPU remap)"
     for item in items:
         if reason and "gpu" in item.keywords:
             item.add_marker(pytest.mark.skip(reason=reason))

@@ -1,24 +1,45 @@
-"""With c.GPUMigrateApp.default_provisioner = False the server keeps jupyter_client's own provisioner."""
+"""Which provisioner a server's kernels get: jupyter-config/ makes it ours; the switch
+c.GPUMigrateApp.default_provisioner = False, or a server's own choice of default provisioner, keeps
+jupyter_client's."""
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 from helpers import api, start_kernel
 
+SHIPPED = Path(__file__).parent.parent / "jupyter-config" / "jupyter_server_config.d" / "jupyter_gpumigrate.json"
+
 
 @pytest.fixture
-def jp_server_config(tmp_path):
-    return {
+def jp_server_config(tmp_path, request):
+    config = {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "GPUMigrateApp": {"default_provisioner": False},
         "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate")},
     }
+    config.update(request.param)
+    return config
 
 
-async def test_the_switch_keeps_the_default_provisioner_and_says_so(jp_fetch, jp_serverapp):
+@pytest.mark.parametrize(
+    "jp_server_config",
+    [{"GPUMigrateApp": {"default_provisioner": False}},
+     {"KernelProvisionerFactory": {"default_provisioner_name": "local-provisioner"}}],
+    indirect=True, ids=["the switch", "the server's own default"],
+)
+async def test_the_default_provisioner_is_kept_when_asked_and_says_so(jp_fetch, jp_serverapp):
     kernel_id = await start_kernel(jp_fetch)
     view = await api(jp_fetch, "kernels", kernel_id)
     assert view["migratable"] is False and view["state"] == "running"
     error = await api(jp_fetch, "kernels", kernel_id, "suspend", method="POST", expect=409)
     assert "LocalProvisioner" in error["message"] and "gpumigrate-provisioner" in error["message"]
+    await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("jp_server_config", [json.loads(SHIPPED.read_text())], indirect=True, ids=["shipped"])
+async def test_the_shipped_configuration_makes_every_kernel_migratable(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    assert (await api(jp_fetch, "kernels", kernel_id))["migratable"] is True
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -208,7 +208,8 @@ def test_image_store_is_private_and_refuses_foreign_paths(tmp_path):
 
 def test_doctor_reports_every_concern(criu_binary):
     checks = {c.name: c for c in doctor.run_checks()}
-    assert {"criu", "criu check", "privileges", "linux", "pid_max", "nvidia driver"} <= set(checks)
+    assert {"criu", "criu check", "privileges", "linux", "pid_max", "nvidia driver", "cuda checkpoint api",
+            "gpus"} <= set(checks), "every row, GPU rows included, on every machine"
     assert checks["criu"].status == doctor.OK and criu_binary in checks["criu"].detail
     assert checks["criu check"].status == doctor.OK
     assert checks["privileges"].status == doctor.OK  # CI runs as root

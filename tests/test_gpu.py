@@ -18,7 +18,9 @@ import time
 import pytest
 from helpers import KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel, wait_operation
 
+from jupyter_gpumigrate.engine import doctor
 from jupyter_gpumigrate.engine import gpus as gpus_mod
+from jupyter_gpumigrate.engine.cudackpt import CudaProcess
 from jupyter_gpumigrate.engine.errors import PhaseFailed
 from jupyter_gpumigrate.engine.migration import Migration
 from jupyter_gpumigrate.engine.stash import Stash
@@ -166,6 +168,44 @@ async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
     assert out.split() == ["True", "cuda:0", "3"]
 
 
+async def test_resume_with_no_gpu_named_goes_back_where_it_was(jp_fetch, kernel):
+    pid = await build(kernel)
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert [t["index"] for t in view["targets"] if t["ok"]] == [0, 1], view["targets"]
+    op = await operate(jp_fetch, kernel.id, "resume")  # the default: the GPU it was suspended on
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "adopt"]
+    assert where(pid) == {0} and CudaProcess(pid).state == "running"
+    out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "cuda:0", "3"]
+
+
+async def test_a_kernel_on_two_gpus_is_refused_and_runs_on(jp_fetch, kernel):
+    pid = await build(kernel)
+    await kernel.run("other = torch.ones(2**20, device='cuda:1')")  # a CUDA context on GPU 1 too
+    assert where(pid) == {0, 1}
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert not any(t["ok"] for t in view["targets"]) and "single GPU" in view["targets"][1]["reason"]
+    error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 1}, expect=409)
+    assert "GPUs 0 and 1; only a kernel on a single GPU can be moved" in error["message"]
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running" and where(pid) == {0, 1}
+    assert CudaProcess(pid).state == "running", "refused before anything was locked"
+    assert (await kernel.run("print(state_digest() == before, other.sum().item())")).split() == ["True", "1048576.0"]
+
+
+def test_doctor_on_a_gpu_machine_reports_every_gpu_row():
+    two_gpus()
+    checks = {c.name: c for c in doctor.run_checks()}
+    assert checks["nvidia driver"].status == doctor.OK, checks["nvidia driver"]
+    assert checks["cuda checkpoint api"].status == doctor.OK
+    assert checks["gpus"].status == doctor.OK and checks["gpus"].detail.startswith(f"{len(gpus_mod.snapshot())} (")
+    assert "persistence mode" in checks
+    for check in checks.values():
+        if check.status in (doctor.WARN, doctor.FAIL):
+            assert check.remedy, f"{check.name} says what is wrong but not what to do"
+
+
 async def test_refusals_leave_the_kernel_running_where_it_was(jp_fetch, kernel):
     pid = await build(kernel)
     error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 0}, expect=409)
@@ -202,9 +242,10 @@ async def test_a_failed_remap_rolls_back_onto_the_original_gpu(jp_fetch, jp_serv
     migration = Migration(provisioner, provisioner.images, None, inventory=inventory_with_an_unknown_gpu_1)
     with pytest.raises(PhaseFailed) as info:
         await asyncio.to_thread(migration.move_to_gpu, 1)
-    assert info.value.phase in ("remap", "verify") and info.value.rolled_back, info.value
+    assert info.value.phase == "remap" and info.value.rolled_back, info.value
     assert provisioner.state == "running"
     assert where(pid) == {0}, "back on the GPU it came from"
+    assert CudaProcess(pid).state == "running", "the driver says the kernel is neither locked nor checkpointed"
     out = await kernel.run("print(state_digest() == before); print(len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "3"], "unlocked, with its state intact"
 

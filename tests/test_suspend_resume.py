@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import stat
 from pathlib import Path
 
@@ -42,6 +43,8 @@ async def test_round_trip_keeps_every_kind_of_state(jp_fetch, jp_serverapp, kern
     assert manifest["kernel_id"] == kernel.id and manifest["kernel_name"] == "python3"
     assert manifest["criu_version"].startswith("4.") and manifest["image_bytes"] == op["bytes"]
     assert pid in manifest["ids"] and "key" not in manifest["connection_info"]
+    assert manifest["host"] and manifest["gpus"] == [] and manifest["created"] > 0
+    assert "inventory.img" in manifest["files"] and sum(manifest["files"].values()) <= manifest["image_bytes"]
 
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op
@@ -146,10 +149,12 @@ async def test_failed_dump_leaves_the_kernel_running(jp_fetch, kernel):
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump"
     assert "CRIU could not dump" in op["error"] and "Full log:" in op["error"]
-    log_file = Path(op["error"].split("Full log: ")[1].split()[0])
+    assert "The kernel runs on, unchanged" in op["error"] and "try again" in op["error"]
+    log_file = Path(op["error"].split("Full log: ")[1].split()[0].rstrip("."))
     assert log_file.is_file() and "Error" in log_file.read_text(), "the log the error names is kept"
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid and view["image_bytes"] is None
+    assert not (log_file.parent.parent / kernel.id).exists(), "the rollback removed the half-written images"
     assert (await kernel.run("print(value)")).strip() == "still here"
     await kernel.run("os.close(ring)")
     assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
@@ -234,10 +239,25 @@ async def test_criu_missing_is_a_clear_error_and_the_kernel_runs_on(jp_fetch, jp
 
 
 async def test_requests_need_authentication(jp_fetch):
-    for method, parts in [("GET", ("kernels",)), ("POST", ("kernels", "x", "suspend")), ("GET", ("gpus",))]:
-        response = await jp_fetch("api", "gpumigrate", *parts, method=method, headers={"Authorization": ""},
-                                  body="{}" if method == "POST" else None, raise_error=False)
-        assert response.code == 403, (method, parts, response.code)
+    # Every user route, every method it has (the peer routes have their own credential: tests/test_cross_host.py).
+    from jupyter_gpumigrate.handlers import PEER, handlers
+
+    tried = 0
+    for pattern, handler in handlers():
+        if pattern.startswith(PEER):
+            continue
+        path = re.sub(r"\(\?P<action>([a-z]+)\|[^)]*\)", r"\1", pattern)
+        path = re.sub(r"\(\?P<index>[^)]*\)", "0", path)
+        path = re.sub(r"\(\?P<\w+>[^)]*\)", "x", path).removesuffix("/?")
+        ours = [cls for cls in handler.__mro__ if cls.__module__.startswith("jupyter_gpumigrate")]
+        for method in ("GET", "POST", "DELETE"):
+            if not any(method.lower() in vars(cls) for cls in ours):
+                continue
+            response = await jp_fetch(*path.strip("/").split("/"), method=method, headers={"Authorization": ""},
+                                      body="{}" if method == "POST" else None, raise_error=False)
+            assert response.code == 403, (method, path, response.code)
+            tried += 1
+    assert tried >= 7, tried
 
 
 async def test_gpus_with_no_gpu_is_an_empty_list(jp_fetch, kernel):
@@ -327,3 +347,27 @@ def test_the_shell_message_type_is_read_in_both_websocket_protocols():
     assert shell_msg_type(legacy, None) == "execute_request"
     assert shell_msg_type(json.dumps({**msg, "channel": "stdin"}, default=str), None) is None
     assert shell_msg_type("not json", None) is None and shell_msg_type(b"\x00", V1) is None
+
+
+async def test_a_kernel_being_suspended_is_migrating_and_left_alone(jp_fetch, jp_serverapp, kernel):
+    # 1.5 GB of touched memory: the dump lasts long enough to look at the kernel meanwhile.
+    await kernel.run("blob = b'x' * (1536 * 2**20); kept = 'yes'")
+    km = jp_serverapp.kernel_manager
+    km.cull_idle_timeout = 1
+    await asyncio.sleep(1.5)  # idle for longer than the culler allows
+    started = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
+    seen = []
+    while True:
+        view = await api(jp_fetch, "kernels", kernel.id)
+        seen.append(view["state"])
+        if view["state"] != "migrating":
+            break
+        # What the restarter asks (a kernel whose poll() is not None is restarted) and what the culler does.
+        assert await km.get_kernel(kernel.id).provisioner.poll() is None
+        await km.cull_kernel_if_idle(kernel.id)
+        assert kernel.id in km
+        assert view["operation"] == started["id"]
+        await asyncio.sleep(0.05)
+    assert "migrating" in seen and seen[-1] == "suspended", seen
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(kept, len(blob))")).split() == ["yes", str(1536 * 2**20)]

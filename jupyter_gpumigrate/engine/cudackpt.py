@@ -83,11 +83,13 @@ class CudaProcess:
         self.pid = pid
         self._process = _checkpoint_module().Process(pid)
 
-    def _call(self, what: str, fn: Any, *args: Any) -> Any:
+    def _call(self, what: str, fn: Any, *args: Any, remedy: str = "") -> Any:
         try:
             return fn(*args)
         except Exception as exc:  # cuda-core raises CUDAError, RuntimeError, ValueError
-            raise CudaCheckpointFailed(f"CUDA could not {what} process {self.pid}: {exc}", self.pid) from exc
+            hint = nvml_hint(self.pid) or remedy
+            raise CudaCheckpointFailed(f"CUDA could not {what} process {self.pid}: {exc}."
+                                       + (f" {hint}" if hint else ""), self.pid) from exc
 
     @property
     def state(self) -> str:
@@ -95,18 +97,37 @@ class CudaProcess:
 
     def lock(self, timeout: float) -> None:
         """Block the process's CUDA calls, once the GPU work in flight has finished (at most ``timeout`` s)."""
-        self._call(f"lock (within {timeout:.0f} s)", self._process.lock, max(1, int(timeout * 1000)))
+        self._call(f"lock (within {timeout:.0f} s)", self._process.lock, max(1, int(timeout * 1000)),
+                   remedy="Its GPU work in flight did not finish in time: retry when the running cell is done, "
+                   "or raise c.MigratableProvisioner.gpu_lock_timeout.")
 
     def checkpoint(self) -> None:
         """Copy the locked process's GPU memory into its host memory and release the GPU."""
-        self._call("checkpoint", self._process.checkpoint)
+        self._call("checkpoint", self._process.checkpoint,
+                   remedy="The kernel's host memory must grow by what it holds on the GPU: check free RAM "
+                   "(free -g) and that the kernel uses nothing the driver cannot checkpoint (MPS, IPC memory "
+                   "shared with another process).")
 
     def restore(self, mapping: dict[str, str] | None = None) -> None:
         """Put the checkpointed process back on the GPUs, moved as ``mapping`` says (None: where it was)."""
-        self._call("restore", self._process.restore, mapping)
+        self._call("restore", self._process.restore, mapping,
+                   remedy="Check the target GPU with nvidia-smi (free memory, persistence mode on).")
 
     def unlock(self) -> None:
         self._call("unlock", self._process.unlock)
+
+
+def nvml_hint(pid: int) -> str:
+    """Why the driver may refuse ``pid``, if it can be seen from outside: NVML loaded in the process."""
+    try:
+        with open(f"/proc/{pid}/maps") as maps:
+            loaded = any("libnvidia-ml.so" in line for line in maps)
+    except OSError:
+        return ""
+    if not loaded:
+        return ""
+    return ("The kernel has loaded NVML (libnvidia-ml, e.g. through pynvml or nvidia-ml-py): NVML handles block a "
+            "CUDA checkpoint. Restart the kernel and read GPU state with %migrate --list or the panel instead.")
 
 
 def is_cuda_process(pid: int) -> bool:

@@ -112,7 +112,17 @@ def check_kernel() -> list[Check]:
 def check_gpus() -> list[Check]:
     version = gpus_mod.driver_version()
     if version is None:
-        return [Check("nvidia driver", INFO, "none found: CPU kernels only (GPU migration unavailable)")]
+        # Every GPU row, so that the table reads the same on every machine; none is an error here.
+        try:
+            importlib.import_module("cuda.core.checkpoint")
+            api = Check("cuda checkpoint api", INFO, "cuda.core.checkpoint imports (used once there is a driver)")
+        except ImportError:
+            api = Check("cuda checkpoint api", INFO, "not installed (needed only with NVIDIA GPUs)",
+                        "With GPUs: pip install 'jupyter-gpumigrate[gpu]' in the server's environment.")
+        return [Check("nvidia driver", INFO, "none found: CPU kernels only (GPU migration unavailable)",
+                      f"To move GPU kernels: NVIDIA driver {MIN_DRIVER_FOR_REMAP} or newer (nvidia-smi)."),
+                api,
+                Check("gpus", INFO, "0 (NVML sees no driver)")]
     checks = []
     major = int(version.split(".")[0])
     if major >= MIN_DRIVER_FOR_REMAP:
@@ -140,7 +150,12 @@ def check_gpus() -> list[Check]:
         )
     gpus = gpus_mod.snapshot()
     names = ", ".join(f"{g.index}: {g.name}" for g in gpus) or "none"
-    checks.append(Check("gpus", OK if gpus else WARN, f"{len(gpus)} ({names})"))
+    checks.append(Check("gpus", OK if gpus else WARN, f"{len(gpus)} ({names})",
+                        "" if gpus else "The driver is loaded but lists no GPU: check nvidia-smi and dmesg."))
+    failing = [f"{g.index} ({g.error})" for g in gpus if g.error]
+    if failing:
+        checks.append(Check("gpu health", WARN, f"NVML cannot read GPU {', '.join(failing)}",
+                            "Check those GPUs with nvidia-smi; kernels are never moved onto them."))
     off = [str(g.index) for g in gpus if g.persistence_mode is False]
     if off:
         checks.append(

@@ -6,6 +6,7 @@ never call this; the server does. With no driver or no GPU, every call answers "
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import asdict, dataclass, field
 
@@ -13,6 +14,8 @@ try:
     import pynvml
 except ImportError:  # nvidia-ml-py is a dependency, but keep the server up without it
     pynvml = None  # type: ignore[assignment]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -27,6 +30,8 @@ class GpuInfo:
     mig_enabled: bool
     #: PID -> bytes of GPU memory, for every compute process NVML sees on this GPU.
     processes: dict[int, int] = field(default_factory=dict)
+    #: NVML's error when this GPU does not answer (lost, fallen off the bus): it is listed, never chosen.
+    error: str | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -80,10 +85,24 @@ def snapshot() -> list[GpuInfo]:
     """Every GPU the driver sees, in NVML index order; empty without a driver."""
     if not _init():
         return []
+    try:
+        count = pynvml.nvmlDeviceGetCount()
+    except pynvml.NVMLError as exc:
+        log.warning("NVML cannot count the GPUs (%s): listing none", exc)
+        return []
     gpus = []
-    for index in range(pynvml.nvmlDeviceGetCount()):
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
-        memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    for index in range(count):
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            uuid, name = _text(pynvml.nvmlDeviceGetUUID(handle)), _text(pynvml.nvmlDeviceGetName(handle))
+        except pynvml.NVMLError as exc:
+            # One failing GPU must not hide the others (every list and every move reads this).
+            log.warning("NVML cannot read GPU %s: %s", index, exc)
+            gpus.append(GpuInfo(index=index, uuid=f"unknown-{index}", name="unknown", memory_total=0,
+                                memory_used=0, utilization=None, persistence_mode=None, mig_enabled=False,
+                                error=str(exc)))
+            continue
         util = _maybe(pynvml.nvmlDeviceGetUtilizationRates, handle)
         mig = _maybe(pynvml.nvmlDeviceGetMigMode, handle, default=(0, 0))
         persistence = _maybe(pynvml.nvmlDeviceGetPersistenceMode, handle)
@@ -91,8 +110,8 @@ def snapshot() -> list[GpuInfo]:
         gpus.append(
             GpuInfo(
                 index=index,
-                uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
-                name=_text(pynvml.nvmlDeviceGetName(handle)),
+                uuid=uuid,
+                name=name,
                 memory_total=int(memory.total),
                 memory_used=int(memory.used),
                 utilization=int(util.gpu) if util is not None else None,

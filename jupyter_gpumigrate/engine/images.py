@@ -40,6 +40,8 @@ class Manifest:
     #: listening port -> clients connected at dump time, to wait for after a restore
     clients: dict = field(default_factory=dict)
     image_bytes: int = 0
+    #: each image file's size in bytes, by name (the manifest itself aside)
+    files: dict[str, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
     version: int = MANIFEST_VERSION
 
@@ -98,6 +100,8 @@ class ImageStore:
         for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
             if entry.is_file() and not entry.is_symlink():
                 entry.chmod(0o600)
+        manifest.files = {entry.name: entry.stat().st_size for entry in sorted(path.iterdir())
+                          if entry.is_file() and not entry.is_symlink() and not entry.name.startswith(MANIFEST)}
         manifest.image_bytes = directory_size(path)
         tmp = path / (MANIFEST + ".tmp")
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)

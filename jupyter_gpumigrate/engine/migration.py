@@ -45,7 +45,7 @@ from . import gpus as gpus_mod
 from . import hostfit, netstate, placement, proctree
 from .criu import Criu
 from .cudackpt import CudaProcess, gpu_mapping
-from .errors import GpuError, ImageError, InvalidState, PidConflict
+from .errors import CriuFailed, GpuError, ImageError, InvalidState, MigrateError, PidConflict
 from .gpus import GpuInfo
 from .images import ImageStore, Manifest
 from .placement import Move
@@ -167,7 +167,18 @@ class GpuState:
         self.lock_timeout = lock_timeout
         self.inventory = inventory
         self.home: str | None = None  # UUID of the GPU the kernel must be on if all is undone
-        self.at: str | None = None  # UUID of the GPU its checkpointed memory belongs to
+        self._at: dict[int, str] = {}  # per process: UUID of the GPU its checkpointed memory belongs to
+        self._at_all: str | None = None
+
+    @property
+    def at(self) -> str | None:
+        """Where the checkpointed memory belongs (set once for all processes; tracked per process after)."""
+        return self._at_all
+
+    @at.setter
+    def at(self, uuid: str | None) -> None:
+        self._at_all = uuid
+        self._at = {pid: uuid for pid in self.pids} if uuid else {}
 
     def holds_gpu(self) -> bool:
         return bool(self.pids)
@@ -203,16 +214,41 @@ class GpuState:
         return None if source == target else gpu_mapping([g.uuid for g in self.inventory()], source, target)
 
     def restore_to(self, target: str) -> None:
-        """Put the checkpointed memory on ``target``: a remap if it was checkpointed elsewhere."""
-        assert self.at is not None
-        mapping = self._mapping(self.at, target)
-        self._each(lambda p: p.restore(mapping), back=lambda p: p.checkpoint())
-        self.at = target
+        """Put the checkpointed memory on ``target``: a remap if it was checkpointed elsewhere.
+
+        If one process fails, those already restored are checkpointed again; their memory now
+        belongs to ``target``, which is recorded per process, so that the undo maps each from the
+        right GPU."""
+        assert self._at_all is not None
+
+        def restore(process: CudaProcess) -> None:
+            process.restore(self._mapping(self._at.get(process.pid, self._at_all), target))  # type: ignore[arg-type]
+            self._at[process.pid] = target
+
+        self._each(restore, back=lambda p: p.checkpoint())
+        self._at_all = target
 
     def restore_home(self) -> None:
-        """Undo of a checkpoint: back onto the GPU the kernel came from."""
+        """Undo of a checkpoint: back onto the GPU the kernel came from; if that fails (it filled up
+        meanwhile), onto another GPU of the same model with room, so that the kernel runs again."""
         assert self.home is not None
-        self.restore_to(self.home)
+        try:
+            self.restore_to(self.home)
+            return
+        except MigrateError as home_error:
+            inventory = self.inventory()
+            home = next((g for g in inventory if g.uuid == self.home), None)
+            others = [g for g in inventory if home is not None and g.uuid != home.uuid and g.name == home.name
+                      and not g.mig_enabled and not g.error]
+            for other in sorted(others, key=lambda g: g.memory_used - g.memory_total):
+                try:
+                    self.restore_to(other.uuid)
+                except MigrateError:
+                    continue
+                log.warning("kernel processes %s could not go back to GPU %s (%s); they run on GPU %s",
+                            self.pids, home.index if home else "?", home_error, other.index)
+                return
+            raise
 
     def checkpoint_again(self) -> None:
         """Undo of a remap: take the memory off the target again, so it can go home."""
@@ -356,7 +392,12 @@ class Migration:
         kernel = self.kernel
         # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is
         # kept outside the images, which the rollback deletes.
-        self.criu.dump(manifest.pid, images, log_path=self.store.log_path(kernel.kernel_id, "dump"))
+        try:
+            self.criu.dump(manifest.pid, images, log_path=self.store.log_path(kernel.kernel_id, "dump"))
+        except CriuFailed as exc:
+            raise CriuFailed(
+                f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
+                "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
         try:
             kernel.release()
             proctree.reap_dumped(manifest.ids)

@@ -62,6 +62,9 @@ def source_gpu(gpus: list[GpuInfo], held: list[dict]) -> tuple[GpuInfo, int]:
 
 def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_major: int | None) -> None:
     """Refuse a target that cannot take a kernel of ``needed`` bytes coming from ``source``."""
+    if target.error:
+        raise GpuError(f"GPU {target.index} does not answer NVML ({target.error}): check it with nvidia-smi, "
+                       "or pick another GPU.")
     if source is not None and target.uuid == source.uuid:
         raise GpuError(f"The kernel is already on GPU {target.index}: pick another GPU to move it to.")
     if target.mig_enabled or (source is not None and source.mig_enabled):
