@@ -224,6 +224,16 @@ class PidHolder:
         self.proc.wait(timeout=10)
 
 
+#: Code that opens an io_uring instance in a kernel, as ``ring``: a kind of file CRIU cannot dump, so a
+#: suspend fails for real, in CRIU's own dump (close it with ``os.close(ring)``).
+OPEN_IO_URING = (
+    "import ctypes, os\n"
+    "params = ctypes.create_string_buffer(120)\n"
+    "ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)\n"
+    "assert ring >= 0, os.strerror(ctypes.get_errno())\n"
+)
+
+
 def start_sleep(*args: str, **kwargs: Any) -> subprocess.Popen:
     """Start ``sleep``, and return once it runs as ``sleep`` (until exec, /proc names the forking python)."""
     proc = subprocess.Popen(["sleep", *args], **kwargs)

@@ -16,7 +16,8 @@ import sys
 import time
 
 import pytest
-from helpers import KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel, wait_operation
+from helpers import (OPEN_IO_URING, KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel,
+                     wait_operation)
 
 from jupyter_gpumigrate.engine import doctor
 from jupyter_gpumigrate.engine import gpus as gpus_mod
@@ -293,13 +294,7 @@ async def test_draining_gpu_0_moves_both_kernels_on_it(jp_fetch, jp_serverapp, k
 
 async def test_a_gpu_suspend_whose_dump_fails_leaves_the_kernel_on_its_gpu_unlocked(jp_fetch, kernel):
     pid = await build(kernel)
-    # An io_uring instance: a kind of file CRIU cannot dump. The dump fails after the CUDA checkpoint.
-    await kernel.run(
-        "import ctypes\n"
-        "params = ctypes.create_string_buffer(120)\n"
-        "ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)\n"
-        "assert ring >= 0"
-    )
+    await kernel.run(OPEN_IO_URING)  # the dump fails after the CUDA checkpoint
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump", op
     assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "dump"]

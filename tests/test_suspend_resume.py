@@ -14,6 +14,7 @@ from helpers import (
     BUILD_STATE,
     CHECK_STATE,
     EXPECTED,
+    OPEN_IO_URING,
     KernelSession,
     WebSocketTab,
     api,
@@ -137,14 +138,7 @@ async def test_restart_a_suspended_kernel_starts_afresh(jp_fetch, jp_serverapp, 
 
 
 async def test_failed_dump_leaves_the_kernel_running(jp_fetch, kernel):
-    # An io_uring instance: a kind of file CRIU cannot dump. The failure is CRIU's own.
-    await kernel.run(
-        "import ctypes, os\n"
-        "params = ctypes.create_string_buffer(120)\n"
-        "ring = ctypes.CDLL(None, use_errno=True).syscall(425, 4, params)\n"
-        "assert ring >= 0, os.strerror(ctypes.get_errno())\n"
-        "value = 'still here'"
-    )
+    await kernel.run(OPEN_IO_URING + "value = 'still here'")  # the failure is CRIU's own
     pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump"
