@@ -93,7 +93,11 @@ class CudaProcess:
 
     @property
     def state(self) -> str:
-        return self._call("read the checkpoint state of", lambda: self._process.state)
+        """``running``, ``locked``, ``checkpointed`` or ``failed``, whether cuda-core says it as a string or
+        as an enum member (``CU_PROCESS_STATE_RUNNING``)."""
+        raw = self._call("read the checkpoint state of", lambda: self._process.state)
+        name = str(getattr(raw, "name", None) or raw).lower().rsplit(".", 1)[-1]
+        return name.removeprefix("cu_process_state_")
 
     def lock(self, timeout: float) -> None:
         """Block the process's CUDA calls, once the GPU work in flight has finished (at most ``timeout`` s)."""

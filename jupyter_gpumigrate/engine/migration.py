@@ -183,6 +183,13 @@ class GpuState:
     def holds_gpu(self) -> bool:
         return bool(self.pids)
 
+    def runs(self) -> bool:
+        """Whether every CUDA process of the kernel runs (neither locked nor checkpointed), as the driver says."""
+        try:
+            return all(CudaProcess(pid).state == "running" for pid in self.pids)
+        except MigrateError:
+            return False
+
     def _each(self, step: Callable[[CudaProcess], None], back: Callable[[CudaProcess], None] | None = None) -> None:
         """``step`` on every CUDA process of the tree, all or none: if one fails, ``back`` undoes it on
         those already done, so that the plan's undo finds all of them in the same state."""
@@ -568,10 +575,18 @@ class Migration:
         def stashed() -> bool:
             return stash is not None and stash.held > 0
 
+        def take_back() -> None:
+            # Undo of the stash: the tensors come back onto the GPU the kernel is on again. A kernel that
+            # a failed rollback left locked cannot take them: they stay in the stash (kept) until it can.
+            assert stash is not None
+            if stash.held and not gpu.runs():
+                raise GpuError("The kernel is left locked, so its tensors stay in the stash on the target GPU; "
+                               "it takes them back by itself once unlocked. Restart the kernel if it stays stuck.")
+            stash.unstash()
+
         phases = [
             Phase("prepare", prepare, back_to_running),
-            # Undo: the tensors come back from the stash onto the GPU the kernel is on again.
-            Phase("stash", stash_tensors, lambda: stash.unstash() if stash else None, when=lambda: stash is not None),
+            Phase("stash", stash_tensors, take_back, when=lambda: stash is not None),
             Phase("lock", gpu.lock, gpu.unlock),
             Phase("checkpoint", gpu.checkpoint, gpu.restore_home),
             Phase("remap", remap, gpu.checkpoint_again),
@@ -583,7 +598,7 @@ class Migration:
             result = Plan(phases, self.progress).run()
         finally:
             if stash is not None:
-                stash.close()
+                stash.close(kernel_runs=not stash.held or gpu.runs())
         assert move is not None
         extra: dict = {"from_gpu": move.source.index, "to_gpu": move.target.index}
         if stash is not None:

@@ -28,6 +28,7 @@ Protocol, JSON lines over a Unix socket in a private (0700) folder; the kernel c
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import shutil
@@ -51,6 +52,11 @@ ALIGN = 512
 #: The helper keeps the buffer this long after the server went away, so that the kernel can still
 #: take its tensors back (it does so as soon as its socket closes).
 ORPHAN_GRACE = 60.0
+
+log = logging.getLogger(__name__)
+#: Stashes of kernels left locked by a failed rollback: their helpers live on (the kernel takes its
+#: tensors back once it runs again), until the server exits.
+_KEPT: list[Helper] = []
 
 
 @dataclass
@@ -254,20 +260,26 @@ class Stash:
             self.helper.stop()
             self.helper = None
 
-    def close(self) -> None:
+    def close(self, kernel_runs: bool = True) -> None:
         """Say goodbye (a kernel that still has tensors in the stash takes them back first), free the
-        stash, and remove the socket."""
+        stash, and remove the socket. If the kernel does not run (left locked by a failed rollback), it
+        cannot take them back now: it is not waited for, and the stash is kept until the server exits."""
         gone = True
         if self._conn is not None:
             try:
                 self._send({"op": "bye"})
-                self._conn.settimeout(300 if self.held or self.unsure else 5)
+                self._conn.settimeout((300 if self.held or self.unsure else 5) if kernel_runs else 2)
                 while self._file.readline():  # type: ignore[union-attr]  # until the kernel closes: done
                     pass
             except (OSError, ValueError):
                 gone = False
             self._hang_up()
-        if self.helper is not None and not gone and (self.held or self.unsure):
+        if self.helper is not None and not gone and (self.held or self.unsure) and not kernel_runs:
+            log.warning("the stash of kernel %s is kept (%d bytes): the kernel is locked and takes its tensors "
+                        "back once it runs", self.offer.pid if self.offer else "?", self.held)
+            _KEPT.append(self.helper)
+            self.helper = None
+        elif self.helper is not None and not gone and (self.held or self.unsure):
             self.helper.stop(orphan=True)  # it may still be copying back: the helper frees later
             self.helper = None
         self._stop_helper()
