@@ -198,17 +198,24 @@ def cmd_drain(args: argparse.Namespace) -> int:
     server = servers[0]
     body = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {}
     op = server.request("POST", f"{API}/gpus/{args.gpu}/drain", body)
-    op = follow(server, op, quiet=args.json, timeout=args.timeout)
+    progress = DrainProgress()
+
+    def show(op: dict) -> None:
+        for line in progress.lines(op):
+            print(line, file=sys.stderr, flush=True)
+
+    op = follow(server, op, quiet=args.json, timeout=args.timeout, on_change=None if args.json else show)
+    moved = [r for r in op["results"] if r["status"] == "succeeded"]
     if args.json:
         print(json.dumps(op, indent=1))
+    elif not op["results"] and op["status"] == "succeeded":
+        print(f"GPU {args.gpu} holds no kernel of this server: nothing to move.")
+    elif op["status"] == "succeeded":
+        where = ", ".join(sorted({f"GPU {r['to_gpu']}" for r in moved}))
+        print(f"GPU {args.gpu} drained: {len(moved)} kernel(s) moved to {where} in {op['total']:.2f} s.")
     else:
-        for r in op["results"]:
-            where = f"moved to GPU {r.get('to_gpu')}" if r["status"] == "succeeded" else f"NOT moved: {r['error']}"
-            print(f"  kernel {r['kernel_id']}: {where}")
-        if not op["results"]:
-            print(f"GPU {args.gpu} holds no kernel of this server: nothing to move.")
-        elif op["status"] == "succeeded":
-            print(f"GPU {args.gpu} drained: {len(op['results'])} kernel(s) moved in {op['total']:.2f} s.")
+        print(f"GPU {args.gpu} not drained: {len(moved)} of {len(op['results'])} kernel(s) moved; the others "
+              f"run on where they were.")
     if op["status"] != "succeeded":
         if not args.json:
             print(f"drain failed: {op['error']}", file=sys.stderr)
@@ -216,11 +223,37 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def follow(server: Server, op: dict, quiet: bool, timeout: float) -> dict:
-    """Follow the operation until it ends, printing each phase as it starts (to stderr)."""
+class DrainProgress:
+    """One line per kernel of a drain each time its result changes (moving, moved, NOT moved)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+
+    def lines(self, op: dict) -> list[str]:
+        out = []
+        for r in op.get("results") or []:
+            if self.seen.get(r["kernel_id"]) == r["status"] or r["status"] == "pending":
+                continue
+            self.seen[r["kernel_id"]] = r["status"]
+            if r["status"] == "running":
+                out.append(f"  kernel {r['kernel_id']}: moving to GPU {r.get('to_gpu')}...")
+            elif r["status"] == "succeeded":
+                out.append(f"  kernel {r['kernel_id']}: moved to GPU {r.get('to_gpu')}")
+            else:
+                out.append(f"  kernel {r['kernel_id']}: NOT moved: {r.get('error') or 'unknown error'}")
+        return out
+
+
+def follow(server: Server, op: dict, quiet: bool, timeout: float, on_change: Any = None) -> dict:
+    """Follow the operation until it ends, printing each phase as it starts (to stderr), and calling
+    ``on_change(op)`` with each version seen, the first and the last included."""
     deadline = time.monotonic() + timeout
     shown = None
-    while op["status"] not in ("succeeded", "failed"):
+    while True:
+        if on_change is not None:
+            on_change(op)
+        if op["status"] in ("succeeded", "failed"):
+            return op
         if op["phase"] and op["phase"] != shown and not quiet:
             print(f"  {op['phase']}...", file=sys.stderr, flush=True)
             shown = op["phase"]
@@ -231,7 +264,6 @@ def follow(server: Server, op: dict, quiet: bool, timeout: float) -> dict:
             )
         # The server holds this request until the operation changes (long poll): no busy polling.
         op = server.request("GET", f"{API}/operations/{op['id']}?after={op['version']}", timeout=60)
-    return op
 
 
 def parser() -> argparse.ArgumentParser:

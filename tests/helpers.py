@@ -169,6 +169,70 @@ class KernelSession:
         self.client.stop_channels()
 
 
+class Widgets:
+    """The frontend's half of ipywidgets' comm protocol, over a real kernel's ZMQ channels: the models as
+    the kernel opens and updates them, and what a frontend sends (a state update, a button's click)."""
+
+    def __init__(self, kernel: KernelSession, messages: list[dict]) -> None:
+        self.kernel = kernel
+        self.models: dict[str, dict] = {}
+        self.history: dict[str, list[dict]] = {}  # each model's updates, in order
+        for m in messages:
+            self._see(m)
+        view = next(m for m in messages if m["msg_type"] == "display_data"
+                    and "application/vnd.jupyter.widget-view+json" in m["content"]["data"])
+        self.root = view["content"]["data"]["application/vnd.jupyter.widget-view+json"]["model_id"]
+
+    def _see(self, m: dict) -> None:
+        content = m["content"]
+        if m["msg_type"] == "comm_open":
+            self.models[content["comm_id"]] = dict(content["data"]["state"])
+            self.history[content["comm_id"]] = []
+        elif m["msg_type"] == "comm_msg" and content["data"].get("method") in ("update", "echo_update"):
+            self.models[content["comm_id"]].update(content["data"]["state"])
+            self.history[content["comm_id"]].append(dict(content["data"]["state"]))
+
+    def child(self, parent: str, index: int) -> str:
+        return self.models[parent]["children"][index].removeprefix("IPY_MODEL_")
+
+    def picker(self) -> dict[str, str]:
+        """The picker's parts (MigrateWidget's layout): target, button, reasons, progress, message."""
+        row = self.child(self.root, 2)
+        return {"target": self.child(row, 0), "button": self.child(row, 1), "reasons": self.child(self.root, 3),
+                "progress": self.child(self.root, 4), "message": self.child(self.root, 5)}
+
+    def send(self, comm_id: str, data: dict) -> None:
+        client = self.kernel.client
+        client.shell_channel.send(client.session.msg("comm_msg", {"comm_id": comm_id, "data": data}))
+
+    def update(self, comm_id: str, **state: object) -> None:
+        self.send(comm_id, {"method": "update", "state": state, "buffer_paths": []})
+
+    def click(self, comm_id: str) -> None:
+        self.send(comm_id, {"method": "custom", "content": {"event": "click"}})
+
+    async def until(self, done, timeout: float = 30) -> None:
+        """Read what the kernel sends (from any thread of it) until ``done(self.models)`` holds."""
+        deadline = time.monotonic() + timeout
+        while not done(self.models):
+            left = deadline - time.monotonic()
+            assert left > 0, f"the widget did not get there within {timeout} s: {self.models}"
+            try:
+                self._see(await asyncio.wait_for(self.kernel.iopub.get(), min(left, 0.2)))
+            except asyncio.TimeoutError:
+                pass
+
+
+async def wait_suspended(jp_fetch: Any, kernel_id: str, cell: asyncio.Future, timeout: float = 120) -> dict:
+    """Wait until a kernel that suspends itself from ``cell`` (``%migrate --suspend``) is suspended; its view."""
+    deadline = time.monotonic() + timeout
+    while (view := await api(jp_fetch, "kernels", kernel_id))["state"] != "suspended":
+        assert not cell.done(), cell.result()
+        assert time.monotonic() < deadline, f"the kernel never got suspended: {view}"
+        await asyncio.sleep(0.1)
+    return view
+
+
 class WebSocketTab:
     """What a notebook tab does: talk to the kernel through the server's /api/kernels/{id}/channels."""
 

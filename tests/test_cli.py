@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 from helpers import api, cli, remote
+
+from jupyter_gpumigrate.cli import DrainProgress
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -74,3 +77,33 @@ async def test_doctor_json_and_table():
     assert "CHECK" in out and "REMEDY" in out and "criu check" in out
     code, out, err = await cli("doctor", "--criu", "/nonexistent/criu")
     assert code == 1 and "FAIL" in out and "ensure-criu.sh" in out and "cannot migrate kernels yet" in out
+
+
+@pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has GPUs: the gpu suite drains for real")
+async def test_drain_without_a_gpu_fails_in_json_too(jp_fetch, jp_serverapp, kernel):
+    code, out, err = await cli("drain", "--gpu", "0", "--json", *remote(jp_serverapp))
+    assert code == 1 and "no NVIDIA GPU" in json.loads(out)["error"], (out, err)
+    code, out, err = await cli("drain", "--gpu", "0", "--to-gpu", "1", *remote(jp_serverapp))
+    assert code == 1 and "no NVIDIA GPU" in err and out == ""
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+
+
+def test_drain_progress_has_one_line_per_change_of_each_kernels_result():
+    """What `drain` prints on stderr from the versions of a drain operation it sees (the shape of GET
+    /operations/{id}; the gpu suite drains real kernels). Versions it misses are not made up."""
+    progress = DrainProgress()
+
+    def op(*results: dict) -> dict:
+        return {"results": [dict({"operation": None, "error": None}, **r) for r in results]}
+
+    a, b = "a" * 32, "b" * 32
+    assert progress.lines(op()) == []
+    assert progress.lines(op({"kernel_id": a, "status": "pending"})) == []
+    assert progress.lines(op({"kernel_id": a, "status": "running", "to_gpu": 1})) == [
+        f"  kernel {a}: moving to GPU 1..."]
+    assert progress.lines(op({"kernel_id": a, "status": "running", "to_gpu": 1})) == [], "no change, no line"
+    assert progress.lines(op({"kernel_id": a, "status": "succeeded", "to_gpu": 1},
+                             {"kernel_id": b, "status": "failed", "error": "GPU 1 has 2.0 GiB free."})) == [
+        f"  kernel {a}: moved to GPU 1", f"  kernel {b}: NOT moved: GPU 1 has 2.0 GiB free."]
+    assert progress.lines(op({"kernel_id": a, "status": "succeeded", "to_gpu": 1},
+                             {"kernel_id": b, "status": "failed", "error": "GPU 1 has 2.0 GiB free."})) == []

@@ -6,11 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 
 import pytest
-from helpers import KernelSession, api, cli, operate, remote, start_kernel
+from helpers import (OPEN_IO_URING, KernelSession, WebSocketTab, Widgets, api, cli, operate, remote,
+                     start_kernel, wait_suspended)
 
 from jupyter_gpumigrate.provisioner import can_import_package
 from jupyter_gpumigrate.engine.stash import Offer, Stash, pack
@@ -25,19 +28,26 @@ NO_GPU = not os.path.exists("/dev/nvidiactl")
 async def test_the_magic_is_there_without_load_ext(kernel):
     out = await kernel.run("%migrate --help")
     assert "Move this kernel to another GPU" in out and "--to-gpu N" in out and "--list" in out
+    assert "--suspend" in out and out.startswith("  %migrate [--to-gpu N]"), out[:80]
 
 
 async def test_bad_arguments_are_usage_errors_without_a_traceback(kernel):
     for line, words in [
         ("%migrate --to-gpu one", "invalid int value"),
         ("%migrate --to-gpu -1", "GPU index, 0 or more"),
-        ("%migrate --list --to-gpu 1", "either --list or a target"),
-        ("%migrate --list --to-host b", "either --list or a target"),
+        ("%migrate --list --to-gpu 1", "one of --list, --suspend or a target"),
+        ("%migrate --list --to-host b", "one of --list, --suspend or a target"),
+        ("%migrate --suspend --to-gpu 1", "one of --list, --suspend or a target"),
         ("%migrate --frobnicate", "unrecognized arguments"),
+        ('%migrate --to-host "b', "No closing quotation"),
+        ('%migrate --to-host ""', "--to-host needs a server's name"),
+        ("%migrate --to-host '  '", "--to-host needs a server's name"),
     ]:
         result = await kernel.execute(line)
         assert result.status == "error" and result.reply["ename"] == "UsageError", (line, result.reply)
         assert words in result.reply["evalue"], (line, result.reply["evalue"])
+        text = "\n".join(result.errors)
+        assert "Traceback" not in text and 'File "' not in text, (line, text)
     assert (await kernel.run("print('still fine')")).strip() == "still fine"
 
 
@@ -79,6 +89,34 @@ async def test_the_widget_renders_its_model(kernel):
         assert "No NVIDIA GPU is visible" in texts and button["disabled"] is True
 
 
+async def test_clicking_migrate_with_no_target_says_why_in_place_and_asks_nothing(jp_fetch, kernel):
+    """The widget's interactive half, driven as a frontend drives it: a click message on the Migrate
+    button's comm. With no target to pick (no GPU here, or none that can take this kernel) the click
+    asks the server nothing and says why in the widget."""
+    result = await kernel.execute("%migrate")
+    assert result.status == "ok", result.errors
+    widgets = Widgets(kernel, result.messages)
+    part = widgets.picker()
+    assert widgets.models[part["button"]]["description"] == "Migrate"
+    assert widgets.models[part["target"]]["_model_name"] == "DropdownModel"
+    if NO_GPU:
+        assert widgets.models[part["target"]]["_options_labels"] == [] and widgets.models[part["button"]]["disabled"]
+    widgets.update(part["target"], index=None)  # nothing picked, as a frontend can send
+    widgets.click(part["button"])
+    await widgets.until(lambda m: "Nothing to migrate to" in m[part["message"]]["value"])
+    message = widgets.models[part["message"]]["value"]
+    assert "error-color" in message, message
+    if NO_GPU:
+        assert "there is no GPU this kernel can move to now" in message, message
+    else:
+        assert "pick a GPU in 'Move to' first" in message or "no GPU this kernel can move to" in message, message
+    progress = widgets.models[part["progress"]]
+    assert progress["bar_style"] == "danger" and progress["value"] == 0
+    operations = await api(jp_fetch, "operations")
+    assert not [op for op in operations if op["kernel_id"] == kernel.id], "the click asked the server nothing"
+    assert (await kernel.run("print('still fine')")).strip() == "still fine"
+
+
 async def test_load_ext_works_in_plain_ipython_and_says_why_it_cannot_move():
     env = {k: v for k, v in os.environ.items() if not k.startswith("JUPYTER_GPUMIGRATE_")}
     proc = subprocess.run(
@@ -107,6 +145,107 @@ async def test_events_follow_suspend_and_resume_phase_by_phase(jp_fetch, jp_serv
         assert [e["status"] for e in mine][0] == "pending" and mine[-1]["status"] == "succeeded"
         assert set(mine[-1]["timings"]) == set(phases) and mine[-1]["kernel_id"] == kernel.id
         assert [e["version"] for e in mine] == sorted(e["version"] for e in mine)
+
+
+async def test_a_failed_suspend_sends_the_failure_the_undo_and_the_error_as_events(jp_fetch, jp_serverapp, kernel):
+    events: list[dict] = []
+
+    async def listener(logger, schema_id, data):
+        events.append(dict(data))
+
+    jp_serverapp.event_logger.add_listener(schema_id=EVENT_SCHEMA_ID, listener=listener)
+    await kernel.run(OPEN_IO_URING + "value = 'still here'")
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+    await asyncio.sleep(0.2)  # listeners run as tasks
+    mine = [e for e in events if e["operation_id"] == op["id"]]
+    steps = [(e["phase"], e["phase_event"]) for e in mine if e["phase_event"]]
+    # The dump starts and fails; the phase before it that has an undo (prepare: forget the images) is undone.
+    assert steps == [("prepare", "start"), ("prepare", "done"), ("dump", "start"), ("dump", "failed"),
+                     ("prepare", "undo")], steps
+    failed = next(e for e in mine if e["phase_event"] == "failed")
+    assert failed["status"] == "running" and set(failed["timings"]) == {"prepare", "dump"}
+    last = mine[-1]
+    assert last["status"] == "failed" and last["phase_event"] == "" and last["kernel_id"] == kernel.id
+    assert last["error"] == op["error"] and "CRIU could not dump" in last["error"], last
+    assert "The kernel runs on, unchanged" in last["error"]
+    assert [e["version"] for e in mine] == sorted(e["version"] for e in mine)
+    assert (await kernel.run("print(value)")).strip() == "still here"
+    await kernel.run("os.close(ring)")
+
+
+async def test_migrate_suspend_stops_the_cell_and_finishes_it_once_resumed(jp_fetch, kernel):
+    """%migrate --suspend: the kernel has its own server dump it in the middle of the cell; once resumed
+    (here through REST, as the panel and the CLI do), the same cell goes on, prints one line and ends."""
+    await kernel.run("kept = {'a': [1, 2, 3]}")
+    cell = asyncio.ensure_future(kernel.execute("%migrate --suspend\nafter = 'the cell went on'", timeout=180))
+    view = await wait_suspended(jp_fetch, kernel.id, cell, 120)
+    assert view["image_bytes"] > 0
+    await asyncio.sleep(1.0)  # away for a second at least
+    assert not cell.done(), "the cell waits while the kernel is suspended"
+    resumed = await operate(jp_fetch, kernel.id, "resume")
+    assert resumed["status"] == "succeeded", resumed
+    result = await cell
+    assert result.status == "ok", result.errors
+    line = result.out.strip()
+    pattern = (r"Suspended for (\d+\.\d) s \((\d+) MB of images\); resumed on CPU \(this kernel holds no GPU "
+               r"memory\)( in \d+\.\d\d s)?\. Everything in memory is as it was\.")
+    match = re.fullmatch(pattern, line)
+    assert match, line
+    assert float(match.group(1)) >= 1.0 and int(match.group(2)) == round(view["image_bytes"] / 1e6), (line, view)
+    assert (await kernel.run("print(kept['a'], after)")).strip() == "[1, 2, 3] the cell went on"
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+
+
+async def test_migrate_suspend_in_a_notebook_is_resumed_by_running_the_next_cell(jp_fetch, jp_ws_fetch, jp_serverapp):
+    """The way a notebook user meets it: one cell suspends the kernel; running the next cell (through the
+    notebook's WebSocket) resumes it; the first cell then prints its line, and the next one runs."""
+    kernel_id = await start_kernel(jp_fetch)
+    session = KernelSession(jp_serverapp, kernel_id)
+    await session.ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    try:
+        await tab.run("kept = 'here'")
+        request = {"silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False}
+        first = tab.send("execute_request", dict(request, code="%migrate --suspend"))
+        deadline = time.monotonic() + 120
+        while (await api(jp_fetch, "kernels", kernel_id))["state"] != "suspended":
+            assert time.monotonic() < deadline, "the kernel never got suspended"
+            await asyncio.sleep(0.1)
+        second = tab.send("execute_request", dict(request, code="print(kept)"))
+        out: dict[str, str] = {first: "", second: ""}
+        status: dict[str, str] = {}
+        idle: set[str] = set()
+        while len(status) < 2 or len(idle) < 2:
+            left = deadline + 60 - time.monotonic()
+            assert left > 0, (out, status)
+            raw = await asyncio.wait_for(tab.ws.read_message(), left)
+            assert raw is not None, "the websocket closed"
+            if isinstance(raw, bytes):
+                continue
+            msg = json.loads(raw)
+            parent = msg.get("parent_header", {}).get("msg_id")
+            if parent not in out:
+                continue
+            if msg["msg_type"] == "stream":
+                out[parent] += msg["content"]["text"]
+            elif msg["msg_type"] == "error":
+                out[parent] += "\n".join(msg["content"]["traceback"])
+            elif msg["msg_type"] == "execute_reply":
+                status[parent] = msg["content"]["status"]
+            elif msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
+                idle.add(parent)
+        assert status == {first: "ok", second: "ok"}, (status, out)
+        assert re.fullmatch(r"Suspended for \d+\.\d s \(\d+ MB of images\); resumed on CPU \(this kernel holds no "
+                            r"GPU memory\)( in \d+\.\d\d s \(started by a cell\))?\. Everything in memory is as it "
+                            r"was\.", out[first].strip()), out[first]
+        assert out[second].strip() == "here"
+        operations = jp_serverapp.web_app.settings["gpumigrate_operations"].operations.values()
+        resumes = [(op.trigger, op.status) for op in operations if op.kernel_id == kernel_id and op.action == "resume"]
+        assert resumes == [("cell", "succeeded")]
+    finally:
+        tab.ws.close()
+        session.close()
 
 
 async def test_a_kernels_credential_is_refused_for_another_kernel(jp_fetch, jp_serverapp, kernel):

@@ -6,6 +6,7 @@ dependency to the user's environment.
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import time
@@ -67,7 +68,8 @@ class ServerClient:
             except ValueError:
                 message = exc.reason
             raise ApiError(str(message)) from None
-        except (urllib.error.URLError, OSError) as exc:
+        except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:
+            # HTTPException: a connection cut mid-answer (CRIU restores this kernel's sockets closed).
             raise Unreachable(f"The Jupyter server at {self.url} does not answer ({exc}).") from None
 
     def gpus(self) -> dict:
@@ -86,6 +88,12 @@ class ServerClient:
         if fast_path:
             body["fast_path"] = fast_path
         return self.request("POST", f"kernels/{self.kernel_id}/migrate", body)
+
+    def suspend(self) -> dict:
+        return self.request("POST", f"kernels/{self.kernel_id}/suspend", {})
+
+    def operation(self, op_id: str) -> dict:
+        return self.request("GET", f"operations/{op_id}")
 
     def follow(self, op: dict, on_change: Callable[[dict], None] | None = None, patience: float = 120.0) -> dict:
         """Wait for the operation to end, calling ``on_change`` at each change (the server holds each

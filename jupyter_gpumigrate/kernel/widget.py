@@ -1,6 +1,10 @@
 """The ``%migrate`` picker: each GPU with a memory bar, its utilisation and its kernels, this kernel's GPU
 marked, a target picker, a Migrate button, a progress bar that follows the phases, and the result or
-the error in place. Built from ipywidgets' stock controls, so it renders wherever ipywidgets does."""
+the error in place. Built from ipywidgets' stock controls, so it renders wherever ipywidgets does.
+
+The picker offers only the GPUs the server says this kernel can go to now (the ``targets`` of its
+kernel view, checked with the same rules as the move itself) and shows why the others cannot take it.
+"""
 
 from __future__ import annotations
 
@@ -11,9 +15,13 @@ import ipywidgets as w
 from IPython.display import display
 
 from .client import ApiError, ServerClient
-from .magics import GB, describe, release_torch_cache
+from .magics import GB, MigrateFailed, describe, release_torch_cache
 
 MOVE_PHASES = ("prepare", "stash", "lock", "checkpoint", "remap", "unlock", "unstash", "verify")
+
+
+def _error(text: str) -> str:
+    return f"<span style='color:var(--jp-error-color1)'>{html.escape(text)}</span>"
 
 
 class MigrateWidget:
@@ -24,9 +32,11 @@ class MigrateWidget:
         self.button = w.Button(description="Migrate", button_style="primary", icon="exchange")
         self.progress = w.IntProgress(value=0, min=0, max=len(MOVE_PHASES), description="",
                                       layout=w.Layout(visibility="hidden"))
+        self.reasons = w.HTML()
         self.message = w.HTML()
+        self.moving = False
         self.button.on_click(self._on_click)
-        self.box = w.VBox([w.HTML("<b>GPUs</b>"), self.rows, w.HBox([self.target, self.button]),
+        self.box = w.VBox([w.HTML("<b>GPUs</b>"), self.rows, w.HBox([self.target, self.button]), self.reasons,
                            self.progress, self.message])
         self.refresh()
 
@@ -35,17 +45,26 @@ class MigrateWidget:
 
     def refresh(self) -> None:
         gpus = self.client.gpus()["gpus"]
-        me = self.client.kernel_id
-        mine = next((g["index"] for g in gpus if any(k["id"] == me for k in g["kernels"])), None)
+        me = self.client.me()
+        mine = me["gpus"][0]["index"] if me.get("gpus") else None
         self.rows.children = [self._gpu_row(g, mine) for g in gpus] or [
             w.HTML("No NVIDIA GPU is visible to the Jupyter server: there is nowhere to move this kernel.")
         ]
-        choices = [(f"GPU {g['index']} ({(g['memory_total'] - g['memory_used']) / GB:.0f} GB free)", g["index"])
-                   for g in gpus if g["index"] != mine]
+        by_index = {g["index"]: g for g in gpus}
+        targets = me.get("targets") or []
+        choices = [(f"GPU {t['index']} ({self._free(by_index.get(t['index']))} GB free)", t["index"])
+                   for t in targets if t["ok"]]
+        refused = [f"GPU {t['index']}: {t['reason']}" for t in targets if not t["ok"] and t["index"] != mine]
+        self.reasons.value = "<br>".join(html.escape(r) for r in refused)
         self.target.options = choices
-        self.button.disabled = mine is None or not choices
-        if mine is None and gpus:
+        self.target.value = choices[0][1] if choices else None
+        self.button.disabled = not choices
+        if mine is None and gpus and not self.moving:
             self.message.value = "This kernel holds no GPU memory: there is nothing to move."
+
+    @staticmethod
+    def _free(g: dict | None) -> str:
+        return "?" if g is None else f"{(g['memory_total'] - g['memory_used']) / GB:.0f}"
 
     @staticmethod
     def _gpu_row(g: dict, mine: int | None) -> w.Widget:
@@ -60,12 +79,24 @@ class MigrateWidget:
         return w.HBox([bar, w.HTML(text)])
 
     def _on_click(self, _button: w.Button) -> None:
+        if self.moving:
+            return  # a click that raced the button's disabling: the move under way goes on
+        to_gpu = self.target.value
+        if to_gpu is None:
+            # Nothing is asked of the server: say here why there is nothing to click.
+            self.progress.value, self.progress.bar_style = 0, "danger"
+            self.progress.layout.visibility = "visible"
+            why = ("there is no GPU this kernel can move to now" + (" (see the reasons above)"
+                   if self.reasons.value else "")) if not self.target.options else "pick a GPU in 'Move to' first"
+            self.message.value = _error(f"Nothing to migrate to: {why}.")
+            return
         # The move runs in a thread: the kernel must stay free to handle its messages meanwhile.
+        self.moving = True
         self.button.disabled = True
         self.progress.value, self.progress.bar_style = 0, ""
         self.progress.layout.visibility = "visible"
         self.message.value = "Starting…"
-        threading.Thread(target=self._move, args=(self.target.value,), daemon=True).start()
+        threading.Thread(target=self._move, args=(to_gpu,), daemon=True).start()
 
     def _move(self, to_gpu: int) -> None:
         try:
@@ -76,15 +107,16 @@ class MigrateWidget:
                 self.message.value = html.escape(describe(op))
             else:
                 self.progress.bar_style = "danger"
-                self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(op['error'])}</span>"
-        except ApiError as exc:
+                self.message.value = _error(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+        except (ApiError, MigrateFailed) as exc:
             self.progress.bar_style = "danger"
-            self.message.value = f"<span style='color:var(--jp-error-color1)'>{html.escape(str(exc))}</span>"
+            self.message.value = _error(str(exc))
         finally:
+            self.moving = False
             try:
                 self.refresh()
             except ApiError:
-                pass
+                self.button.disabled = False
 
     def _on_change(self, op: dict) -> None:
         if op.get("phase") in MOVE_PHASES:
