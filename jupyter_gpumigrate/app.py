@@ -123,18 +123,18 @@ class GPUMigrateApp(ExtensionApp):
     resume_on_execute = Bool(
         True,
         help="Resume a suspended kernel when a cell is run on it (an execute_request from its notebook); "
-        "the cell then runs on the resumed kernel. Set False to resume only on request.",
+        "the cell then runs on the resumed kernel. Set False to resume only on request (what the notebook "
+        "sends meanwhile still waits for the kernel).",
     ).tag(config=True)
 
     def _resume_on_cells(self, operations: OperationManager) -> None:
         base = self.serverapp.web_app.settings.get("kernel_websocket_connection_class")
-        if not self.resume_on_execute:
-            return
         if not (isinstance(base, type) and issubclass(base, ZMQChannelsWebsocketConnection)):
             self.log.warning("gpumigrate: kernel WebSockets are served by %s, not by jupyter_server's ZMQ "
-                             "channels: running a cell will not resume a suspended kernel", base)
+                             "channels: running a cell will not resume a suspended kernel, and a cell sent "
+                             "to it may lose its first output", base)
             return
-        self.settings["kernel_websocket_connection_class"] = resuming(base, operations)
+        self.settings["kernel_websocket_connection_class"] = resuming(base, operations, self.resume_on_execute)
 
     _kernel_api_address: tuple[str, int] | None = None
 

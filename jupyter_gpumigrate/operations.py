@@ -407,6 +407,13 @@ class OperationManager:
             raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
         return max(candidates, key=lambda g: g.memory_total - g.memory_used).index
 
+    async def wait_any_change(self, timeout: float) -> None:
+        """Return once any operation changes, or after ``timeout`` seconds."""
+        try:
+            await asyncio.wait_for(self._changed.wait(), timeout)
+        except asyncio.TimeoutError:
+            pass
+
     async def wait_change(self, op: Operation, after: int, timeout: float) -> None:
         """Return once ``op`` is past version ``after`` or done, or after ``timeout`` seconds."""
         loop = asyncio.get_running_loop()

@@ -96,7 +96,8 @@ async def test_the_widgets_migrate_button_moves_the_kernel(jp_fetch, kernel):
     # As a frontend does: the pick, then the click (the kernel handles them in this order).
     widgets.update(part["target"], index=index)
     widgets.click(part["button"])
-    await widgets.until(lambda m: m[part["progress"]]["bar_style"] in ("success", "danger"), timeout=300)
+    await widgets.until(lambda m: m[part["progress"]]["bar_style"] in ("success", "danger")
+                        and not m[part["message"]]["value"].endswith("…"), timeout=300)
     message = widgets.models[part["message"]]["value"]
     assert widgets.models[part["progress"]]["bar_style"] == "success", message
     assert message.startswith("Moved from GPU 0 to GPU 1:"), message

@@ -1,32 +1,48 @@
 """The JupyterHub service with a real Hub: configurable-http-proxy, SimpleLocalProcessSpawner,
-DummyAuthenticator, two users with real servers (the extension enabled) and real kernels, real CRIU."""
+DummyAuthenticator, users with real servers (the extension enabled) and real kernels, real CRIU.
+
+The Hub is configured by examples/jupyterhub_config.py itself; the tests change only ports, paths, test
+users (and named servers), the service's timings, and add a service of their own to drive the Hub."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import http.cookiejar
 import json
 import os
+import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import WebSocketTab
+from helpers import WebSocketTab, api, operate, server_sees_idle
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from jupyter_gpumigrate.hub.policy import IdlePolicy, last_operations
+from jupyter_gpumigrate.hub.servers import check_answers
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
 VENV_BIN = Path(sys.executable).parent
 CHP = Path(sys.prefix) / "node" / "node_modules" / ".bin" / "configurable-http-proxy"
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "jupyterhub_config.py"
 TESTER_TOKEN = "tester-" + os.urandom(8).hex()
 SCOPE = "custom:gpumigrate:admin"
+#: boss: a Hub admin, in no role of ours; carol: an operator through the example's group, no Hub admin;
+#: alice and bob: plain users with kernels.
+USERS = ("alice", "bob", "boss", "carol")
 
 
 def free_port() -> int:
@@ -35,17 +51,26 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class Hub:
-    """A JupyterHub in a subprocess, driven through its REST API with a test service's token."""
+class NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the 302 itself comes back, as an HTTPError
 
-    def __init__(self, root: Path, service_args: list[str]) -> None:
+
+class Hub:
+    """A JupyterHub in a subprocess, configured by examples/jupyterhub_config.py, driven through its REST
+    API with a test service's token."""
+
+    def __init__(self, root: Path, service_options: dict[str, str | bool]) -> None:
         self.root = root
         self.port, hub_port, proxy_api, self.service_port = (free_port() for _ in range(4))
         self.url = f"http://127.0.0.1:{self.port}"
+        options = {"--proxy-url": self.url, **service_options}
         config = root / "jupyterhub_config.py"
         config.write_text(f"""
-import sys
 c = get_config()
+load_subconfig({str(EXAMPLE)!r})
+
+# Ports and paths.
 c.JupyterHub.ip = "127.0.0.1"
 c.JupyterHub.port = {self.port}
 c.JupyterHub.hub_port = {hub_port}
@@ -54,29 +79,37 @@ c.ConfigurableHTTPProxy.command = [{str(CHP)!r}]
 c.JupyterHub.db_url = "sqlite:///{root}/hub.sqlite"
 c.JupyterHub.cookie_secret_file = "{root}/cookie_secret"
 c.JupyterHub.pid_file = "{root}/hub.pid"
-c.JupyterHub.authenticator_class = "dummy"
-c.Authenticator.allowed_users = {{"alice", "bob", "boss"}}
-c.Authenticator.admin_users = {{"boss"}}
-c.JupyterHub.spawner_class = "simple"
 c.SimpleLocalProcessSpawner.home_dir_template = "{root}/home/{{username}}"
 c.Spawner.cmd = [{str(VENV_BIN / "jupyterhub-singleuser")!r}]
 c.Spawner.args = ["--allow-root"]
 c.Spawner.env_keep = ["PATH", "LANG", "LC_ALL"]
 c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
-c.JupyterHub.custom_scopes = {{"{SCOPE}": {{"description": "gpumigrate admin"}}}}
-c.JupyterHub.load_roles = [
-    {{"name": "gpumigrate-service", "scopes": ["list:users", "read:users:name", "read:servers", "access:servers", "tokens"],
-      "services": ["gpumigrate"]}},
-    {{"name": "gpumigrate-admin", "scopes": ["{SCOPE}", "access:services!service=gpumigrate"], "users": ["boss"]}},
-    {{"name": "tester", "scopes": ["admin:users", "admin:servers", "access:servers", "tokens"], "services": ["tester"]}},
-]
-c.JupyterHub.services = [
-    {{"name": "gpumigrate", "url": "http://127.0.0.1:{self.service_port}",
-      "command": [sys.executable, "-m", "jupyter_gpumigrate.hub", "--proxy-url", "{self.url}", *{service_args!r}],
-      "oauth_client_allowed_scopes": ["{SCOPE}"]}},
-    {{"name": "tester", "api_token": "{TESTER_TOKEN}"}},
-]
+
+# Test users: boss is a Hub admin, carol an operator through the example's group.
+c.JupyterHub.authenticator_class = "dummy"
+c.JupyterHub.spawner_class = "simple"
+c.Authenticator.allowed_users = {set(USERS)!r}
+c.Authenticator.admin_users = {{"boss"}}
+c.JupyterHub.load_groups = {{"gpu-operators": {{"users": ["carol"]}}}}
+c.JupyterHub.allow_named_servers = True
+
+# The example's service on a free port, reaching users' servers through this Hub's proxy, with the
+# test's timings.
+service = next(s for s in c.JupyterHub.services if s["name"] == "gpumigrate")
+service["url"] = "http://127.0.0.1:{self.service_port}"
+command = service["command"]
+for option, value in {options!r}.items():
+    if option in command:
+        if value is not True:
+            command[command.index(option) + 1] = value
+    else:
+        command += [option] if value is True else [option, value]
+
+# The tests' own driver.
+c.JupyterHub.load_roles.append({{"name": "tester", "services": ["tester"],
+                                "scopes": ["admin:users", "admin:servers", "access:servers", "tokens"]}})
+c.JupyterHub.services.append({{"name": "tester", "api_token": {TESTER_TOKEN!r}}})
 """)
         (root / "home").mkdir()
         self.log = open(root / "hub.log", "wb")  # noqa: SIM115 - closed in stop()
@@ -95,6 +128,9 @@ c.JupyterHub.services = [
         except OSError:
             return False
 
+    def hub_log(self) -> str:
+        return (self.root / "hub.log").read_text(errors="replace")
+
     def wait(self, check: Any, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -104,16 +140,18 @@ c.JupyterHub.services = [
             except (OSError, urllib.error.URLError):
                 pass
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise AssertionError(f"{what}; hub log:\n{(self.root / 'hub.log').read_text()[-4000:]}")
+                raise AssertionError(f"{what}; hub log:\n{self.hub_log()[-4000:]}")
             time.sleep(0.2)
 
-    def request(self, method: str, url: str, token: str, body: Any = None) -> tuple[int, Any]:
+    def request(self, method: str, url: str, token: str | None, body: Any = None,
+                opener: Any = None) -> tuple[int, Any]:
         data = json.dumps(body).encode() if body is not None else (b"{}" if method == "POST" else None)
         req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Authorization", f"token {token}")
+        if token:
+            req.add_header("Authorization", f"token {token}")
         req.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
+            with (opener or urllib.request.build_opener()).open(req, timeout=60) as resp:
                 code, raw = resp.status, resp.read()
         except urllib.error.HTTPError as exc:
             code, raw = exc.code, exc.read()
@@ -127,25 +165,46 @@ c.JupyterHub.services = [
         assert code < 300, (method, path, code, data)
         return data
 
-    def service(self, method: str, path: str, token: str, body: Any = None) -> tuple[int, Any]:
-        return self.request(method, f"{self.url}/services/gpumigrate/{path}", token, body)
+    def service(self, method: str, path: str, token: str | None, body: Any = None, opener: Any = None
+                ) -> tuple[int, Any]:
+        return self.request(method, f"{self.url}/services/gpumigrate/{path}", token, body, opener)
 
-    def user_api(self, user: str, method: str, path: str, body: Any = None) -> Any:
-        code, data = self.request(method, f"{self.url}/user/{user}/api/{path}", TESTER_TOKEN, body)
-        assert code < 300, (user, method, path, code, data)
+    def user_api(self, user: str, method: str, path: str, body: Any = None, server: str = "") -> Any:
+        base = f"{self.url}/user/{user}/" + (f"{server}/" if server else "")
+        code, data = self.request(method, f"{base}api/{path}", TESTER_TOKEN, body)
+        assert code < 300, (user, server, method, path, code, data)
         return data
 
-    def start_server(self, user: str) -> None:
-        self.hub_api("POST", f"/users/{user}/server")
-        self.wait(lambda: self.hub_api("GET", f"/users/{user}")["servers"].get("", {}).get("ready"), 90,
-                  f"{user}'s server did not start")
+    def start_server(self, user: str, name: str = "") -> None:
+        self.hub_api("POST", f"/users/{user}/servers/{name}")
+        self.wait(lambda: self.hub_api("GET", f"/users/{user}")["servers"].get(name, {}).get("ready"), 90,
+                  f"{user}'s server {name!r} did not start")
 
-    def start_kernel(self, user: str) -> str:
-        return self.user_api(user, "POST", "kernels", {"name": "python3"})["id"]
+    def server_pid(self, user: str) -> int:
+        return self.hub_api("GET", f"/users/{user}")["servers"][""]["state"]["pid"]
+
+    def start_kernel(self, user: str, server: str = "") -> str:
+        return self.user_api(user, "POST", "kernels", {"name": "python3"}, server)["id"]
 
     def token(self, user: str, scopes: list[str] | None = None) -> str:
         body: dict = {"note": "test"} | ({"scopes": scopes} if scopes is not None else {})
         return self.hub_api("POST", f"/users/{user}/tokens", body)["token"]
+
+    def browser(self, user: str, next_path: str) -> tuple[Any, int, str]:
+        """Log in to the Hub's login form as ``user`` as a browser does, going on to ``next_path``; the
+        browser (an opener with the cookies), and the final status and page."""
+        opener = urllib.request.build_opener(urllib.request.HTTPCookieProcessor(http.cookiejar.CookieJar()))
+        with opener.open(f"{self.url}/hub/login", timeout=30) as resp:
+            form = resp.read().decode()
+        xsrf = re.search(r'name="_xsrf" value="([^"]+)"', form)
+        assert xsrf, form[:2000]
+        data = urllib.parse.urlencode({"username": user, "password": "any", "_xsrf": xsrf.group(1)}).encode()
+        url = f"{self.url}/hub/login?" + urllib.parse.urlencode({"next": next_path})
+        try:
+            with opener.open(urllib.request.Request(url, data=data, method="POST"), timeout=60) as resp:
+                return opener, resp.status, resp.read().decode(errors="replace")
+        except urllib.error.HTTPError as exc:
+            return opener, exc.code, exc.read().decode(errors="replace")
 
     async def tab(self, user: str, kernel_id: str) -> WebSocketTab:
         url = f"ws://127.0.0.1:{self.port}/user/{user}/api/kernels/{kernel_id}/channels"
@@ -155,14 +214,15 @@ c.JupyterHub.services = [
     def stop(self) -> None:
         for user in ("alice", "bob"):
             try:
-                self.hub_api("DELETE", f"/users/{user}/server")
+                for name in self.hub_api("GET", f"/users/{user}")["servers"]:
+                    self.hub_api("DELETE", f"/users/{user}/servers/{name}")
             except (AssertionError, OSError, urllib.error.URLError):
                 pass
-        os.killpg(self.proc.pid, 15)
+        os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
 
@@ -173,20 +233,20 @@ def make_hub(tmp_path):
         pytest.fail(f"configurable-http-proxy is missing at {CHP}: `make test` installs it (scripts/setup.sh)")
     hubs: list[Hub] = []
 
-    def make(*service_args: str) -> Hub:
-        hub = Hub(tmp_path / f"hub{len(hubs)}", list(service_args))
+    def make(**service_options: str | bool) -> Hub:
+        root = tmp_path / f"hub{len(hubs)}"
+        root.mkdir()
+        hub = Hub(root, {f"--{k.replace('_', '-')}": v for k, v in service_options.items()})
         hubs.append(hub)
         return hub
 
-    (tmp_path / "hub0").mkdir()
-    (tmp_path / "hub1").mkdir()
     yield make
     for hub in hubs:
         hub.stop()
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-async def wait_for(check: Any, timeout: float, what: str) -> Any:
+async def wait_for(check: Any, timeout: float, what: Any) -> Any:
     deadline = time.monotonic() + timeout
     while True:
         value = check()
@@ -196,51 +256,114 @@ async def wait_for(check: Any, timeout: float, what: str) -> Any:
         await asyncio.sleep(0.25)
 
 
-async def test_an_admin_sees_every_users_kernels_and_suspends_and_resumes_one(make_hub):
-    hub = make_hub()
+def follow(hub: Hub, token: str, op: dict, server: str = "") -> dict:
+    where = f"&server={server}" if server else ""
+    while op["status"] not in ("succeeded", "failed"):
+        code, op = hub.service("GET", f"api/users/{op['user']}/operations/{op['id']}?after={op['version']}{where}",
+                               token)
+        assert code == 200, op
+    return op
+
+
+async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make_hub):
+    hub = make_hub(server_timeout="3")  # the example's 10 s, shortened for the stopped server below
     kernels = {}
     for user in ("alice", "bob"):
         hub.start_server(user)
         kernels[user] = hub.start_kernel(user)
+    hub.start_server("alice", "second")
+    named = hub.start_kernel("alice", "second")
     alice = await hub.tab("alice", kernels["alice"])
     assert (await alice.run("secret = 'alice state'; print('set')")).strip() == "set"
 
-    boss = hub.token("boss", [SCOPE])
-    code, page = hub.service("GET", "", boss)
-    assert code == 200 and "GPU kernels of every user" in page and '"/services/gpumigrate/"' in page
-    code, views = hub.service("GET", "api/kernels", boss)
-    assert code == 200, views
-    listed = {v["user"]: [k["id"] for k in v["kernels"]] for v in views}
-    assert listed == {"alice": [kernels["alice"]], "bob": [kernels["bob"]]}
-    assert all(v["host"] == socket.gethostname() and v["gpus"] == [] for v in views)
-    # Each server was called with its own user's token, limited to that server, never the service's.
+    # A Hub admin in no role of ours (admin-ui), and an operator who is no Hub admin (the custom scope
+    # through the example's group) both get in, with their tokens as they come.
+    boss, carol = hub.token("boss"), hub.token("carol")
+    assert not hub.hub_api("GET", "/users/carol")["admin"]
+    for token in (boss, carol):
+        code, views = hub.service("GET", "api/kernels", token)
+        assert code == 200, views
+        listed = {(v["user"], v["server"]): [k["id"] for k in v["kernels"]] for v in views}
+        assert listed == {("alice", ""): [kernels["alice"]], ("alice", "second"): [named],
+                          ("bob", ""): [kernels["bob"]]}, views
+        assert all(v["host"] == socket.gethostname() and v["gpus"] == [] and v["error"] is None for v in views)
+    # Each server was called with its own user's token, limited to that user's servers, never the service's.
     minted = [t for t in hub.hub_api("GET", "/users/alice/tokens")["api_tokens"] if t["note"] == "jupyter-gpumigrate service"]
     assert minted and all("access:servers!user=alice" in t["scopes"] for t in minted)
     # (the Hub adds alice's own identity scopes; nothing reaches beyond alice)
     assert all(scope.endswith("!user=alice") for t in minted for scope in t["scopes"]), minted
 
+    # The page, as a browser gets it: the Hub admin logs in and the service's OAuth lets them in.
+    browser, code, page = hub.browser("boss", "/services/gpumigrate/")
+    assert code == 200 and "GPU kernels of every user" in page and '"/services/gpumigrate/"' in page, page[:2000]
+    code, views = hub.service("GET", "api/kernels", None, opener=browser)
+    assert code == 200 and {v["user"] for v in views} == {"alice", "bob"}, views
+
+    # The admin suspends and resumes alice's kernel; its state survives.
     code, op = hub.service("POST", f"api/users/alice/kernels/{kernels['alice']}/suspend", boss, {})
-    assert code == 202 and op["user"] == "alice", op
-    while op["status"] not in ("succeeded", "failed"):
-        code, op = hub.service("GET", f"api/users/alice/operations/{op['id']}?after={op['version']}", boss)
-    assert op["status"] == "succeeded", op
+    assert code == 202 and op["user"] == "alice" and op["server"] == "", op
+    assert follow(hub, boss, op)["status"] == "succeeded"
     assert hub.user_api("alice", "GET", f"gpumigrate/kernels/{kernels['alice']}")["state"] == "suspended"
     assert hub.user_api("bob", "GET", f"gpumigrate/kernels/{kernels['bob']}")["state"] == "running"
-
-    code, op = hub.service("POST", f"api/users/alice/kernels/{kernels['alice']}/resume", boss, {})
-    while op["status"] not in ("succeeded", "failed"):
-        code, op = hub.service("GET", f"api/users/alice/operations/{op['id']}?after={op['version']}", boss)
-    assert op["status"] == "succeeded", op
+    code, op = hub.service("POST", f"api/users/alice/kernels/{kernels['alice']}/resume", carol, {})
+    assert code == 202, op
+    assert follow(hub, carol, op)["status"] == "succeeded"
     assert (await alice.run("print(secret)")).strip() == "alice state"
     alice.ws.close()
 
-    # A user who is not allowed learns nothing about anyone's kernels.
+    # A kernel of a named server: ?server= says which; alice's default server does not have it.
+    code, body = hub.service("POST", f"api/users/alice/kernels/{named}/suspend", boss, {})
+    assert code == 404 and named in body["message"], body
+    code, op = hub.service("POST", f"api/users/alice/kernels/{named}/suspend?server=second", boss, {})
+    assert code == 202 and op["server"] == "second", op
+    assert follow(hub, boss, op, "second")["status"] == "succeeded"
+    assert hub.user_api("alice", "GET", f"gpumigrate/kernels/{named}", server="second")["state"] == "suspended"
+    code, body = hub.service("POST", f"api/users/alice/kernels/{named}/resume?server=third", boss, {})
+    assert code == 404 and "?server=" in body["message"], body
+
+    # Drains: by index (no GPU here: nothing to drain), by an unknown GPU uuid (said so).
+    code, result = hub.service("POST", "api/gpus/0/drain", boss, {})
+    assert code == 202 and result["operations"] == [] and result["errors"] == [], result
+    code, body = hub.service("POST", "api/gpus/GPU-00000000-0000-0000-0000-000000000000/drain", carol, {})
+    assert code == 404 and "uuid" in body["message"], body
+
+    # A server that does not answer is an error row, after --server-timeout; the others are listed.
+    pid = hub.server_pid("bob")
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        code, views = hub.service("GET", "api/kernels", boss)
+        took = time.monotonic() - started
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert code == 200, views
+    assert took < 15, took
+    by = {(v["user"], v["server"]): v for v in views}
+    assert "did not answer within 3 s" in by[("bob", "")]["error"] and by[("bob", "")]["kernels"] == [], views
+    assert [k["id"] for k in by[("alice", "")]["kernels"]] == [kernels["alice"]] and by[("alice", "")]["error"] is None
+
+    # A user who is not allowed learns nothing about anyone's kernels, with a token or through the page.
     bob = hub.token("bob")
+    refusals = []
     for method, path in (("GET", ""), ("GET", "api/kernels"), ("POST", f"api/users/alice/kernels/{kernels['alice']}/suspend"),
                          ("POST", "api/gpus/0/drain"), ("GET", "api/policy")):
         code, body = hub.service(method, path, bob, {} if method == "POST" else None)
         assert code == 403, (method, path, code, body)
-        assert kernels["alice"] not in json.dumps(body)
+        assert kernels["alice"] not in json.dumps(body) and "alice" not in json.dumps(body)
+        refusals.append(body)
+    assert all(body == refusals[0] for body in refusals) and "admin" in refusals[0]["message"], refusals
+    _, code, page = hub.browser("bob", "/services/gpumigrate/")
+    assert code == 403 and kernels["alice"] not in page
+    # API calls without credentials, or with a wrong token, get 403 JSON, not a login redirect; the page
+    # sends a browser to the Hub's login.
+    no_redirect = urllib.request.build_opener(NoRedirect)
+    for token in (None, "not-a-token"):
+        for method, path in (("GET", "api/kernels"), ("POST", "api/gpus/0/drain"), ("GET", "api/policy")):
+            code, body = hub.service(method, path, token, {} if method == "POST" else None, opener=no_redirect)
+            assert code == 403 and isinstance(body, dict) and body["message"] == refusals[0]["message"], \
+                (token, method, path, code, body)
+    code, _ = hub.service("GET", "", None, opener=no_redirect)
+    assert code == 302
     # A POST that is not JSON is refused (the page's cookie must not be usable by another site's form).
     req = urllib.request.Request(f"{hub.url}/services/gpumigrate/api/gpus/0/drain", data=b"x", method="POST")
     req.add_header("Authorization", f"token {boss}")
@@ -250,32 +373,111 @@ async def test_an_admin_sees_every_users_kernels_and_suspends_and_resumes_one(ma
     assert info.value.code == 400
 
 
-async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one(make_hub):
+async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_cell_resumes_it(make_hub):
     # Kernels idle for 15 s are suspended (CPU kernels too, since CI has no GPU), checked every second.
     # 15 s is the margin for bob's kernel to start and turn busy, and for alice's to run its cell.
-    hub = make_hub("--idle-suspend-minutes", "0.25", "--idle-include-cpu", "--idle-check-seconds", "1")
+    hub = make_hub(idle_suspend_minutes="0.25", idle_include_cpu=True, idle_check_seconds="1")
     for user in ("alice", "bob"):
         hub.start_server(user)
+    boss = hub.token("boss")
 
-    def state(user: str, kernel_id: str, key: str = "state") -> str:
-        return hub.user_api(user, "GET", f"gpumigrate/kernels/{kernel_id}")[key]
+    def kernel(user: str, kernel_id: str) -> dict:
+        return hub.user_api(user, "GET", f"gpumigrate/kernels/{kernel_id}")
 
     busy_id = hub.start_kernel("bob")
     bob = await hub.tab("bob", busy_id)
-    busy_cell = asyncio.ensure_future(bob.run("import time; time.sleep(45); print('done')", timeout=120))
-    await wait_for(lambda: state("bob", busy_id, "execution_state") == "busy", 30, "the busy cell did not start")
+    busy_cell = asyncio.ensure_future(bob.run("import time; time.sleep(90); print('done')", timeout=120))
+    await wait_for(lambda: kernel("bob", busy_id)["execution_state"] == "busy", 30, "the busy cell did not start")
     idle_id = hub.start_kernel("alice")
     alice = await hub.tab("alice", idle_id)
-    await alice.run("x = 1")  # used, then left idle
+    await alice.run("x = 'kept while suspended'")  # used, then left idle
 
-    await wait_for(lambda: state("alice", idle_id) == "suspended", 60,
-                   lambda: f"the idle kernel was not suspended: {hub.service('GET', 'api/policy', hub.token('boss', [SCOPE]))}")
-    assert state("bob", busy_id) == "running" and not busy_cell.done()
-    code, policy = hub.service("GET", "api/policy", hub.token("boss", [SCOPE]))
-    assert code == 200 and policy["idle_suspend_minutes"] == 0.25
+    # (suspended, and its suspend operation closed)
+    await wait_for(lambda: (lambda k: k["state"] == "suspended" and not k["operation"])(kernel("alice", idle_id)), 60,
+                   lambda: f"the idle kernel was not suspended: {hub.service('GET', 'api/policy', boss)}")
+    code, policy = hub.service("GET", "api/policy", boss)
+    assert code == 200 and policy["idle_suspend_minutes"] == 0.25 and policy["grace_minutes"] == 0.25, policy
     kept = [d for d in policy["last_decisions"] if d["kernel"] == busy_id]
     assert kept and not kept[0]["suspend"] and "busy" in kept[0]["reason"], policy
-    assert "idle policy: suspending alice's kernel" in (hub.root / "hub.log").read_text()
+
+    # Alice comes back and runs a cell in her tab: the kernel resumes by itself and the cell runs on it.
+    try:
+        printed = await alice.run("print(x)", timeout=60)
+    except (AssertionError, asyncio.TimeoutError):
+        raise AssertionError(f"the cell did not run: {kernel('alice', idle_id)}; "
+                             f"{hub.user_api('alice', 'GET', 'gpumigrate/operations')}; hub log:\n{hub.hub_log()[-6000:]}"
+                             ) from None
+    assert printed.strip() == "kept while suspended"
+    # (the cell's reply may come a moment before the resume operation closes)
+    await wait_for(lambda: kernel("alice", idle_id)["state"] == "running", 30, "the resumed kernel is not running")
+    resumes = [op for op in hub.user_api("alice", "GET", "gpumigrate/operations")
+               if op["kernel_id"] == idle_id and op["action"] == "resume"]
+    assert [(op["trigger"], op["status"]) for op in resumes] == [("cell", "succeeded")], resumes
+
+    # The busy kernel was never suspended, nor tried: bob's server ran no operation on it.
+    assert kernel("bob", busy_id)["state"] == "running" and not busy_cell.done()
+    assert [op for op in hub.user_api("bob", "GET", "gpumigrate/operations") if op["kernel_id"] == busy_id] == []
+    log = hub.hub_log()
+    assert "idle policy: suspending alice's kernel" in log and "idle policy: suspending bob's kernel" not in log
+    assert re.search(r"idle policy: 2 kernel\(s\) on 2 server\(s\): \d+ suspended", log), log[-3000:]
     busy_cell.cancel()
     bob.ws.close()
     alice.ws.close()
+
+
+async def test_the_idle_policy_decides_on_real_kernel_records(jp_fetch, kernel):
+    """decide() and the answers' checks, on what a real server with the extension says of a real kernel."""
+    await kernel.run("y = 1")
+    await server_sees_idle(jp_fetch, kernel)
+    record = await api(jp_fetch, "kernels", kernel.id)
+    gpus = await api(jp_fetch, "gpus")
+    check_answers([record], gpus)  # what a server answers passes
+    active = datetime.fromisoformat(record["last_activity"])
+    policy = IdlePolicy(minutes=10)  # the default: GPU kernels only
+
+    # This kernel holds no GPU: never suspended under the default rule, however long idle.
+    assert policy.decide(record, active + timedelta(hours=5)) == (False, "it holds no GPU")
+    # The same kernel as a server describes one that holds a GPU.
+    on_gpu = copy.deepcopy(record) | {"gpus": [{"index": 0, "uuid": "GPU-0", "memory_used": 2 << 30}]}
+    check_answers([on_gpu], gpus)
+    assert policy.decide(on_gpu, active + timedelta(minutes=9))[0] is False
+    assert "under 10" in policy.decide(on_gpu, active + timedelta(minutes=9))[1]
+    assert policy.decide(on_gpu, active + timedelta(minutes=11)) == (True, "idle for 11.0 min")
+    assert policy.decide(on_gpu | {"execution_state": "busy"}, active + timedelta(hours=1)) == (False, "it is busy")
+    assert policy.decide(on_gpu | {"state": "suspended"}, active + timedelta(hours=1)) == (False, "it is suspended")
+    # --idle-include-cpu: the CPU kernel too.
+    assert IdlePolicy(minutes=10, gpu_only=False).decide(record, active + timedelta(minutes=11))[0] is True
+
+    # The grace period, from the kernel's real operations: just resumed, it is left alone.
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    last = last_operations(await api(jp_fetch, "operations"))[kernel.id]
+    resumed = await api(jp_fetch, "kernels", kernel.id)
+    assert resumed["state"] == "running"
+    lazy = IdlePolicy(minutes=1, gpu_only=False, grace_minutes=30)
+    keep, why = lazy.decide(resumed, last + timedelta(minutes=5), last)
+    assert not keep and "grace period of 30 min" in why, why
+    assert lazy.decide(resumed, last + timedelta(minutes=31), last)[0] is True
+    assert IdlePolicy(minutes=1, gpu_only=False).grace == 1  # by default as long as the idle time
+
+    # What a server answers is checked before it is shown: a malformed entry is refused, with what is wrong.
+    for broken, words in [
+        ([dict(record, id=None)], "no id"),
+        ([dict(record, gpus="GPU 0")], "gpus is not a list"),
+        ([dict(record, gpus=[{"index": "0"}])], "integer index"),
+        ([dict(record, targets=[{"index": 0}])], "targets"),
+        ([dict(record, name=["<b>"])], "name is not text"),
+        ("kernels", "not a list"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            check_answers(broken, gpus)
+    a_gpu = {"index": 0, "uuid": "GPU-0", "name": "H100", "memory_total": 80 << 30, "memory_used": 1 << 30,
+             "utilization": 3, "kernels": [{"id": kernel.id, "memory_used": 1 << 30}]}
+    check_answers([record], dict(gpus, gpus=[a_gpu]))
+    for broken, words in [
+        (dict(a_gpu, memory_total="lots"), "memory_total"),
+        (dict(a_gpu, uuid=None), "uuid"),
+        (dict(a_gpu, kernels=None), "kernels"),
+    ]:
+        with pytest.raises(ValueError, match=words):
+            check_answers([record], dict(gpus, gpus=[broken]))

@@ -365,3 +365,36 @@ async def test_a_kernel_being_suspended_is_migrating_and_left_alone(jp_fetch, jp
     assert "migrating" in seen and seen[-1] == "suspended", seen
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(kept, len(blob))")).split() == ["yes", str(1536 * 2**20)]
+
+
+async def test_a_cell_sent_right_after_a_suspend_gets_all_its_output(jp_fetch, jp_ws_fetch, jp_serverapp):
+    # What the notebook sends while its kernel is away waits in the server, then goes on once the
+    # kernel's clients are back: the first cell's output is not lost to a re-dialling IOPub socket.
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    await tab.run("n = 0")
+    for round in range(1, 4):
+        assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+        assert (await tab.run("n += 1; print(n)")).strip() == str(round)
+    tab.ws.close()
+
+
+async def test_a_tab_opened_on_a_suspended_kernel_connects_at_once_and_its_cell_resumes_it(
+        jp_fetch, jp_ws_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    first = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    await first.run("kept = 'across a reload'")
+    first.ws.close()
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    # A reloaded page: a new WebSocket. jupyter_server alone would wait for a kernel-info reply (up
+    # to kernel_info_timeout, 60 s) before the tab could send anything.
+    ws = await asyncio.wait_for(jp_ws_fetch("api", "kernels", kernel_id, "channels"), 20)
+    tab = WebSocketTab(ws)
+    tab.send("kernel_info_request", {})  # what JupyterLab sends first: it resumes nothing
+    await asyncio.sleep(1)
+    assert (await api(jp_fetch, "kernels", kernel_id))["state"] == "suspended"
+    assert (await tab.run("print(kept)")).strip() == "across a reload"
+    assert (await api(jp_fetch, "kernels", kernel_id))["state"] == "running"
+    tab.ws.close()

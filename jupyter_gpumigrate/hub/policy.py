@@ -1,29 +1,68 @@
 """The idle policy: suspend kernels idle for longer than N minutes instead of culling them.
 
-Their GPUs (and memory) are freed, their state is kept on disk, and the user resumes them from the
-panel, the CLI or by asking the server. Every decision is logged, with the reason.
+Their GPUs (and memory) are freed, their state is kept on the node's disk, and the user resumes them
+from the panel, the CLI, the REST API, or by running a cell. Each suspension is logged with its reason
+(each kernel kept, at debug level), servers that could not be read are logged as warnings, and each
+round ends with one summary line.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from typing import Any
 
-from .servers import ServerError, Servers, kernel_path
+from .servers import ServerError, Servers, UserServer, kernel_path
 
 log = logging.getLogger("jupyter_gpumigrate.hub.policy")
 
 
+def _parse_time(value: str) -> datetime:
+    when = datetime.fromisoformat(value)
+    return when if when.tzinfo else when.replace(tzinfo=timezone.utc)
+
+
+def last_operations(operations: Any) -> dict[str, datetime]:
+    """Kernel id -> when its latest operation finished (or started, if it has not finished), from a
+    server's ``GET /api/gpumigrate/operations``."""
+    last: dict[str, datetime] = {}
+    for op in operations if isinstance(operations, list) else []:
+        if not isinstance(op, dict) or not isinstance(op.get("kernel_id"), str):
+            continue
+        stamp = op.get("finished") or op.get("created")
+        if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
+            continue
+        when = datetime.fromtimestamp(stamp, timezone.utc)
+        if op["kernel_id"] not in last or when > last[op["kernel_id"]]:
+            last[op["kernel_id"]] = when
+    return last
+
+
 @dataclass
 class IdlePolicy:
+    #: suspend a kernel idle for longer than this
     minutes: float
+    #: only kernels that hold a GPU (the default): a CPU kernel frees little when suspended
     gpu_only: bool = True
+    #: leave a kernel alone for this long after its last operation (a resume, a move), so that a kernel
+    #: just resumed, from the panel for example, is not suspended again at once; None: ``minutes``
+    grace_minutes: float | None = None
 
-    def decide(self, kernel: dict, now: datetime) -> tuple[bool, str]:
-        """(suspend it?, why) for one kernel as a user's server describes it."""
+    @property
+    def grace(self) -> float:
+        return self.minutes if self.grace_minutes is None else self.grace_minutes
+
+    def decide(self, kernel: dict, now: datetime, last_operation: datetime | None = None) -> tuple[bool, str]:
+        """(suspend it?, why) for one kernel as a user's server describes it (GET /api/gpumigrate/kernels),
+        ``last_operation`` being when the kernel's latest operation ended, if it had one."""
         if kernel["state"] != "running" or not kernel.get("migratable", True):
-            return False, f"it is {kernel['state']}"
+            return False, f"it is {kernel['state']}" if kernel.get("migratable", True) else "it is not migratable"
+        if kernel.get("remote"):
+            return False, f"it runs on {kernel.get('host')}, another host"
+        if kernel.get("operation"):
+            return False, f"operation {kernel['operation']} is under way on it"
         if self.gpu_only and not kernel["gpus"]:
             return False, "it holds no GPU"
         # "starting" lasts until a client first talks to the kernel: one nobody used is idle too.
@@ -32,35 +71,76 @@ class IdlePolicy:
         last = kernel.get("last_activity")
         if not last:
             return False, "its last activity is unknown"
-        idle = (now - datetime.fromisoformat(last)).total_seconds() / 60
+        idle = (now - _parse_time(last)).total_seconds() / 60
         if idle < self.minutes:
             return False, f"idle for {idle:.1f} min, under {self.minutes:g}"
+        if last_operation is not None:
+            since = (now - last_operation).total_seconds() / 60
+            if since < self.grace:
+                return False, (f"idle for {idle:.1f} min, but its last operation ended {since:.1f} min ago, "
+                               f"within the grace period of {self.grace:g} min")
         return True, f"idle for {idle:.1f} min"
 
     async def run_once(self, servers: Servers) -> list[dict]:
         """Look at every user's kernels once; suspend those the policy picks. Returns the decisions."""
-        decisions = []
         now = datetime.now(timezone.utc)
-        for server in await servers.running():
-            view = await servers.view(server)
-            for kernel in view["kernels"]:
+        listed = await servers.running()
+        views = await servers.views(listed)
+        unread = 0
+        for server, view in zip(listed, views):
+            if view["error"]:
+                unread += 1
+                log.warning("idle policy: skipping this round: %s", view["error"])
+        gate = asyncio.Semaphore(servers.parallel)
+
+        async def one(server: UserServer, view: dict) -> list[dict]:
+            async with gate:
+                return await self._server(servers, server, view, now)
+
+        rounds = await asyncio.gather(*(one(s, v) for s, v in zip(listed, views) if not v["error"]))
+        decisions = [d for found in rounds for d in found]
+        suspended = sum(1 for d in decisions if d["suspend"] and "operation" in d)
+        failed = sum(1 for d in decisions if d["suspend"] and "error" in d)
+        log.info("idle policy: %d kernel(s) on %d server(s): %d suspended, %d kept, %d could not be suspended; "
+                 "%d server(s) could not be read", len(decisions), len(listed) - unread, suspended,
+                 len(decisions) - suspended - failed, failed, unread)
+        return decisions
+
+    async def _server(self, servers: Servers, server: UserServer, view: dict, now: datetime) -> list[dict]:
+        decisions = []
+        operations: dict[str, datetime] | None = None
+        unreadable: str | None = None
+        for kernel in view["kernels"]:
+            try:
+                suspend, why = self.decide(kernel, now)
+                if suspend and self.grace > 0:
+                    if operations is None and unreadable is None:  # asked only when some kernel is a candidate
+                        try:
+                            operations = last_operations(
+                                await servers.call(server, "operations", timeout=servers.view_timeout))
+                        except ServerError as exc:
+                            unreadable = str(exc)
+                            log.warning("idle policy: keeping the kernels of %s this round: its operations could "
+                                        "not be read: %s", server.label, exc)
+                    if operations is None:
+                        suspend, why = False, f"{why}, but its server's operations could not be read ({unreadable})"
+                    else:
+                        suspend, why = self.decide(kernel, now, operations.get(kernel["id"]))
+            except (KeyError, TypeError, ValueError) as exc:  # a server answering nonsense
+                log.warning("idle policy: skipping a kernel that %s describes oddly: %r", server.label, exc)
+                continue
+            decision = {"user": server.user, "server": server.name, "kernel": kernel["id"], "suspend": suspend,
+                        "reason": why}
+            if suspend:
                 try:
-                    suspend, why = self.decide(kernel, now)
-                except (KeyError, TypeError, ValueError) as exc:  # a server answering nonsense
-                    log.warning("idle policy: skipping a kernel of %s that its server describes oddly: %r",
-                                server.user, exc)
-                    continue
-                decision = {"user": server.user, "kernel": kernel["id"], "suspend": suspend, "reason": why}
-                if suspend:
-                    try:
-                        op = await servers.call(server, kernel_path(kernel["id"], "suspend"), "POST")
-                        decision["operation"] = op["id"]
-                        log.info("idle policy: suspending %s's kernel %s: %s", server.user, kernel["id"], why)
-                    except ServerError as exc:
-                        decision["error"] = str(exc)
-                        log.warning("idle policy: could not suspend %s's kernel %s (%s): %s",
-                                    server.user, kernel["id"], why, exc)
-                else:
-                    log.debug("idle policy: keeping %s's kernel %s: %s", server.user, kernel["id"], why)
-                decisions.append(decision)
+                    op = await servers.call(server, kernel_path(kernel["id"], "suspend"), "POST")
+                    decision["operation"] = op["id"]
+                    log.info("idle policy: suspending %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
+                except (ServerError, KeyError, TypeError) as exc:
+                    decision["error"] = str(exc)
+                    log.warning("idle policy: could not suspend %s's kernel %s%s (%s): %s",
+                                server.user, kernel["id"], server.where, why, exc)
+            else:
+                log.debug("idle policy: keeping %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
+            decisions.append(decision)
         return decisions

@@ -102,15 +102,16 @@ class MigrateWidget:
         try:
             release_torch_cache()
             op = self.client.follow(self.client.migrate(to_gpu), self._on_change)
+            # The message first, then the bar's colour: a frontend that sees the colour has the sentence.
             if op["status"] == "succeeded":
-                self.progress.value, self.progress.bar_style = len(MOVE_PHASES), "success"
                 self.message.value = html.escape(describe(op))
+                self.progress.value, self.progress.bar_style = len(MOVE_PHASES), "success"
             else:
-                self.progress.bar_style = "danger"
                 self.message.value = _error(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+                self.progress.bar_style = "danger"
         except (ApiError, MigrateFailed) as exc:
-            self.progress.bar_style = "danger"
             self.message.value = _error(str(exc))
+            self.progress.bar_style = "danger"
         finally:
             self.moving = False
             try:

@@ -9,21 +9,34 @@ export interface IGpuHeld {
   name?: string;
 }
 
+/** Whether a kernel can go to one GPU now (a live move if it runs, a resume if it is suspended). */
+export interface ITarget {
+  index: number;
+  ok: boolean;
+  /** The server's sentence saying why not. */
+  reason: string | null;
+}
+
 export interface IKernel {
   id: string;
   name: string;
   pid: number | null;
   host: string;
   /** The server that owns the kernel; `host` differs from it while the kernel runs on a peer. */
-  home?: string;
-  remote?: boolean;
-  state: 'running' | 'migrating' | 'suspended' | 'stopped';
+  home: string;
+  /** It runs on the peer `host`; it comes back with a move to `home`. */
+  remote: boolean;
+  state: 'running' | 'migrating' | 'suspended';
   execution_state: string | null;
+  last_activity: string | null;
   gpus: IGpuHeld[];
   image_bytes: number | null;
   suspended_on: IGpuHeld[];
   migratable: boolean;
+  /** Id of the operation in flight, or null. */
   operation: string | null;
+  /** One entry per GPU; empty for CPU and remote kernels, kernels being moved, or no GPUs. */
+  targets: ITarget[];
 }
 
 export interface IGpu {
@@ -34,22 +47,46 @@ export interface IGpu {
   memory_used: number;
   utilization: number | null;
   mig_enabled: boolean;
+  /** NVML's error when this GPU does not answer; such a GPU is listed, never chosen. */
+  error?: string | null;
   kernels: { id: string; memory_used: number }[];
+}
+
+export interface IGpuList {
+  driver_version: string | null;
+  gpus: IGpu[];
+}
+
+export type Action = 'suspend' | 'resume' | 'migrate';
+export type Status = 'pending' | 'running' | 'succeeded' | 'failed';
+
+/** What became of one kernel of a drained GPU. */
+export interface IDrainResult {
+  kernel_id: string;
+  status: Status;
+  operation?: string;
+  to_gpu?: number;
+  error?: string;
 }
 
 export interface IOperation {
   id: string;
   kernel_id: string;
-  action: 'suspend' | 'resume' | 'migrate' | 'drain';
-  status: 'pending' | 'running' | 'succeeded' | 'failed';
+  action: Action | 'drain';
+  status: Status;
   phase: string | null;
   error: string | null;
   timings: Record<string, number>;
-  total: number;
   bytes: number;
   to_gpu: number | null;
   from_gpu: number | null;
+  to_host?: string | null;
+  from_host?: string | null;
   gpu: number | null;
+  children?: string[];
+  results?: IDrainResult[];
+  /** "cell": a resume started by a cell run on the suspended kernel. */
+  trigger?: 'api' | 'cell';
   version: number;
 }
 
@@ -69,24 +106,39 @@ export async function request<T>(path: string, init: RequestInit = {}): Promise<
     throw new ApiError(`The Jupyter server does not answer: ${String(error)}`);
   }
   const text = await response.text();
-  const data = text ? JSON.parse(text) : null;
+  let data: { message?: string } | null;
+  try {
+    data = text ? JSON.parse(text) : null;
+  } catch {
+    // An HTML page: jupyter_server's own 404 when this extension's handlers are not loaded.
+    throw new ApiError(
+      `The server answered ${response.status} ${response.statusText} with no JSON to ${path}: ` +
+        'is the jupyter_gpumigrate server extension enabled? (jupyter server extension list)'
+    );
+  }
   if (!response.ok) {
-    throw new ApiError(data?.message ?? `${response.status} ${response.statusText}`);
+    throw new ApiError(data?.message || `${response.status} ${response.statusText}`);
   }
   return data as T;
 }
 
+function post<T>(path: string, body: object = {}): Promise<T> {
+  return request<T>(path, { method: 'POST', body: JSON.stringify(body) });
+}
+
 export const api = {
   kernels: () => request<IKernel[]>('kernels'),
-  gpus: () => request<{ driver_version: string | null; gpus: IGpu[] }>('gpus'),
+  gpus: () => request<IGpuList>('gpus'),
+  operations: () => request<IOperation[]>('operations'),
   operation: (id: string) => request<IOperation>(`operations/${id}`),
-  act: (kernelId: string, action: 'suspend' | 'resume' | 'migrate', toGpu?: number) =>
-    request<IOperation>(`kernels/${kernelId}/${action}`, {
-      method: 'POST',
-      body: JSON.stringify(toGpu === undefined ? {} : { to_gpu: toGpu })
-    }),
-  drain: (index: number) =>
-    request<IOperation>(`gpus/${index}/drain`, { method: 'POST', body: '{}' })
+  suspend: (kernelId: string) => post<IOperation>(`kernels/${kernelId}/suspend`),
+  resume: (kernelId: string, toGpu?: number) =>
+    post<IOperation>(`kernels/${kernelId}/resume`, toGpu === undefined ? {} : { to_gpu: toGpu }),
+  moveToGpu: (kernelId: string, toGpu: number) =>
+    post<IOperation>(`kernels/${kernelId}/migrate`, { to_gpu: toGpu }),
+  moveToHost: (kernelId: string, toHost: string) =>
+    post<IOperation>(`kernels/${kernelId}/migrate`, { to_host: toHost }),
+  drain: (index: number) => post<IOperation>(`gpus/${index}/drain`)
 };
 
 /** Bytes as people read them. */

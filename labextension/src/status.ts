@@ -1,9 +1,9 @@
 // The status bar item of the notebook in front: the GPU its kernel is on, "suspended", "CPU", or the
-// operation under way. A click opens the panel.
+// operation under way. It is a button: a click, Enter or Space opens the panel.
 import { INotebookTracker } from '@jupyterlab/notebook';
 import { Widget } from '@lumino/widgets';
 
-import { GpuMigrateStore } from './store';
+import { doing, GpuMigrateStore } from './store';
 
 export class KernelGpuStatus extends Widget {
   constructor(
@@ -13,9 +13,16 @@ export class KernelGpuStatus extends Widget {
   ) {
     super();
     this.addClass('jp-gpumigrate-status');
-    this.node.title =
-      'Where this notebook’s kernel runs (jupyter-gpumigrate): click to open the panel';
+    this.node.setAttribute('role', 'button');
+    this.node.tabIndex = 0;
+    this.node.title = 'Where this notebook’s kernel runs (jupyter-gpumigrate): open the panel';
     this.node.addEventListener('click', onClick);
+    this.node.addEventListener('keydown', event => {
+      if (event.key === 'Enter' || event.key === ' ') {
+        event.preventDefault();
+        onClick();
+      }
+    });
     store.changed.connect(() => this.update(), this);
     notebooks.currentChanged.connect((_, panel) => {
       panel?.sessionContext.kernelChanged.connect(() => this.update(), this);
@@ -25,7 +32,11 @@ export class KernelGpuStatus extends Widget {
   }
 
   protected onUpdateRequest(): void {
-    this.node.textContent = this.label();
+    const label = this.label();
+    if (this.node.textContent !== label) {
+      this.node.textContent = label;
+      this.node.setAttribute('aria-label', `${label || 'No kernel'}: open the GPU kernels panel`);
+    }
   }
 
   private label(): string {
@@ -36,7 +47,7 @@ export class KernelGpuStatus extends Widget {
     }
     const op = this.store.operations.get(kernel.id);
     if (op) {
-      return `${op.action}: ${op.phase || 'starting'}…`;
+      return `${doing(op, kernel)}: ${op.phase || 'starting'}…`;
     }
     if (kernel.state === 'suspended') {
       return 'Kernel suspended';

@@ -1,0 +1,443 @@
+// The sidebar panel: each GPU with its memory and kernels, kernels on no GPU, suspended kernels, kernels
+// on other hosts; the actions (move, suspend, resume, bring home, drain) and the progress of operations
+// in flight. React renders it, so an update changes only what changed: an open menu stays open and focus
+// stays where it is.
+import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { PathExt } from '@jupyterlab/coreutils';
+import { ReactWidget, refreshIcon, UseSignal } from '@jupyterlab/ui-components';
+import * as React from 'react';
+
+import { api, humanBytes, IGpu, IKernel, IOperation } from './api';
+import { gpuIcon } from './icon';
+import { doing, GpuMigrateStore } from './store';
+
+export class GpuMigratePanel extends ReactWidget {
+  constructor(private readonly store: GpuMigrateStore) {
+    super();
+    this.id = 'jp-gpumigrate-panel';
+    this.addClass('jp-gpumigrate-panel');
+    this.title.icon = gpuIcon;
+    this.title.caption = 'GPU kernels';
+  }
+
+  protected onAfterShow(): void {
+    this.store.watched = true;
+    void this.store.refresh();
+  }
+
+  protected onAfterHide(): void {
+    this.store.watched = false;
+  }
+
+  protected render(): React.ReactElement {
+    return (
+      <UseSignal signal={this.store.changed}>{() => <PanelView store={this.store} />}</UseSignal>
+    );
+  }
+}
+
+interface IStoreProps {
+  store: GpuMigrateStore;
+}
+
+function PanelView({ store }: IStoreProps): React.ReactElement {
+  const onGpu = new Set(store.gpus.flatMap(g => g.kernels.map(k => k.id)));
+  const local = store.kernels.filter(k => !k.remote);
+  const remote = store.kernels.filter(k => k.remote);
+  const suspended = local.filter(k => k.state === 'suspended');
+  const cpu = local.filter(k => k.state !== 'suspended' && !onGpu.has(k.id));
+  return (
+    <>
+      <header className="jp-gpumigrate-header">
+        <h2>GPU kernels</h2>
+        <button
+          type="button"
+          className="jp-gpumigrate-icon-button"
+          title="Refresh"
+          aria-label="Refresh the GPU kernels panel"
+          onClick={() => void store.refresh()}
+        >
+          <refreshIcon.react tag="span" height="16px" width="16px" />
+        </button>
+      </header>
+      <div className="jp-gpumigrate-body">
+        {store.errors.map(error => (
+          <p key={error} className="jp-gpumigrate-error" role="alert">
+            {error}
+          </p>
+        ))}
+        {!store.loaded && !store.errors.length && <p className="jp-gpumigrate-note">Loading…</p>}
+        {store.loaded && !store.gpus.length && !store.errors.length && (
+          <p className="jp-gpumigrate-note">
+            No NVIDIA GPU is visible to the server. Kernels can still be suspended and resumed.
+          </p>
+        )}
+        {store.gpus.map(gpu => (
+          <GpuSection key={gpu.uuid} store={store} gpu={gpu} />
+        ))}
+        <Group
+          store={store}
+          title="No GPU"
+          className="jp-gpumigrate-cpu"
+          kernels={cpu}
+          empty="No kernel runs without a GPU."
+        />
+        <Group
+          store={store}
+          title="Suspended"
+          className="jp-gpumigrate-suspended"
+          kernels={suspended}
+          empty="No kernel is suspended."
+        />
+        {remote.length > 0 && (
+          <Group
+            store={store}
+            title="On other hosts"
+            className="jp-gpumigrate-remote"
+            kernels={remote}
+            empty=""
+          />
+        )}
+      </div>
+    </>
+  );
+}
+
+function Group(props: {
+  store: GpuMigrateStore;
+  title: string;
+  className: string;
+  kernels: IKernel[];
+  empty: string;
+}): React.ReactElement {
+  return (
+    <section className={`jp-gpumigrate-group ${props.className}`} aria-label={props.title}>
+      <div className="jp-gpumigrate-title">{props.title}</div>
+      {!props.kernels.length && <div className="jp-gpumigrate-muted">{props.empty}</div>}
+      {props.kernels.map(kernel => (
+        <KernelRow key={kernel.id} store={props.store} kernel={kernel} />
+      ))}
+    </section>
+  );
+}
+
+function GpuSection({ store, gpu }: IStoreProps & { gpu: IGpu }): React.ReactElement {
+  const used = gpu.memory_total ? (100 * gpu.memory_used) / gpu.memory_total : 0;
+  const key = `gpu:${gpu.index}`;
+  const drain = store.operations.get(key);
+  const pending = store.pending.get(key);
+  const kernels = store.kernels.filter(k => gpu.kernels.some(g => g.id === k.id));
+  const memory = `${humanBytes(gpu.memory_used)} of ${humanBytes(gpu.memory_total)} used`;
+  return (
+    <section
+      className="jp-gpumigrate-gpu"
+      data-gpu-index={gpu.index}
+      aria-label={`GPU ${gpu.index}, ${gpu.name}`}
+    >
+      <div className="jp-gpumigrate-row">
+        <span className="jp-gpumigrate-title" title={gpu.uuid}>
+          GPU {gpu.index} · {gpu.name}
+        </span>
+        {gpu.utilization !== null && (
+          <span className="jp-gpumigrate-muted">{gpu.utilization}% busy</span>
+        )}
+        <button
+          type="button"
+          className="jp-gpumigrate-button jp-gpumigrate-drain"
+          aria-label={`Drain GPU ${gpu.index}: move its kernels to other GPUs`}
+          title={
+            kernels.length ? 'Move every kernel off this GPU' : 'No kernel of this server is here'
+          }
+          disabled={!kernels.length || !!drain || !!pending}
+          onClick={() => void confirmDrain(store, gpu, kernels)}
+        >
+          {drain ? 'Draining…' : (pending ?? 'Drain')}
+        </button>
+      </div>
+      <div
+        className="jp-gpumigrate-bar"
+        role="meter"
+        aria-label={`GPU ${gpu.index} memory`}
+        aria-valuemin={0}
+        aria-valuemax={100}
+        aria-valuenow={Math.round(used)}
+        aria-valuetext={memory}
+      >
+        <div className="jp-gpumigrate-bar-fill" style={{ width: `${used.toFixed(1)}%` }} />
+      </div>
+      <div className="jp-gpumigrate-muted">
+        {memory}
+        {gpu.mig_enabled ? ' · MIG on' : ''}
+      </div>
+      {gpu.error && <div className="jp-gpumigrate-error">{gpu.error}</div>}
+      {drain && <DrainProgress store={store} gpu={gpu} op={drain} />}
+      {kernels.map(kernel => (
+        <KernelRow key={kernel.id} store={store} kernel={kernel} />
+      ))}
+    </section>
+  );
+}
+
+async function confirmDrain(store: GpuMigrateStore, gpu: IGpu, kernels: IKernel[]): Promise<void> {
+  const names = kernels.map(k => store.label(k.id)).join(', ');
+  const result = await showDialog({
+    title: `Drain GPU ${gpu.index}?`,
+    body:
+      `Move ${kernels.length === 1 ? 'its kernel' : `its ${kernels.length} kernels`} (${names}) ` +
+      `to other GPUs of the same model, one after the other, while they run. A kernel that cannot ` +
+      `move keeps running on GPU ${gpu.index}.`,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Drain' })]
+  });
+  if (result.button.accept) {
+    await store.start(`gpu:${gpu.index}`, 'Draining…', () => api.drain(gpu.index));
+  }
+}
+
+function DrainProgress(props: IStoreProps & { gpu: IGpu; op: IOperation }): React.ReactElement {
+  const results = props.op.results ?? [];
+  const seen = new Set(results.map(r => r.kernel_id));
+  // Kernels still on the GPU that the drain has not reached yet count too.
+  const total = results.length + props.gpu.kernels.filter(k => !seen.has(k.id)).length;
+  const done = results.filter(r => r.status === 'succeeded' || r.status === 'failed').length;
+  const moved = results.filter(r => r.status === 'succeeded').length;
+  const label = `Draining GPU ${props.gpu.index}: ${moved} of ${total} moved`;
+  return (
+    <div className="jp-gpumigrate-op" data-operation-id={props.op.id}>
+      <span>{label}</span>
+      <progress max={Math.max(total, 1)} value={done} aria-label={label} />
+    </div>
+  );
+}
+
+function KernelRow({ store, kernel }: IStoreProps & { kernel: IKernel }): React.ReactElement {
+  const path = store.notebooks.get(kernel.id);
+  const name = path ? PathExt.basename(path) : '(no notebook)';
+  const op = store.operations.get(kernel.id);
+  const held = kernel.gpus[0];
+  const was = kernel.suspended_on[0];
+  const details = [
+    kernel.name,
+    kernel.id.slice(0, 8),
+    held ? `${humanBytes(held.memory_used)} on GPU ${held.index}` : null,
+    kernel.state === 'suspended' ? `${humanBytes(kernel.image_bytes)} on disk` : null,
+    kernel.state === 'suspended' && was ? `was on GPU ${was.index}` : null,
+    kernel.state,
+    kernel.remote ? `on host ${kernel.host}` : null
+  ].filter(Boolean);
+  let body: React.ReactNode;
+  if (op) {
+    body = <Progress op={op} kernel={kernel} name={name} />;
+  } else if (kernel.operation || kernel.state === 'migrating') {
+    body = <div className="jp-gpumigrate-op">Being moved…</div>;
+  } else if (!kernel.migratable) {
+    body = (
+      <div className="jp-gpumigrate-muted jp-gpumigrate-why">
+        Not started by jupyter-gpumigrate’s provisioner: restart the kernel to suspend or move it.
+      </div>
+    );
+  } else {
+    body = <Actions store={store} kernel={kernel} name={name} />;
+  }
+  return (
+    <div className="jp-gpumigrate-kernel" data-kernel-id={kernel.id} data-state={kernel.state}>
+      <div className="jp-gpumigrate-kernel-name" title={path ?? kernel.id}>
+        {name}
+      </div>
+      <div className="jp-gpumigrate-muted jp-gpumigrate-details">{details.join(' · ')}</div>
+      {body}
+    </div>
+  );
+}
+
+function ActionButton(props: {
+  store: GpuMigrateStore;
+  kernel: IKernel;
+  className: string;
+  label: string;
+  doing: string;
+  ariaLabel: string;
+  begin: () => Promise<IOperation>;
+}): React.ReactElement {
+  const pending = props.store.pending.get(props.kernel.id);
+  return (
+    <button
+      type="button"
+      className={`jp-gpumigrate-button ${props.className}`}
+      aria-label={props.ariaLabel}
+      disabled={!!pending}
+      onClick={() => void props.store.start(props.kernel.id, props.doing, props.begin)}
+    >
+      {pending === props.doing ? props.doing : props.label}
+    </button>
+  );
+}
+
+function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.ReactElement {
+  const { store, kernel, name } = props;
+  const id = kernel.id;
+  const [choice, setChoice] = React.useState('');
+  const common = { store, kernel };
+  if (kernel.remote) {
+    return (
+      <div className="jp-gpumigrate-actions">
+        <ActionButton
+          {...common}
+          className="jp-gpumigrate-home"
+          label="Bring home"
+          doing="Bringing home…"
+          ariaLabel={`Bring ${name} home to ${kernel.home}`}
+          begin={() => api.moveToHost(id, kernel.home)}
+        />
+      </div>
+    );
+  }
+  const here = new Set(kernel.gpus.map(g => g.index));
+  const ok = kernel.targets.filter(t => t.ok);
+  const refused = kernel.targets.filter(t => !t.ok && !here.has(t.index));
+  const reasons = refused.map(t => `GPU ${t.index}: ${t.reason}`).join('\n');
+  const pending = !!store.pending.get(id);
+  if (kernel.state === 'running') {
+    const value = ok.some(t => String(t.index) === choice) ? choice : String(ok[0]?.index ?? '');
+    return (
+      <>
+        <div className="jp-gpumigrate-actions">
+          {ok.length > 0 && (
+            <>
+              <TargetSelect
+                className="jp-gpumigrate-move-to"
+                label={`GPU to move ${name} to`}
+                reasons={reasons}
+                value={value}
+                disabled={pending}
+                targets={ok}
+                onChange={setChoice}
+              />
+              <ActionButton
+                {...common}
+                className="jp-gpumigrate-move"
+                label="Move"
+                doing="Moving…"
+                ariaLabel={`Move ${name} to the GPU chosen`}
+                begin={() => api.moveToGpu(id, Number(value))}
+              />
+            </>
+          )}
+          <ActionButton
+            {...common}
+            className="jp-gpumigrate-suspend"
+            label="Suspend"
+            doing="Suspending…"
+            ariaLabel={`Suspend ${name}`}
+            begin={() => api.suspend(id)}
+          />
+        </div>
+        {kernel.gpus.length > 0 && !ok.length && (
+          <div className="jp-gpumigrate-muted jp-gpumigrate-why">
+            {refused.length ? `Cannot move: ${reasons}` : 'No other GPU to move it to.'}
+          </div>
+        )}
+      </>
+    );
+  }
+  // Suspended: resume where it was (the server's choice), or on a GPU that can take it.
+  const value = ok.some(t => String(t.index) === choice) ? choice : '';
+  return (
+    <>
+      <div className="jp-gpumigrate-actions">
+        {ok.length > 0 && (
+          <TargetSelect
+            className="jp-gpumigrate-resume-on"
+            label={`GPU to resume ${name} on`}
+            reasons={reasons}
+            value={value}
+            disabled={pending}
+            targets={ok}
+            onChange={setChoice}
+            first="where it was"
+          />
+        )}
+        <ActionButton
+          {...common}
+          className="jp-gpumigrate-resume"
+          label="Resume"
+          doing="Resuming…"
+          ariaLabel={`Resume ${name}`}
+          begin={() => api.resume(id, value === '' ? undefined : Number(value))}
+        />
+      </div>
+      {kernel.targets.length > 0 && !ok.length && (
+        <div className="jp-gpumigrate-muted jp-gpumigrate-why">
+          No GPU can take it now:{' '}
+          {kernel.targets.map(t => `GPU ${t.index}: ${t.reason}`).join('\n')}
+        </div>
+      )}
+    </>
+  );
+}
+
+/** A choice among the GPUs that can take a kernel; the others' reasons in its tooltip. */
+function TargetSelect(props: {
+  className: string;
+  label: string;
+  reasons: string;
+  value: string;
+  disabled: boolean;
+  targets: { index: number }[];
+  onChange: (value: string) => void;
+  first?: string;
+}): React.ReactElement {
+  return (
+    <select
+      className={`jp-gpumigrate-select ${props.className}`}
+      aria-label={props.label}
+      title={props.reasons}
+      value={props.value}
+      disabled={props.disabled}
+      onChange={event => props.onChange(event.target.value)}
+    >
+      {props.first !== undefined && <option value="">{props.first}</option>}
+      {props.targets.map(t => (
+        <option key={t.index} value={t.index}>
+          GPU {t.index}
+        </option>
+      ))}
+    </select>
+  );
+}
+
+/** The phases an operation goes through, in order (optional ones only where they apply). */
+function phasesOf(op: IOperation, gpu: boolean): string[] {
+  const cuda = gpu ? ['lock', 'checkpoint'] : [];
+  switch (op.action) {
+    case 'suspend':
+      return ['prepare', ...cuda, 'dump'];
+    case 'resume':
+      return ['prepare', 'restore', ...(gpu ? ['remap', 'unlock'] : []), 'adopt'];
+    case 'migrate':
+      return op.to_host
+        ? ['prepare', ...cuda, 'dump', 'transfer', 'restore', 'adopt']
+        : ['prepare', 'stash', 'lock', 'checkpoint', 'remap', 'unlock', 'unstash', 'verify'];
+    default:
+      return [];
+  }
+}
+
+function Progress(props: { op: IOperation; kernel: IKernel; name: string }): React.ReactElement {
+  const { op, kernel } = props;
+  const gpu = kernel.gpus.length > 0 || kernel.suspended_on.length > 0;
+  const phases = phasesOf(op, gpu);
+  const at = op.phase ? phases.indexOf(op.phase) + 1 : 0;
+  const bytes = op.bytes ? ` · ${humanBytes(op.bytes)}` : '';
+  const label = `${doing(op, kernel)}: ${op.phase ?? 'starting'}…${bytes}`;
+  return (
+    <div className="jp-gpumigrate-op" data-operation-id={op.id}>
+      <span>{label}</span>
+      <progress
+        max={Math.max(phases.length, 1)}
+        value={Math.max(at, 0)}
+        aria-label={`${props.name}: ${label}`}
+        aria-valuetext={at > 0 ? `phase ${at} of ${phases.length}: ${op.phase}` : label}
+      />
+    </div>
+  );
+}
