@@ -72,8 +72,9 @@ class GPUMigrateApp(ExtensionApp):
 
     def initialize_settings(self) -> None:
         factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
-        # jupyter-config/ ships default_provisioner_name = ours; a server configured with another one
-        # keeps it (and is told what that costs); the switch turns ours off.
+        # Ours by default (jupyter_server reads only the extension list from jupyter-config/'s folder, so
+        # the choice is made here); a server configured with another one keeps it, and is told what that
+        # costs; the switch turns ours off.
         configured = self.serverapp.config.get("KernelProvisionerFactory", {}).get("default_provisioner_name")
         if self.default_provisioner and configured and configured != PROVISIONER_NAME:
             self.log.warning("gpumigrate: keeping c.KernelProvisionerFactory.default_provisioner_name = %r: "

@@ -34,8 +34,8 @@ V1 = "v1.kernel.websocket.jupyter.org"
 SETTLE = 0.2
 
 
-def shell_msg_type(message: str | bytes, subprotocol: str | None) -> str | None:
-    """The ``msg_type`` of a WebSocket message bound for the shell channel, else None."""
+def header_of(message: str | bytes, subprotocol: str | None) -> tuple[str, dict] | None:
+    """The channel and header of a WebSocket message from a notebook, or None if it cannot be read."""
     try:
         if subprotocol == V1:
             channel, parts = deserialize_msg_from_ws_v1(message)
@@ -43,9 +43,15 @@ def shell_msg_type(message: str | bytes, subprotocol: str | None) -> str | None:
         else:
             msg = deserialize_binary_message(message) if isinstance(message, bytes) else json.loads(message)
             channel, header = msg.get("channel") or "shell", msg.get("header") or {}
-    except (ValueError, IndexError, TypeError, AttributeError):
-        return None  # jupyter_server reports malformed messages itself
-    return header.get("msg_type") if channel == "shell" and isinstance(header, dict) else None
+    except Exception:  # noqa: BLE001  malformed (struct, JSON, UTF-8...): jupyter_server reports it itself
+        return None
+    return (channel, header) if isinstance(header, dict) else None
+
+
+def shell_msg_type(message: str | bytes, subprotocol: str | None) -> str | None:
+    """The ``msg_type`` of a WebSocket message bound for the shell channel, else None."""
+    found = header_of(message, subprotocol)
+    return found[1].get("msg_type") if found and found[0] == "shell" else None
 
 
 def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
@@ -55,14 +61,27 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
     class ResumingConnection(base):  # type: ignore[valid-type,misc]
         _held: list[str | bytes] | None = None
         _releaser: asyncio.Task | None = None
-        _wants_resume = False
+        _cell: dict | None = None  # header of the latest held execute_request not yet answered by a resume
+        _kernel_pid: int | None = None  # the process the held messages are for
+
+        def _provisioner(self) -> Any:
+            try:
+                return operations.provisioner(self.kernel_id)
+            except MigrateError:
+                return None  # not one of ours, or gone
+
+        def _pid(self, provisioner: Any) -> int | None:
+            """The kernel's process: running, or the one its images will bring back (same PID)."""
+            if provisioner.pid:
+                return provisioner.pid
+            manifest = operations._manifest(provisioner)
+            return manifest.pid if manifest is not None else None
 
         def _away(self) -> bool:
             """Whether the kernel is suspended, or being suspended or resumed (so it cannot answer)."""
-            try:
-                provisioner = operations.provisioner(self.kernel_id)
-            except MigrateError:
-                return False  # not one of ours
+            provisioner = self._provisioner()
+            if provisioner is None:
+                return False
             if provisioner.state == SUSPENDED:
                 return True
             op = operations.active.get(self.kernel_id)
@@ -72,6 +91,9 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
             if self._away():  # no kernel-info reply can come: do not wait a minute for it
                 await self._register_session()
                 self.session.key = self.kernel_manager.session.key
+                known = getattr(self.kernel_manager, "_kernel_info_future", None)
+                if known is not None and known.done():  # protocol adaptation, as jupyter_server does
+                    self._finish_kernel_info(known.result())
                 return
             await super().prepare()
 
@@ -92,35 +114,77 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
             super().handle_incoming_message(incoming_msg)
 
         def _hold(self, incoming_msg: str | bytes) -> None:
-            if self._held is None:
+            if not self._held:
                 self._held = []
+                provisioner = self._provisioner()
+                self._kernel_pid = self._pid(provisioner) if provisioner is not None else None
             self._held.append(incoming_msg)
-            if shell_msg_type(incoming_msg, self.subprotocol) == "execute_request":
-                self._wants_resume = True
+            found = header_of(incoming_msg, self.subprotocol)
+            if found and found[0] == "shell" and found[1].get("msg_type") == "execute_request":
+                self._cell = found[1]  # a new cell: asks for a resume (again, if one failed)
             if self._releaser is None or self._releaser.done():
                 self._releaser = asyncio.ensure_future(self._release_when_back())
+                self._releaser.add_done_callback(self._released)
+
+        def _released(self, task: asyncio.Task) -> None:
+            if not task.cancelled() and task.exception() is not None:
+                log.error("gpumigrate: held messages of kernel %s were dropped", self.kernel_id,
+                          exc_info=task.exception())
+                self._held = []
+
+        def _tell(self, text: str, parent: dict | None) -> None:
+            """A line on the tab's stderr, under the cell that asked (best effort)."""
+            try:
+                self.write_stderr(text, parent or {})
+            except Exception:  # noqa: BLE001  the tab may be gone
+                log.debug("gpumigrate: could not write to the tab of kernel %s", self.kernel_id)
 
         async def _release_when_back(self) -> None:
-            asked = False
             while self._held and self.channels:
-                try:
-                    provisioner = operations.provisioner(self.kernel_id)
-                except MigrateError:  # shut down meanwhile: nothing to deliver to
+                provisioner = self._provisioner()
+                if provisioner is None:  # shut down meanwhile: nothing to deliver to
                     self._held = []
                     return
                 active = operations.active.get(self.kernel_id)
-                if active is None and provisioner.state != SUSPENDED:
-                    # Running again (resumed, restarted) or in a state jupyter_server handles itself.
-                    if provisioner.state == RUNNING:
-                        await asyncio.sleep(SETTLE)
-                    held, self._held, self._wants_resume = self._held, [], False
-                    for message in held:
-                        super().handle_incoming_message(message)
+                if active is None and provisioner.state == RUNNING:
+                    await asyncio.sleep(SETTLE)  # the tab's ZMQ sockets re-dial
+                    if self._away():
+                        continue
+                    self._deliver(provisioner)
                     return
-                if active is None and self._wants_resume and resume_on_execute and not asked:
-                    operations.resume_for_cell(self.kernel_id)
-                    asked = True  # once: a resume that could not start is reported, not retried in a loop
+                # Otherwise suspended, or in between (an operation, a restart): wait.
+                if active is None and self._cell is not None and resume_on_execute:
+                    cell, self._cell = self._cell, None
+                    op = operations.resume_for_cell(self.kernel_id)
+                    if op.done and op.error:
+                        self._tell(op.error, cell)
+                    else:
+                        asyncio.ensure_future(self._report(op, cell))
                 await operations.wait_any_change(1.0)
+
+        async def _report(self, op: Any, cell: dict) -> None:
+            while not op.done:
+                await operations.wait_change(op, op.version, 30)
+            if op.error:
+                self._tell(f"{op.error} The cell runs once the kernel is resumed.", cell)
+
+        def _deliver(self, provisioner: Any) -> None:
+            held, self._held, self._cell = self._held or [], [], None
+            if self._kernel_pid is not None and self._pid(provisioner) != self._kernel_pid:
+                # Restarted (or shut down and started afresh) meanwhile: what was sent to the old
+                # kernel must not run in the new one, as with any restart.
+                log.info("gpumigrate: kernel %s was restarted while suspended: %d held messages dropped",
+                         self.kernel_id, len(held))
+                self._tell("The kernel was restarted while it was suspended: this cell did not run.", None)
+                return
+            for message in held:
+                super().handle_incoming_message(message)
+
+        def disconnect(self) -> None:
+            if self._releaser is not None and not self._releaser.done():
+                self._releaser.cancel()  # the tab is gone: what it sent goes with it
+            self._held = []
+            super().disconnect()
 
     ResumingConnection.__name__ = ResumingConnection.__qualname__ = f"Resuming{base.__name__}"
     return ResumingConnection

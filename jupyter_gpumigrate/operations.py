@@ -347,6 +347,8 @@ class OperationManager:
         if running is not None:
             raise InvalidState(f"GPU {index} is already being drained by operation {running.id}: wait for it "
                                "to finish.")
+        if to_gpu is not None and to_gpu in self._draining():
+            raise InvalidState(f"GPU {to_gpu} is being drained itself: name another GPU, or none.")
         op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
         return self._launch(op, self._drain(op, self.kernels_on(index, gpus)))
 
@@ -398,11 +400,16 @@ class OperationManager:
         op.finished = time.time()
         self._emit(op)
 
+    def _draining(self) -> set[int]:
+        """GPUs being drained now: no kernel is sent there."""
+        return {o.gpu for o in self.operations.values() if o.action == "drain" and not o.done and o.gpu is not None}
+
     def _roomiest_other(self, index: int | None, kernel_id: str, gpus: list[gpus_mod.GpuInfo]) -> int:
         """The GPU (not ``index``, same model, MIG off) with the most free memory for ``kernel_id``."""
         source = gpus[index] if index is not None else None
-        candidates = [g for g in gpus if g.index != index and not g.mig_enabled
-                      and (source is None or g.name == source.name)]
+        draining = self._draining()
+        candidates = [g for g in gpus if g.index != index and not g.mig_enabled and not g.error
+                      and g.index not in draining and (source is None or g.name == source.name)]
         if not candidates:
             raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
         return max(candidates, key=lambda g: g.memory_total - g.memory_used).index

@@ -1,4 +1,4 @@
-"""Which provisioner a server's kernels get: jupyter-config/ makes it ours; the switch
+"""Which provisioner a server's kernels get: the extension jupyter-config/ enables makes it ours; the switch
 c.GPUMigrateApp.default_provisioner = False, or a server's own choice of default provisioner, keeps
 jupyter_client's."""
 
@@ -40,6 +40,8 @@ async def test_the_default_provisioner_is_kept_when_asked_and_says_so(jp_fetch, 
 
 @pytest.mark.parametrize("jp_server_config", [json.loads(SHIPPED.read_text())], indirect=True, ids=["shipped"])
 async def test_the_shipped_configuration_makes_every_kernel_migratable(jp_fetch, jp_serverapp):
+    # What the package installs enables the extension, which makes its provisioner the default.
+    assert jp_serverapp.jpserver_extensions.get("jupyter_gpumigrate") is True
     kernel_id = await start_kernel(jp_fetch)
     assert (await api(jp_fetch, "kernels", kernel_id))["migratable"] is True
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")

@@ -322,7 +322,31 @@ async def test_a_cell_that_cannot_resume_its_kernel_says_why_and_waits(jp_fetch,
     # Resumed the ordinary way, the kernel runs the cell that waited.
     operations.criu_path = None
     assert (await operate(jp_fetch, kernel_id, "resume"))["status"] == "succeeded"
-    assert (await asyncio.wait_for(cell, 60)).strip() == "42"
+    out = await asyncio.wait_for(cell, 60)
+    assert "could not be resumed" in out and "CRIU was not found" in out, "the tab is told why, under the cell"
+    assert out.strip().endswith("42")
+    tab.ws.close()
+
+
+async def test_a_cell_held_for_a_suspended_kernel_does_not_run_in_a_restarted_one(jp_fetch, jp_ws_fetch,
+                                                                                 jp_serverapp, tmp_path):
+    kernel_id = await start_kernel(jp_fetch)
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    await tab.run("ready = 1")
+    operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    operations.criu_path = "/nonexistent/criu"  # the cell's resume cannot start: the cell waits
+    marker = tmp_path / "ran"
+    tab.send("execute_request", {"code": f"open({str(marker)!r}, 'w').close()", "silent": False,
+                                 "store_history": True, "user_expressions": {}, "allow_stdin": False})
+    await asyncio.sleep(1)
+    await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="{}")
+    await KernelSession(jp_serverapp, kernel_id).ready()
+    await asyncio.sleep(2)
+    assert not marker.exists(), "a cell sent to the suspended kernel must not run in the restarted one"
+    assert (await tab.run("print('fresh' if 'ready' not in dir() else 'old')")).strip() == "fresh"
+    operations.criu_path = None
     tab.ws.close()
 
 

@@ -87,9 +87,8 @@ class CudaProcess:
         try:
             return fn(*args)
         except Exception as exc:  # cuda-core raises CUDAError, RuntimeError, ValueError
-            hint = nvml_hint(self.pid) or remedy
             raise CudaCheckpointFailed(f"CUDA could not {what} process {self.pid}: {exc}."
-                                       + (f" {hint}" if hint else ""), self.pid) from exc
+                                       + (f" {remedy}" if remedy else ""), self.pid) from exc
 
     @property
     def state(self) -> str:
@@ -109,8 +108,8 @@ class CudaProcess:
         """Copy the locked process's GPU memory into its host memory and release the GPU."""
         self._call("checkpoint", self._process.checkpoint,
                    remedy="The kernel's host memory must grow by what it holds on the GPU: check free RAM "
-                   "(free -g) and that the kernel uses nothing the driver cannot checkpoint (MPS, IPC memory "
-                   "shared with another process).")
+                   "(free -g) and that the kernel uses nothing the driver cannot checkpoint (MPS, CUDA IPC "
+                   "memory shared with another process, NVML handles opened by the kernel's own code).")
 
     def restore(self, mapping: dict[str, str] | None = None) -> None:
         """Put the checkpointed process back on the GPUs, moved as ``mapping`` says (None: where it was)."""
@@ -119,19 +118,6 @@ class CudaProcess:
 
     def unlock(self) -> None:
         self._call("unlock", self._process.unlock)
-
-
-def nvml_hint(pid: int) -> str:
-    """Why the driver may refuse ``pid``, if it can be seen from outside: NVML loaded in the process."""
-    try:
-        with open(f"/proc/{pid}/maps") as maps:
-            loaded = any("libnvidia-ml.so" in line for line in maps)
-    except OSError:
-        return ""
-    if not loaded:
-        return ""
-    return ("The kernel has loaded NVML (libnvidia-ml, e.g. through pynvml or nvidia-ml-py): NVML handles block a "
-            "CUDA checkpoint. Restart the kernel and read GPU state with %migrate --list or the panel instead.")
 
 
 def is_cuda_process(pid: int) -> bool:

@@ -92,16 +92,17 @@ def snapshot() -> list[GpuInfo]:
         return []
     gpus = []
     for index in range(count):
+        uuid = f"unknown-{index}"
         try:
             handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+            uuid = _text(pynvml.nvmlDeviceGetUUID(handle))
             memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
-            uuid, name = _text(pynvml.nvmlDeviceGetUUID(handle)), _text(pynvml.nvmlDeviceGetName(handle))
+            name = _text(pynvml.nvmlDeviceGetName(handle))
         except pynvml.NVMLError as exc:
             # One failing GPU must not hide the others (every list and every move reads this).
             log.warning("NVML cannot read GPU %s: %s", index, exc)
-            gpus.append(GpuInfo(index=index, uuid=f"unknown-{index}", name="unknown", memory_total=0,
-                                memory_used=0, utilization=None, persistence_mode=None, mig_enabled=False,
-                                error=str(exc)))
+            gpus.append(GpuInfo(index=index, uuid=uuid, name="unknown", memory_total=0, memory_used=0,
+                                utilization=None, persistence_mode=None, mig_enabled=False, error=str(exc)))
             continue
         util = _maybe(pynvml.nvmlDeviceGetUtilizationRates, handle)
         mig = _maybe(pynvml.nvmlDeviceGetMigMode, handle, default=(0, 0))

@@ -167,6 +167,7 @@ class GpuState:
         self.lock_timeout = lock_timeout
         self.inventory = inventory
         self.home: str | None = None  # UUID of the GPU the kernel must be on if all is undone
+        self.needed = 0  # bytes of GPU memory it holds
         self._at: dict[int, str] = {}  # per process: UUID of the GPU its checkpointed memory belongs to
         self._at_all: str | None = None
 
@@ -218,7 +219,9 @@ class GpuState:
         self._each(lambda p: p.checkpoint(), back=lambda p: p.restore(None))
 
     def _mapping(self, source: str, target: str) -> dict[str, str] | None:
-        return None if source == target else gpu_mapping([g.uuid for g in self.inventory()], source, target)
+        # Every GPU the driver sees; one NVML cannot name is left out rather than named wrongly.
+        known = [g.uuid for g in self.inventory() if not g.uuid.startswith("unknown-")]
+        return None if source == target else gpu_mapping(known, source, target)
 
     def restore_to(self, target: str) -> None:
         """Put the checkpointed memory on ``target``: a remap if it was checkpointed elsewhere.
@@ -245,8 +248,10 @@ class GpuState:
         except MigrateError as home_error:
             inventory = self.inventory()
             home = next((g for g in inventory if g.uuid == self.home), None)
+            # A restore that runs out of GPU memory can leave a process stuck: only GPUs with room.
             others = [g for g in inventory if home is not None and g.uuid != home.uuid and g.name == home.name
-                      and not g.mig_enabled and not g.error]
+                      and not g.mig_enabled and not g.error
+                      and g.memory_total - g.memory_used >= self.needed + placement.HEADROOM]
             for other in sorted(others, key=lambda g: g.memory_used - g.memory_total):
                 try:
                     self.restore_to(other.uuid)
@@ -380,6 +385,7 @@ class Migration:
             placement.source_gpu(self.inventory(), held)  # raises: a single GPU only
         self.store.create(kernel.kernel_id)
         gpu.home = gpu.at = held[0]["uuid"] if held else None
+        gpu.needed = int(held[0]["memory_used"]) if held else 0
         return Manifest(
             kernel_id=kernel.kernel_id,
             kernel_name=kernel.kernel_name,
@@ -525,6 +531,7 @@ class Migration:
                 gpu.pids, held, gpus = self._gpu_use(pid)
                 move = placement.plan_move(gpus, held, to_gpu, self.driver_major())
                 gpu.home = gpu.at = move.source.uuid
+                gpu.needed = move.needed
 
         def back_to_running() -> None:
             kernel.state = RUNNING

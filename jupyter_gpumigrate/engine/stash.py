@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,9 +55,32 @@ ALIGN = 512
 ORPHAN_GRACE = 60.0
 
 log = logging.getLogger(__name__)
-#: Stashes of kernels left locked by a failed rollback: their helpers live on (the kernel takes its
-#: tensors back once it runs again), until the server exits.
+#: Stashes of kernels left locked by a failed rollback: each helper lives on, watched, until the kernel
+#: runs again (it then takes its tensors back, and the helper frees after ORPHAN_GRACE) or is gone.
 _KEPT: list[Helper] = []
+KEPT_CHECK = 5.0
+
+
+def _watch_kept(helper: Helper, pid: int) -> None:
+    """Let the kept stash of kernel process ``pid`` go once the kernel runs again or has exited."""
+    from .cudackpt import CudaProcess  # the server's gpu extra, there since the stash was made
+
+    while helper.proc.poll() is None:
+        time.sleep(KEPT_CHECK)
+        try:
+            gone = not os.path.exists(f"/proc/{pid}")
+            runs = not gone and CudaProcess(pid).state == "running"
+        except Exception:  # noqa: BLE001  the driver cannot say: keep it
+            continue
+        if gone:
+            helper.stop()
+        elif runs:
+            helper.stop(orphan=True)  # the kernel copies back now; the helper frees after the grace
+        else:
+            continue
+        break
+    if helper in _KEPT:
+        _KEPT.remove(helper)
 
 
 @dataclass
@@ -278,6 +302,9 @@ class Stash:
             log.warning("the stash of kernel %s is kept (%d bytes): the kernel is locked and takes its tensors "
                         "back once it runs", self.offer.pid if self.offer else "?", self.held)
             _KEPT.append(self.helper)
+            if self.offer is not None:
+                threading.Thread(target=_watch_kept, args=(self.helper, self.offer.pid), daemon=True,
+                                 name="gpumigrate-kept-stash").start()
             self.helper = None
         elif self.helper is not None and not gone and (self.held or self.unsure):
             self.helper.stop(orphan=True)  # it may still be copying back: the helper frees later
