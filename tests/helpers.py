@@ -55,6 +55,15 @@ async def start_kernel(jp_fetch: Any, name: str = "python3") -> str:
     return json.loads(response.body)["id"]
 
 
+async def notebook(jp_fetch: Any, jp_ws_fetch: Any, serverapp: Any) -> tuple[str, WebSocketTab]:
+    """A new kernel, ready, and a notebook tab on it (the server's WebSocket)."""
+    kernel_id = await start_kernel(jp_fetch)
+    session = KernelSession(serverapp, kernel_id)
+    await session.ready()
+    session.close()
+    return kernel_id, WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+
+
 async def wait_operation(jp_fetch: Any, op: dict, timeout: float = 120) -> dict:
     deadline = time.monotonic() + timeout
     while op["status"] not in ("succeeded", "failed"):

@@ -19,6 +19,7 @@ from helpers import (
     WebSocketTab,
     api,
     hold_pid,
+    notebook,
     operate,
     start_kernel,
 )
@@ -68,9 +69,7 @@ async def test_round_trip_keeps_every_kind_of_state(jp_fetch, jp_serverapp, kern
 
 
 async def test_notebook_websocket_keeps_working(jp_fetch, jp_ws_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     assert (await tab.run("secret = 'kept'; print('set')")).strip() == "set"
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
     assert (await operate(jp_fetch, kernel_id, "resume"))["status"] == "succeeded"
@@ -280,9 +279,7 @@ async def test_a_prepare_that_fails_leaves_the_kernel_running(jp_fetch, jp_serve
 
 
 async def test_a_cell_run_on_a_suspended_kernel_resumes_it(jp_fetch, jp_ws_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     assert (await tab.run("secret = 'kept'; print('set')")).strip() == "set"
     operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
@@ -301,9 +298,7 @@ async def test_a_cell_run_on_a_suspended_kernel_resumes_it(jp_fetch, jp_ws_fetch
 
 
 async def test_a_cell_that_cannot_resume_its_kernel_says_why_and_waits(jp_fetch, jp_ws_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     await tab.run("value = 41")
     operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
@@ -330,9 +325,7 @@ async def test_a_cell_that_cannot_resume_its_kernel_says_why_and_waits(jp_fetch,
 
 async def test_a_cell_held_for_a_suspended_kernel_does_not_run_in_a_restarted_one(jp_fetch, jp_ws_fetch,
                                                                                  jp_serverapp, tmp_path):
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     await tab.run("ready = 1")
     operations = jp_serverapp.web_app.settings["gpumigrate_operations"]
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
@@ -394,9 +387,7 @@ async def test_a_kernel_being_suspended_is_migrating_and_left_alone(jp_fetch, jp
 async def test_a_cell_sent_right_after_a_suspend_gets_all_its_output(jp_fetch, jp_ws_fetch, jp_serverapp):
     # What the notebook sends while its kernel is away waits in the server, then goes on once the
     # kernel's clients are back: the first cell's output is not lost to a re-dialling IOPub socket.
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    tab = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     await tab.run("n = 0")
     for round in range(1, 4):
         assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
@@ -406,9 +397,7 @@ async def test_a_cell_sent_right_after_a_suspend_gets_all_its_output(jp_fetch, j
 
 async def test_a_tab_opened_on_a_suspended_kernel_connects_at_once_and_its_cell_resumes_it(
         jp_fetch, jp_ws_fetch, jp_serverapp):
-    kernel_id = await start_kernel(jp_fetch)
-    await KernelSession(jp_serverapp, kernel_id).ready()
-    first = WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
+    kernel_id, first = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     await first.run("kept = 'across a reload'")
     first.ws.close()
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
