@@ -49,7 +49,7 @@ from .errors import CriuFailed, GpuError, ImageError, InvalidState, MigrateError
 from .gpus import GpuInfo
 from .images import ImageStore, Manifest
 from .placement import Move
-from .stash import Stash
+from .stash import MIN_STASH, Stash
 from .plan import Phase, Plan, PlanResult, ProgressCallback
 
 log = logging.getLogger(__name__)
@@ -540,6 +540,12 @@ class Migration:
             # The fast path, when the kernel can take it: what fits on the target beside the move goes
             # into a stash there, over the peer link. Where it steps aside, the driver moves it all.
             assert move is not None and stash is not None
+            if invite and move.needed < MIN_STASH:
+                # NVML's count bounds the tensors: too little for the fast path to pay; the kernel is not
+                # even asked (a session with it costs a lock that waits on its stager).
+                stash.reason = (f"the kernel holds {move.needed / 1e9:.1f} GB of GPU memory: under "
+                                f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
+                return
             try:
                 if invite:
                     stash.reason = getattr(kernel, "invite_stager", lambda path, token: "not a Python kernel")(
