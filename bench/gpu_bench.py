@@ -188,7 +188,10 @@ class Worker:
     def release_gpu_cache(self) -> None:
         pass  # the fast path empties the cache itself; the driver path is measured without help
 
+    invited = False
+
     def invite_stager(self, path: str, token: str) -> str | None:
+        self.invited = True
         self.proc.stdin.write(f"stage {path} {token}\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return None
@@ -210,7 +213,8 @@ def ours(live: float, cached: float) -> dict:
     try:
         held = gpu_bytes(worker.pid)  # type: ignore[arg-type]
         out = Migration(worker, ImageStore(tempfile.mkdtemp()), None).move_to_gpu(1, stash=Stash())  # type: ignore[arg-type]
-        worker._answer(60)  # the stager's own report of the session
+        if worker.invited:  # a kernel under 2 GB is not even asked (engine/migration.py)
+            worker._answer(60)  # the stager's own report of the session
         after = worker.ask("digest")
         return dict(seconds=out.result.total, phases=out.result.timings, gpu_bytes=held,
                     fast_path=out.extra.get("fast_path"), kept=after["digest"] == worker.hello["digest"],

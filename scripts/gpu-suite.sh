@@ -31,7 +31,7 @@
 #                     GPU_SUITE_PYTEST_TIMEOUT wall bound of the whole pytest run, s (default 1800)
 #                     GPU_SUITE_BENCH_TIMEOUT  wall bound of bench/gpu_bench.py, s (default 900)
 #                     GPU_SUITE_TESTS=0 / GPU_SUITE_BENCH=0  skip the tests / the bench
-#                     GPU_SUITE_BENCH_ARGS     arguments for bench/gpu_bench.py (e.g. "--sizes 1,8 --cpu-sizes ''")
+#                     GPU_SUITE_BENCH_ARGS     arguments for bench/gpu_bench.py (e.g. "--sizes 1,8 --cached= --cpu-sizes=")
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
