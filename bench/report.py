@@ -88,6 +88,14 @@ before, in the same process (ours, driver, suspend) or in the new one (snapshot)
 CPU kernels are real IPython kernels started by a real `jupyter server` with the extension
 (`bench/cpu_bench.py`), filled with *N* GB, suspended and resumed through the REST API.
 
+## The first case of each run so far
+
+In every run below, the first case measured (1 GB live, ours) has a lock phase of 0.4 to 0.6 s where
+every other lock takes a millisecond: it is the benchmark process's one-time initialisation of CUDA,
+paid by whichever move comes first. The server now initialises CUDA when it starts (`app.py`) and the
+benchmark before it measures (`bench/gpu_bench.py`); runs after 2026-11-23 04:30 UTC show the 1 GB
+case without it.
+
 ## When the fast path steps aside
 
 The kernel's side (`jupyter_gpumigrate/kernel/stager.py`) runs only in the kernel's main thread,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +20,9 @@ from .credentials import KernelCredentials
 from .engine import proctree
 from .handlers import handlers
 from .engine import gpus as gpus_mod
+from .engine import cudackpt
 from .engine.access import images_root, open_criu
+from .engine.errors import MigrateError
 from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -113,6 +116,7 @@ class GPUMigrateApp(ExtensionApp):
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
+        threading.Thread(target=self._initialise_cuda, name="gpumigrate-cuda-init", daemon=True).start()
         if proctree.become_subreaper():
             # Restored kernels are now our children: reap them, and their orphans, as they exit.
             self._reaper = PeriodicCallback(self._reap_kernel_orphans, 2000)
@@ -136,6 +140,16 @@ class GPUMigrateApp(ExtensionApp):
                              "to it may lose its first output", base)
             return
         self.settings["kernel_websocket_connection_class"] = resuming(base, operations, self.resume_on_execute)
+
+    def _initialise_cuda(self) -> None:
+        """On a machine with GPUs, initialise the CUDA driver in this process now: the first lock of the
+        first move would otherwise wait for it (0.4-0.6 s measured on the H200s). No GPU memory is used."""
+        if not gpus_mod.snapshot():
+            return
+        try:
+            cudackpt.ensure_available()
+        except MigrateError as exc:  # said again, with the remedy, when a GPU operation is asked for
+            self.log.info("gpumigrate: CUDA checkpointing unavailable here: %s", exc)
 
     _kernel_api_address: tuple[str, int] | None = None
 
