@@ -62,6 +62,7 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
         _held: list[str | bytes] | None = None
         _releaser: asyncio.Task | None = None
         _cell: dict | None = None  # header of the latest held execute_request not yet answered by a resume
+        _last_cell: dict | None = None  # header of the latest held execute_request
         _kernel_pid: int | None = None  # the process the held messages are for
 
         def _provisioner(self) -> Any:
@@ -121,7 +122,7 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
             self._held.append(incoming_msg)
             found = header_of(incoming_msg, self.subprotocol)
             if found and found[0] == "shell" and found[1].get("msg_type") == "execute_request":
-                self._cell = found[1]  # a new cell: asks for a resume (again, if one failed)
+                self._cell = self._last_cell = found[1]  # a new cell: asks for a resume (again, if one failed)
             if self._releaser is None or self._releaser.done():
                 self._releaser = asyncio.ensure_future(self._release_when_back())
                 self._releaser.add_done_callback(self._released)
@@ -170,12 +171,13 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
 
         def _deliver(self, provisioner: Any) -> None:
             held, self._held, self._cell = self._held or [], [], None
+            cell, self._last_cell = self._last_cell, None
             if self._kernel_pid is not None and self._pid(provisioner) != self._kernel_pid:
                 # Restarted (or shut down and started afresh) meanwhile: what was sent to the old
                 # kernel must not run in the new one, as with any restart.
                 log.info("gpumigrate: kernel %s was restarted while suspended: %d held messages dropped",
                          self.kernel_id, len(held))
-                self._tell("The kernel was restarted while it was suspended: this cell did not run.", None)
+                self._tell("The kernel was restarted while it was suspended: this cell did not run.", cell)
                 return
             for message in held:
                 super().handle_incoming_message(message)

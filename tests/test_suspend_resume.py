@@ -7,6 +7,7 @@ import json
 import os
 import re
 import stat
+import time
 from pathlib import Path
 
 import pytest
@@ -331,12 +332,19 @@ async def test_a_cell_held_for_a_suspended_kernel_does_not_run_in_a_restarted_on
     assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
     operations.criu_path = "/nonexistent/criu"  # the cell's resume cannot start: the cell waits
     marker = tmp_path / "ran"
-    tab.send("execute_request", {"code": f"open({str(marker)!r}, 'w').close()", "silent": False,
-                                 "store_history": True, "user_expressions": {}, "allow_stdin": False})
+    cell = tab.send("execute_request", {"code": f"open({str(marker)!r}, 'w').close()", "silent": False,
+                                        "store_history": True, "user_expressions": {}, "allow_stdin": False})
     await asyncio.sleep(1)
     await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="{}")
     await KernelSession(jp_serverapp, kernel_id).ready()
-    await asyncio.sleep(2)
+    said = []
+    deadline = time.monotonic() + 10
+    while not any("this cell did not run" in text for text in said):
+        assert time.monotonic() < deadline, f"the tab was not told, under its cell: {said}"
+        raw = await asyncio.wait_for(tab.ws.read_message(), deadline - time.monotonic())
+        message = json.loads(raw) if isinstance(raw, str) else {}
+        if message.get("msg_type") == "stream" and message["parent_header"].get("msg_id") == cell:
+            said.append(message["content"]["text"])
     assert not marker.exists(), "a cell sent to the suspended kernel must not run in the restarted one"
     assert (await tab.run("print('fresh' if 'ready' not in dir() else 'old')")).strip() == "fresh"
     operations.criu_path = None
