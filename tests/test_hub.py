@@ -408,7 +408,7 @@ async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_
                              f"{hub.user_api('alice', 'GET', 'gpumigrate/operations')}; hub log:\n{hub.hub_log()[-6000:]}"
                              ) from None
     assert printed.strip() == "kept while suspended"
-    # (the cell's reply may come a moment before the resume operation closes)
+    # (the server holds the cell until the resume's operation closes: the kernel runs by now)
     await wait_for(lambda: kernel("alice", idle_id)["state"] == "running", 30, "the resumed kernel is not running")
     resumes = [op for op in hub.user_api("alice", "GET", "gpumigrate/operations")
                if op["kernel_id"] == idle_id and op["action"] == "resume"]
