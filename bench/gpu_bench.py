@@ -130,6 +130,7 @@ class Worker:
     def __init__(self, live: float, cached: float = 0.0, piped: bool = True, env: dict | None = None) -> None:
         self.kernel_id = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         self.state = RUNNING
+        self.broken_reason: str | None = None
         self.piped = piped
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
         # CRIU cannot dump pipes to a process outside the tree: a worker to be suspended talks
@@ -213,11 +214,11 @@ def ours(live: float, cached: float) -> dict:
     try:
         held = gpu_bytes(worker.pid)  # type: ignore[arg-type]
         out = Migration(worker, ImageStore(tempfile.mkdtemp()), None).move_to_gpu(1, stash=Stash())  # type: ignore[arg-type]
-        if worker.invited:  # a kernel under 2 GB is not even asked (engine/migration.py)
+        if worker.invited:  # a kernel under 2 GB is not even asked (engine/plans/gpu_move.py)
             worker._answer(60)  # the stager's own report of the session
         after = worker.ask("digest")
         return dict(seconds=out.result.total, phases=out.result.timings, gpu_bytes=held,
-                    fast_path=out.extra.get("fast_path"), kept=after["digest"] == worker.hello["digest"],
+                    fast_path=out.fast_path.to_dict() if out.fast_path else None, kept=after["digest"] == worker.hello["digest"],
                     lost=[] if after["digest"] == worker.hello["digest"] else ["tensor values"])
     finally:
         worker.stop()

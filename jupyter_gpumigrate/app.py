@@ -23,7 +23,7 @@ from .engine import gpus as gpus_mod
 from .engine import cudackpt
 from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
-from .operations import EVENT_SCHEMA, EVENT_SCHEMA_ID, OperationManager
+from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 
@@ -96,7 +96,7 @@ class GPUMigrateApp(ExtensionApp):
         self.serverapp.kernel_manager.gpumigrate_credentials = credentials
         self.settings["gpumigrate_credentials"] = credentials
         event_logger = self.serverapp.event_logger
-        event_logger.register_event_schema(EVENT_SCHEMA)
+        event_logger.register_event_schema(event_schema())
         peers = {name: Peer.from_config(name, entry) for name, entry in self.peers.items()}
         operations = OperationManager(
             self.serverapp.kernel_manager,

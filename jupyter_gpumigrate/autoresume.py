@@ -75,7 +75,7 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
             """The kernel's process: running, or the one its images will bring back (same PID)."""
             if provisioner.pid:
                 return provisioner.pid
-            manifest = operations._manifest(provisioner)
+            manifest = provisioner.manifest()
             return manifest.pid if manifest is not None else None
 
         def _away(self) -> bool:

@@ -1,7 +1,9 @@
-"""Operations: migrations started through the REST API, run in a worker thread, followed by id.
+"""Operations: migrations started through the REST API, run in a worker thread, followed by id; drains.
 
 The server's event loop never blocks on CRIU: each operation's plan runs in a thread, and its phase
 changes come back to the loop, where they update the record and go out on the server's event bus.
+This module keeps the registry of operations, their events and the drains; what the API says of
+kernels and GPUs is views.py, which GPU may take a kernel the engine's placement module.
 """
 
 from __future__ import annotations
@@ -17,30 +19,40 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from .engine import gpus as gpus_mod
-from .engine import cudackpt, placement, proctree
+from .engine import cudackpt, placement
 from .engine.access import open_criu
 from .engine.criu import Criu
 from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
-from .engine.images import Manifest
-from .engine.migration import REMOTE, RUNNING, SUSPENDED, Migration
+from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
+from .engine.plans import ALL_PHASES, PHASES
 from .engine.stash import Stash
 from .peers import Peer, PeerLink, UnknownPeer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+from .views import KernelNotFound, Views
 
 log = logging.getLogger(__name__)
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpumigrate/operation/v1"
-EVENT_SCHEMA = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
+EVENT_SCHEMA_FILE = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
+
+
+def event_schema() -> dict[str, Any]:
+    """The operation events' schema, its phase names taken from the plans' own tables."""
+    schema = yaml.safe_load(EVENT_SCHEMA_FILE.read_text())
+    schema["properties"]["phase"]["enum"] = ["", *ALL_PHASES]
+    return schema
+
 
 PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
 ACTIONS = ("suspend", "resume", "migrate", "drain")
 KEEP_FINISHED = 200
 
 
-class KernelNotFound(MigrateError):
-    http_status = 404
+__all__ = ["KernelNotFound", "Operation", "OperationManager", "OperationNotFound"]
 
 
 class OperationNotFound(MigrateError):
@@ -75,6 +87,8 @@ class Operation:
     fast_path: dict[str, Any] | None = None
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub) or "cell" (a cell run on a suspended kernel)
     trigger: str = "api"
+    #: the phases of its plan, in order (engine/plans); empty for a drain
+    phases: list[str] = field(default_factory=list)
     #: the fast path's socket, when the kernel's own %migrate serves it (told to that caller only)
     stager: dict[str, str] | None = field(default=None, repr=False)
 
@@ -102,24 +116,20 @@ class OperationManager:
         self.criu_path = criu_path
         self.host_name = host_name or socket.gethostname()
         self.peers = peers or {}
+        self.active: dict[str, Operation] = {}
+        self.views = Views(kernel_manager, self.active, self.host_name, sorted(self.peers))
         self.api_address = api_address
         self.operations: OrderedDict[str, Operation] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) on every change of any operation
         # One GPU placement at a time: two moves checked against the same free memory could both
         # restore onto one GPU, and a restore that runs out of GPU memory can leave a process stuck.
         self._placing = asyncio.Lock()
-        self.active: dict[str, Operation] = {}
         self._tasks: set[asyncio.Task] = set()
 
-    # -- kernels -------------------------------------------------------------------------------------
-
-    def _kernel(self, kernel_id: str) -> Any:
-        if kernel_id not in self.kernel_manager:
-            raise KernelNotFound(f"There is no kernel {kernel_id} on this server: list them with GET /kernels.")
-        return self.kernel_manager.get_kernel(kernel_id)
+    # -- kernels ----------------------------------------------------------------------------------------
 
     def provisioner(self, kernel_id: str) -> MigratableProvisioner:
-        provisioner = getattr(self._kernel(kernel_id), "provisioner", None)
+        provisioner = getattr(self.views.kernel(kernel_id), "provisioner", None)
         if not isinstance(provisioner, MigratableProvisioner):
             name = type(provisioner).__name__ if provisioner is not None else "none"
             raise InvalidState(
@@ -129,77 +139,15 @@ class OperationManager:
             )
         return provisioner
 
-    def kernel_view(self, kernel_id: str, gpus: list[gpus_mod.GpuInfo] | None = None,
-                    driver_major: int | None = None) -> dict[str, Any]:
-        kernel = self._kernel(kernel_id)
-        provisioner = getattr(kernel, "provisioner", None)
-        migratable = isinstance(provisioner, MigratableProvisioner)
-        pid = getattr(provisioner, "pid", None)
-        state = provisioner.state if migratable else RUNNING
-        if gpus is None:
-            gpus = gpus_mod.snapshot()
-        image_bytes, suspended_on = None, []
-        if migratable and state == SUSPENDED:
-            manifest = self._manifest(provisioner)
-            if manifest is not None:
-                image_bytes, suspended_on = manifest.image_bytes, manifest.gpus
-        active = self.active.get(kernel_id)
-        remote = migratable and state == REMOTE
-        held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
-        if driver_major is None and gpus:
-            driver_major = gpus_mod.driver_major()
-        targets: list[dict[str, Any]] = []
-        if migratable and not remote and active is None and gpus and (held or suspended_on):
-            targets = _targets(gpus, held, suspended_on, state, driver_major)
-        return {
-            "id": kernel_id,
-            "name": kernel.kernel_name,
-            "pid": pid,
-            "host": provisioner.remote_host if remote else self.host_name,
-            "home": self.host_name,
-            "state": RUNNING if remote else state,
-            "remote": remote,
-            "execution_state": getattr(kernel, "execution_state", None),
-            "last_activity": _iso(getattr(kernel, "last_activity", None)),
-            "gpus": provisioner.remote_gpus if remote else held,
-            "image_bytes": image_bytes,
-            "suspended_on": suspended_on,
-            "migratable": migratable,
-            "operation": active.id if active else None,
-            "targets": targets,
-        }
-
-    @staticmethod
-    def _manifest(provisioner: MigratableProvisioner) -> Manifest | None:
-        try:
-            return provisioner.images.read_manifest(provisioner.kernel_id)
-        except MigrateError:
-            return None
-
-    def gpus_view(self) -> dict[str, Any]:
-        """Every GPU NVML sees, with the kernels of this server on it (id and bytes held)."""
-        gpus = gpus_mod.snapshot()
-        trees = {}
-        for kernel_id in self.kernel_manager.list_kernel_ids():
-            pid = getattr(getattr(self.kernel_manager.get_kernel(kernel_id), "provisioner", None), "pid", None)
-            if pid:
-                trees[kernel_id] = proctree.descendants(pid)
-        listed = []
-        for gpu in gpus:
-            data = gpu.to_dict()
-            data["kernels"] = [
-                {"id": kernel_id, "memory_used": sum(gpu.processes.get(p, 0) for p in tree)}
-                for kernel_id, tree in trees.items()
-                if any(p in gpu.processes for p in tree)
-            ]
-            listed.append(data)
-        return {"driver_version": gpus_mod.driver_version(), "host": self.host_name, "gpus": listed,
-                "peers": sorted(self.peers)}
+    # The views (views.py), as the handlers ask for them.
+    def kernel_view(self, kernel_id: str) -> dict[str, Any]:
+        return self.views.kernel_view(kernel_id)
 
     def list_kernels(self) -> list[dict[str, Any]]:
-        gpus = gpus_mod.snapshot()
-        driver_major = gpus_mod.driver_major() if gpus else None
-        return [self.kernel_view(kid, gpus, driver_major) for kid in self.kernel_manager.list_kernel_ids()]
+        return self.views.list_kernels()
+
+    def gpus_view(self) -> dict[str, Any]:
+        return self.views.gpus_view()
 
     # -- operations ----------------------------------------------------------------------------------
 
@@ -220,6 +168,8 @@ class OperationManager:
             )
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
+        if provisioner.state == BROKEN:
+            raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
         if provisioner.state != wanted:
             verb = {"suspend": "suspended", "resume": "resumed", "migrate": "moved"}[action]
@@ -229,9 +179,8 @@ class OperationManager:
         from_gpu: int | None = None
         if action == "migrate":
             assert to_gpu is not None
-            pid = provisioner.pid
             gpus = gpus_mod.snapshot()
-            held = gpus_mod.held_by(proctree.descendants(pid), gpus) if pid else []
+            held = placement.held_by_tree(provisioner.pid, gpus)
             from_gpu = placement.plan_move(gpus, held, to_gpu, gpus_mod.driver_major()).source.index
         elif action == "resume" and to_gpu is not None:
             manifest = provisioner.images.read_manifest(kernel_id)
@@ -241,12 +190,14 @@ class OperationManager:
                     f"{to_gpu}: resume it without to_gpu."
                 )
             placement.plan_resume(gpus_mod.snapshot(), manifest.gpus[0], to_gpu, gpus_mod.driver_major())
-        if action == "migrate" or (action == "resume" and self._resumes_on_gpu(provisioner, kernel_id)):
+        if action == "migrate" or (action == "resume" and self._resumes_on_gpu(provisioner)):
             cudackpt.ensure_available()  # CudaUnavailable (503) says what to install
         criu = None
         if action != "migrate":
             criu = self._criu(provisioner)
-        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu)
+        plan = {"suspend": "suspend", "resume": "resume", "migrate": "move_to_gpu"}[action]
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu,
+                       phases=list(PHASES[plan]))
         stash = None
         if action == "migrate" and fast_path != "off":
             try:
@@ -302,7 +253,9 @@ class OperationManager:
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
                             clients=provisioner.client_identities)
-        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here)
+        plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here,
+                       phases=list(PHASES[plan]))
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, link))
 
@@ -310,8 +263,9 @@ class OperationManager:
         # CriuNotFound, PrivilegeMissing or HelperError (503) say what to install or set up.
         return open_criu(self.criu_path or provisioner.criu_path or None, provisioner.helper_socket or None)
 
-    def _resumes_on_gpu(self, provisioner: MigratableProvisioner, kernel_id: str) -> bool:
-        manifest = self._manifest(provisioner)
+    @staticmethod
+    def _resumes_on_gpu(provisioner: MigratableProvisioner) -> bool:
+        manifest = provisioner.manifest()
         return bool(manifest and manifest.gpus)
 
     def _launch(self, op: Operation, work: Any) -> Operation:
@@ -324,15 +278,6 @@ class OperationManager:
         return op
 
     # -- drain ---------------------------------------------------------------------------------------
-
-    def kernels_on(self, index: int, gpus: list[gpus_mod.GpuInfo]) -> list[str]:
-        """Ids of this server's kernels that hold memory on GPU ``index``."""
-        found = []
-        for kernel_id in self.kernel_manager.list_kernel_ids():
-            pid = getattr(getattr(self.kernel_manager.get_kernel(kernel_id), "provisioner", None), "pid", None)
-            if pid and any(h["index"] == index for h in gpus_mod.held_by(proctree.descendants(pid), gpus)):
-                found.append(kernel_id)
-        return found
 
     def drain(self, index: int, to_gpu: int | None = None) -> Operation:
         """Move every kernel off GPU ``index``: one operation, with a child operation per kernel."""
@@ -350,7 +295,7 @@ class OperationManager:
         if to_gpu is not None and to_gpu in self._draining():
             raise InvalidState(f"GPU {to_gpu} is being drained itself: name another GPU, or none.")
         op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
-        return self._launch(op, self._drain(op, self.kernels_on(index, gpus)))
+        return self._launch(op, self._drain(op, self.views.kernels_on(index, gpus)))
 
     async def _drain(self, op: Operation, kernel_ids: list[str]) -> None:
         # One kernel after the other: each move already saturates the driver's copy path, and a GPU's
@@ -372,7 +317,9 @@ class OperationManager:
             op.results.append(result)
             try:
                 gpus = gpus_mod.snapshot()
-                target = op.to_gpu if op.to_gpu is not None else self._roomiest_other(op.gpu, kernel_id, gpus)
+                assert op.gpu is not None
+                target = op.to_gpu if op.to_gpu is not None else placement.drain_target(
+                    gpus, op.gpu, kernel_id, draining=self._draining())
                 child = self.start(kernel_id, "migrate", to_gpu=target)
             except MigrateError as exc:
                 result.update(status=FAILED, error=str(exc))
@@ -403,16 +350,6 @@ class OperationManager:
     def _draining(self) -> set[int]:
         """GPUs being drained now: no kernel is sent there."""
         return {o.gpu for o in self.operations.values() if o.action == "drain" and not o.done and o.gpu is not None}
-
-    def _roomiest_other(self, index: int | None, kernel_id: str, gpus: list[gpus_mod.GpuInfo]) -> int:
-        """The GPU (not ``index``, same model, MIG off) with the most free memory for ``kernel_id``."""
-        source = gpus[index] if index is not None else None
-        draining = self._draining()
-        candidates = [g for g in gpus if g.index != index and not g.mig_enabled and not g.error
-                      and g.index not in draining and (source is None or g.name == source.name)]
-        if not candidates:
-            raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
-        return max(candidates, key=lambda g: g.memory_total - g.memory_used).index
 
     async def wait_any_change(self, timeout: float) -> None:
         """Return once any operation changes, or after ``timeout`` seconds."""
@@ -470,10 +407,13 @@ class OperationManager:
         else:
             await asyncio.sleep(0)
             op.status, op.bytes, op.timings = SUCCEEDED, outcome.bytes, dict(outcome.result.timings)
-            op.from_gpu, op.to_gpu = outcome.extra.get("from_gpu", op.from_gpu), outcome.extra.get("to_gpu", op.to_gpu)
-            if "transferred" in outcome.extra:
-                op.bytes = outcome.extra["transferred"]
-            op.fast_path = outcome.extra.get("fast_path")
+            if outcome.from_gpu is not None:
+                op.from_gpu = outcome.from_gpu
+            if outcome.to_gpu is not None or op.to_host is not None:
+                op.to_gpu = outcome.to_gpu
+            if outcome.transferred is not None:
+                op.bytes = outcome.transferred
+            op.fast_path = outcome.fast_path.to_dict() if outcome.fast_path is not None else None
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()
@@ -526,25 +466,3 @@ class OperationManager:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
-
-def _targets(gpus: list[gpus_mod.GpuInfo], held: list[dict], suspended_on: list[dict], state: str,
-             driver_major: int | None) -> list[dict[str, Any]]:
-    """Each GPU, and whether this kernel can go there now (a live move if it runs, a resume if it is
-    suspended), with the sentence of the refusal if not: the same rules the operation checks."""
-    listed = []
-    for gpu in gpus:
-        try:
-            if state == SUSPENDED:
-                placement.plan_resume(gpus, suspended_on[0], gpu.index, driver_major)
-            elif state == RUNNING:
-                placement.plan_move(gpus, held, gpu.index, driver_major)
-            else:
-                continue
-            listed.append({"index": gpu.index, "ok": True, "reason": None})
-        except GpuError as exc:
-            listed.append({"index": gpu.index, "ok": False, "reason": str(exc)})
-    return listed
-
-
-def _iso(value: Any) -> str | None:
-    return value.isoformat() if value is not None and hasattr(value, "isoformat") else None

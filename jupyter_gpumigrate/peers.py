@@ -351,6 +351,7 @@ class Guest:
         self.manifest = manifest
         self.peer = peer
         self.state = SUSPENDED
+        self.broken_reason: str | None = None
         self.pid: int | None = None
         self.pgid: int | None = None
         self.api_listen: tuple[str, int] | None = None
@@ -382,7 +383,10 @@ class Guest:
     def release_gpu_cache(self) -> None:
         return None  # its owner released it before the first move; without the key we cannot ask
 
-    def adopt_remote(self, link: HostLink, placed: dict) -> None:
+    def invite_stager(self, path: str, token: str) -> str | None:
+        return "a kernel hosted for a peer is not moved between GPUs here"
+
+    def adopt_remote(self, link: HostLink, where: dict) -> None:
         raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")
 
 
@@ -476,11 +480,10 @@ class GuestHost:
     def restore(self, kernel_id: str, to_gpu: int | None) -> dict:
         guest = self.guest(kernel_id)
         outcome = self._migration(guest).resume(to_gpu)
-        guest.state = RUNNING
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
-        return {"pid": guest.pid, "gpu": outcome.extra.get("to_gpu"), "gpus": gpus,
+        return {"pid": guest.pid, "gpu": outcome.to_gpu, "gpus": gpus,
                 "timings": outcome.result.timings}
 
     def dump(self, kernel_id: str) -> dict:

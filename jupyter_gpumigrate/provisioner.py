@@ -1,7 +1,7 @@
 """A kernel provisioner whose kernels survive being checkpointed and restored.
 
 It launches any kernelspec's command line the way jupyter_client's ``LocalProvisioner`` does, with
-the changes that CRIU needs (measured, ../shared/FACTS.md):
+the changes that CRIU needs (docs/internals.md, "ipykernel under CRIU"):
 
 - ``JPY_PARENT_PID=0``: ipykernel's parent poller would see a new parent after a restore and exit.
 - stdin from /dev/null, stdout and stderr to a log file: pipes to the server cannot be carried.
@@ -13,6 +13,11 @@ the changes that CRIU needs (measured, ../shared/FACTS.md):
   shutting a suspended kernel down deletes its images.
 - a kernel moved to another host is ``remote``: its ports here are the relay's (relay.py); signals and
   shutdown go to that host, and it counts as dead only if that host loses it.
+- a kernel whose rollback failed is ``broken`` (``broken_reason`` says why): alive while its process
+  runs, never migrated again; restarting it (or shutting it down) is the way out.
+
+While a plan runs, the engine's saga runner owns ``state``; this class sets it only for its own
+lifecycle (launched, stopped).
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ from traitlets import Float, Unicode, default
 from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.access import images_root
-from .engine.images import ImageStore
+from .engine.images import ImageStore, Manifest
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.errors import MigrateError
-from .engine.migration import MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
+from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import kernel_answers, run_silently, send_silently
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
@@ -121,13 +126,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return os.path.join(jupyter_data_dir(), "gpumigrate")
 
     state: str = STOPPED
+    broken_reason: str | None = None
     log_path: Path | None = None
     remote_link: Any = None  # peers.PeerLink, while the kernel runs on another host
     remote_gpus: list = []
     _remote_ending = False
     started: int | None = None  # start time of the kernel's root process (proctree.start_time)
 
-    # -- what a migration needs (engine.migration.KernelProcess) ------------------------------------
+    # -- what a migration needs (engine.kernelproc.KernelProcess) -----------------------------------
 
     @property
     def kernel_name(self) -> str:
@@ -146,6 +152,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         # With the node helper, the folder it made for this user (access.py).
         return ImageStore(images_root(Path(self.state_dir), self.helper_socket or None) / "images")
 
+    def manifest(self) -> Manifest | None:
+        """The manifest of this kernel's images, if it has complete ones here."""
+        try:
+            return self.images.read_manifest(self.kernel_id)
+        except MigrateError:
+            return None
+
     def release(self) -> None:
         # The dead root must be reaped, or its PID stays taken and the restore fails: by Popen if we
         # started it, else (a restored kernel, when the server is a subreaper) by its PID.
@@ -162,12 +175,11 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def remote_host(self) -> str | None:
         return self.remote_link.host if self.remote_link is not None else None
 
-    def adopt_remote(self, link: Any, placed: dict) -> None:
+    def adopt_remote(self, link: Any, where: dict) -> None:
         self.process = None
         self.pid = self.pgid = self.started = None
         self.remote_link = link
-        self.remote_gpus = list(placed.get("gpus") or [])
-        self.state = REMOTE
+        self.remote_gpus = list(where.get("gpus") or [])
 
     def adopt(self, pid: int) -> None:
         self.remote_link, self.remote_gpus = None, []
@@ -271,14 +283,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.started = proctree.start_time(self.pid)
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
-        self.state = RUNNING
+        self.state, self.broken_reason = RUNNING, None
         return self.connection_info
 
     # -- lifecycle -----------------------------------------------------------------------------------
 
     @property
     def has_process(self) -> bool:
-        return self.state in (MIGRATING, SUSPENDED, REMOTE) or self.pid is not None
+        return self.state in (MIGRATING, SUSPENDED, REMOTE, BROKEN) or self.pid is not None
 
     async def poll(self) -> int | None:
         if self.state in (MIGRATING, SUSPENDED):
@@ -287,8 +299,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return await self._poll_remote()
         if self.process is not None:
             return self.process.poll()
-        if self._is_ours():
-            return None
+        if self._is_ours() or self.state == BROKEN:
+            return None  # a broken kernel's images may be all that is left of it: never auto-restarted
         return 0
 
     async def _poll_remote(self) -> int | None:
@@ -351,6 +363,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     async def _end(self, signum: int) -> None:
         await self._migration_done()
         if self.state == SUSPENDED:
+            self._discard_images()
+            return
+        if self.state == BROKEN:  # whatever runs of it goes, and so do its images
+            try:
+                await self.send_signal(signum)
+            except ProcessLookupError:
+                pass
             self._discard_images()
             return
         if self.state == REMOTE:

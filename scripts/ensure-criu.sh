@@ -8,9 +8,10 @@
 #                                        run elsewhere as LD_LIBRARY_PATH=DIR/lib DIR/bin/criu
 #
 # Why: Debian 12's criu 3.17 does not start on kernel >= 6.18 and CRIU 4.1 cannot dump TCP
-# sockets on kernels >= 6.16 (see FACTS.md). CRIU 4.2.x is built from the upstream tarball
-# of Debian's sid source package, fetched from the SAME mirror this machine's apt already
-# uses, through a private apt list (the system apt configuration is never modified).
+# sockets on kernels >= 6.16 (docs/internals.md, "Which version"). CRIU 4.2.x is built from
+# the upstream tarball of Debian's sid source package, fetched from the SAME mirror this
+# machine's apt already uses, through a private apt list (the system apt configuration is
+# never modified).
 #
 # Cache: ${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-gpumigrate/criu (sources, apt lists, build, logs).
 # Install: /usr/local/sbin/criu.

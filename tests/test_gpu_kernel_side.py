@@ -76,7 +76,7 @@ async def test_a_kernel_a_drain_cannot_move_is_reported_and_runs_on(jp_fetch, jp
     assert op["status"] == "failed" and "0 of 1 kernels left GPU 0" in op["error"], op
     [result] = op["results"]
     assert result["kernel_id"] == kernel.id and result["status"] == "failed", result
-    assert re.search(r"GPU \d+ has \d+\.\d GiB free and the kernel needs \d+\.\d GiB", result["error"]), result
+    assert re.search(r"GPU \d+ has \d+\.\d GB free and the kernel needs \d+\.\d GB", result["error"]), result
     assert not op["children"], "no move was started for it"
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid and where(pid) == {0}

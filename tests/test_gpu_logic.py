@@ -52,7 +52,7 @@ def test_a_move_is_planned_between_two_gpus_of_the_same_model():
         ([gpu(0), gpu(1, mig=True)], held(0, GIB), 1, 580, "MIG is enabled on GPU 1"),
         ([gpu(0, mig=True), gpu(1)], held(0, GIB), 1, 580, "MIG is enabled on GPU 0"),
         ([gpu(0), gpu(1)], held(0, GIB), 1, 570, "driver is 570; moving a kernel to another GPU needs driver 580"),
-        ([gpu(0), gpu(1, used=79 * GIB)], held(0, 4 * GIB), 1, 580, "GPU 1 has 1.0 GiB free and the kernel needs 4.0 GiB"),
+        ([gpu(0), gpu(1, used=79 * GIB)], held(0, 4 * GIB), 1, 580, "GPU 1 has 1.1 GB free and the kernel needs 4.3 GB"),
     ],
 )
 def test_every_refusal_says_what_to_do(gpus, kernel_holds, to_gpu, driver, words):
@@ -106,14 +106,12 @@ async def test_migrate_requests_without_a_gpu(jp_fetch, kernel, criu_binary):
 
 
 def test_the_kernel_list_offers_only_the_gpus_that_can_take_the_kernel():
-    from jupyter_gpumigrate.operations import _targets
-
     gpus = [gpu(0, used=9 * GIB), gpu(1), gpu(2, used=79 * GIB), gpu(3, name="NVIDIA H100")]
-    running = _targets(gpus, held(0, 8 * GIB), [], "running", 580)
+    running = placement.targets(gpus, held(0, 8 * GIB), [], "running", 580)
     assert [t["index"] for t in running if t["ok"]] == [1]
     why = {t["index"]: t["reason"] for t in running if not t["ok"]}
     assert "already on GPU 0" in why[0] and "free" in why[2] and "same model" in why[3]
     suspended_on = [{"index": 1, "uuid": UUIDS[1], "name": "NVIDIA H200", "memory_used": 8 * GIB}]
-    resumable = _targets(gpus, [], suspended_on, "suspended", 580)
+    resumable = placement.targets(gpus, [], suspended_on, "suspended", 580)
     assert [t["index"] for t in resumable if t["ok"]] == [0, 1], "back where it was, or another H200 with room"
-    assert [t["index"] for t in _targets(gpus, held(0, GIB), [], "running", 570) if t["ok"]] == []
+    assert [t["index"] for t in placement.targets(gpus, held(0, GIB), [], "running", 570) if t["ok"]] == []

@@ -3,7 +3,7 @@ binary given capabilities. One choice, made the same way for every operation and
 
 - root: CRIU runs directly (the set-up of a container per user, or a single-user machine).
 - helper: an ordinary user's server on a shared node; a system service runs CRIU as that user, on
-  that user's kernels only (nodehelper.py). Used whenever its socket exists.
+  that user's kernels only (the nodehelper package). Used whenever its socket exists.
 - capabilities: an ordinary user's server, and a CRIU binary an administrator gave
   ``cap_checkpoint_restore,cap_setpcap+eip``: CRIU runs directly in its ``--unprivileged`` mode.
 

@@ -3,7 +3,7 @@
 We drive the ``criu`` binary rather than its RPC library (pycriu): the binary is what users install and
 what ``criu check`` validates, its options are stable, and each run leaves a log next to the images.
 
-Options, as measured (../shared/FACTS.md):
+Options, as measured (docs/internals.md, "The options we pass"):
 - ``--tcp-close``: the kernel's ZMQ connections to the server are TCP; restoring them established
   needs CRIU's network lock (iptables), so they are restored closed and ZMQ re-dials by itself.
 - ``--ext-unix-sk``: unix sockets whose peer is outside the tree (syslog, a desktop bus...).
@@ -33,7 +33,7 @@ DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 RESTORE_PIDFILE = "restore.pid"
 
-#: Printed on every run on these machines and harmless (FACTS.md).
+#: Printed on every run on these machines and harmless (docs/internals.md, "Which version").
 _HARMLESS = ("Can't setup RLIMIT_NOFILE",)
 #: ``(00.123456) Error (file:line): text``; a task's lines add ``PID: `` before ``Error``, and the
 #: restorer blob's (criu/pie/, where threads are created) add ``pie: TID: ``.

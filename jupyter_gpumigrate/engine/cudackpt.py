@@ -20,7 +20,7 @@ from typing import Any
 from .errors import CudaCheckpointFailed, CudaUnavailable
 
 RUNNING, LOCKED, CHECKPOINTED, FAILED = "running", "locked", "checkpointed", "failed"
-#: Driver branch from which a restore may remap onto other GPUs (FACTS.md).
+#: Driver branch from which a restore may remap onto other GPUs (docs/internals.md, "Moving to another GPU").
 MIN_DRIVER_FOR_REMAP = 580
 
 _init_lock = threading.Lock()

@@ -1,14 +1,23 @@
-"""Which GPU a kernel may go to, decided before anything is locked.
+"""Which GPU a kernel may go to: the one pre-flight of every operation, decided before anything is locked.
 
-Every refusal is a :class:`GpuError` whose sentence says what to do. The rules (FACTS.md, NVIDIA's
-notes): the target must exist, differ from the source, be the same chip model, have MIG off, and have
-room for what the kernel holds; remapping needs driver >= 580; a kernel must hold a single GPU.
+The operations (operations.py) check a request with it before they start, the plans check again in
+their prepare phase, the kernel views list each GPU's verdict (:func:`targets`), drains pick the
+roomiest other GPU (:func:`drain_target`), rollbacks the fallback GPU (:func:`same_model_with_room`),
+and a peer host its own GPUs for a kernel coming there (peers.py).
+
+Every refusal is a :class:`GpuError` whose sentence says what to do. The rules (docs/internals.md,
+"What the CUDA driver can and cannot checkpoint"): the target must exist, differ from the source, be
+the same chip model, have MIG off, and have room for what the kernel holds; remapping needs driver
+>= 580; a kernel must hold a single GPU.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass
 
+from . import gpus as gpus_mod
+from . import proctree
 from .cudackpt import MIN_DRIVER_FOR_REMAP
 from .errors import GpuError
 from .gpus import GpuInfo
@@ -27,8 +36,39 @@ class Move:
     needed: int
 
 
-def gib(n: int) -> str:
-    return f"{n / 1024**3:.1f} GiB"
+def gb(n: int) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def free(gpu: GpuInfo) -> int:
+    return gpu.memory_total - gpu.memory_used
+
+
+def held_by_tree(pid: int | None, gpus: list[GpuInfo]) -> list[dict]:
+    """What the process tree under ``pid`` holds on each GPU: index, uuid, name, memory_used."""
+    if not pid:
+        return []
+    held = gpus_mod.held_by(proctree.descendants(pid), gpus)
+    for h in held:
+        h["name"] = gpus[h["index"]].name
+    return held
+
+
+def same_model(gpus: list[GpuInfo], model: GpuInfo | str | None, exclude: Collection[int] = ()) -> list[GpuInfo]:
+    """GPUs of ``model`` (a GPU, or its name) that answer NVML and have MIG off, roomiest first; none
+    listed in ``exclude`` (indices), nor ``model`` itself."""
+    if model is None:
+        return []
+    name = model if isinstance(model, str) else model.name
+    skip = set(exclude) | ({model.index} if isinstance(model, GpuInfo) else set())
+    found = [g for g in gpus if g.name == name and g.index not in skip and not g.mig_enabled and not g.error]
+    return sorted(found, key=free, reverse=True)
+
+
+def same_model_with_room(gpus: list[GpuInfo], model: GpuInfo | str | None, needed: int,
+                         exclude: Collection[int] = ()) -> list[GpuInfo]:
+    """:func:`same_model`, with room for ``needed`` bytes plus the headroom."""
+    return [g for g in same_model(gpus, model, exclude) if free(g) >= needed + HEADROOM]
 
 
 def gpu_by_index(gpus: list[GpuInfo], index: int) -> GpuInfo:
@@ -85,11 +125,11 @@ def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_ma
             f"{MIN_DRIVER_FOR_REMAP} or newer. Update the driver (suspend and resume on the same GPU work "
             "with this one)."
         )
-    free = target.memory_total - target.memory_used
-    if free < needed + HEADROOM:
+    room = free(target)
+    if room < needed + HEADROOM:
         raise GpuError(
-            f"GPU {target.index} has {gib(free)} free and the kernel needs {gib(needed)} (plus "
-            f"{gib(HEADROOM)} of headroom): free memory there or pick another GPU (jupyter gpumigrate list)."
+            f"GPU {target.index} has {gb(room)} free and the kernel needs {gb(needed)} (plus "
+            f"{gb(HEADROOM)} of headroom): free memory there or pick another GPU (jupyter gpumigrate list)."
         )
 
 
@@ -110,7 +150,7 @@ def plan_resume(
     was = _by_uuid(gpus, suspended_on["uuid"])
     if to_gpu is not None:
         target = gpu_by_index(gpus, to_gpu)
-    elif was is not None and was.memory_total - was.memory_used >= needed + HEADROOM:
+    elif was is not None and free(was) >= needed + HEADROOM:
         target = was
     else:
         same_model = [g for g in gpus if g.name == suspended_on.get("name") and not g.mig_enabled]
@@ -119,7 +159,9 @@ def plan_resume(
                 f"No GPU here is an {suspended_on.get('name')}, the model the kernel was suspended on: it "
                 "can be resumed only on a GPU of that model."
             )
-        target = max(same_model, key=lambda g: g.memory_total - g.memory_used)
+        # The roomiest; if none has room, check_target below says so for the roomiest.
+        target = (same_model_with_room(gpus, str(suspended_on.get("name")), needed)
+                  or sorted(same_model, key=free, reverse=True))[0]
     if target is was:
         check_target(None, target, needed, driver_major)
         return Move(target, target, needed)
@@ -130,3 +172,32 @@ def plan_resume(
     )
     check_target(source, target, needed, driver_major)
     return Move(source, target, needed)
+
+
+def targets(gpus: list[GpuInfo], held: list[dict], suspended_on: list[dict], state: str,
+            driver_major: int | None) -> list[dict]:
+    """Each GPU, and whether a kernel can go there now (a live move if it is ``running``, a resume if
+    ``suspended``), with the refusal's sentence if not: the same rules the operation checks."""
+    listed = []
+    for gpu in gpus:
+        try:
+            if state == "suspended":
+                plan_resume(gpus, suspended_on[0], gpu.index, driver_major)
+            elif state == "running":
+                plan_move(gpus, held, gpu.index, driver_major)
+            else:
+                continue
+            listed.append({"index": gpu.index, "ok": True, "reason": None})
+        except GpuError as exc:
+            listed.append({"index": gpu.index, "ok": False, "reason": str(exc)})
+    return listed
+
+
+def drain_target(gpus: list[GpuInfo], index: int, kernel_id: str,
+                 draining: Collection[int] = ()) -> int:
+    """Where a drain of GPU ``index`` sends a kernel: the roomiest other GPU of the same model, never one
+    being drained. The move itself checks the room."""
+    others = same_model(gpus, gpu_by_index(gpus, index), exclude=draining)
+    if not others:
+        raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
+    return others[0].index

@@ -26,29 +26,9 @@ caller's), and for each request runs CRIU *as the caller*, with only those capab
 The CUDA checkpoint API needs no helper: the driver lets a user lock, checkpoint and restore only
 their own processes (measured, docs/users.md), so the user's server calls it directly.
 
-Protocol (version 1), over a SOCK_STREAM Unix socket (default ``/run/jupyter-gpumigrate/helper.sock``,
-mode 0666: anyone may ask, the helper decides). One request per connection: one JSON object on one
-line (at most 64 KiB, all of it within 10 s), answered by one JSON object on one line, then the
-helper closes. At most 32 requests run at once, 2 per user.
-
-    {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
-                                               "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu"}
-                                              (makes the caller's images folder if it is missing)
-    {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
-                                              (criu check --unprivileged, as the caller, lent what a
-                                              restore is lent)
-    {"op": "dump", "pid": P, "images": REL}
-                                           -> {"ok": true, "seconds": s}   CRIU dumps the tree under P
-                                              into ROOT/U/REL and kills it; on failure it runs on
-    {"op": "restore", "images": REL, "ids": [PID or TID, ...]}
-                                           -> {"ok": true, "pid": P, "seconds": s}   the new root
-    any failure                            -> {"ok": false, "code": C, "error": "a sentence"}
-        C: "bad-request" (malformed), "refused" (not yours, forged, unsafe), "criu-failed" (then
-        "log": the CRIU log's name in the image folder, for the caller to read), "busy", "internal"
-
-REL is a path relative to the caller's images folder: 1 to 4 names of ``[A-Za-z0-9_][A-Za-z0-9._-]*``.
-``ids`` (optional) are the tree's PIDs and TIDs, kept free for the restore. Every request is logged:
-who, what, and how it ended.
+The requests and answers are protocol.py's; the user's server asks through client.py. Every request
+is logged: who, what, and how it ended. At most 32 requests run at once, 2 per user; more are answered
+"busy".
 
 Run it as root: ``jupyter-gpumigrate-helper`` (or ``python -m jupyter_gpumigrate.engine.nodehelper``);
 examples/jupyter-gpumigrate-helper.service is a systemd unit for it. It imports nothing from Jupyter.
@@ -63,7 +43,6 @@ import json
 import logging
 import os
 import pwd
-import re
 import signal
 import socket
 import socketserver
@@ -79,47 +58,27 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import cgroups
-from . import criu as criu_mod
-from . import criuimages, proctree
-from .errors import CriuFailed, HelperError
+from .. import cgroups
+from .. import criu as criu_mod
+from .. import criuimages, proctree
+from .protocol import (BUSY, CRIU_FAILED, DEFAULT_SOCKET, INTERNAL, MAX_DEPTH, MAX_IDS, NAME, PROTOCOL_VERSION,
+                       REFUSED, BadRequest, Refused, encode, failure, read_request)
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
 
-PROTOCOL_VERSION = 1
-DEFAULT_SOCKET = "/run/jupyter-gpumigrate/helper.sock"
 DEFAULT_IMAGES = "/var/lib/jupyter-gpumigrate/images"
-MAX_REQUEST = 64 * 1024
-REQUEST_TIMEOUT = 10.0
 MAX_CLIENTS = 32
 MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
-MAX_IDS = 1 << 16
-MAX_DEPTH = 4
 MAX_CORE_IMAGE = 16 << 20
 MAX_STAGED_BYTES = 256 << 20
 MAX_STAGED_FILES = 1 << 17
 #: what a restore neither checks nor needs: CRIU's own outputs in the caller's folder
 SKIPPED = {criu_mod.DUMP_LOG, criu_mod.RESTORE_LOG, criu_mod.RESTORE_PIDFILE, "stats-dump", "stats-restore"}
-NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 #: lent to CRIU, as setpriv names them (capabilities(7))
 DUMP_CAPS = ("checkpoint_restore",)
 RESTORE_CAPS = ("checkpoint_restore", "setpcap")  # setpcap only where it is needed: restore_caps()
 SAFE_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-
-
-class Refused(Exception):
-    """The request is not the caller's to make: wrong owner, forged or unsafe paths."""
-
-    code = "refused"
-
-
-class BadRequest(Exception):
-    code = "bad-request"
-
-
-class RequestTooLarge(BadRequest):
-    pass
 
 
 @dataclass(frozen=True)
@@ -195,8 +154,9 @@ def _setpriv(caller: Caller, caps: tuple[str, ...]) -> list[str]:
             f"--inh-caps=-all,{lent}", f"--ambient-caps=-all,{lent}", "--"]
 
 
-class Helper:
-    """What the service does, one request at a time per call of :meth:`handle` (threads may overlap)."""
+class CriuBroker:
+    """What the service does: checks each request, runs CRIU for it as the caller, and checks what CRIU
+    made. One request per call of :meth:`handle` (threads may overlap)."""
 
     def __init__(self, images_root: str | os.PathLike[str], criu_path: str | None = None,
                  criu_timeout: float = 3600.0) -> None:
@@ -282,8 +242,7 @@ class Helper:
                 proc = self._criu(caller, DUMP_CAPS, fd, ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS],
                                   criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
-                return {"ok": False, "code": "criu-failed", "log": criu_mod.DUMP_LOG,
-                        "error": f"CRIU could not dump process {pid}"}
+                return failure(CRIU_FAILED, f"CRIU could not dump process {pid}", log=criu_mod.DUMP_LOG)
             # The tree's processes that were ours (kernels we restored) are zombies now: collect them,
             # or their PIDs stay taken and the next restore fails. Only those: the tree was checked.
             deadline = time.monotonic() + 10
@@ -323,8 +282,8 @@ class Helper:
                     raise Refused("the restored processes could not be stopped to be checked; they were killed")
                 made = cgroup.procs()
                 if proc.returncode != 0:
-                    return {"ok": False, "code": "criu-failed", "log": criu_mod.RESTORE_LOG,
-                            "error": "CRIU could not restore the process"}  # _confined kills what it made
+                    # _confined kills what it made
+                    return failure(CRIU_FAILED, "CRIU could not restore the process", log=criu_mod.RESTORE_LOG)
                 pid = self._restored_pid(fd, caller)
                 if pid not in made:
                     raise Refused(f"{criu_mod.RESTORE_PIDFILE} names process {pid}, which this restore did not make")
@@ -580,28 +539,6 @@ class Helper:
 # -- the service -----------------------------------------------------------------------------------
 
 
-def read_request(sock: socket.socket, timeout: float = REQUEST_TIMEOUT) -> bytes | None:
-    """One line, at most MAX_REQUEST bytes, all of it within ``timeout`` s (else :class:`TimeoutError`);
-    None if the caller left before its end."""
-    data = b""
-    deadline = time.monotonic() + timeout
-    while b"\n" not in data:
-        if len(data) > MAX_REQUEST:
-            raise RequestTooLarge(f"requests are at most {MAX_REQUEST} bytes")
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the request took more than {timeout:.0f} s to arrive")
-        sock.settimeout(left)
-        chunk = sock.recv(MAX_REQUEST + 1 - len(data) if len(data) <= MAX_REQUEST else 1)
-        if not chunk:
-            return None
-        data += chunk
-    line = data.split(b"\n", 1)[0]
-    if len(line) > MAX_REQUEST:
-        raise RequestTooLarge(f"requests are at most {MAX_REQUEST} bytes")
-    return line
-
-
 def _summary(request: Any) -> str:
     if not isinstance(request, dict):
         return "?"
@@ -633,7 +570,7 @@ class _Connection(socketserver.BaseRequestHandler):
                 server.per_user[caller.uid] = mine + 1
         if busy:
             log.warning("%s: busy: %s", caller, busy)
-            self._reply(caller, {"ok": False, "code": "busy", "error": f"the helper is busy ({busy}): try again"})
+            self._reply(caller, failure(BUSY, f"the helper is busy ({busy}): try again"))
             return
         try:
             self._serve(sock, caller)
@@ -657,25 +594,25 @@ class _Connection(socketserver.BaseRequestHandler):
             except ValueError as exc:
                 raise BadRequest(f"not JSON ({exc})") from exc
             sock.settimeout(None)
-            reply = self.server.helper.handle(caller, request)
+            reply = self.server.broker.handle(caller, request)
         except (socket.timeout, ConnectionError) as exc:
             log.warning("%s: %s: the request did not arrive (%s)", caller, _summary(request), exc)
             return
         except (BadRequest, Refused) as exc:
-            reply = {"ok": False, "code": exc.code, "error": str(exc)}
+            reply = failure(exc.code, str(exc))
         except Exception:  # noqa: BLE001 - the service must outlive any one request
             log.exception("%s: %s: failed", caller, _summary(request))
-            reply = {"ok": False, "code": "internal", "error": "the helper failed; its log says why"}
+            reply = failure(INTERNAL, "the helper failed; its log says why")
         outcome = "ok" if reply.get("ok") else f"{reply.get('code')}: {reply.get('error')}"
-        level = logging.WARNING if reply.get("code") == "refused" else logging.INFO
+        level = logging.WARNING if reply.get("code") == REFUSED else logging.INFO
         log.log(level, "%s: %s: %s (%.3f s)", caller, _summary(request), outcome, time.monotonic() - start)
         self._reply(caller, reply)
         if reply.get("ok") and isinstance(request, dict) and request.get("op") == "dump":
-            self.server.helper.reap()
+            self.server.broker.reap()
 
     def _reply(self, caller: Caller, reply: dict) -> None:
         try:
-            self.request.sendall(json.dumps(reply).encode() + b"\n")
+            self.request.sendall(encode(reply))
         except OSError as exc:
             log.warning("%s: went away before its answer (%s)", caller, exc)
 
@@ -683,8 +620,8 @@ class _Connection(socketserver.BaseRequestHandler):
 class Service(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
-    def __init__(self, path: str, helper: Helper) -> None:
-        self.helper = helper
+    def __init__(self, path: str, broker: CriuBroker) -> None:
+        self.broker = broker
         self.slots = threading.BoundedSemaphore(MAX_CLIENTS)
         self.lock = threading.Lock()
         self.per_user: dict[int, int] = {}
@@ -698,10 +635,10 @@ class Service(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         os.chmod(path, 0o666)  # anyone may ask; SO_PEERCRED says who asks
 
 
-def _reaper(helper: Helper, stop: threading.Event) -> None:
+def _reaper(broker: CriuBroker, stop: threading.Event) -> None:
     while not stop.wait(1.0):
         try:
-            helper.reap()
+            broker.reap()
         except Exception:  # noqa: BLE001
             log.exception("reaping failed")
 
@@ -724,18 +661,18 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the helper runs as root (it lends CRIU's capabilities to each caller, as that caller)")
     try:
-        helper = Helper(args.images_root, args.criu, args.criu_timeout)
+        broker = CriuBroker(args.images_root, args.criu, args.criu_timeout)
     except Exception as exc:  # CriuNotFound says what to install
         log.error("%s", exc)
         return 1
     if not proctree.become_subreaper():
         log.warning("could not become a subreaper: restored kernels will be re-parented to PID 1")
-    service = Service(args.socket, helper)
+    service = Service(args.socket, broker)
     stop = threading.Event()
-    threading.Thread(target=_reaper, args=(helper, stop), daemon=True, name="reaper").start()
+    threading.Thread(target=_reaper, args=(broker, stop), daemon=True, name="reaper").start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=service.shutdown).start())
-    log.info("listening on %s; images in %s; CRIU %s (%s); a restore is lent %s", args.socket, helper.root,
-             helper.criu.version_string, helper.criu.path, ", ".join(helper.restore_caps))
+    log.info("listening on %s; images in %s; CRIU %s (%s); a restore is lent %s", args.socket, broker.root,
+             broker.criu.version_string, broker.criu.path, ", ".join(broker.restore_caps))
     try:
         service.serve_forever()
     except KeyboardInterrupt:
@@ -750,100 +687,3 @@ def main(argv: list[str] | None = None) -> int:
     log.info("stopped")
     return 0
 
-
-# -- the client (the user's Jupyter server) --------------------------------------------------------
-
-
-class HelperClient:
-    """Talks to the node helper at ``path``. Each call raises :class:`HelperError` saying what to do."""
-
-    #: no answer of the helper's is near this long
-    MAX_REPLY = 1 << 20
-
-    def __init__(self, path: str = DEFAULT_SOCKET) -> None:
-        self.path = path
-
-    def request(self, payload: dict, timeout: float = 30.0) -> dict:
-        """Send one request; the helper's answer (``ok`` may be false). ``timeout`` bounds each wait."""
-        data = b""
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-                sock.settimeout(timeout)
-                sock.connect(self.path)
-                sock.sendall(json.dumps(payload).encode() + b"\n")
-                while not data.endswith(b"\n") and len(data) < self.MAX_REPLY:
-                    chunk = sock.recv(65536)
-                    if not chunk:
-                        break
-                    data += chunk
-        except OSError as exc:
-            raise HelperError(
-                f"The node helper at {self.path} does not answer ({exc}): ask an administrator to start it "
-                "(systemctl start jupyter-gpumigrate-helper; docs/users.md)."
-            ) from exc
-        if not data:
-            raise HelperError(f"The node helper at {self.path} closed the connection without an answer (did it "
-                              "restart?): try again; its log says more.")
-        try:
-            reply = json.loads(data)
-        except ValueError:
-            reply = None
-        if not isinstance(reply, dict):
-            raise HelperError(f"The node helper at {self.path} answered nothing readable: see its log.")
-        return reply
-
-
-class HelperCriu:
-    """CRIU through the node helper: what :class:`~.criu.Criu` does, for a server run by an ordinary user.
-
-    Image folders must lie in the folder the helper made for this user (``images_root``)."""
-
-    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 3600.0, hello_timeout: float = 10.0) -> None:
-        self.client = HelperClient(path)
-        self.timeout = timeout
-        hello = self.client.request({"op": "hello"}, timeout=hello_timeout)
-        if not hello.get("ok"):
-            raise HelperError(f"The node helper at {path} refused: {hello.get('error')}")
-        self.images_root = Path(hello["images"])
-        version = criu_mod.parse_version(f"Version: {hello.get('criu', '0.0')}") or (0, 0)
-        self.binary = criu_mod.CriuBinary(f"{hello.get('criu_path')} (through the node helper at {path})", version)
-
-    def _relative(self, images_dir: Path) -> str:
-        try:
-            return str(Path(images_dir).relative_to(self.images_root))
-        except ValueError as exc:
-            raise HelperError(f"{images_dir} is outside {self.images_root}, the only images folder the node "
-                              "helper writes for you.") from exc
-
-    def _failed(self, reply: dict, log_path: Path, what: str) -> CriuFailed | HelperError:
-        if reply.get("code") == "criu-failed":
-            return criu_mod.failure(log_path, "", what)
-        if reply.get("code") == "busy":
-            return HelperError(f"The node helper could not {what} now: {reply.get('error')}.")
-        return HelperError(f"The node helper refused to {what}: {reply.get('error')}.")
-
-    def dump(self, pid: int, images_dir: Path, *, log_path: Path | None = None) -> None:
-        reply = self.client.request({"op": "dump", "pid": pid, "images": self._relative(images_dir)}, self.timeout)
-        if not reply.get("ok"):
-            written = Path(images_dir) / criu_mod.DUMP_LOG
-            if log_path is not None and written.exists():
-                os.replace(written, log_path)  # the rollback deletes the images, not the log
-            raise self._failed(reply, log_path or written, f"dump process {pid}")
-
-    def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
-        reply = self.client.request({"op": "restore", "images": self._relative(images_dir), "ids": ids or []},
-                                    self.timeout)
-        if reply.get("ok"):
-            return int(reply["pid"])
-        error = self._failed(reply, Path(images_dir) / criu_mod.RESTORE_LOG, "restore the process")
-        if isinstance(error, CriuFailed):
-            raise criu_mod.Criu.explain_restore_failure(error, ids or []) from None
-        raise error
-
-    def check(self) -> tuple[bool, str]:
-        reply = self.client.request({"op": "check"}, timeout=90)
-        return bool(reply.get("ok")), str(reply.get("output") or reply.get("error") or "")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

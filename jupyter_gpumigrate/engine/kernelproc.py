@@ -1,0 +1,64 @@
+"""What the plans need of the kernel they move: :class:`KernelProcess`, and its states.
+
+The provisioner (provisioner.py) implements it for the server's own kernels, ``Guest`` (peers.py) for
+the kernels a peer hosts. Only the saga runner (saga.py) writes ``state`` and ``broken_reason``
+while a plan runs; the implementer writes them for its own lifecycle (started, stopped).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from .saga import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
+
+__all__ = ["BROKEN", "MIGRATING", "REMOTE", "RUNNING", "STOPPED", "SUSPENDED", "KernelProcess", "kernel_listens",
+           "public_connection_info"]
+
+
+class KernelProcess(Protocol):
+    kernel_id: str
+    state: str
+    #: set with state ``broken``: what failed, and what its undo could not put back
+    broken_reason: str | None
+
+    @property
+    def kernel_name(self) -> str: ...
+
+    @property
+    def kernel_pid(self) -> int | None: ...
+
+    @property
+    def kernel_connection_info(self) -> dict: ...
+
+    def release(self) -> None:
+        """The tree was dumped and killed: collect the dead root and forget it."""
+
+    def adopt(self, pid: int) -> None:
+        """A restored tree rooted at ``pid`` is the kernel from now on."""
+
+    def wait_ready(self, timeout: float) -> bool:
+        """Wait until the restored kernel serves its clients again; False if it did not in time."""
+
+    def release_gpu_cache(self) -> None:
+        """If the kernel is idle and can, free the GPU memory it caches but does not use (best effort)."""
+
+    def invite_stager(self, path: str, token: str) -> str | None:
+        """If the kernel is idle and can, have it connect to the fast path's socket at ``path`` (see
+        stash.py) and serve it; None if invited, else why not."""
+
+    def adopt_remote(self, link: object, where: dict) -> None:
+        """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""
+
+
+def kernel_listens(connection_info: dict) -> list[tuple[str, int]]:
+    """The (address, port) of each channel a kernel listens on, from its connection info."""
+    if connection_info.get("transport", "tcp") != "tcp":
+        return []
+    ip = str(connection_info.get("ip", "127.0.0.1"))
+    return [(ip, int(connection_info[k])) for k in
+            ("shell_port", "iopub_port", "stdin_port", "control_port", "hb_port") if connection_info.get(k)]
+
+
+def public_connection_info(connection_info: dict) -> dict:
+    """Connection info without the HMAC key (the manifest is not the place for secrets)."""
+    return {k: (v.decode() if isinstance(v, bytes) else v) for k, v in connection_info.items() if k != "key"}

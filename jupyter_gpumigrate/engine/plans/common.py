@@ -1,0 +1,262 @@
+"""What the plans share: their tools, their context, their outcome, and the steps two plans take alike.
+
+The steps here register their undos on the context right after each side effect (saga.py); none of
+them writes the kernel's state, which the runner owns.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from .. import gpus as gpus_mod
+from .. import netstate, placement, proctree
+from ..criu import Criu
+from ..errors import CriuFailed, GpuError, InvalidState, PidConflict
+from ..gpus import GpuInfo
+from ..gpustate import GpuState
+from ..images import ImageStore, Manifest
+from ..kernelproc import KernelProcess, public_connection_info
+from ..placement import Move
+from ..saga import Context, Result
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Tools:
+    """What the plans act with on this host: the image store, CRIU, the GPU inventory, and timeouts."""
+
+    store: ImageStore
+    criu: Criu | None
+    inventory: Callable[[], list[GpuInfo]] = gpus_mod.snapshot
+    driver_major: Callable[[], int | None] = gpus_mod.driver_major
+    #: how long a restored kernel's clients get to re-dial, and the kernel to answer
+    reconnect_timeout: float = 3.0
+    #: how long a CUDA lock waits for the GPU work in flight
+    lock_timeout: float = 60.0
+
+
+@dataclass
+class FastPath:
+    """What the fast path of a GPU move did: bytes stashed, or why it stepped aside, and its seconds."""
+
+    stashed: int
+    reason: str | None
+    seconds: dict[str, float]
+
+    def to_dict(self) -> dict:
+        return {"stashed": self.stashed, "reason": self.reason,
+                "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
+
+
+@dataclass
+class Outcome:
+    """What a finished plan did."""
+
+    result: Result
+    #: bytes written, read or moved (images, or GPU memory for a live move)
+    bytes: int = 0
+    manifest: Manifest | None = None
+    from_gpu: int | None = None
+    to_gpu: int | None = None
+    #: a move between hosts: the host it went to ("" when it came home) and the one it left
+    to_host: str | None = None
+    from_host: str | None = None
+    #: bytes sent to or received from the other host
+    transferred: int | None = None
+    fast_path: FastPath | None = None
+
+
+class KernelContext(Context):
+    """What a plan's steps read and write about one kernel."""
+
+    kernel: KernelProcess
+
+    def __init__(self, kernel: KernelProcess, tools: Tools) -> None:
+        super().__init__(kernel)
+        self.tools = tools
+        self.gpu = GpuState(tools.lock_timeout, tools.inventory)
+        self.images: Path = tools.store.path_for(kernel.kernel_id)
+        self.manifest: Manifest | None = None
+        #: the kernel's root process (running, or restored from the images)
+        self.pid: int | None = None
+        #: where its GPU memory goes, once decided
+        self.move: Move | None = None
+
+    def on_gpu(self) -> bool:
+        return self.gpu.holds_gpu()
+
+    @property
+    def criu(self) -> Criu:
+        if self.tools.criu is None:
+            raise InvalidState("No CRIU was given to this migration, so it cannot dump or restore the kernel.")
+        return self.tools.criu
+
+
+# -- reading the kernel -------------------------------------------------------------------------------
+
+
+def running_pid(ctx: KernelContext) -> int:
+    """The running kernel's PID (the runner checked its state); :class:`InvalidState` if it is gone."""
+    pid = ctx.kernel.kernel_pid
+    if pid is None or not proctree.is_alive(pid):
+        raise InvalidState("The kernel process is not running: restart the kernel instead.")
+    ctx.pid = pid
+    return pid
+
+
+def gpu_use(ctx: KernelContext, pid: int) -> tuple[list[int], list[dict], list[GpuInfo]]:
+    """The tree's processes that hold a GPU, what they hold (index, uuid, name, bytes), and the GPUs."""
+    tree = proctree.descendants(pid)
+    gpus = ctx.tools.inventory()
+    cuda_pids = sorted({p for g in gpus for p in g.processes if p in tree})
+    return cuda_pids, placement.held_by_tree(pid, gpus), gpus
+
+
+def release_cache(ctx: KernelContext) -> None:
+    # Freed-but-cached blocks of PyTorch's allocator would be moved too (8 GB live + 24 GB cached:
+    # 29.2 s; after empty_cache: 7.2 s; docs/internals.md). Ask the kernel to drop them, if it is idle.
+    ctx.kernel.release_gpu_cache()
+
+
+# -- images -------------------------------------------------------------------------------------------
+
+
+def new_images(ctx: KernelContext, pid: int) -> None:
+    """An empty image folder for the kernel (undone: removed, its logs kept), the manifest of the tree
+    under ``pid``, and its CUDA processes in ``ctx.gpu``."""
+    kernel, store = ctx.kernel, ctx.tools.store
+    if gpu_use(ctx, pid)[0]:
+        release_cache(ctx)
+    cuda_pids, held, gpus = gpu_use(ctx, pid)
+    if len(held) > 1:
+        placement.source_gpu(gpus, held)  # raises: a single GPU only
+    store.create(kernel.kernel_id)
+    ctx.undo(lambda: store.remove(kernel.kernel_id, keep_logs=True), cleanup=True)  # a failed dump's log says why
+    ctx.gpu.track(cuda_pids, held[0]["uuid"] if held else None, int(held[0]["memory_used"]) if held else 0)
+    ctx.manifest = Manifest(
+        kernel_id=kernel.kernel_id,
+        kernel_name=kernel.kernel_name,
+        pid=pid,
+        # Every PID and TID must be free again at restore: remember them to name a conflict.
+        ids=proctree.tree_ids(pid),
+        criu_version=ctx.criu.binary.version_string,
+        gpus=held,
+        cuda_pids=cuda_pids,
+        connection_info=public_connection_info(kernel.kernel_connection_info),
+        clients=netstate.client_counts(proctree.descendants(pid)),
+    )
+
+
+def dump(ctx: KernelContext) -> None:
+    """CRIU dumps the tree and kills it; from then on, the undo brings it back from the images."""
+    assert ctx.manifest is not None
+    kernel, store = ctx.kernel, ctx.tools.store
+    # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is kept
+    # outside the images, which the rollback deletes.
+    try:
+        ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=store.log_path(kernel.kernel_id, "dump"))
+    except CriuFailed as exc:
+        raise CriuFailed(
+            f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
+            "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
+    ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
+    kernel.release()
+    proctree.reap_dumped(ctx.manifest.ids)
+    store.write_manifest(ctx.images, ctx.manifest)
+
+
+def restore_from_images(ctx: KernelContext) -> None:
+    """Undo of a dump: the kernel comes back as it was, from the images just written."""
+    assert ctx.manifest is not None
+    adopt_tree(ctx, ctx.criu.restore(ctx.images, ctx.manifest.ids))
+
+
+def adopt_tree(ctx: KernelContext, pid: int) -> None:
+    """The restored tree is the kernel again, once its clients are back.
+
+    Its clients re-dial by themselves; a SUB socket that is not subscribed yet loses what the
+    kernel publishes. So wait (briefly, bounded) until every port has its clients back, then
+    until the kernel itself serves a new client on shell and IOPub.
+    """
+    assert ctx.manifest is not None
+    timeout = ctx.tools.reconnect_timeout
+    expected = {int(port): n for port, n in ctx.manifest.clients.items()}
+    missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout)
+    if missing:
+        log.info("kernel %s: %s client(s) did not reconnect within %.1f s (gone meanwhile?)",
+                 ctx.manifest.kernel_id, sum(missing.values()), timeout)
+    ctx.kernel.adopt(pid)
+    if not ctx.kernel.wait_ready(timeout):
+        log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
+
+
+# -- bringing a tree back here from its images: restore, [remap, unlock], adopt ----------------------
+
+
+def place(ctx: KernelContext, manifest: Manifest, to_gpu: int | None, no_gpu: str) -> None:
+    """Take ``manifest`` and choose its GPU (``to_gpu``, else where it was, else the roomiest);
+    ``no_gpu`` is the sentence for a ``to_gpu`` asked of a kernel that holds none."""
+    ctx.manifest = manifest
+    if manifest.gpus:
+        ctx.move = placement.plan_resume(ctx.tools.inventory(), manifest.gpus[0], to_gpu, ctx.tools.driver_major())
+        ctx.gpu.track(manifest.cuda_pids, manifest.gpus[0]["uuid"], int(manifest.gpus[0].get("memory_used", 0)))
+    elif to_gpu is not None:
+        raise GpuError(no_gpu)
+
+
+def free_pids(manifest: Manifest) -> None:
+    """CRIU gives every process and thread its old number back. Keep new processes off those numbers,
+    and say who holds one, if any, before CRIU starts (it would say "File exists")."""
+    proctree.steer_pid_allocation(manifest.ids)
+    holder = proctree.first_holder(manifest.ids)
+    if holder is not None:
+        raise PidConflict(
+            f"Cannot resume yet: PID {holder.pid}, which the kernel used, is now taken by {holder.describe()}. "
+            "Stop that process (or wait until it exits), then resume again; the kernel's images are kept.",
+            holder.pid, holder.describe(),
+        )
+
+
+def restore_tree(ctx: KernelContext) -> None:
+    """CRIU recreates the tree from the images; undone by killing it (the images stay as they were)."""
+    assert ctx.manifest is not None
+    ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+    ctx.undo(lambda: kill_tree(ctx.pid))
+
+
+def kill_tree(pid: int | None) -> None:
+    if pid is not None:
+        proctree.kill_tree(pid)
+        proctree.wait_gone(pid, timeout=10)
+
+
+def remap(ctx: KernelContext) -> None:
+    assert ctx.move is not None
+    ctx.gpu.restore_to(ctx, ctx.move.target.uuid)
+
+
+def unlock(ctx: KernelContext) -> None:
+    ctx.gpu.unlock(ctx)
+
+
+def lock(ctx: KernelContext) -> None:
+    ctx.gpu.lock(ctx)
+
+
+def checkpoint(ctx: KernelContext) -> None:
+    ctx.gpu.checkpoint(ctx)
+
+
+def adopt_restored(ctx: KernelContext) -> None:
+    assert ctx.pid is not None
+    adopt_tree(ctx, ctx.pid)
+
+
+def forget_images(ctx: KernelContext) -> None:
+    """The kernel runs again (here or elsewhere): its images are stale, and they hold its memory."""
+    ctx.tools.store.remove(ctx.kernel.kernel_id)
+

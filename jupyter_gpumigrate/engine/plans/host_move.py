@@ -1,0 +1,241 @@
+"""A move to another host, and back home. The other host is a :class:`HostLink` (peers.py).
+
+Away (``move_to_host``):
+
+    prepare     that host checks it can take the tree; images     undo: remove them (logs kept)
+                folder and manifest here
+    lock        CUDA calls wait (GPU only)                        undo: unlock
+    checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
+    dump        CRIU writes the tree and kills it                 undo: restore it here, from the images
+    transfer    the images go there                               undo: that host discards them (and the
+                                                                        kernel, if it was restored there)
+    restore     that host restores the tree (onto its GPU)        (undone with the transfer)
+    adopt       this host relays the kernel's ports there, and    undo: stop relaying
+                the kernel answers through the relay
+    on success  this host's copy of the images is stale: removed
+
+Home (``return_home``):
+
+    prepare     this host can take the tree back; images folder   undo: remove it (logs kept)
+    dump        that host dumps the kernel (its images stay there) undo: that host resumes it
+    transfer    the images come here; choose the GPU               (the folder goes with prepare's undo)
+    restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
+    remap       GPU memory onto the chosen GPU (GPU only)         undo: checkpoint it again
+    unlock      CUDA calls go on (GPU only)                       undo: lock
+    adopt       the tree is the kernel again                      (last)
+    on success  the images here and there are removed
+
+This host keeps its copy of the images until the kernel answers from there: any failure before that
+brings the kernel back here, from that copy.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+from typing import Protocol
+
+from .. import hostfit, netstate
+from ..errors import ImageError, InvalidState, MigrateError
+from ..kernelproc import KernelProcess, kernel_listens
+from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
+from .common import (KernelContext, Outcome, Tools, adopt_restored, checkpoint, dump, forget_images, gpu_use,
+                     lock, new_images, place, remap, restore_tree, running_pid, unlock)
+
+log = logging.getLogger(__name__)
+
+
+def away() -> Saga[HostContext]:
+    return Saga(
+        "move_to_host",
+        [
+            Step("prepare", prepare_away),
+            Step("lock", lock, when=KernelContext.on_gpu),
+            Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
+            Step("dump", dump),
+            Step("transfer", send_images),
+            Step("restore", restore_there),
+            Step("adopt", adopt_there),
+            Step("forget images", forget_images, kind=ON_SUCCESS),
+        ],
+        start_from=("running",),
+        success="remote",
+        refuse=lambda state: f"The kernel is {state}, not running: it cannot be moved.",
+    )
+
+
+def home() -> Saga[HostContext]:
+    return Saga(
+        "return_home",
+        [
+            Step("prepare", prepare_home),
+            Step("dump", dump_there),
+            Step("transfer", fetch_images),
+            Step("restore", restore_here),
+            Step("remap", remap, when=KernelContext.on_gpu),
+            Step("unlock", unlock, when=KernelContext.on_gpu),
+            Step("adopt", adopt_restored),
+            Step("forget images", forget_images, kind=ON_SUCCESS),
+            Step("forget images there", discard_there, kind=ON_SUCCESS),
+        ],
+        start_from=("remote",),
+        success="running",
+        refuse=lambda state: f"The kernel is {state} here, not on another host: it is home already.",
+    )
+
+
+class HostLink(Protocol):
+    """Another host, as a move of one kernel needs it (the server extension implements it over HTTPS).
+
+    Each method raises a :class:`MigrateError` whose message says what went wrong there.
+    """
+
+    host: str
+
+    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> None:
+        """Refuse, with every reason, if that host cannot restore the tree (PIDs, ports, files, GPU)."""
+
+    def send_images(self, images: Path) -> int:
+        """Copy the image folder there; the bytes sent."""
+
+    def restore(self, to_gpu: int | None) -> dict:
+        """Restore the kernel there from the images sent (and onto its GPU); what it says of it."""
+
+    def discard(self) -> None:
+        """Kill the kernel there if it runs, and delete its images there."""
+
+    def attach(self, clients: dict | None = None) -> None:
+        """Bind the kernel's ports here and relay them to the kernel there; then wait (briefly) until
+        ``clients`` (port -> how many) are connected to them again."""
+
+    def detach(self) -> None:
+        """Stop relaying and free the kernel's ports here."""
+
+    def requirements(self) -> hostfit.Requirements:
+        """What the tree running there needs of a host."""
+
+    def dump(self) -> None:
+        """Suspend the kernel there; its images stay there."""
+
+    def resume(self) -> None:
+        """Undo of :meth:`dump`: bring the kernel back to life there."""
+
+    def fetch_images(self, images: Path) -> int:
+        """Copy the kernel's images from there into ``images``; the bytes received."""
+
+
+class HostContext(KernelContext):
+    def __init__(self, kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: int | None) -> None:
+        super().__init__(kernel, tools)
+        self.link = link
+        self.to_gpu = to_gpu
+        #: bytes sent there or received from there
+        self.transferred = 0
+        #: what that host said of the kernel it restored: pid, gpu, gpus
+        self.there: dict = {}
+
+
+# -- away ---------------------------------------------------------------------------------------------
+
+
+def prepare_away(ctx: HostContext) -> None:
+    pid = running_pid(ctx)
+    # The other host says everything it lacks before anything here is touched.
+    _, held, _ = gpu_use(ctx, pid)
+    ctx.link.check(hostfit.requirements_of(pid, kernel_listens(ctx.kernel.kernel_connection_info)),
+                   held[0] if held else None, ctx.to_gpu)
+    new_images(ctx, pid)
+
+
+def send_images(ctx: HostContext) -> None:
+    # Whatever arrived there goes; if that host is gone, so is what it had: litter, not a kernel in doubt.
+    ctx.undo(ctx.link.discard, cleanup=True)
+    ctx.transferred = ctx.link.send_images(ctx.images)
+
+
+def restore_there(ctx: HostContext) -> None:
+    ctx.there = ctx.link.restore(ctx.to_gpu)
+
+
+def adopt_there(ctx: HostContext) -> None:
+    # This host keeps the kernel's ports and relays them: its clients re-dial, as after a resume, and
+    # reach the kernel there. It must answer through the relay, or all is undone.
+    assert ctx.manifest is not None
+    ctx.link.attach(ctx.manifest.clients)
+    ctx.undo(ctx.link.detach)
+    ctx.kernel.adopt_remote(ctx.link, ctx.there)
+    if not ctx.kernel.wait_ready(max(ctx.tools.reconnect_timeout, 10.0)):
+        raise InvalidState(f"The kernel was restored on {ctx.link.host} but does not answer through the relay; "
+                           "it was brought back here.")
+
+
+def move_to_host(kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: int | None = None,
+                 progress: ProgressCallback | None = None) -> Outcome:
+    """Move the running kernel to ``link``'s host (onto its GPU ``to_gpu``, or where it has room)."""
+    ctx = HostContext(kernel, tools, link, to_gpu)
+    result = away().run(ctx, progress)
+    assert ctx.manifest is not None
+    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, to_host=link.host,
+                   to_gpu=ctx.there.get("gpu"), transferred=ctx.transferred,
+                   from_gpu=ctx.manifest.gpus[0]["index"] if ctx.manifest.gpus else None)
+
+
+# -- home ---------------------------------------------------------------------------------------------
+
+
+def prepare_home(ctx: HostContext) -> None:
+    needs = ctx.link.requirements()
+    needs.listens = []  # its ports are held here by the relay, which lets go of them before the restore
+    problems = hostfit.problems(needs)
+    if problems:
+        raise InvalidState(f"The kernel cannot come back here: {'; '.join(problems)}. It runs on "
+                           f"{ctx.link.host} as before.")
+    store, kernel_id = ctx.tools.store, ctx.kernel.kernel_id
+    store.create(kernel_id)
+    ctx.undo(lambda: store.remove(kernel_id, keep_logs=True), cleanup=True)
+
+
+def dump_there(ctx: HostContext) -> None:
+    ctx.link.dump()
+    ctx.undo(ctx.link.resume)
+
+
+def fetch_images(ctx: HostContext) -> None:
+    ctx.transferred = ctx.link.fetch_images(ctx.images)
+    manifest = ctx.tools.store.read_manifest(ctx.kernel.kernel_id)
+    if manifest.kernel_id != ctx.kernel.kernel_id:
+        raise ImageError(f"{ctx.link.host} sent the images of kernel {manifest.kernel_id}, not "
+                         f"{ctx.kernel.kernel_id}.")
+    place(ctx, manifest, ctx.to_gpu, f"The kernel holds no GPU on {ctx.link.host}, so it cannot come back onto "
+                                     f"GPU {ctx.to_gpu}.")
+
+
+def restore_here(ctx: HostContext) -> None:
+    assert ctx.manifest is not None
+    # The clients to wait for after the restore are those of the relay here, not those the kernel had
+    # there (the relay's own).
+    ports = {port for _, port in kernel_listens(ctx.kernel.kernel_connection_info)}
+    ctx.manifest.clients = {p: n for p, n in netstate.client_counts([os.getpid()]).items() if p in ports}
+    ctx.link.detach()  # the kernel's ports, held by the relay, are the kernel's own again
+    ctx.undo(ctx.link.attach)
+    restore_tree(ctx)
+
+
+def discard_there(ctx: HostContext) -> None:
+    try:
+        ctx.link.discard()  # its images there hold the kernel's memory
+    except MigrateError:
+        log.warning("kernel %s is back, but %s could not delete its images there", ctx.kernel.kernel_id,
+                    ctx.link.host)
+
+
+def return_home(kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: int | None = None,
+                progress: ProgressCallback | None = None) -> Outcome:
+    """Bring the kernel that runs on ``link``'s host back to this one (onto GPU ``to_gpu``)."""
+    ctx = HostContext(kernel, tools, link, to_gpu)
+    result = home().run(ctx, progress)
+    assert ctx.manifest is not None
+    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, to_host="",
+                   from_host=link.host, transferred=ctx.transferred,
+                   to_gpu=ctx.move.target.index if ctx.move else None)

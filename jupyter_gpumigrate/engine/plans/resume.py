@@ -1,0 +1,59 @@
+"""Resume: a suspended kernel comes back from its images, onto a GPU of its model.
+
+    prepare     read the manifest, choose the GPU, free the PIDs  (nothing to undo)
+    restore     CRIU recreates the tree                           undo: kill it (the images stay)
+    remap       GPU memory onto the chosen GPU (GPU only)         undo: checkpoint it again
+    unlock      CUDA calls go on (GPU only)                       undo: lock
+    adopt       the tree is the kernel, its clients are back      (last)
+    on success  the images are stale: removed
+"""
+
+from __future__ import annotations
+
+from ..errors import ImageError
+from ..kernelproc import KernelProcess
+from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
+from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap,
+                     restore_tree, unlock)
+
+
+def saga() -> Saga[ResumeContext]:
+    return Saga(
+        "resume",
+        [
+            Step("prepare", prepare),
+            Step("restore", restore_tree),
+            Step("remap", remap, when=KernelContext.on_gpu),
+            Step("unlock", unlock, when=KernelContext.on_gpu),
+            Step("adopt", adopt_restored),
+            Step("forget images", forget_images, kind=ON_SUCCESS),
+        ],
+        start_from=("suspended",),
+        success="running",
+        refuse=lambda state: f"The kernel is {state}, not suspended: there is nothing to resume.",
+    )
+
+
+class ResumeContext(KernelContext):
+    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | None) -> None:
+        super().__init__(kernel, tools)
+        self.to_gpu = to_gpu
+
+
+def prepare(ctx: ResumeContext) -> None:
+    kernel_id = ctx.kernel.kernel_id
+    manifest = ctx.tools.store.read_manifest(kernel_id)
+    if manifest.kernel_id != kernel_id:
+        raise ImageError(f"The images in {ctx.images} belong to kernel {manifest.kernel_id}, not {kernel_id}.")
+    place(ctx, manifest, ctx.to_gpu, f"The kernel held no GPU when it was suspended, so it cannot be resumed "
+                                     f"onto GPU {ctx.to_gpu}: resume it without to_gpu.")
+    free_pids(manifest)
+
+
+def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None = None,
+        progress: ProgressCallback | None = None) -> Outcome:
+    ctx = ResumeContext(kernel, tools, to_gpu)
+    result = saga().run(ctx, progress)
+    assert ctx.manifest is not None
+    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest,
+                   to_gpu=ctx.move.target.index if ctx.move else None)
