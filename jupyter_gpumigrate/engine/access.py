@@ -48,7 +48,7 @@ def remedy(criu_path: str | None) -> str:
     )
 
 
-def how(criu_path: str | None = None, helper_socket: str | None = DEFAULT_SOCKET) -> Access:
+def criu_access(criu_path: str | None = None, helper_socket: str | None = DEFAULT_SOCKET) -> Access:
     """Which way this process would run CRIU now, and why (never raises)."""
     if os.geteuid() == 0:
         return Access(ROOT, "running as root: CRIU runs directly")
@@ -72,7 +72,7 @@ def open_criu(criu_path: str | None = None, helper_socket: str | None = DEFAULT_
               ) -> criu_mod.Criu | HelperCriu:
     """The CRIU driver this process should use; :class:`PrivilegeMissing` (or :class:`CriuNotFound`,
     :class:`HelperError`) saying what an administrator must do if there is none."""
-    found = how(criu_path, helper_socket)
+    found = criu_access(criu_path, helper_socket)
     if found.mode == HELPER:
         assert helper_socket
         return HelperCriu(helper_socket)

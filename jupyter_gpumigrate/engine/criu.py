@@ -174,14 +174,12 @@ class Criu:
         ).strip()
         return proc.returncode == 0, out
 
-    def dump(self, pid: int, images_dir: Path, *, leave_running: bool = False, log_path: Path | None = None) -> None:
-        """Dump the tree rooted at ``pid``. Unless ``leave_running``, the tree is killed once dumped.
+    def dump(self, pid: int, images_dir: Path, *, log_path: Path | None = None) -> None:
+        """Dump the tree rooted at ``pid``; the tree is killed once dumped.
 
         On failure CRIU resumes the tree: it keeps running as before.
         """
         args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
-        if leave_running:
-            args.append("--leave-running")
         self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}")
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:

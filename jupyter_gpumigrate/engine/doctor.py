@@ -32,7 +32,7 @@ class Check:
 
 
 def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET) -> list[Check]:
-    if access.how(criu_path, helper_socket).mode == access.HELPER:
+    if access.criu_access(criu_path, helper_socket).mode == access.HELPER:
         try:
             helper = HelperCriu(helper_socket or DEFAULT_SOCKET)
             passed, last = helper.check()
@@ -62,7 +62,7 @@ def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET
 
 
 def check_privileges(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET) -> list[Check]:
-    found = access.how(criu_path, helper_socket)
+    found = access.criu_access(criu_path, helper_socket)
     checks = [Check("privileges", FAIL if found.mode == access.NONE else OK, found.detail, found.remedy)]
     if found.mode != access.ROOT:
         # CRIU runs as this user without CAP_SYS_PTRACE (helper or capabilities): Yama's scope >= 1

@@ -88,7 +88,7 @@ class CudaCheckpointFailed(MigrateError):
 
 
 class HelperError(MigrateError):
-    """The node helper (nodehelper.py) is unreachable, or refused a request."""
+    """The node helper (engine/nodehelper/) is unreachable, or refused a request."""
 
     http_status = 503
 
