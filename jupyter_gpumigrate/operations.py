@@ -230,19 +230,19 @@ class OperationManager:
 
     def _start_host_move(self, kernel_id: str, provisioner: MigratableProvisioner, action: str,
                          to_gpu: int | None, to_host: str | None) -> Operation:
-        here = provisioner.remote_host if provisioner.state == REMOTE else self.host_name
+        runs_on = provisioner.remote_host if provisioner.state == REMOTE else self.host_name
         if action != "migrate" or to_host is None:
             raise InvalidState(
-                f"Kernel {kernel_id} runs on {here}: bring it back first (migrate with to_host "
+                f"Kernel {kernel_id} runs on {runs_on}: bring it back first (migrate with to_host "
                 f"\"{self.host_name}\"), then {action} it here."
             )
-        if to_host == here:
+        if to_host == runs_on:
             raise InvalidState(f"Kernel {kernel_id} already runs on {to_host}.")
         if to_host != self.host_name and to_host not in self.peers:
             known = ", ".join(sorted(self.peers)) or "none (set c.GPUMigrateApp.peers)"
             raise UnknownPeer(f"There is no peer named {to_host!r}; this server's peers: {known}.")
         if provisioner.state == REMOTE and to_host != self.host_name:
-            raise InvalidState(f"Kernel {kernel_id} runs on {here}: bring it back to {self.host_name} first, "
+            raise InvalidState(f"Kernel {kernel_id} runs on {runs_on}: bring it back to {self.host_name} first, "
                                f"then move it to {to_host}.")
         if provisioner.state not in (RUNNING, REMOTE):
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved.")
@@ -254,7 +254,7 @@ class OperationManager:
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
                             clients=provisioner.client_identities)
         plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
-        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=here,
+        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=runs_on,
                        phases=list(PHASES[plan]))
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, link))

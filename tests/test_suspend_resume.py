@@ -419,3 +419,55 @@ async def test_a_tab_opened_on_a_suspended_kernel_connects_at_once_and_its_cell_
     assert (await tab.run("print(kept)")).strip() == "across a reload"
     assert (await api(jp_fetch, "kernels", kernel_id))["state"] == "running"
     tab.ws.close()
+
+
+def _kill_criu_restore_once_tree_is_back(pid: int, timeout: float) -> str | None:
+    """Watch for the server's `criu restore`; SIGKILL it as soon as the process with ``pid`` exists again
+    (CRIU has forked the tree and is restoring its memory). The signal sent, or None if the restore ended
+    first. The tasks CRIU forks carry its command line too: only the one the server started is killed."""
+    import signal
+
+    from jupyter_gpumigrate.engine import proctree
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            started_by_server = (info := proctree.info(int(name))) is not None and info.ppid == os.getpid()
+            if (argv and argv[0].endswith(b"criu") and b"restore" in argv and started_by_server
+                    and Path(f"/proc/{pid}").exists()):
+                os.kill(int(name), signal.SIGKILL)
+                return "SIGKILL"
+        time.sleep(0.001)
+    return None
+
+
+async def test_criu_killed_during_a_resume_leaves_no_process_behind_and_the_next_resume_works(
+        jp_fetch, kernel):
+    # Enough memory that CRIU spends a while restoring it, after it has forked the tree.
+    assert (await kernel.run("x = 41\nblob = bytes(range(256)) * 4_000_000\nprint('ok')")).strip() == "ok"
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    for attempt in range(3):
+        assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+        killer = asyncio.get_running_loop().run_in_executor(None, _kill_criu_restore_once_tree_is_back, pid, 60)
+        op = await operate(jp_fetch, kernel.id, "resume")
+        killed = await killer
+        if killed and op["status"] == "failed":
+            break
+        assert op["status"] == "succeeded", op  # the restore won the race: try again
+    else:
+        pytest.skip("CRIU restored the kernel before it could be killed, three times")
+    assert op["failed_phase"] == "restore" and "killed by SIGKILL" in op["error"], op
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and view["image_bytes"], view
+    # Nothing of the half-restored tree is left: no process, no zombie holds the kernel's PID.
+    assert not Path(f"/proc/{pid}").exists(), Path(f"/proc/{pid}/status").read_text()
+
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded", op
+    assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]

@@ -96,4 +96,4 @@ def images_root(default: Path, helper_socket: str | None = DEFAULT_SOCKET) -> Pa
     return _helper_roots[helper_socket]
 
 
-__all__ = ["Access", "how", "open_criu", "images_root", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]
+__all__ = ["Access", "criu_access", "open_criu", "images_root", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]

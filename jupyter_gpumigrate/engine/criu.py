@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import struct
 import subprocess
 from dataclasses import dataclass
@@ -71,8 +72,13 @@ def file_capabilities(path: str) -> set[str]:
     return {name for name, bit in NEEDED_CAPS.items() if effective and permitted >> bit & 1}
 
 
-def failure(log_path: Path, output: str, what: str) -> CriuFailed:
-    """The error of a CRIU run that failed: its first telling ``Error`` line, and where the log is."""
+def failure(log_path: Path, output: str, what: str, returncode: int = 1) -> CriuFailed:
+    """The error of a CRIU run that failed: its first telling ``Error`` line, and where the log is; a
+    CRIU killed by a signal is said to be so (it logged no error of its own)."""
+    if returncode < 0:
+        name = signal.Signals(-returncode).name if -returncode in signal.valid_signals() else f"signal {-returncode}"
+        killed = f"CRIU was killed by {name} before it could {what}"
+        return CriuFailed(f"{killed}. Full log: {log_path}", str(log_path), "\n".join(error_lines(log_path)[-10:]))
     errors = error_lines(log_path) or [output.strip() or "no error logged"]
     cause = next((e for e in errors if not e.startswith(_GENERIC)), errors[0])
     return CriuFailed(f"CRIU could not {what}: {cause}. Full log: {log_path}", str(log_path), "\n".join(errors[-10:]))
@@ -162,7 +168,7 @@ class Criu:
                 str(log_path),
             ) from exc
         if proc.returncode != 0:
-            raise failure(log_path, proc.stderr or proc.stdout, what)
+            raise failure(log_path, proc.stderr or proc.stdout, what, proc.returncode)
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: (passed, what it printed)."""
@@ -200,6 +206,9 @@ class Criu:
             )
         except CriuFailed as exc:
             if ids:
+                # A CRIU killed halfway leaves the tasks it had forked alive, stuck in its restorer, and
+                # ours (the subreaper): kill them, so that the retry finds the tree's PIDs free.
+                proctree.kill_half_restored(ids)
                 # The tasks CRIU had forked with the tree's PIDs are still dying: let them go, so
                 # that a retry does not find its own PIDs taken by 'criu'.
                 proctree.wait_ids_released(ids, name="criu", timeout=10)

@@ -237,6 +237,23 @@ def reap_dumped(ids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
+def kill_half_restored(ids: list[int]) -> list[int]:
+    """After a restore that failed (CRIU killed, say): kill what it had made of the tree and reap it.
+
+    The processes CRIU had forked with the tree's PIDs live on, stuck in its restorer, once CRIU is
+    gone; they come to us, the subreaper. Any process that holds one of ``ids`` and is our child is one
+    of them: the resume checked that nobody held those PIDs before CRIU ran, and kept new processes
+    off them. Returns the PIDs killed."""
+    me = os.getpid()
+    roots = [pid for pid in ids if (f := _stat_fields(pid)) and int(f[1]) == me and f[0] not in ("Z", "X")]
+    for root in roots:
+        kill_tree(root)
+    for root in roots:
+        wait_gone(root, timeout=10)
+    reap_dumped(ids, timeout=0.5)
+    return roots
+
+
 def reap(pid: int) -> int | None:
     """Collect the exit status of a child that has exited; None if it is not our child or still runs."""
     try:
