@@ -180,7 +180,11 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
                 self._tell("The kernel was restarted while it was suspended: this cell did not run.", cell)
                 return
             for message in held:
-                super().handle_incoming_message(message)
+                try:
+                    super().handle_incoming_message(message)
+                except Exception:  # noqa: BLE001  a malformed message drops itself only, as on a running kernel
+                    log.warning("gpumigrate: kernel %s: a held message could not be read and was dropped",
+                                self.kernel_id, exc_info=True)
 
         def disconnect(self) -> None:
             if self._releaser is not None and not self._releaser.done():

@@ -414,6 +414,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if not restart:
             if self.log_path is not None:
                 self.log_path.unlink(missing_ok=True)
+            try:
+                self.images.remove_logs(self.kernel_id)  # failed dumps' logs go with their kernel
+            except (OSError, MigrateError) as exc:
+                self.log.warning("gpumigrate: the logs of kernel %s were not deleted: %s", self.kernel_id, exc)
             credentials = self._credentials()
             if credentials is not None:
                 credentials.revoke(self.kernel_id)

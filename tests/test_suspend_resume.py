@@ -298,6 +298,16 @@ async def test_a_cell_run_on_a_suspended_kernel_resumes_it(jp_fetch, jp_ws_fetch
     tab.ws.close()
 
 
+async def test_a_malformed_message_to_a_suspended_kernel_drops_only_itself(jp_fetch, jp_ws_fetch, jp_serverapp):
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
+    assert (await tab.run("secret = 'kept'; print('set')")).strip() == "set"
+    assert (await operate(jp_fetch, kernel_id, "suspend"))["status"] == "succeeded"
+    tab.ws.write_message("{this is not JSON")  # held with the cell below, then read when they go out
+    assert (await tab.run("print(secret)")).strip() == "kept"
+    assert (await tab.run("print('and the next one')")).strip() == "and the next one"
+    tab.ws.close()
+
+
 async def test_a_cell_that_cannot_resume_its_kernel_says_why_and_waits(jp_fetch, jp_ws_fetch, jp_serverapp):
     kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
     await tab.run("value = 41")

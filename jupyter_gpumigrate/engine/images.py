@@ -124,11 +124,16 @@ class ImageStore:
             raise ImageError(f"{path / MANIFEST} is damaged ({exc}); the kernel cannot be resumed.") from exc
         return Manifest.from_dict(data)
 
+    def remove_logs(self, name: str) -> None:
+        """Delete the logs kept for ``name`` (a failed dump's)."""
+        if (self.root / LOGS).is_dir():
+            for log in (self.root / LOGS).glob(f"{self.path_for(name).name}-*.log"):
+                log.unlink(missing_ok=True)
+
     def remove(self, name: str, keep_logs: bool = False) -> None:
         """Delete ``name``'s images, and (unless ``keep_logs``) the logs kept beside them."""
-        if not keep_logs and (self.root / LOGS).is_dir():
-            for log in (self.root / LOGS).glob(f"{name}-*.log"):
-                log.unlink(missing_ok=True)
+        if not keep_logs:
+            self.remove_logs(name)
         path = self.path_for(name)
         if path.is_symlink():
             path.unlink()

@@ -6,6 +6,7 @@ them writes the kernel's state, which the runner owns.
 
 from __future__ import annotations
 
+import errno
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -14,7 +15,7 @@ from pathlib import Path
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
 from ..criu import Criu
-from ..errors import CriuFailed, GpuError, InvalidState, PidConflict
+from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
 from ..images import ImageStore, Manifest
@@ -160,13 +161,31 @@ def dump(ctx: KernelContext) -> None:
     try:
         ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=store.log_path(kernel.kernel_id, "dump"))
     except CriuFailed as exc:
+        if _disk_full(f"{exc}\n{exc.log_tail}"):
+            raise CriuFailed(full_disk(store.root, "CRIU could not write the kernel's images") + " The kernel "
+                             f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
         raise CriuFailed(
             f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
             "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
     ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
-    store.write_manifest(ctx.images, ctx.manifest)
+    try:
+        store.write_manifest(ctx.images, ctx.manifest)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "
+                             "was brought back from its images and runs on.") from exc
+        raise
+
+
+def _disk_full(text: str) -> bool:
+    return "No space left on device" in text or "ENOSPC" in text
+
+
+def full_disk(folder: Path, what: str) -> str:
+    return (f"The disk of {folder} is full: {what} there. Free space on it (or set "
+            "c.MigratableProvisioner.state_dir to a folder on a disk with room), then try again.")
 
 
 def restore_from_images(ctx: KernelContext) -> None:
