@@ -131,6 +131,7 @@ class Worker:
         self.kernel_id = f"bench-{os.getpid()}-{time.monotonic_ns()}"
         self.state = RUNNING
         self.broken_reason: str | None = None
+        self.sessions: list[dict] = []
         self.piped = piped
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log")
         # CRIU cannot dump pipes to a process outside the tree: a worker to be suspended talks
@@ -190,6 +191,9 @@ class Worker:
         pass  # the fast path empties the cache itself; the driver path is measured without help
 
     invited = False
+
+    def secrets(self) -> dict:
+        return {}
 
     def invite_stager(self, path: str, token: str) -> str | None:
         self.invited = True

@@ -26,6 +26,7 @@ from .engine.errors import MigrateError
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+from .revive import revive_all
 
 
 class GPUMigrateApp(ExtensionApp):
@@ -105,6 +106,7 @@ class GPUMigrateApp(ExtensionApp):
             host_name=self.host_name,
             peers=peers,
             api_address=lambda: self._kernel_api_address,
+            session_manager=getattr(self.serverapp, "session_manager", None),
         )
         self.settings["gpumigrate_operations"] = operations
         self._resume_on_cells(operations)
@@ -202,5 +204,14 @@ class GPUMigrateApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         self.handlers.extend(handlers())
 
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        """Once the server runs: take back the kernels an earlier server left suspended (revive.py)."""
+        try:
+            await revive_all(serverapp)
+        except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
+            self.log.exception("gpumigrate: could not take back the suspended kernels of an earlier server")
+
     async def stop_extension(self) -> None:
+        # From here on a suspended kernel that the server shuts down keeps its images (provisioner.py).
+        self.serverapp.kernel_manager.gpumigrate_stopping = True
         await self.settings["gpumigrate_operations"].wait_idle()

@@ -1,8 +1,8 @@
 """`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
-finds them (runtime files), or named with --url and --token. HTTP goes through the standard library's
-urllib: four JSON calls do not justify another dependency.
+finds them (runtime files), or named with --url and --token, through apiclient.Client (the standard
+library's urllib); what it prints of sizes and operations comes from opformat.
 """
 
 from __future__ import annotations
@@ -11,17 +11,15 @@ import argparse
 import json
 import os
 import sys
-import time
-import urllib.error
-import urllib.parse
-import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .apiclient import ApiError, Client, NotFinished, Unreachable
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
+from .opformat import DrainProgress, PhaseProgress, drain_report, report, size
 
-API = "api/gpumigrate"
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
 
 
@@ -33,33 +31,30 @@ class CliError(Exception):
 
 @dataclass
 class Server:
+    """A server's API, with the CLI's words for what goes wrong: a refused token and no answer exit 3."""
+
     url: str
     token: str
 
-    def request(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
-        url = self.url.rstrip("/") + "/" + path.lstrip("/")
-        data = json.dumps(body).encode() if body is not None else (b"" if method == "POST" else None)
-        req = urllib.request.Request(url, data=data, method=method)
-        req.add_header("Content-Type", "application/json")
-        if self.token:
-            req.add_header("Authorization", f"token {self.token}")
+    @property
+    def client(self) -> Client:
+        return Client.with_token(self.url, self.token)
+
+    def call(self, fn: Callable[[Client], Any]) -> Any:
         try:
-            with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            if exc.code in (401, 403):
+            return fn(self.client)
+        except Unreachable as exc:
+            raise CliError(f"Cannot reach the server at {self.url}: {exc.reason}.", EXIT_NO_SERVER) from None
+        except NotFinished as exc:
+            raise CliError(str(exc), EXIT_FAILED) from None
+        except ApiError as exc:
+            if exc.refused:
                 raise CliError(
-                    f"The server at {self.url} refused the token (HTTP {exc.code}): pass its token with "
+                    f"The server at {self.url} refused the token (HTTP {exc.status}): pass its token with "
                     f"--token or $JUPYTER_TOKEN (`jupyter server list` shows it).",
                     EXIT_NO_SERVER,
                 ) from None
-            try:
-                message = json.loads(exc.read()).get("message") or exc.reason
-            except ValueError:
-                message = exc.reason
-            raise CliError(f"{message}", EXIT_FAILED) from None
-        except (urllib.error.URLError, OSError) as exc:
-            raise CliError(f"Cannot reach the server at {self.url}: {exc}.", EXIT_NO_SERVER) from None
+            raise CliError(str(exc), EXIT_FAILED) from None
 
 
 def find_servers(args: argparse.Namespace) -> list[Server]:
@@ -71,7 +66,7 @@ def find_servers(args: argparse.Namespace) -> list[Server]:
     found = []
     for server in servers:
         try:
-            server.request("GET", f"{API}/kernels", timeout=5)
+            server.call(lambda c: c.kernels(timeout=5))
         except CliError:
             continue  # not running the extension, or not answering
         found.append(server)
@@ -85,7 +80,7 @@ def find_servers(args: argparse.Namespace) -> list[Server]:
 
 
 def all_kernels(servers: list[Server]) -> list[tuple[Server, dict]]:
-    return [(server, k) for server in servers for k in server.request("GET", f"{API}/kernels")]
+    return [(server, k) for server in servers for k in server.call(Client.kernels)]
 
 
 def find_kernel(servers: list[Server], wanted: str) -> tuple[Server, dict]:
@@ -99,17 +94,6 @@ def find_kernel(servers: list[Server], wanted: str) -> tuple[Server, dict]:
         ids = ", ".join(k["id"] for _, k in matches)
         raise CliError(f"'{wanted}' matches several kernels ({ids}): give more of the id.", EXIT_USAGE)
     return matches[0]
-
-
-def human_bytes(n: int | None) -> str:
-    if not n:
-        return "-"
-    size = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if size < 1024 or unit == "TB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
@@ -144,7 +128,7 @@ def cmd_list(args: argparse.Namespace) -> int:
     for _, k in kernels:
         gpus = ",".join(str(g["index"]) for g in k["gpus"]) or "-"
         rows.append([k["id"], k["name"], k.get("host") or "-", str(k["pid"] or "-"), k["state"],
-                     k["execution_state"] or "-", gpus, human_bytes(k["image_bytes"])])
+                     k["execution_state"] or "-", gpus, size(k["image_bytes"]) if k["image_bytes"] else "-"])
     if not rows:
         print("No kernels are running.")
     else:
@@ -162,31 +146,15 @@ def cmd_action(args: argparse.Namespace) -> int:
     if args.command == "migrate" and not body.keys() - {"fast_path"}:
         print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
         return EXIT_USAGE
-    op = server.request("POST", f"{API}/kernels/{kernel['id']}/{args.command}", body)
+    op = server.call(lambda c: c.act(kernel["id"], args.command, body))
     op = follow(server, op, quiet=args.json, timeout=args.timeout)
     if args.json:
         print(json.dumps(op, indent=1))
     elif op["status"] == "succeeded":
-        slowest = max(op["timings"], key=op["timings"].get) if op["timings"] else "-"
-        if args.command == "migrate" and op.get("to_host"):
-            gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
-            print(f"Kernel {kernel['id']} moved from host {op['from_host']} to host {op['to_host']}{gpu} in "
-                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} sent; slowest phase: {slowest}).")
-        elif args.command == "migrate":
-            fast = op.get("fast_path") or {}
-            how = (f", {human_bytes(fast['stashed'])} of it by the fast path" if fast.get("stashed") else
-                   f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
-            print(f"Kernel {kernel['id']} moved from GPU {op['from_gpu']} to GPU {op['to_gpu']} in "
-                  f"{op['total']:.2f} s ({human_bytes(op['bytes'])} of GPU memory{how}; slowest phase: {slowest}).")
-        else:
-            done = "suspended" if args.command == "suspend" else "resumed"
-            where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
-            print(f"Kernel {kernel['id']} {done}{where} in {op['total']:.2f} s ({human_bytes(op['bytes'])} of "
-                  f"images; slowest phase: {slowest}).")
+        print(report(op, kernel["id"]))
     if op["status"] != "succeeded":
         if not args.json:
-            print(f"{args.command} failed in phase {op.get('failed_phase') or op.get('phase')}: {op['error']}",
-                  file=sys.stderr)
+            print(report(op, kernel["id"]), file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -197,7 +165,7 @@ def cmd_drain(args: argparse.Namespace) -> int:
         raise CliError("Several servers run jupyter_gpumigrate here: name one with --url and --token.", EXIT_USAGE)
     server = servers[0]
     body = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {}
-    op = server.request("POST", f"{API}/gpus/{args.gpu}/drain", body)
+    op = server.call(lambda c: c.drain(args.gpu, body))
     progress = DrainProgress()
 
     def show(op: dict) -> None:
@@ -205,17 +173,10 @@ def cmd_drain(args: argparse.Namespace) -> int:
             print(line, file=sys.stderr, flush=True)
 
     op = follow(server, op, quiet=args.json, timeout=args.timeout, on_change=None if args.json else show)
-    moved = [r for r in op["results"] if r["status"] == "succeeded"]
     if args.json:
         print(json.dumps(op, indent=1))
-    elif not op["results"] and op["status"] == "succeeded":
-        print(f"GPU {args.gpu} holds no kernel of this server: nothing to move.")
-    elif op["status"] == "succeeded":
-        where = ", ".join(sorted({f"GPU {r['to_gpu']}" for r in moved}))
-        print(f"GPU {args.gpu} drained: {len(moved)} kernel(s) moved to {where} in {op['total']:.2f} s.")
     else:
-        print(f"GPU {args.gpu} not drained: {len(moved)} of {len(op['results'])} kernel(s) moved; the others "
-              f"run on where they were.")
+        print(drain_report(dict(op, gpu=args.gpu)))
     if op["status"] != "succeeded":
         if not args.json:
             print(f"drain failed: {op['error']}", file=sys.stderr)
@@ -223,47 +184,20 @@ def cmd_drain(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-class DrainProgress:
-    """One line per kernel of a drain each time its result changes (moving, moved, NOT moved)."""
+def follow(server: Server, op: dict, quiet: bool, timeout: float,
+           on_change: Callable[[dict], None] | None = None) -> dict:
+    """Follow the operation until it ends (Client.follow), printing each phase as it starts (to stderr)
+    unless ``quiet``, and calling ``on_change(op)`` with each version seen, the first and the last included."""
+    phases = PhaseProgress()
 
-    def __init__(self) -> None:
-        self.seen: dict[str, str] = {}
-
-    def lines(self, op: dict) -> list[str]:
-        out = []
-        for r in op.get("results") or []:
-            if self.seen.get(r["kernel_id"]) == r["status"] or r["status"] == "pending":
-                continue
-            self.seen[r["kernel_id"]] = r["status"]
-            if r["status"] == "running":
-                out.append(f"  kernel {r['kernel_id']}: moving to GPU {r.get('to_gpu')}...")
-            elif r["status"] == "succeeded":
-                out.append(f"  kernel {r['kernel_id']}: moved to GPU {r.get('to_gpu')}")
-            else:
-                out.append(f"  kernel {r['kernel_id']}: NOT moved: {r.get('error') or 'unknown error'}")
-        return out
-
-
-def follow(server: Server, op: dict, quiet: bool, timeout: float, on_change: Any = None) -> dict:
-    """Follow the operation until it ends, printing each phase as it starts (to stderr), and calling
-    ``on_change(op)`` with each version seen, the first and the last included."""
-    deadline = time.monotonic() + timeout
-    shown = None
-    while True:
+    def seen(op: dict) -> None:
         if on_change is not None:
             on_change(op)
-        if op["status"] in ("succeeded", "failed"):
-            return op
-        if op["phase"] and op["phase"] != shown and not quiet:
-            print(f"  {op['phase']}...", file=sys.stderr, flush=True)
-            shown = op["phase"]
-        if time.monotonic() > deadline:
-            raise CliError(
-                f"Operation {op['id']} is still {op['status']} after {timeout:.0f} s; it goes on in the server. "
-                f"Follow it with GET /api/gpumigrate/operations/{op['id']}."
-            )
-        # The server holds this request until the operation changes (long poll): no busy polling.
-        op = server.request("GET", f"{API}/operations/{op['id']}?after={op['version']}", timeout=60)
+        if not quiet:
+            for line in phases.lines(op):
+                print(line, file=sys.stderr, flush=True)
+
+    return server.call(lambda c: c.follow(op, seen, timeout=timeout))
 
 
 def parser() -> argparse.ArgumentParser:

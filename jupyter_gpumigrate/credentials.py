@@ -50,6 +50,17 @@ class KernelCredentials:
     def env(self, kernel_id: str) -> dict[str, str]:
         return {ENV_URL: self.server_url(), ENV_KERNEL_ID: kernel_id, ENV_TOKEN: self.issue(kernel_id)}
 
+    def digest(self, kernel_id: str) -> str | None:
+        """The hash of the kernel's current secret (kept with its images when it is suspended)."""
+        return self._digest_of.get(kernel_id)
+
+    def restore(self, kernel_id: str, digest: str) -> None:
+        """Accept again the secret whose hash is ``digest`` for ``kernel_id`` (a kernel a previous server
+        suspended keeps the secret it was given in its memory)."""
+        self.revoke(kernel_id)
+        self._digest_of[kernel_id] = digest
+        self._kernel_of[digest] = kernel_id
+
     def revoke(self, kernel_id: str) -> None:
         digest = self._digest_of.pop(kernel_id, None)
         if digest is not None:

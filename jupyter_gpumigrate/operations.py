@@ -44,6 +44,7 @@ def event_schema() -> dict[str, Any]:
     """The operation events' schema, its phase names taken from the plans' own tables."""
     schema = yaml.safe_load(EVENT_SCHEMA_FILE.read_text())
     schema["properties"]["phase"]["enum"] = ["", *ALL_PHASES]
+    schema["properties"]["phases"]["items"]["enum"] = list(ALL_PHASES)
     return schema
 
 
@@ -110,8 +111,10 @@ Emit = Callable[[dict[str, Any]], None]
 class OperationManager:
     def __init__(self, kernel_manager: Any, emit: Emit | None = None, criu_path: str | None = None,
                  host_name: str | None = None, peers: dict[str, Peer] | None = None,
-                 api_address: Callable[[], tuple[str, int] | None] = lambda: None) -> None:
+                 api_address: Callable[[], tuple[str, int] | None] = lambda: None,
+                 session_manager: Any = None) -> None:
         self.kernel_manager = kernel_manager
+        self.session_manager = session_manager
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
         self.host_name = host_name or socket.gethostname()
@@ -138,16 +141,6 @@ class OperationManager:
                 f"'{PROVISIONER_NAME}' provisioner)."
             )
         return provisioner
-
-    # The views (views.py), as the handlers ask for them.
-    def kernel_view(self, kernel_id: str) -> dict[str, Any]:
-        return self.views.kernel_view(kernel_id)
-
-    def list_kernels(self) -> list[dict[str, Any]]:
-        return self.views.list_kernels()
-
-    def gpus_view(self) -> dict[str, Any]:
-        return self.views.gpus_view()
 
     # -- operations ----------------------------------------------------------------------------------
 
@@ -378,6 +371,8 @@ class OperationManager:
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
             loop.call_soon_threadsafe(self._on_progress, op, phase, event, dict(timings))
 
+        if op.action == "suspend":
+            provisioner.sessions = await self._sessions_of(op.kernel_id)  # kept with its images
         migration = Migration(provisioner, provisioner.images, criu, progress,
                               lock_timeout=provisioner.gpu_lock_timeout)
         steps = {
@@ -421,6 +416,18 @@ class OperationManager:
             self.active.pop(op.kernel_id, None)
             self._emit(op)
 
+    async def _sessions_of(self, kernel_id: str) -> list[dict]:
+        """The server's sessions (notebooks, consoles) on ``kernel_id``: id, path, name, type."""
+        if self.session_manager is None:
+            return []
+        try:
+            listed = await self.session_manager.list_sessions()
+        except Exception:  # noqa: BLE001  the kernel is suspended all the same; its tab can pick it again
+            log.exception("gpumigrate: could not list the sessions of kernel %s", kernel_id)
+            return []
+        return [{"id": s["id"], "path": s.get("path"), "name": s.get("name"), "type": s.get("type")}
+                for s in listed if (s.get("kernel") or {}).get("id") == kernel_id]
+
     def _on_progress(self, op: Operation, phase: str, event: str, timings: dict[str, float]) -> None:
         op.phase, op.timings = phase, timings
         self._emit(op, phase_event=event)
@@ -441,6 +448,7 @@ class OperationManager:
             "error": op.error or "",
             "version": op.version,
             "trigger": op.trigger,
+            "phases": list(op.phases),
         }
         for key in ("from_gpu", "to_gpu", "from_host", "to_host"):
             if getattr(op, key) is not None:

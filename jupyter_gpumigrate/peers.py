@@ -44,7 +44,7 @@ from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import ImageError, InvalidState, MigrateError
-from .engine.images import MANIFEST, ImageStore, Manifest
+from .engine.images import MANIFEST, SECRETS, ImageStore, Manifest
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .relay import RelayClient
 
@@ -55,7 +55,7 @@ PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
 #: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_NOT_SENT = {"restore.pid", "dump.log", "restore.log"}
+_NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS}
 
 
 class PeerError(MigrateError):
@@ -352,6 +352,7 @@ class Guest:
         self.peer = peer
         self.state = SUSPENDED
         self.broken_reason: str | None = None
+        self.sessions: list[dict] = []
         self.pid: int | None = None
         self.pgid: int | None = None
         self.api_listen: tuple[str, int] | None = None
@@ -385,6 +386,9 @@ class Guest:
 
     def invite_stager(self, path: str, token: str) -> str | None:
         return "a kernel hosted for a peer is not moved between GPUs here"
+
+    def secrets(self) -> dict:
+        return {}  # its owner keeps them: a guest's images are never taken back by this host
 
     def adopt_remote(self, link: HostLink, where: dict) -> None:
         raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")

@@ -127,6 +127,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     state: str = STOPPED
     broken_reason: str | None = None
+    sessions: list[dict] = []
+    #: kernel id -> its manifest, for the kernels the extension is taking back at start (revive.py): their
+    #: provisioner starts them suspended, on their own ports and key, without launching anything
+    reviving: dict[str, Manifest] = {}
+    #: kernel id -> the PID of such a kernel whose process still runs (its resume restored it, and its
+    #: server died before it adopted it): adopted as running
+    adopting: dict[str, int | None] = {}
+    #: suspended when its server stopped: its images, and the files the kernel had open, stay for the next
+    _kept = False
     log_path: Path | None = None
     remote_link: Any = None  # peers.PeerLink, while the kernel runs on another host
     remote_gpus: list = []
@@ -151,6 +160,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def images(self) -> ImageStore:
         # With the node helper, the folder it made for this user (access.py).
         return ImageStore(images_root(Path(self.state_dir), self.helper_socket or None) / "images")
+
+    def secrets(self) -> dict:
+        info = self.connection_info
+        kept = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in info.items()
+                if k in ("key", "signature_scheme", "curve_publickey", "curve_secretkey")}
+        credentials = self._credentials()
+        if credentials is not None and credentials.digest(self.kernel_id):
+            kept["credential"] = credentials.digest(self.kernel_id)
+        return kept
 
     def manifest(self) -> Manifest | None:
         """The manifest of this kernel's images, if it has complete ones here."""
@@ -252,10 +270,21 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             manager._gpumigrate_identities = seen
         return list(manager._gpumigrate_identities)
 
+    async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
+        revived = self.reviving.get(self.kernel_id)
+        if revived is not None and self.parent is not None:
+            # The kernel in the images listens on its old ports, with its old key: so does its manager.
+            secrets = self.images.read_secrets(self.kernel_id)
+            self.parent.load_connection_info({**revived.connection_info, **secrets})
+            self.ports_cached = True
+        return await super().pre_launch(**kwargs)
+
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
         logs = Path(self.state_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
+        if self.reviving.pop(self.kernel_id, None) is not None:
+            return self._revive()
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
         self.client_identities()  # start recording the server's clients of this kernel
@@ -284,6 +313,25 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = RUNNING, None
+        return self.connection_info
+
+    def _revive(self) -> KernelConnectionInfo:
+        """Take back a kernel an earlier server suspended: suspended, nothing launched; or, if its process
+        runs (that server died during its resume), adopted as running, its stale images removed."""
+        self.process, self.pid, self.pgid, self.started = None, None, None, None
+        self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
+        self.state, self.broken_reason = SUSPENDED, None
+        manifest = self.manifest()
+        self.sessions = list(manifest.sessions) if manifest else []
+        credentials = self._credentials()
+        digest = self.images.read_secrets(self.kernel_id).get("credential")
+        if credentials is not None and digest:
+            credentials.restore(self.kernel_id, str(digest))  # its %migrate goes on working
+        running = self.adopting.pop(self.kernel_id, None)
+        if running is not None:
+            self.adopt(running)
+            self.state = RUNNING
+            self.images.remove(self.kernel_id)
         return self.connection_info
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -360,10 +408,24 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     async def terminate(self, restart: bool = False) -> None:
         await self._end(signal.SIGTERM)
 
+    def _server_stopping(self) -> bool:
+        return bool(getattr(getattr(self.parent, "parent", None), "gpumigrate_stopping", False))
+
+    def _keep_or_discard(self) -> None:
+        """A suspended kernel shut down: by its user, its images go; by its server stopping, they stay, and
+        the next server takes it back (revive.py)."""
+        if self._server_stopping():
+            self._kept = True
+            self.state = STOPPED
+            self.log.info("gpumigrate: kernel %s stays suspended for the next server (its images are in %s)",
+                          self.kernel_id, self.images.path_for(self.kernel_id))
+        else:
+            self._discard_images()
+
     async def _end(self, signum: int) -> None:
         await self._migration_done()
         if self.state == SUSPENDED:
-            self._discard_images()
+            self._keep_or_discard()
             return
         if self.state == BROKEN:  # whatever runs of it goes, and so do its images
             try:
@@ -384,7 +446,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         # A suspended kernel never reads the shutdown message: shutting it down means deleting it.
         await self._migration_done()
         if self.state == SUSPENDED:
-            self._discard_images()
+            self._keep_or_discard()
         elif self.state == REMOTE:
             self._remote_ending = True  # poll() now asks the other host whether it has exited
 
@@ -411,7 +473,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.remote_link is not None:
             await self._end_remote()
         await super().cleanup(restart=restart)
-        if not restart:
+        if not restart and not self._kept:
             if self.log_path is not None:
                 self.log_path.unlink(missing_ok=True)
             try:

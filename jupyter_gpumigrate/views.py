@@ -10,6 +10,8 @@ from __future__ import annotations
 import socket
 from typing import Any
 
+from traitlets import TraitError
+
 from .engine import gpus as gpus_mod
 from .engine import placement, proctree
 from .engine.errors import MigrateError
@@ -69,7 +71,7 @@ class Views:
             "remote": remote,
             "broken_reason": provisioner.broken_reason if migratable and state == BROKEN else None,
             "execution_state": getattr(kernel, "execution_state", None),
-            "last_activity": _iso(getattr(kernel, "last_activity", None)),
+            "last_activity": _last_activity(kernel),
             "gpus": provisioner.remote_gpus if remote else held,
             "image_bytes": image_bytes,
             "suspended_on": suspended_on,
@@ -114,5 +116,11 @@ class Views:
                 if any(h["index"] == index for h in gpus_mod.held_by(tree, gpus))]
 
 
-def _iso(value: Any) -> str | None:
+def _last_activity(kernel: Any) -> str | None:
+    """When the kernel was last active, as ISO 8601; None while the server is still starting it (the trait
+    has no value yet then, and reading it raises)."""
+    try:
+        value = getattr(kernel, "last_activity", None)
+    except TraitError:
+        return None
     return value.isoformat() if value is not None and hasattr(value, "isoformat") else None

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# ui-tests.sh - the labextension's checks, part of `make test`: ESLint + Prettier, TypeScript type
-# checks (extension and tests), then Galata/Playwright UI tests in Debian's Chromium (installed here
+# ui-tests.sh - the labextension's checks, part of `make test`: the panel's types generated from the
+# API's schema are the ones committed (src/contract.ts), ESLint + Prettier, TypeScript type checks
+# (extension and tests), then Galata/Playwright UI tests in Debian's Chromium (installed here
 # with apt when missing; Playwright never downloads a browser). Screenshots are kept in
 # labextension/ui-tests/test-results/screenshots.
 set -euo pipefail
@@ -23,6 +24,15 @@ fi
 export CHROMIUM PLAYWRIGHT_SKIP_BROWSER_DOWNLOAD=1 PATH="$ROOT/.venv/bin:$PATH"
 
 cd labextension
+log "generated types: src/contract.ts against the API's schema"
+FRESH="$(mktemp --suffix=.ts)"
+trap 'rm -f "$FRESH"' EXIT
+node scripts/gen-types.mjs "$FRESH"
+if ! diff -u src/contract.ts "$FRESH" >&2; then
+  log "ERROR: labextension/src/contract.ts is not what jupyter_gpumigrate/contract/api.schema.json generates" \
+      "(the diff is above): run \`npm run gen:types\` in labextension/ and commit src/contract.ts."
+  exit 1
+fi
 log "lint (eslint, prettier)"
 npm run --silent lint
 log "type check (tsc)"

@@ -38,6 +38,19 @@ def rest(base_url: str, token: str, method: str, path: str, body: Any = None, ex
     return json.loads(raw) if raw else None
 
 
+def wait_answering(server: Any, timeout: float = 60) -> None:
+    """Wait until a server started as a process (``proc``, ``api``, ``server_log``) answers GET api/status."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            server.api("GET", "api/status")
+            return
+        except (OSError, urllib.error.URLError):
+            assert server.proc.poll() is None, server.server_log()
+            assert time.monotonic() < deadline, server.server_log()
+            time.sleep(0.2)
+
+
 async def api(jp_fetch: Any, *parts: str, method: str = "GET", body: Any = None, expect: int = 200,
               params: dict | None = None) -> Any:
     """Call /api/gpumigrate/...; assert the status; return the decoded JSON."""

@@ -19,13 +19,11 @@ import ssl
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import rest
+from helpers import rest, wait_answering
 
 PORT = 8888
 
@@ -114,15 +112,7 @@ class Host:
             ["ip", "netns", "exec", self.ns, sys.executable, "-m", "jupyter_server"],
             env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
         )
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.api("GET", "api/status")
-                return
-            except (OSError, urllib.error.URLError):
-                assert self.proc.poll() is None, self.server_log()
-                assert time.monotonic() < deadline, self.server_log()
-                time.sleep(0.2)
+        wait_answering(self)
 
     def server_log(self) -> str:
         return (self.root / "server.log").read_text(errors="replace")[-6000:]

@@ -17,7 +17,7 @@ from helpers import Widgets, api, cli, operate, remote, wait_suspended
 from test_gpu import GIB, build, where
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
-from jupyter_gpumigrate.kernel.widget import MOVE_PHASES
+from jupyter_gpumigrate.engine.plans import PHASES
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_binary")]
 
@@ -102,8 +102,8 @@ async def test_the_widgets_migrate_button_moves_the_kernel(jp_fetch, kernel):
     assert widgets.models[part["progress"]]["bar_style"] == "success", message
     assert message.startswith("Moved from GPU 0 to GPU 1:"), message
     values = [u["value"] for u in widgets.history[part["progress"]] if "value" in u]
-    assert values and values[-1] == len(MOVE_PHASES) and values == sorted(values), values
-    assert any(0 < v < len(MOVE_PHASES) for v in values), f"the bar followed no phase: {values}"
+    assert values and values[-1] == len(PHASES['move_to_gpu']) and values == sorted(values), values
+    assert any(0 < v < len(PHASES['move_to_gpu']) for v in values), f"the bar followed no phase: {values}"
     assert where(pid) == {1}, "NVML shows the kernel on GPU 1 only"
     moves = [o for o in await api(jp_fetch, "operations") if o["kernel_id"] == kernel.id]
     assert [(o["action"], o["to_gpu"], o["status"]) for o in moves] == [("migrate", 1, "succeeded")]

@@ -19,13 +19,11 @@ import struct
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import rest
+from helpers import rest, wait_answering
 
 from jupyter_gpumigrate.engine import criuimages
 
@@ -178,15 +176,8 @@ class UserServer:
         self.proc = subprocess.Popen([*as_user(self.user), sys.executable, "-m", "jupyter_server"], env=env,
                                      cwd=str(self.root / "work"), stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=self.log, start_new_session=True)
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                self.api("GET", "api/status")
-                return self
-            except (OSError, urllib.error.URLError):
-                assert self.proc.poll() is None, self.server_log()
-                assert time.monotonic() < deadline, self.server_log()
-                time.sleep(0.2)
+        wait_answering(self)
+        return self
 
     def server_log(self) -> str:
         return (self.root.parent / f"{self.root.name}-server.log").read_text(errors="replace")[-6000:]

@@ -197,6 +197,7 @@ class Criu:
         pidfile.unlink(missing_ok=True)
         if ids:
             proctree.steer_pid_allocation(ids)
+        started = proctree.tick_boundary()
         try:
             self._run(
                 ["restore", "--restore-detached", "--pidfile", RESTORE_PIDFILE, *COMMON_OPTIONS],
@@ -208,7 +209,7 @@ class Criu:
             if ids:
                 # A CRIU killed halfway leaves the tasks it had forked alive, stuck in its restorer, and
                 # ours (the subreaper): kill them, so that the retry finds the tree's PIDs free.
-                proctree.kill_half_restored(ids)
+                proctree.kill_half_restored(ids, since=started)
                 # The tasks CRIU had forked with the tree's PIDs are still dying: let them go, so
                 # that a retry does not find its own PIDs taken by 'criu'.
                 proctree.wait_ids_released(ids, name="criu", timeout=10)

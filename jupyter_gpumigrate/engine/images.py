@@ -20,6 +20,9 @@ from .errors import ImageError
 MANIFEST = "manifest.json"
 MANIFEST_VERSION = 1
 LOGS = ".logs"
+#: the kernel's secrets (its connection key, its API credential's hash), 0600, beside the images; never
+#: sent to another host
+SECRETS = "secrets.json"
 
 
 @dataclass
@@ -39,6 +42,10 @@ class Manifest:
     connection_info: dict = field(default_factory=dict)
     #: listening port -> clients connected at dump time, to wait for after a restore
     clients: dict = field(default_factory=dict)
+    #: what pointed at the kernel in its server (notebook sessions: id, path, name, type), to point there again
+    sessions: list[dict] = field(default_factory=list)
+    #: the uid that wrote it: a server takes back only its own user's kernels
+    owner: int = field(default_factory=os.geteuid)
     image_bytes: int = 0
     #: each image file's size in bytes, by name (the manifest itself aside)
     files: dict[str, int] = field(default_factory=dict)
@@ -49,6 +56,26 @@ class Manifest:
     def from_dict(cls, data: dict) -> Manifest:
         known = {name for name in cls.__dataclass_fields__}
         return cls(**{k: v for k, v in data.items() if k in known})
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_durably(path: Path, text: str) -> None:
+    """``text`` into ``path``, 0600, all or nothing, on disk once this returns."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_file(path.parent)
 
 
 def directory_size(path: Path) -> int:
@@ -96,18 +123,31 @@ class ImageStore:
         logs.mkdir(mode=0o700, exist_ok=True)
         return logs / f"{self.path_for(name).name}-{what}.log"
 
-    def write_manifest(self, path: Path, manifest: Manifest) -> None:
+    def write_manifest(self, path: Path, manifest: Manifest, secrets: dict | None = None) -> None:
+        """Make the images a complete record, durably: every file private and on disk, the secrets, then
+        the manifest, written last (a temporary name, fsync, rename, fsync of the folder). A folder
+        without a manifest is an unfinished dump, never taken for a kernel."""
         for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
             if entry.is_file() and not entry.is_symlink():
                 entry.chmod(0o600)
+                _fsync_file(entry)
+        if secrets is not None:
+            _write_durably(path / SECRETS, json.dumps(secrets))
         manifest.files = {entry.name: entry.stat().st_size for entry in sorted(path.iterdir())
-                          if entry.is_file() and not entry.is_symlink() and not entry.name.startswith(MANIFEST)}
+                          if entry.is_file() and not entry.is_symlink() and not entry.name.startswith(MANIFEST)
+                          and entry.name != SECRETS}
         manifest.image_bytes = directory_size(path)
-        tmp = path / (MANIFEST + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(asdict(manifest), f, indent=1)
-        os.replace(tmp, path / MANIFEST)
+        _write_durably(path / MANIFEST, json.dumps(asdict(manifest), indent=1))
+
+    def read_secrets(self, name: str) -> dict:
+        """The secrets kept with ``name``'s images ({} if none were)."""
+        try:
+            data = json.loads((self.path_for(name) / SECRETS).read_text())
+        except FileNotFoundError:
+            return {}
+        except ValueError as exc:
+            raise ImageError(f"{self.path_for(name) / SECRETS} is damaged ({exc}).") from exc
+        return data if isinstance(data, dict) else {}
 
     def read_manifest(self, name: str) -> Manifest:
         path = self.path_for(name)

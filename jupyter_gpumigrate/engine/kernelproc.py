@@ -20,6 +20,9 @@ class KernelProcess(Protocol):
     state: str
     #: set with state ``broken``: what failed, and what its undo could not put back
     broken_reason: str | None
+    #: what points at the kernel in its server (notebook sessions: id, path, name, type), kept with its
+    #: images so that a server started later points there again
+    sessions: list[dict]
 
     @property
     def kernel_name(self) -> str: ...
@@ -29,6 +32,9 @@ class KernelProcess(Protocol):
 
     @property
     def kernel_connection_info(self) -> dict: ...
+
+    def secrets(self) -> dict:
+        """What must be kept private with the images to take the kernel back later (its connection key)."""
 
     def release(self) -> None:
         """The tree was dumped and killed: collect the dead root and forget it."""

@@ -237,15 +237,25 @@ def reap_dumped(ids: list[int], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def kill_half_restored(ids: list[int]) -> list[int]:
+def tick_boundary() -> int:
+    """Now, in the unit of :func:`start_time` (clock ticks since boot), once a tick has passed: a process
+    started before this call has a start time at most the value returned, one started after it, more."""
+    hz = os.sysconf("SC_CLK_TCK")
+    now = int(time.clock_gettime(time.CLOCK_BOOTTIME) * hz)
+    time.sleep(1.1 / hz)
+    return now
+
+
+def kill_half_restored(ids: list[int], since: int) -> list[int]:
     """After a restore that failed (CRIU killed, say): kill what it had made of the tree and reap it.
 
     The processes CRIU had forked with the tree's PIDs live on, stuck in its restorer, once CRIU is
-    gone; they come to us, the subreaper. Any process that holds one of ``ids`` and is our child is one
-    of them: the resume checked that nobody held those PIDs before CRIU ran, and kept new processes
-    off them. Returns the PIDs killed."""
+    gone; they come to us, the subreaper. They are the processes that hold one of ``ids``, are our
+    children, and started after ``since`` (:func:`tick_boundary` before CRIU ran): a process of ours that
+    held such a PID before is left alone. Returns the PIDs killed."""
     me = os.getpid()
-    roots = [pid for pid in ids if (f := _stat_fields(pid)) and int(f[1]) == me and f[0] not in ("Z", "X")]
+    roots = [pid for pid in ids if (f := _stat_fields(pid)) and int(f[1]) == me and f[0] not in ("Z", "X")
+             and int(f[19]) > since]
     for root in roots:
         kill_tree(root)
     for root in roots:

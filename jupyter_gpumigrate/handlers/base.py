@@ -1,4 +1,5 @@
-"""What every handler of the API shares: authentication, authorization, errors as JSON."""
+"""What every handler of the API shares: authentication, authorization, errors as JSON, request bodies
+checked against the API's schema (contract/)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
+from .. import contract
 from ..credentials import KernelCredentials
 from ..engine.errors import MigrateError
 from ..operations import OperationManager
+from ..views import Views
 
 #: What a kernel's own credential may do on a route (credentials.py explains the credential).
 READ, OWN_KERNEL, OWN_OPERATION = "read", "own kernel", "own operation"
@@ -51,6 +54,10 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
     @property
     def operations(self) -> OperationManager:
         return self.settings["gpumigrate_operations"]
+
+    @property
+    def views(self) -> Views:
+        return self.operations.views
 
     @property
     def credentials(self) -> KernelCredentials:
@@ -106,32 +113,24 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
     def _reason_for(status: int) -> str:
         return HTTPStatus(status).phrase
 
-    def json_body(self, allowed: dict[str, type]) -> dict[str, Any] | None:
-        """The request's JSON object, checked against ``allowed`` field types; None after a 400 was sent."""
+    def json_body(self, name: str) -> dict[str, Any] | None:
+        """The request's JSON body checked against definition ``name`` of the API's schema
+        (contract/api.schema.json); an empty body is ``{}``. None after a 400 was sent."""
         raw = self.request.body.strip()
-        if not raw:
-            return {}
+        body: Any = {}
+        if raw:
+            try:
+                body = json.loads(raw)
+            except RecursionError:
+                self.send_error_message(400, "The request body nests objects and lists too deeply; none of this "
+                                             "API's bodies nests more than a few levels.")
+                return None
+            except ValueError as exc:
+                self.send_error_message(400, f"The request body is not JSON: {exc}.")
+                return None
         try:
-            body = json.loads(raw)
-        except ValueError as exc:
-            self.send_error_message(400, f"The request body is not JSON: {exc}.")
+            contract.validate(name, body)
+        except contract.ContractError as exc:
+            self.send_migrate_error(exc)
             return None
-        if not isinstance(body, dict):
-            self.send_error_message(400, "The request body must be a JSON object.")
-            return None
-        unknown = sorted(set(body) - set(allowed))
-        if unknown:
-            names = ", ".join(sorted(allowed)) or "none"
-            self.send_error_message(400, f"Unknown field(s) {', '.join(unknown)}; allowed fields: {names}.")
-            return None
-        for key, kind in allowed.items():
-            value = body.get(key)
-            if value is None:
-                continue
-            if kind is int and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                self.send_error_message(400, f"'{key}' must be a GPU index, a whole number >= 0 (got {value!r}).")
-                return None
-            if kind is str and (not isinstance(value, str) or not value.strip()):
-                self.send_error_message(400, f"'{key}' must be a name, a non-empty string (got {value!r}).")
-                return None
         return body

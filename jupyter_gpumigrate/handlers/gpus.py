@@ -14,7 +14,7 @@ class GpuListHandler(BaseHandler):
     @web.authenticated
     @authorized
     async def get(self) -> None:
-        self.send_json(self.operations.gpus_view())
+        self.send_json(self.views.gpus_view())
 
 
 class DrainHandler(BaseHandler):
@@ -22,7 +22,7 @@ class DrainHandler(BaseHandler):
     @web.authenticated
     @authorized
     async def post(self, index: str) -> None:
-        body = self.json_body({"to_gpu": int})
+        body = self.json_body("DrainRequest")
         if body is None:
             return
         try:

@@ -72,8 +72,10 @@ class PeerHandler(BaseHandler):
 
 class CheckHandler(PeerHandler):
     async def post(self) -> None:
-        body = json.loads(self.request.body or b"{}")
-        needs = hostfit.Requirements.from_dict(body.get("requirements") or {})
+        body = self.json_body("PeerCheckRequest")
+        if body is None:
+            return
+        needs = hostfit.Requirements.from_dict(body["requirements"])
         problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"))
         self.log.info("gpumigrate: peer %s asks to move kernel %s here: %s", self.request.remote_ip,
                       body.get("kernel_id"), "; ".join(problems) or "fine")
@@ -84,7 +86,9 @@ class ImagesHandler(PeerHandler):
     """POST: start receiving a kernel's images (replacing any old ones); GET: list them with checksums."""
 
     async def post(self, kernel_id: str) -> None:
-        body = json.loads(self.request.body or b"{}")
+        body = self.json_body("PeerImagesRequest")
+        if body is None:
+            return
         try:
             self.guests.begin(kernel_id, int(body.get("bytes", 0)))
         except MigrateError as exc:
@@ -100,9 +104,11 @@ class ImagesHandler(PeerHandler):
 
 class CompleteHandler(PeerHandler):
     async def post(self, kernel_id: str) -> None:
-        body = json.loads(self.request.body or b"{}")
+        body = self.json_body("PeerCompleteRequest")
+        if body is None:
+            return
         try:
-            self.guests.complete(kernel_id, list(body.get("files") or []), self.request.remote_ip or "")
+            self.guests.complete(kernel_id, body["files"], self.request.remote_ip or "")
         except (MigrateError, KeyError, ValueError, TypeError) as exc:
             self.guests.store.remove(kernel_id)
             self.send_error_message(400, str(exc))
@@ -186,11 +192,17 @@ class GuestHandler(PeerHandler):
 
 
 class GuestActionHandler(PeerHandler):
+    #: each action's request body, a definition of the API's schema (contract/api.schema.json)
+    BODIES = {"restore": "PeerRestoreRequest", "dump": "PeerDumpRequest", "resume": "PeerResumeRequest",
+              "signal": "PeerSignalRequest"}
+
     async def post(self, kernel_id: str, action: str) -> None:
-        body = json.loads(self.request.body or b"{}")
+        body = self.json_body(self.BODIES[action])
+        if body is None:
+            return
         if action == "signal":
             try:
-                self.guests.signal(kernel_id, int(body.get("signum", 0)))
+                self.guests.signal(kernel_id, body["signum"])
             except (MigrateError, ValueError, ProcessLookupError) as exc:
                 self.send_error_message(409, f"Cannot signal kernel {kernel_id} here: {exc}")
                 return
@@ -226,6 +238,7 @@ class ChannelsHandler(WebSocketHandler):
         allowed, why = peer_allowed(self.settings, self.request.headers.get("Authorization", ""))
         if not allowed:
             self.set_status(403)
+            self.set_header("Content-Type", "application/json")
             self.finish(json.dumps({"message": why, "reason": "Forbidden"}))
             return
         await super().get(*args, **kwargs)
@@ -235,7 +248,7 @@ class ChannelsHandler(WebSocketHandler):
             guest = self.guests.guest(kernel_id)
             api = json.loads(self.get_argument("api", "null") or "null")
             guest.api_listen = (str(api[0]), int(api[1])) if api else None
-        except (MigrateError, ValueError, TypeError, IndexError) as exc:
+        except (MigrateError, ValueError, TypeError, IndexError, RecursionError) as exc:
             self.close(4004, str(exc)[:120])
             return
         self.guests.stop_relay(kernel_id)

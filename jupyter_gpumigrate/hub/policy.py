@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any
 
-from .servers import ServerError, Servers, UserServer, kernel_path
+from ..apiclient import kernel_path
+from .servers import ServerError, Servers, UserServer
 
 log = logging.getLogger("jupyter_gpumigrate.hub.policy")
 

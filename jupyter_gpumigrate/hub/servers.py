@@ -1,15 +1,25 @@
-"""Users' servers, found through the Hub API, and their /api/gpumigrate, called with a token of each user."""
+"""Users' servers, found through the Hub API, and their /api/gpumigrate, called with a token of each user.
+
+HTTP goes through :mod:`jupyter_gpumigrate.apiclient` (blocking urllib), each call in a thread of the
+service's own pool so that many servers are asked at once and the event loop never waits.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import json
+import functools
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
-from urllib.parse import quote
+from typing import Any, TypeVar
 
-from tornado.httpclient import AsyncHTTPClient, HTTPClientError, HTTPRequest
+from ..apiclient import ApiError, Client, Unreachable, quote
+from ..contract import ContractError, validate
+
+T = TypeVar("T")
+#: the statuses of a user's server (or of the Hub) that the service answers as they are; others are 502
+PASSED_ON = (400, 404, 409, 503)
 
 
 class ServerError(Exception):
@@ -41,82 +51,13 @@ class UserServer:
 USER_TOKEN_SECONDS = 3600
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_gpu_refs(refs: Any, where: str) -> None:
-    if not isinstance(refs, list):
-        raise ValueError(f"{where} is not a list")
-    for ref in refs:
-        if not isinstance(ref, dict) or not _is_int(ref.get("index")):
-            raise ValueError(f"{where} holds an entry without an integer index")
-        if "memory_used" in ref and ref["memory_used"] is not None and not _is_number(ref["memory_used"]):
-            raise ValueError(f"{where} holds an entry whose memory_used is not a number")
-        if "uuid" in ref and ref["uuid"] is not None and not isinstance(ref["uuid"], str):
-            raise ValueError(f"{where} holds an entry whose uuid is not text")
-
-
-def check_kernel(kernel: Any) -> None:
-    """Raise ValueError, saying what is wrong, unless ``kernel`` is a kernel entry as jupyter-gpumigrate
-    answers it (what the page and the idle policy read of it)."""
-    if not isinstance(kernel, dict):
-        raise ValueError("a kernel entry is not an object")
-    for key in ("id", "state"):
-        if not isinstance(kernel.get(key), str) or not kernel[key]:
-            raise ValueError(f"a kernel entry has no {key}")
-    kid = kernel["id"]
-    for key in ("name", "execution_state", "last_activity", "operation"):
-        if kernel.get(key) is not None and not isinstance(kernel[key], str):
-            raise ValueError(f"kernel {kid}'s {key} is not text")
-    if not isinstance(kernel.get("migratable", True), bool):
-        raise ValueError(f"kernel {kid}'s migratable is not true or false")
-    if kernel.get("image_bytes") is not None and not _is_number(kernel["image_bytes"]):
-        raise ValueError(f"kernel {kid}'s image_bytes is not a number")
-    _check_gpu_refs(kernel.get("gpus"), f"kernel {kid}'s gpus")
-    _check_gpu_refs(kernel.get("suspended_on") or [], f"kernel {kid}'s suspended_on")
-    targets = kernel.get("targets") or []
-    if not isinstance(targets, list) or not all(
-        isinstance(t, dict) and _is_int(t.get("index")) and isinstance(t.get("ok"), bool)
-        and (t.get("reason") is None or isinstance(t["reason"], str)) for t in targets
-    ):
-        raise ValueError(f"kernel {kid}'s targets are not a list of {{index, ok, reason}}")
-
-
-def check_gpu(gpu: Any) -> None:
-    """Raise ValueError, saying what is wrong, unless ``gpu`` is a GPU entry as jupyter-gpumigrate answers it."""
-    if not isinstance(gpu, dict) or not _is_int(gpu.get("index")):
-        raise ValueError("a GPU entry has no integer index")
-    index = gpu["index"]
-    for key in ("uuid", "name"):
-        if not isinstance(gpu.get(key), str):
-            raise ValueError(f"GPU {index}'s {key} is not text")
-    for key in ("memory_total", "memory_used"):
-        if not _is_number(gpu.get(key)) or gpu[key] < 0:
-            raise ValueError(f"GPU {index}'s {key} is not a number")
-    if gpu.get("utilization") is not None and not _is_number(gpu["utilization"]):
-        raise ValueError(f"GPU {index}'s utilization is not a number")
-    kernels = gpu.get("kernels")
-    if not isinstance(kernels, list) or not all(isinstance(k, dict) and isinstance(k.get("id"), str) for k in kernels):
-        raise ValueError(f"GPU {index}'s kernels are not a list of kernels")
-
-
 def check_answers(kernels: Any, gpus: Any) -> None:
-    """Raise ValueError unless GET kernels and GET gpus answered as jupyter-gpumigrate does."""
-    if not isinstance(kernels, list):
-        raise ValueError("its kernel list is not a list")
-    if not isinstance(gpus, dict) or not isinstance(gpus.get("gpus"), list):
-        raise ValueError("its GPU list is not an object with a list of GPUs")
-    if gpus.get("host") is not None and not isinstance(gpus["host"], str):
-        raise ValueError("its host name is not text")
-    for kernel in kernels:
-        check_kernel(kernel)
-    for gpu in gpus["gpus"]:
-        check_gpu(gpu)
+    """Raise :class:`ContractError`, saying which field is wrong, unless GET kernels and GET gpus answered
+    as the API's contract (jupyter_gpumigrate/contract) says: a user's server, which its user controls,
+    is believed only then."""
+    # Users' servers may run a newer version than the Hub's, answering with fields it does not know.
+    validate("KernelList", kernels, strict=False)
+    validate("GpuList", gpus, strict=False)
 
 
 class Servers:
@@ -136,7 +77,11 @@ class Servers:
         self.timeout = timeout
         self.view_timeout = view_timeout
         self.parallel = parallel
-        self.http = AsyncHTTPClient(force_instance=True, max_clients=max(10, 2 * parallel))
+        # One thread per call under way: ``parallel`` servers viewed at once (two calls each), and room
+        # for the long polls of operations followed through the service.
+        self.pool = ThreadPoolExecutor(max_workers=max(10, 2 * parallel), thread_name_prefix="gpumigrate-hub")
+        self.hub = Client.with_token(self.api_url, token, prefix="", timeout=timeout,
+                                     headers={"Accept": "application/jupyterhub-pagination+json, application/json"})
         self._user_tokens: dict[str, tuple[str, float]] = {}  # user -> (token, expires at)
         self._token_locks: dict[str, asyncio.Lock] = {}
 
@@ -145,9 +90,8 @@ class Servers:
         async with self._token_locks.setdefault(user, asyncio.Lock()):
             token, expires = self._user_tokens.get(user, ("", 0.0))
             if time.time() > expires - 300:
-                created = await self._fetch(
-                    f"{self.api_url}/users/{quote(user, safe='')}/tokens",
-                    "POST",
+                created = await self._run(
+                    self.hub.post, f"users/{quote(user)}/tokens",
                     {"scopes": [f"access:servers!user={user}"], "expires_in": USER_TOKEN_SECONDS,
                      "note": "jupyter-gpumigrate service"},
                 )
@@ -155,40 +99,21 @@ class Servers:
                 self._user_tokens[user] = (token, expires)
             return token
 
-    async def _fetch(self, url: str, method: str = "GET", body: Any = None, timeout: float | None = None,
-                     token: str | None = None) -> Any:
-        request = HTTPRequest(
-            url, method=method,
-            headers={"Authorization": f"token {token or self.token}", "Content-Type": "application/json",
-                     "Accept": "application/jupyterhub-pagination+json, application/json"},
-            body=None if method == "GET" else json.dumps(body or {}), request_timeout=timeout or self.timeout,
-            follow_redirects=False,
-        )
+    async def _run(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)`` (a blocking Client call) in the pool; its errors as :class:`ServerError`."""
         try:
-            response = await self.http.fetch(request)
-        except HTTPClientError as exc:
-            message = exc.message
-            if exc.response is not None and exc.response.body:
-                try:
-                    message = json.loads(exc.response.body).get("message") or message
-                except (ValueError, AttributeError):
-                    pass
-            if exc.code == 599:
-                message = f"{url} did not answer in time ({message})"
-            raise ServerError(str(message), exc.code if exc.code in (400, 404, 409, 503) else 502) from None
-        except OSError as exc:
-            raise ServerError(f"{url} does not answer ({exc}).") from None
-        try:
-            return json.loads(response.body) if response.body else None
-        except ValueError:
-            raise ServerError(f"{url} answered something that is not JSON.") from None
+            return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args, **kwargs))
+        except Unreachable as exc:
+            raise ServerError(str(exc)) from None
+        except ApiError as exc:
+            raise ServerError(str(exc), exc.status if exc.status in PASSED_ON else 502) from None
 
     async def running(self) -> list[UserServer]:
         """Every ready server of every user, named servers included (all pages of the Hub's answer)."""
         users: list[dict] = []
         offset = 0
         while True:
-            page = await self._fetch(f"{self.api_url}/users?state=ready&offset={offset}&limit=200")
+            page = await self._run(self.hub.get, f"users?state=ready&offset={offset}&limit=200")
             if isinstance(page, list):  # a Hub that does not page
                 users = page
                 break
@@ -214,8 +139,8 @@ class Servers:
 
     async def call(self, server: UserServer, path: str, method: str = "GET", body: Any = None,
                    timeout: float | None = None) -> Any:
-        token = await self._user_token(server.user)
-        return await self._fetch(server.url + "api/gpumigrate/" + path, method, body, timeout, token=token)
+        client = Client.with_token(server.url, await self._user_token(server.user), timeout=self.timeout)
+        return await self._run(client.request, method, path, body, timeout)
 
     async def view(self, server: UserServer) -> dict[str, Any]:
         """What a server says of its kernels and GPUs. A server that fails, does not answer within
@@ -235,7 +160,7 @@ class Servers:
                               "check that it is running (the Hub's admin page can stop it).")
         except ServerError as exc:
             entry["error"] = f"{server.label} could not be read: {exc}"
-        except ValueError as exc:
+        except ContractError as exc:
             entry["error"] = (f"{server.label} answers what jupyter-gpumigrate does not ({exc}); "
                               "check the jupyter-gpumigrate version installed in its environment.")
         else:
@@ -252,6 +177,3 @@ class Servers:
 
         return list(await asyncio.gather(*(one(s) for s in servers)))
 
-
-def kernel_path(kernel_id: str, action: str) -> str:
-    return f"kernels/{quote(kernel_id, safe='')}/{action}"

@@ -30,7 +30,8 @@ from jupyterhub.services.auth import HubOAuthCallbackHandler, HubOAuthenticated
 from tornado import ioloop, web
 
 from .policy import IdlePolicy
-from .servers import ServerError, Servers, kernel_path
+from ..apiclient import kernel_path
+from .servers import ServerError, Servers
 
 #: The custom scope for operators (define it in c.JupyterHub.custom_scopes, grant it with a role).
 SCOPE = "custom:gpumigrate:admin"

@@ -3,70 +3,12 @@ in a widget."""
 
 from __future__ import annotations
 
-import sys
-import time
-
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from .client import ApiError, NotManaged, ServerClient
-
-GB = 1e9
-
-
-class MigrateFailed(Exception):
-    """Shown as its one sentence, never as a traceback (IPython calls ``_render_traceback_``)."""
-
-    def _render_traceback_(self) -> list[str]:
-        return [f"\x1b[31mmigrate: {self}\x1b[0m"]
-
-
-def release_torch_cache() -> None:
-    """Drop the GPU blocks PyTorch caches but does not use: they would be moved too. Only if this kernel
-    already uses CUDA through torch (never initialise CUDA here).
-
-    Raises :class:`MigrateFailed` when torch's CUDA context is broken (a device-side assert, an
-    illegal access: CUDA errors stick to the context), before anything is asked of the server."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_initialized():
-        return
-    try:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    except RuntimeError as exc:
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0].rstrip(".")
-        raise MigrateFailed(
-            f"PyTorch's CUDA context reports an error ({first}), so this kernel was not moved: such errors "
-            "stick to the process; save what you need and restart the kernel."
-        ) from None
-
-
-def human(n: int | None) -> str:
-    """Bytes for a person: MB below a GB, GB above (powers of 1000, like describe())."""
-    n = n or 0
-    return f"{n / GB:.1f} GB" if n >= GB else f"{n / 1e6:.0f} MB"
-
-
-def describe(op: dict) -> str:
-    """One line for a finished move: from, to, bytes moved, total time and the slowest phase."""
-    timings = op.get("timings") or {}
-    slowest = max(timings, key=timings.get) if timings else None
-    slow = f"; slowest phase {slowest} {timings[slowest]:.2f} s" if slowest else ""
-    if op.get("to_host"):
-        gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
-        return (f"Moved from host {op.get('from_host')} to host {op['to_host']}{gpu}: {op.get('bytes', 0) / GB:.2f} GB "
-                f"in {op.get('total', 0):.2f} s{slow}. This notebook reaches it through {op.get('from_host')} "
-                f"if that is its home; everything in memory came along.")
-    fast = op.get("fast_path") or {}
-    if fast.get("stashed"):
-        how = f" ({fast['stashed'] / GB:.1f} GB of tensors by the fast path)"
-    elif fast.get("reason"):
-        how = f" (by the driver alone: {fast['reason']})"
-    else:
-        how = ""
-    return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {op.get('bytes', 0) / GB:.1f} GB "
-            f"in {op.get('total', 0):.2f} s{how}{slow}. torch still calls it cuda:0.")
+from ..opformat import describe, describe_suspension, failure, gb
+from .client import ApiError, MigrateFailed, NotManaged, ServerClient, release_torch_cache
 
 
 def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
@@ -79,9 +21,9 @@ def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
         held = []
         for k in g["kernels"]:
             on_gpu.add(k["id"])
-            held.append(f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({k['memory_used'] / GB:.1f} GB)")
+            held.append(f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({gb(k['memory_used'])} GB)")
         util = "-" if g["utilization"] is None else f"{g['utilization']}%"
-        lines.append(f"GPU {g['index']}  {g['name']}  {g['memory_used'] / GB:.1f}/{g['memory_total'] / GB:.1f} GB"
+        lines.append(f"GPU {g['index']}  {g['name']}  {gb(g['memory_used'])}/{gb(g['memory_total'])} GB"
                      f"  util {util}  kernels: {', '.join(held) or '-'}")
     others = [f"{k['id'][:8]}{'*' if k['id'] == me else ''} ({k['state']})" for k in kernels if k["id"] not in on_gpu]
     if others:
@@ -93,19 +35,6 @@ def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
         lines.append(f"Host {gpus.get('host')}; peers: {', '.join(gpus['peers'])}")
     lines.append("* this kernel")
     return "\n".join(lines)
-
-
-def describe_suspension(suspended: dict, resumed: dict | None, view: dict) -> str:
-    """One line for a kernel that suspended itself and is back: for how long, where it runs now (NVML,
-    through the server), the size of its images, and how long the resume took if known."""
-    end = (resumed or {}).get("finished") or time.time()
-    away = max(0.0, end - (suspended.get("finished") or end))
-    on = [g["index"] for g in view.get("gpus") or []]
-    where = ("GPU " + ", ".join(str(i) for i in on)) if on else "CPU (this kernel holds no GPU memory)"
-    took = f" in {resumed['total']:.2f} s" if resumed and resumed.get("status") == "succeeded" else ""
-    by = " (started by a cell)" if resumed and resumed.get("trigger") == "cell" else ""
-    return (f"Suspended for {away:.1f} s ({human(suspended.get('bytes'))} of images); resumed on {where}"
-            f"{took}{by}. Everything in memory is as it was.")
 
 
 def _host_name(raw: str | None) -> str | None:
@@ -183,7 +112,7 @@ class MigrateMagics(Magics):
                     run(op["stager"]["path"], op["stager"]["token"])
                 op = client.follow(op)
                 if op["status"] != "succeeded":
-                    raise MigrateFailed(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+                    raise MigrateFailed(failure(op))
                 print(describe(op))
             else:
                 from .widget import MigrateWidget
@@ -207,7 +136,7 @@ class MigrateMagics(Magics):
         release_torch_cache()
         op = client.follow(client.suspend())
         if op["status"] != "succeeded":
-            raise MigrateFailed(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+            raise MigrateFailed(failure(op))
         # Running again: restored by a resume, which may still be adopting this process.
         view = client.me()
         resumed = None

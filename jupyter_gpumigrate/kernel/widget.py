@@ -4,6 +4,7 @@ the error in place. Built from ipywidgets' stock controls, so it renders whereve
 
 The picker offers only the GPUs the server says this kernel can go to now (the ``targets`` of its
 kernel view, checked with the same rules as the move itself) and shows why the others cannot take it.
+The progress bar counts the phases of the operation's own plan (its ``phases``).
 """
 
 from __future__ import annotations
@@ -14,10 +15,8 @@ import threading
 import ipywidgets as w
 from IPython.display import display
 
-from .client import ApiError, ServerClient
-from .magics import GB, MigrateFailed, describe, release_torch_cache
-
-MOVE_PHASES = ("prepare", "stash", "lock", "checkpoint", "remap", "unlock", "unstash", "verify")
+from ..opformat import GB, describe, failure, gb, progress
+from .client import ApiError, MigrateFailed, ServerClient, release_torch_cache
 
 
 def _error(text: str) -> str:
@@ -30,7 +29,7 @@ class MigrateWidget:
         self.rows = w.VBox()
         self.target = w.Dropdown(description="Move to", options=[], layout=w.Layout(width="240px"))
         self.button = w.Button(description="Migrate", button_style="primary", icon="exchange")
-        self.progress = w.IntProgress(value=0, min=0, max=len(MOVE_PHASES), description="",
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="",
                                       layout=w.Layout(visibility="hidden"))
         self.reasons = w.HTML()
         self.message = w.HTML()
@@ -74,7 +73,7 @@ class MigrateWidget:
         util = "-" if g["utilization"] is None else f"{g['utilization']}%"
         kernels = ", ".join(k["id"][:8] for k in g["kernels"]) or "no kernels"
         here = " <b>◀ this kernel</b>" if g["index"] == mine else ""
-        text = (f"{html.escape(g['name'])}: {used / GB:.1f} / {total / GB:.1f} GB, util {util}; "
+        text = (f"{html.escape(g['name'])}: {gb(used)} / {gb(total)} GB, util {util}; "
                 f"{html.escape(kernels)}{here}")
         return w.HBox([bar, w.HTML(text)])
 
@@ -105,9 +104,10 @@ class MigrateWidget:
             # The message first, then the bar's colour: a frontend that sees the colour has the sentence.
             if op["status"] == "succeeded":
                 self.message.value = html.escape(describe(op))
-                self.progress.value, self.progress.bar_style = len(MOVE_PHASES), "success"
+                self._show_progress(op)
+                self.progress.value, self.progress.bar_style = self.progress.max, "success"
             else:
-                self.message.value = _error(f"{op['error']} (phase {op.get('failed_phase') or op.get('phase')})")
+                self.message.value = _error(failure(op))
                 self.progress.bar_style = "danger"
         except (ApiError, MigrateFailed) as exc:
             self.message.value = _error(str(exc))
@@ -119,7 +119,15 @@ class MigrateWidget:
             except ApiError:
                 self.button.disabled = False
 
+    def _show_progress(self, op: dict) -> None:
+        done, of = progress(op)
+        if of:  # an operation without its list of phases leaves the bar as it is
+            self.progress.max = of
+            self.progress.value = done
+
     def _on_change(self, op: dict) -> None:
-        if op.get("phase") in MOVE_PHASES:
-            self.progress.value = MOVE_PHASES.index(op["phase"])
+        if op.get("status") in ("succeeded", "failed"):
+            return  # _move says how it ended
+        self._show_progress(op)
+        if op.get("phase"):
             self.message.value = f"{op['phase']}…"

@@ -1,94 +1,42 @@
-// The server's /api/gpumigrate, typed as the Python side answers it (jupyter_gpumigrate/operations.py).
+// The server's /api/gpumigrate. Its bodies' types are generated from the API's JSON Schema
+// (jupyter_gpumigrate/contract/api.schema.json) into ./contract.ts by `npm run gen:types`; the names
+// below are what the panel calls them.
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';
 
-export interface IGpuHeld {
-  index: number;
-  uuid: string;
-  memory_used: number;
-  name?: string;
-}
+import type {
+  Action as AnyAction,
+  DrainRequest,
+  DrainResult,
+  ErrorBody,
+  Gpu,
+  GpuList,
+  HeldGpu,
+  Kernel,
+  KernelList,
+  MigrateRequest,
+  Operation,
+  OperationList,
+  OperationStatus,
+  ResumeRequest,
+  SuspendRequest,
+  Target
+} from './contract';
 
+export type { Phase } from './contract';
+
+export type IGpuHeld = HeldGpu;
 /** Whether a kernel can go to one GPU now (a live move if it runs, a resume if it is suspended). */
-export interface ITarget {
-  index: number;
-  ok: boolean;
-  /** The server's sentence saying why not. */
-  reason: string | null;
-}
-
-export interface IKernel {
-  id: string;
-  name: string;
-  pid: number | null;
-  host: string;
-  /** The server that owns the kernel; `host` differs from it while the kernel runs on a peer. */
-  home: string;
-  /** It runs on the peer `host`; it comes back with a move to `home`. */
-  remote: boolean;
-  state: 'running' | 'migrating' | 'suspended';
-  execution_state: string | null;
-  last_activity: string | null;
-  gpus: IGpuHeld[];
-  image_bytes: number | null;
-  suspended_on: IGpuHeld[];
-  migratable: boolean;
-  /** Id of the operation in flight, or null. */
-  operation: string | null;
-  /** One entry per GPU; empty for CPU and remote kernels, kernels being moved, or no GPUs. */
-  targets: ITarget[];
-}
-
-export interface IGpu {
-  index: number;
-  uuid: string;
-  name: string;
-  memory_total: number;
-  memory_used: number;
-  utilization: number | null;
-  mig_enabled: boolean;
-  /** NVML's error when this GPU does not answer; such a GPU is listed, never chosen. */
-  error?: string | null;
-  kernels: { id: string; memory_used: number }[];
-}
-
-export interface IGpuList {
-  driver_version: string | null;
-  gpus: IGpu[];
-}
-
-export type Action = 'suspend' | 'resume' | 'migrate';
-export type Status = 'pending' | 'running' | 'succeeded' | 'failed';
-
+export type ITarget = Target;
+export type IKernel = Kernel;
+export type IGpu = Gpu;
+export type IGpuList = GpuList;
+/** What a kernel's own action does (a drain is a GPU's). */
+export type Action = Exclude<AnyAction, 'drain'>;
+export type Status = OperationStatus;
 /** What became of one kernel of a drained GPU. */
-export interface IDrainResult {
-  kernel_id: string;
-  status: Status;
-  operation?: string;
-  to_gpu?: number;
-  error?: string;
-}
-
-export interface IOperation {
-  id: string;
-  kernel_id: string;
-  action: Action | 'drain';
-  status: Status;
-  phase: string | null;
-  error: string | null;
-  timings: Record<string, number>;
-  bytes: number;
-  to_gpu: number | null;
-  from_gpu: number | null;
-  to_host?: string | null;
-  from_host?: string | null;
-  gpu: number | null;
-  children?: string[];
-  results?: IDrainResult[];
-  /** "cell": a resume started by a cell run on the suspended kernel. */
-  trigger?: 'api' | 'cell';
-  version: number;
-}
+export type IDrainResult = DrainResult;
+export type IOperation = Operation;
 
 /** The schema of the server's operation events (jupyter_gpumigrate/event_schemas/operation/v1.yaml). */
 export const EVENT_SCHEMA_ID = 'https://events.jupyter.org/jupyter_gpumigrate/operation/v1';
@@ -106,7 +54,7 @@ export async function request<T>(path: string, init: RequestInit = {}): Promise<
     throw new ApiError(`The Jupyter server does not answer: ${String(error)}`);
   }
   const text = await response.text();
-  let data: { message?: string } | null;
+  let data: Partial<ErrorBody> | null;
   try {
     data = text ? JSON.parse(text) : null;
   } catch {
@@ -122,36 +70,50 @@ export async function request<T>(path: string, init: RequestInit = {}): Promise<
   return data as T;
 }
 
-function post<T>(path: string, body: object = {}): Promise<T> {
-  return request<T>(path, { method: 'POST', body: JSON.stringify(body) });
+/** A POST whose body is of the schema's type `B`, answered 202 with the operation it started. */
+function start<B extends object>(path: string, body: B): Promise<Operation> {
+  return request<Operation>(path, { method: 'POST', body: JSON.stringify(body) });
 }
 
 export const api = {
-  kernels: () => request<IKernel[]>('kernels'),
-  gpus: () => request<IGpuList>('gpus'),
-  operations: () => request<IOperation[]>('operations'),
-  operation: (id: string) => request<IOperation>(`operations/${id}`),
-  suspend: (kernelId: string) => post<IOperation>(`kernels/${kernelId}/suspend`),
+  kernels: () => request<KernelList>('kernels'),
+  gpus: () => request<GpuList>('gpus'),
+  operations: () => request<OperationList>('operations'),
+  operation: (id: string) => request<Operation>(`operations/${id}`),
+  suspend: (kernelId: string) => start<SuspendRequest>(`kernels/${kernelId}/suspend`, {}),
   resume: (kernelId: string, toGpu?: number) =>
-    post<IOperation>(`kernels/${kernelId}/resume`, toGpu === undefined ? {} : { to_gpu: toGpu }),
+    start<ResumeRequest>(
+      `kernels/${kernelId}/resume`,
+      toGpu === undefined ? {} : { to_gpu: toGpu }
+    ),
   moveToGpu: (kernelId: string, toGpu: number) =>
-    post<IOperation>(`kernels/${kernelId}/migrate`, { to_gpu: toGpu }),
+    start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_gpu: toGpu }),
   moveToHost: (kernelId: string, toHost: string) =>
-    post<IOperation>(`kernels/${kernelId}/migrate`, { to_host: toHost }),
-  drain: (index: number) => post<IOperation>(`gpus/${index}/drain`)
+    start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_host: toHost }),
+  drain: (index: number) => start<DrainRequest>(`gpus/${index}/drain`, {})
 };
 
-/** Bytes as people read them. */
+/** Powers of 1000, largest first. */
+const UNITS: [number, string][] = [
+  [1e12, 'TB'],
+  [1e9, 'GB'],
+  [1e6, 'MB'],
+  [1e3, 'KB']
+];
+
+/**
+ * Bytes as people read them, in powers of 1000 (1 GB = 10^9 bytes): the same words as the CLI, %migrate
+ * and the Hub print for the same operation (jupyter_gpumigrate/opformat.py: size).
+ */
 export function humanBytes(n: number | null | undefined): string {
   if (!n) {
     return '0 B';
   }
-  const units = ['B', 'KB', 'MB', 'GB', 'TB'];
-  let value = n;
-  let unit = 0;
-  while (value >= 1000 && unit < units.length - 1) {
-    value /= 1000;
-    unit++;
+  for (const [unit, name] of UNITS) {
+    // From where the unit below would round up to 1000 (999.95 MB is 1.0 GB; 999.5 B is 1.0 KB).
+    if (Math.abs(n) >= unit * (unit === 1e3 ? 0.9995 : 0.99995)) {
+      return `${(n / unit).toFixed(1)} ${name}`;
+    }
   }
-  return `${value.toFixed(unit === 0 ? 0 : 1)} ${units[unit]}`;
+  return `${n.toFixed(0)} B`;
 }

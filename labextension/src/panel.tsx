@@ -229,6 +229,12 @@ function KernelRow({ store, kernel }: IStoreProps & { kernel: IKernel }): React.
     body = <Progress op={op} kernel={kernel} name={name} />;
   } else if (kernel.operation || kernel.state === 'migrating') {
     body = <div className="jp-gpumigrate-op">Being moved…</div>;
+  } else if (kernel.state === 'broken') {
+    body = (
+      <div className="jp-gpumigrate-error jp-gpumigrate-why" role="alert">
+        {kernel.broken_reason ?? 'A move failed and could not be undone: restart the kernel.'}
+      </div>
+    );
   } else if (!kernel.migratable) {
     body = (
       <div className="jp-gpumigrate-muted jp-gpumigrate-why">
@@ -405,27 +411,12 @@ function TargetSelect(props: {
   );
 }
 
-/** The phases an operation goes through, in order (optional ones only where they apply). */
-function phasesOf(op: IOperation, gpu: boolean): string[] {
-  const cuda = gpu ? ['lock', 'checkpoint'] : [];
-  switch (op.action) {
-    case 'suspend':
-      return ['prepare', ...cuda, 'dump'];
-    case 'resume':
-      return ['prepare', 'restore', ...(gpu ? ['remap', 'unlock'] : []), 'adopt'];
-    case 'migrate':
-      return op.to_host
-        ? ['prepare', ...cuda, 'dump', 'transfer', 'restore', 'adopt']
-        : ['prepare', 'stash', 'lock', 'checkpoint', 'remap', 'unlock', 'unstash', 'verify'];
-    default:
-      return [];
-  }
-}
-
 function Progress(props: { op: IOperation; kernel: IKernel; name: string }): React.ReactElement {
   const { op, kernel } = props;
-  const gpu = kernel.gpus.length > 0 || kernel.suspended_on.length > 0;
-  const phases = phasesOf(op, gpu);
+  // The phases of the operation's plan, in order, as the server lists them (a phase that does not
+  // apply, such as the GPU phases of a CPU kernel, is skipped: the bar jumps past it). An operation
+  // known only from its events so far has none yet: the next refresh fetches it whole.
+  const phases: string[] = op.phases ?? [];
   const at = op.phase ? phases.indexOf(op.phase) + 1 : 0;
   const bytes = op.bytes ? ` · ${humanBytes(op.bytes)}` : '';
   const label = `${doing(op, kernel)}: ${op.phase ?? 'starting'}…${bytes}`;

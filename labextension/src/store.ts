@@ -139,6 +139,11 @@ export class GpuMigrateStore {
     const key = keyOf(op);
     const known = this.operations.get(key);
     if (known && known.id === op.id && known.version >= op.version) {
+      if (!known.phases && op.phases) {
+        // Known from its events (newer), fetched for its plan's phases, which events do not carry.
+        this.operations.set(key, { ...known, phases: op.phases });
+        this._changed.emit();
+      }
       return;
     }
     this.operations.set(key, known?.id === op.id ? { ...known, ...op } : op);
@@ -208,7 +213,8 @@ export class GpuMigrateStore {
       }
     }
     for (const [key, op] of this.operations) {
-      if (key.startsWith('gpu:') || this.kernel(key)?.operation !== op.id) {
+      // An operation known from its events only lacks its plan's phases (events do not carry them).
+      if (key.startsWith('gpu:') || this.kernel(key)?.operation !== op.id || !op.phases) {
         ids.add(op.id);
       }
     }

@@ -149,6 +149,7 @@ def new_images(ctx: KernelContext, pid: int) -> None:
         cuda_pids=cuda_pids,
         connection_info=public_connection_info(kernel.kernel_connection_info),
         clients=netstate.client_counts(proctree.descendants(pid)),
+        sessions=list(kernel.sessions),
     )
 
 
@@ -171,7 +172,7 @@ def dump(ctx: KernelContext) -> None:
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
     try:
-        store.write_manifest(ctx.images, ctx.manifest)
+        store.write_manifest(ctx.images, ctx.manifest, kernel.secrets())
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
             raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "

@@ -3,6 +3,9 @@
 import { expect, IJupyterLabPageFixture, test } from '@jupyterlab/galata';
 import type { Locator, Request } from '@playwright/test';
 
+// The server's bodies, as the API's schema describes them: written-out data cannot drift from it.
+import type { Gpu, GpuList, Kernel } from '../../src/contract';
+
 const SHOTS = 'test-results/screenshots';
 /** The sidebar's width in the "default" screenshots, and the narrow width the layout must survive. */
 const WIDE = 300;
@@ -199,8 +202,8 @@ test('one click is one request; a refused action is a notification with the serv
 
 // A RENDERING test with server answers written out here: this machine has no GPU, so GET
 // /api/gpumigrate/gpus and GET /api/gpumigrate/kernels are answered by the page.route handlers below,
-// with data in exactly the shape the server sends (operations.py: gpus_view, kernel_view; the refusal
-// sentences are placement.py's). Everything else, the kernel included, is the real server. It shows
+// with data in exactly the shape the server sends (typed by the API's schema, which tests/test_contract.py
+// checks against the live server; the refusal sentences are placement.py's). Everything else, the kernel included, is the real server. It shows
 // how the panel draws GPUs; it tests no GPU behaviour: the GPU suite (tests/test_gpu.py) does that on
 // real GPUs.
 test('rendering with GPUs (written-out server data, no GPU here)', async ({ page }) => {
@@ -209,7 +212,7 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
   const H200 = 150_754_820_096; // 143771 MiB, as NVML reports an H200's memory
   const held = 8_589_934_592;
   let polls = 0;
-  const gpu = (index: number, name: string, total: number, used: number, kernels: number) => ({
+  const gpu = (index: number, name: string, total: number, used: number, kernels: number): Gpu => ({
     index,
     uuid: `GPU-${index}a3b5c7d-1e2f-4a5b-8c9d-0e1f2a3b4c5${index}`,
     name,
@@ -228,58 +231,57 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
       return route.fallback();
     }
     polls++;
-    return route.fulfill({
-      json: {
-        driver_version: '580.159.04',
-        host: 'gpu-node-1',
-        gpus: [
-          gpu(0, 'NVIDIA H200', H200, 9_193_914_368, 1),
-          gpu(1, 'NVIDIA H200', H200, 566_231_040, 0),
-          gpu(2, 'NVIDIA A100-SXM4-80GB', 85_899_345_920, 456_130_560, 0)
-        ],
-        peers: []
-      }
-    });
+    const json: GpuList = {
+      driver_version: '580.159.04',
+      host: 'gpu-node-1',
+      gpus: [
+        gpu(0, 'NVIDIA H200', H200, 9_193_914_368, 1),
+        gpu(1, 'NVIDIA H200', H200, 566_231_040, 0),
+        gpu(2, 'NVIDIA A100-SXM4-80GB', 85_899_345_920, 456_130_560, 0)
+      ],
+      peers: []
+    };
+    return route.fulfill({ json });
   });
   await page.route(/\/api\/gpumigrate\/kernels(\?.*)?$/, route => {
     if (route.request().method() !== 'GET') {
       return route.fallback();
     }
-    return route.fulfill({
-      json: [
-        {
-          id,
-          name: 'python3',
-          pid: 4242,
-          host: 'gpu-node-1',
-          home: 'gpu-node-1',
-          state: 'running',
-          remote: false,
-          execution_state: 'idle',
-          last_activity: '2026-11-23T00:12:10.000000+00:00',
-          gpus: [{ index: 0, uuid: 'GPU-0a3b5c7d-1e2f-4a5b-8c9d-0e1f2a3b4c50', memory_used: held }],
-          image_bytes: null,
-          suspended_on: [],
-          migratable: true,
-          operation: null,
-          targets: [
-            {
-              index: 0,
-              ok: false,
-              reason: 'The kernel is already on GPU 0: pick another GPU to move it to.'
-            },
-            { index: 1, ok: true, reason: null },
-            {
-              index: 2,
-              ok: false,
-              reason:
-                "GPU 2 is an NVIDIA A100-SXM4-80GB, the kernel's GPU 0 an NVIDIA H200: CUDA moves a " +
-                'process only between GPUs of the same model. Pick a GPU of the same model.'
-            }
-          ]
-        }
-      ]
-    });
+    const json: Kernel[] = [
+      {
+        id,
+        name: 'python3',
+        pid: 4242,
+        host: 'gpu-node-1',
+        home: 'gpu-node-1',
+        state: 'running',
+        remote: false,
+        broken_reason: null,
+        execution_state: 'idle',
+        last_activity: '2026-11-23T00:12:10.000000+00:00',
+        gpus: [{ index: 0, uuid: 'GPU-0a3b5c7d-1e2f-4a5b-8c9d-0e1f2a3b4c50', memory_used: held }],
+        image_bytes: null,
+        suspended_on: [],
+        migratable: true,
+        operation: null,
+        targets: [
+          {
+            index: 0,
+            ok: false,
+            reason: 'The kernel is already on GPU 0: pick another GPU to move it to.'
+          },
+          { index: 1, ok: true, reason: null },
+          {
+            index: 2,
+            ok: false,
+            reason:
+              "GPU 2 is an NVIDIA A100-SXM4-80GB, the kernel's GPU 0 an NVIDIA H200: CUDA moves a " +
+              'process only between GPUs of the same model. Pick a GPU of the same model.'
+          }
+        ]
+      }
+    ];
+    return route.fulfill({ json });
   });
   const drains: Request[] = [];
   page.on('request', request => {

@@ -1,0 +1,184 @@
+"""How operations and sizes are told to people: by the CLI, by ``%migrate`` and its widget, by the Hub.
+
+Sizes are in powers of 1000 everywhere (as the panel shows them): ``74.2 MB``, ``8.6 GB``. An operation
+is the record ``GET /api/gpumigrate/operations/{id}`` answers. Two voices tell a finished one: the
+CLI's (:func:`report`: "Kernel 5f0c… moved from GPU 0 to GPU 1 in 1.38 s (…)") and the kernel's own
+(:func:`describe`: "Moved from GPU 0 to GPU 1: 8.6 GB in 1.38 s …", for ``%migrate`` and the widget);
+both read the same facts through the helpers here.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+KB, MB, GB, TB = 1e3, 1e6, 1e9, 1e12
+_UNITS = ((TB, "TB"), (GB, "GB"), (MB, "MB"), (KB, "KB"))
+
+
+def size(n: float | None) -> str:
+    """Bytes for a person, in powers of 1000: ``512 B``, ``74.2 MB``, ``8.6 GB``; ``0 B`` for none."""
+    if not n:
+        return "0 B"
+    for unit, name in _UNITS:
+        # from where the unit below would round up to 1000 (999.95 MB is 1.0 GB; 999.5 B is 1.0 KB)
+        if abs(n) >= unit * (0.9995 if unit == KB else 0.99995):
+            return f"{n / unit:.1f} {name}"
+    return f"{n:.0f} B"
+
+
+def gb(n: float) -> str:
+    """A number of GB, one decimal, without the unit (for ``used / total GB``)."""
+    return f"{n / GB:.1f}"
+
+
+def finished(op: dict) -> bool:
+    return op.get("status") in ("succeeded", "failed")
+
+
+def slowest(op: dict) -> tuple[str, float] | None:
+    """The phase that took longest, and its seconds; None if no phase ran."""
+    timings = op.get("timings") or {}
+    if not timings:
+        return None
+    name = max(timings, key=timings.get)
+    return name, timings[name]
+
+
+def failed_in(op: dict) -> str | None:
+    """The phase a failed operation failed in."""
+    return op.get("failed_phase") or op.get("phase")
+
+
+def failure(op: dict) -> str:
+    """A failed operation's sentence and phase: ``CRIU could not dump … (phase dump)``."""
+    return f"{op.get('error')} (phase {failed_in(op)})"
+
+
+def progress(op: dict) -> tuple[int, int]:
+    """(phases done, phases in its plan) from the operation's ``phases``; (0, 0) when it has none.
+
+    A phase that does not apply (the GPU phases of a CPU kernel) is skipped: the count jumps over it.
+    """
+    phases = list(op.get("phases") or [])
+    if not phases:
+        return 0, 0
+    if op.get("status") == "succeeded":
+        return len(phases), len(phases)
+    phase = op.get("phase")
+    return (phases.index(phase) if phase in phases else 0), len(phases)
+
+
+def _fast_path(op: dict) -> dict[str, Any]:
+    return op.get("fast_path") or {}
+
+
+# -- the kernel's voice: %migrate and its widget --------------------------------------------------------
+
+
+def describe(op: dict) -> str:
+    """One line for a finished move of this kernel: from, to, bytes moved, total time and the slowest phase."""
+    slow_phase = slowest(op)
+    slow = f"; slowest phase {slow_phase[0]} {slow_phase[1]:.2f} s" if slow_phase else ""
+    moved = f"{size(op.get('bytes'))} in {op.get('total', 0):.2f} s"
+    if op.get("to_host"):
+        gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+        return (f"Moved from host {op.get('from_host')} to host {op['to_host']}{gpu}: {moved}{slow}. This notebook "
+                f"reaches it through {op.get('from_host')} if that is its home; everything in memory came along.")
+    fast = _fast_path(op)
+    if fast.get("stashed"):
+        how = f" ({size(fast['stashed'])} of tensors by the fast path)"
+    elif fast.get("reason"):
+        how = f" (by the driver alone: {fast['reason']})"
+    else:
+        how = ""
+    return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {moved}{how}{slow}. "
+            "torch still calls it cuda:0.")
+
+
+def describe_suspension(suspended: dict, resumed: dict | None, view: dict) -> str:
+    """One line for a kernel that suspended itself and is back: for how long, where it runs now (NVML,
+    through the server), the size of its images, and how long the resume took if known."""
+    end = (resumed or {}).get("finished") or time.time()
+    away = max(0.0, end - (suspended.get("finished") or end))
+    on = [g["index"] for g in view.get("gpus") or []]
+    where = ("GPU " + ", ".join(str(i) for i in on)) if on else "CPU (this kernel holds no GPU memory)"
+    took = f" in {resumed['total']:.2f} s" if resumed and resumed.get("status") == "succeeded" else ""
+    by = " (started by a cell)" if resumed and resumed.get("trigger") == "cell" else ""
+    return (f"Suspended for {away:.1f} s ({size(suspended.get('bytes'))} of images); resumed on {where}"
+            f"{took}{by}. Everything in memory is as it was.")
+
+
+# -- the CLI's voice ----------------------------------------------------------------------------------
+
+
+def report(op: dict, kernel_id: str | None = None) -> str:
+    """The CLI's line for a finished operation of a kernel (suspend, resume, migrate), or for a failure:
+    ``<action> failed in phase <phase>: <error>``."""
+    action = op.get("action") or "operation"
+    if op.get("status") != "succeeded":
+        return f"{action} failed in phase {failed_in(op)}: {op.get('error')}"
+    kernel = f"Kernel {kernel_id or op.get('kernel_id')}"
+    slow = (slowest(op) or ("-", 0.0))[0]
+    took = f"in {op.get('total', 0):.2f} s"
+    if action == "migrate" and op.get("to_host"):
+        gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+        return (f"{kernel} moved from host {op.get('from_host')} to host {op['to_host']}{gpu} {took} "
+                f"({size(op.get('bytes'))} sent; slowest phase: {slow}).")
+    if action == "migrate":
+        fast = _fast_path(op)
+        how = (f", {size(fast['stashed'])} of it by the fast path" if fast.get("stashed") else
+               f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
+        return (f"{kernel} moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')} {took} "
+                f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
+    done = {"suspend": "suspended", "resume": "resumed"}.get(action, f"{action} done")
+    where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+    return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images; slowest phase: {slow})."
+
+
+def drain_report(op: dict) -> str:
+    """The CLI's line for a finished drain of a GPU."""
+    results = op.get("results") or []
+    moved = [r for r in results if r.get("status") == "succeeded"]
+    if not results and op.get("status") == "succeeded":
+        return f"GPU {op.get('gpu')} holds no kernel of this server: nothing to move."
+    if op.get("status") == "succeeded":
+        where = ", ".join(sorted({f"GPU {r.get('to_gpu')}" for r in moved}))
+        return f"GPU {op.get('gpu')} drained: {len(moved)} kernel(s) moved to {where} in {op.get('total', 0):.2f} s."
+    return (f"GPU {op.get('gpu')} not drained: {len(moved)} of {len(results)} kernel(s) moved; the others run on "
+            "where they were.")
+
+
+class DrainProgress:
+    """One line per kernel of a drain each time its result changes (moving, moved, NOT moved)."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, str] = {}
+
+    def lines(self, op: dict) -> list[str]:
+        out = []
+        for r in op.get("results") or []:
+            if self.seen.get(r["kernel_id"]) == r["status"] or r["status"] == "pending":
+                continue
+            self.seen[r["kernel_id"]] = r["status"]
+            if r["status"] == "running":
+                out.append(f"  kernel {r['kernel_id']}: moving to GPU {r.get('to_gpu')}...")
+            elif r["status"] == "succeeded":
+                out.append(f"  kernel {r['kernel_id']}: moved to GPU {r.get('to_gpu')}")
+            else:
+                out.append(f"  kernel {r['kernel_id']}: NOT moved: {r.get('error') or 'unknown error'}")
+        return out
+
+
+class PhaseProgress:
+    """One line per phase as it starts (``  dump...``), for the CLI's stderr."""
+
+    def __init__(self) -> None:
+        self.shown: str | None = None
+
+    def lines(self, op: dict) -> list[str]:
+        phase = op.get("phase")
+        if finished(op) or not phase or phase == self.shown:
+            return []
+        self.shown = phase
+        return [f"  {phase}..."]

@@ -1,0 +1,372 @@
+"""The API's contract (jupyter_gpumigrate/contract/api.schema.json) against the live server.
+
+A real jupyter_server with the extension, a real kernel, real CRIU: every route under /api/gpumigrate
+is called, the peer routes with a peer token, and every answer (errors included) is checked against
+the schema. Response objects in the schema refuse unknown fields, so a field the server adds without
+describing it fails here; the panel's types are generated from the same schema (labextension/src/
+contract.ts, checked by scripts/ui-tests.sh).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import operate
+from jsonschema import Draft202012Validator
+
+from jupyter_gpumigrate import contract
+from jupyter_gpumigrate.contract import ROUTES, ContractError, schema
+from jupyter_gpumigrate.engine import hostfit, kernelproc
+from jupyter_gpumigrate.engine.gpus import GpuInfo
+from jupyter_gpumigrate.engine.plans import ALL_PHASES, PHASES
+from jupyter_gpumigrate.handlers import API_PREFIX, handlers
+from jupyter_gpumigrate.operations import Operation
+from jupyter_gpumigrate.peers import SCHEME, digest_file, image_files
+
+PEER_TOKEN = "contract-test-peer-token"
+NO_GPU = not os.path.exists("/dev/nvidiactl")
+DONE = ("succeeded", "failed")
+
+
+@pytest.fixture
+def jp_server_config(tmp_path: Path) -> dict:
+    # conftest's server, with a peer token: this server is its own peer for the peer routes.
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
+        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate")},
+        "GPUMigrateApp": {"peer_token": PEER_TOKEN},
+    }
+
+
+def check(name: str, data: Any) -> None:
+    try:
+        contract.validate(name, data)
+    except ContractError as exc:
+        pytest.fail(f"this {name} does not match the API's schema: {exc}\n{json.dumps(data, indent=1)[:3000]}")
+
+
+class Walk:
+    """Calls routes of ROUTES by their template; checks each request body sent and each answer
+    against the schema; remembers which routes it called."""
+
+    def __init__(self, jp_fetch: Any, headers: dict[str, str] | None = None) -> None:
+        self.fetch = jp_fetch
+        self.headers = headers or {}
+        self.visited: set[tuple[str, str]] = set()
+
+    async def call(self, method: str, template: str, *, expect: int, body: Any = None, raw: bytes | str | None = None,
+                   params: dict | None = None, headers: dict[str, str] | None = None, **values: str) -> Any:
+        route = next((r for r in ROUTES if r.method == method and r.path == template), None)
+        assert route is not None, f"{method} {template} is not in jupyter_gpumigrate.contract.ROUTES"
+        if body is not None:
+            assert route.request is not None, f"{method} {template} takes no JSON body"
+            check(route.request, body)
+            raw = json.dumps(body)
+        kwargs: dict[str, Any] = {"method": method, "raise_error": False, "params": params, "request_timeout": 120,
+                                  "headers": {**self.headers, **(headers or {})}}
+        if method in ("POST", "PUT"):
+            kwargs["body"] = raw if raw is not None else b""
+        path = template.format(**values)
+        response = await self.fetch(*API_PREFIX.strip("/").split("/"), *path.strip("/").split("/"), **kwargs)
+        text = response.body or b""
+        assert response.code == expect, f"{method} {path}: {response.code} {text[:800]!r}"
+        self.visited.add((method, template))
+        if expect >= 400:
+            assert response.headers.get("Content-Type", "").startswith("application/json"), response.headers
+            data = json.loads(text)
+            check("ErrorBody", data)
+            return data
+        assert expect in route.responses, f"{method} {template} answered {expect}, which ROUTES does not list"
+        if route.responses[expect] is None:
+            return text
+        data = json.loads(text)
+        check(route.responses[expect], data)
+        return data
+
+    async def follow(self, op: dict) -> dict:
+        """Follow an operation to its end with GET /operations/{id}?after=N, checking each answer."""
+        while op["status"] not in DONE:
+            op = await self.call("GET", "/operations/{op_id}", op_id=op["id"], params={"after": op["version"]},
+                                 expect=200)
+        return op
+
+
+# -- the schema itself -----------------------------------------------------------------------------------
+
+
+def test_the_schema_is_a_valid_draft_2020_12_schema_and_names_what_routes_use():
+    document = contract.document()
+    Draft202012Validator.check_schema(document)
+    assert document["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    used = {r.request for r in ROUTES} | {n for r in ROUTES for n in r.responses.values()}
+    assert used - {None} <= set(contract.names())
+    with pytest.raises(ValueError, match="no definition 'Nope'"):
+        contract.validate("Nope", {})
+    # Every response object refuses unknown fields: a field added on the server fails these tests.
+    for name in contract.names():
+        definition = schema(name)
+        if definition.get("type") == "object" and not name.endswith("Request") and name != "Seconds":
+            assert definition.get("additionalProperties") is False, name
+
+
+def test_every_route_of_the_server_is_in_the_contract():
+    served: set[tuple[str, str]] = set()
+    for pattern, handler in handlers():
+        path = pattern.removeprefix(API_PREFIX).removesuffix("/?")
+        alternatives = re.search(r"\(\?P<action>([a-z|]+)\)", path)
+        for action in alternatives.group(1).split("|") if alternatives else [""]:
+            template = re.sub(r"\(\?P<action>[^)]*\)", action, path)
+            template = re.sub(r"\(\?P<(\w+)>[^)]*\)", r"{\1}", template)
+            ours = [cls for cls in handler.__mro__ if cls.__module__.startswith("jupyter_gpumigrate")]
+            for method in ("GET", "POST", "PUT", "DELETE"):
+                if any(method.lower() in vars(cls) for cls in ours):
+                    served.add((method, template))
+    listed = {(r.method, r.path) for r in ROUTES}
+    assert served == listed, f"served, not in ROUTES: {served - listed}; in ROUTES, not served: {listed - served}"
+
+
+def test_the_schema_knows_every_phase_and_kernel_state():
+    assert set(schema("Phase")["enum"]) == set(ALL_PHASES)
+    states = {kernelproc.RUNNING, kernelproc.MIGRATING, kernelproc.SUSPENDED, kernelproc.STOPPED, kernelproc.BROKEN}
+    assert set(schema("KernelState")["enum"]) == states
+
+
+def test_every_field_the_server_writes_is_described():
+    # Operation.to_dict: every field, once each way (the live walks below check real records too).
+    described = set(schema("Operation")["properties"])
+    written = {f.name for f in dataclasses.fields(Operation)} - {"stager"} | {"total"}
+    assert written == described - {"stager"}, f"undescribed: {written - described}; gone: {described - written}"
+    move = Operation(kernel_id="k", action="migrate", status="succeeded", phase=None, phases=list(PHASES["move_to_gpu"]),
+                     timings={"prepare": 0.01, "stash": 1.2}, bytes=8_000_000_000, to_gpu=1, from_gpu=0,
+                     fast_path={"stashed": 7_000_000_000, "reason": None, "seconds": {"stash": 1.1}}, finished=2.0)
+    check("Operation", move.to_dict())
+    failed = Operation(kernel_id="k", action="migrate", status="failed", phase="transfer", failed_phase="transfer",
+                       error="b went away.", to_host="b", from_host="a", phases=list(PHASES["move_to_host"]))
+    check("Operation", failed.to_dict())
+    drain = Operation(kernel_id="", action="drain", gpu=0, to_gpu=None, children=["c1"], results=[
+        {"kernel_id": "k1", "status": "succeeded", "operation": "c1", "error": None, "to_gpu": 1},
+        {"kernel_id": "k2", "status": "failed", "operation": None, "error": "no room"}])
+    check("Operation", drain.to_dict())
+    reply = {**move.to_dict(), "stager": {"path": "/run/x.sock", "token": "t"}}  # to the kernel's own %migrate
+    check("Operation", reply)
+    with pytest.raises(ContractError, match="Unknown field.*surprise"):
+        contract.validate("Operation", {**move.to_dict(), "surprise": 1})
+
+    # A GPU as GET /gpus lists it: GpuInfo.to_dict and the kernels on it (this machine may have no GPU).
+    gpu = GpuInfo(index=0, uuid="GPU-0", name="NVIDIA H200", memory_total=150_754_820_096, memory_used=10**9,
+                  utilization=37, persistence_mode=True, mig_enabled=False, processes={4242: 10**9})
+    assert {f.name for f in dataclasses.fields(GpuInfo)} | {"kernels"} == set(schema("Gpu")["properties"])
+    check("Gpu", {**gpu.to_dict(), "kernels": [{"id": "k", "memory_used": 10**9}]})
+
+
+def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
+    cases = [
+        ("ResumeRequest", [1], "The body must be a JSON object"),
+        ("ResumeRequest", {"to_gpu": "one"}, "'to_gpu' must be a whole number >= 0 or null (got 'one')"),
+        ("ResumeRequest", {"to_gpu": True}, "'to_gpu' must be a whole number >= 0"),
+        ("SuspendRequest", {"to_gpu": 0}, "Unknown field(s) to_gpu; allowed fields: none."),
+        ("MigrateRequest", {"to_gpu": None}, "'migrate' needs to_gpu or to_host"),
+        ("MigrateRequest", {"to_gpu": 1, "fast_path": "warp"}, "'fast_path' is one of auto, off, caller"),
+        ("PeerSignalRequest", {}, "The body needs the field 'signum'"),
+        ("PeerCheckRequest", {"kernel_id": "k", "requirements": {"ids": [], "processes": {"x": 1}, "listens": [],
+                                                                 "files": {}}},
+         "The field names of 'requirements.processes' must each be a string matching"),
+        ("ResumeRequest", {"to_gpu": json.loads("[" * 40 + "]" * 40)}, "more than 32 levels deep"),
+    ]
+    for name, body, words in cases:
+        with pytest.raises(ContractError) as info:
+            contract.validate(name, body)
+        assert words in str(info.value), (name, body, str(info.value))
+        assert info.value.http_status == 400 and info.value.definition == name
+    contract.validate("MigrateRequest", {"to_gpu": None, "to_host": "b"})  # what a kernel's %migrate sends
+
+
+# -- the live server -------------------------------------------------------------------------------------
+
+pytestmark_criu = pytest.mark.usefixtures("criu_binary")
+
+
+@pytestmark_criu
+async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
+    walk = Walk(jp_fetch)
+    kid = kernel.id
+    await kernel.run("kept = 'here'")
+    listed = await walk.call("GET", "/kernels", expect=200)
+    assert kid in [k["id"] for k in listed]
+    view = await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    assert view["state"] == "running" and set(view) == set(schema("Kernel")["properties"])
+    gpus = await walk.call("GET", "/gpus", expect=200)
+    assert gpus["host"] == view["home"]
+    await walk.call("GET", "/operations", expect=200)
+
+    # Suspend, followed with ?after=, the kernel seen while it moves and once it is suspended.
+    op = await walk.call("POST", "/kernels/{kernel_id}/suspend", kernel_id=kid, body={}, expect=202)
+    assert op["phases"] == list(PHASES["suspend"]) and op["status"] in ("pending", "running")
+    await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    op = await walk.follow(op)
+    assert op["status"] == "succeeded" and op["finished"] and op["bytes"] > 0, op
+    assert set(op["timings"]) <= set(op["phases"])
+    view = await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    assert view["state"] == "suspended" and view["image_bytes"] == op["bytes"]
+    await walk.call("GET", "/operations/{op_id}", op_id=op["id"], expect=200)
+
+    # Resume: an empty body, and the field given as null (both allowed).
+    op = await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid, body={"to_gpu": None}, expect=202)
+    assert op["phases"] == list(PHASES["resume"])
+    assert (await walk.follow(op))["status"] == "succeeded"
+    assert (await kernel.run("print(kept)")).strip() == "here"
+    ops = await walk.call("GET", "/operations", expect=200)
+    assert [o["action"] for o in ops] == ["suspend", "resume"]
+
+    # Refusals are error bodies: a move with no GPU here, a drain, bad bodies, unknown ids.
+    if NO_GPU:
+        error = await walk.call("POST", "/kernels/{kernel_id}/migrate", kernel_id=kid, body={"to_gpu": 0}, expect=409)
+        assert "no NVIDIA GPU" in error["message"]
+        error = await walk.call("POST", "/gpus/{index}/drain", index="0", body={}, expect=409)
+        assert "no NVIDIA GPU" in error["message"]
+    error = await walk.call("POST", "/kernels/{kernel_id}/migrate", kernel_id=kid, raw="{}", expect=400)
+    assert "needs to_gpu or to_host" in error["message"]
+    error = await walk.call("POST", "/gpus/{index}/drain", index="0", raw='{"to_gpu": "1"}', expect=400)
+    assert error["message"].startswith("'to_gpu' must be a whole number >= 0"), error
+    error = await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid, raw='{"to_gpu": 0, "x": 1}',
+                            expect=400)
+    assert error["message"] == "Unknown field(s) x; allowed fields: to_gpu.", error
+    await walk.call("GET", "/kernels/{kernel_id}", kernel_id="no-such-kernel", expect=404)
+    await walk.call("GET", "/operations/{op_id}", op_id="no-such-operation", expect=404)
+    error = await walk.call("GET", "/operations/{op_id}", op_id=op["id"], params={"after": "x"}, expect=400)
+    assert "version number" in error["message"]
+    await walk.call("GET", "/kernels", headers={"Authorization": ""}, expect=403)
+
+    # A body nested past what Python's JSON parser can take is a 400, as is one nested past the API's limit.
+    for raw in ("[" * 100_000 + "]" * 100_000, '{"to_gpu": ' * 60 + "1" + "}" * 60):
+        error = await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid, raw=raw, expect=400)
+        assert "nests" in error["message"] and "deep" in error["message"], error
+
+    users = {(r.method, r.path) for r in ROUTES if not r.path.startswith("/peer/")}
+    if not NO_GPU:
+        users -= {("POST", "/kernels/{kernel_id}/migrate"), ("POST", "/gpus/{index}/drain")}
+    assert users <= walk.visited, f"not called: {users - walk.visited}"
+    assert (await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200))["state"] == "running"
+
+
+@pytestmark_criu
+async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverapp, kernel):
+    """This server is its own peer: it takes its own suspended kernel's images, runs the kernel as a
+    guest, dumps and resumes it, and discards it; then the kernel resumes where it was."""
+    walk = Walk(jp_fetch, headers={"Authorization": f"{SCHEME} {PEER_TOKEN}"})
+    kid = kernel.id
+    await kernel.run("kept = 'here'")
+    await Walk(jp_fetch, headers={"Authorization": f"{SCHEME} wrong"}).call("POST", "/peer/check", raw="{}",
+                                                                             expect=403)
+    error = await walk.call("GET", "/peer/kernels/{kernel_id}/channels", kernel_id=kid, expect=403,
+                            headers={"Authorization": f"{SCHEME} wrong"})
+    assert error["message"] == "This peer credential is not valid here."
+
+    # What the kernel needs of a host, as a peer asks: this host has it running, so it says why not.
+    manager = jp_serverapp.kernel_manager.get_kernel(kid)
+    pid = manager.provisioner.pid
+    needs = hostfit.requirements_of(pid, kernelproc.kernel_listens(manager.provisioner.kernel_connection_info))
+    asked = {"kernel_id": kid, "requirements": json.loads(json.dumps(needs.to_dict())), "gpu": None, "to_gpu": None,
+             "from": "a"}
+    answer = await walk.call("POST", "/peer/check", body=asked, expect=200)
+    assert answer["problems"], "the kernel's own PIDs are taken here: the check must say so"
+    error = await walk.call("POST", "/peer/check", raw=json.dumps({**asked, "extra": 1}), expect=400)
+    assert "Unknown field(s) extra" in error["message"]
+    error = await walk.call("POST", "/peer/check", raw="[" * 100_000 + "]" * 100_000, expect=400)
+    assert "nests" in error["message"]
+
+    # The kernel's images, sent to the guest side of the same server.
+    assert (await operate(jp_fetch, kid, "suspend"))["status"] == "succeeded"
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kid
+    files = [(p, *digest_file(p)) for p in image_files(images)]
+    total = sum(size for _, size, _ in files)
+    assert (await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=kid, body={"bytes": total},
+                            expect=201))["kernel_id"] == kid
+    first = files[0][0]
+    error = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name,
+                            raw=first.read_bytes(), headers={"X-Content-SHA256": "0" * 64}, expect=400)
+    assert "arrived damaged" in error["message"]
+    for path, _, sha in files:
+        stored = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=path.name,
+                                 raw=path.read_bytes(), headers={"X-Content-SHA256": sha}, expect=201)
+        assert stored["name"] == path.name
+    sent = [{"name": p.name, "size": s, "sha256": h} for p, s, h in files]
+    assert (await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": sent},
+                            expect=200))["kernel_id"] == kid
+    listing = await walk.call("GET", "/peer/images/{kernel_id}", kernel_id=kid, expect=200)
+    assert sorted(f["name"] for f in listing["files"]) == sorted(f["name"] for f in sent)
+    got = await walk.call("GET", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name, expect=200)
+    assert got == first.read_bytes()
+
+    # The guest: restored, described, signalled, dumped, resumed, discarded.
+    restored = await walk.call("POST", "/peer/kernels/{kernel_id}/restore", kernel_id=kid, body={"to_gpu": None},
+                               expect=200)
+    assert restored["pid"] and restored["gpus"] == []
+    guest = await walk.call("GET", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    assert guest["state"] == "running" and guest["requirements"]["ids"]
+    error = await walk.call("POST", "/peer/kernels/{kernel_id}/signal", kernel_id=kid, raw='{"signum": 0}',
+                            expect=400)
+    assert error["message"].startswith("'signum' must be a whole number from 1 to 64"), error
+    assert await walk.call("POST", "/peer/kernels/{kernel_id}/signal", kernel_id=kid,
+                           body={"signum": int(signal.SIGCONT)}, expect=200) == {}
+    dumped = await walk.call("POST", "/peer/kernels/{kernel_id}/dump", kernel_id=kid, expect=200)
+    assert dumped["bytes"] > 0
+    await walk.call("POST", "/peer/kernels/{kernel_id}/resume", kernel_id=kid, body={}, expect=200)
+    assert await walk.call("DELETE", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=204) == b""
+    await walk.call("GET", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=404)
+
+    peers = {(r.method, r.path) for r in ROUTES if r.path.startswith("/peer/")}
+    assert peers <= walk.visited, f"not called: {peers - walk.visited}"
+
+    # The kernel itself, suspended all along on its own side, comes back with its state.
+    assert (await operate(jp_fetch, kid, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(kept)")).strip() == "here"
+
+
+@pytest.mark.gpu
+@pytestmark_criu
+async def test_gpu_answers_match_the_schema(jp_fetch, kernel):
+    """On a GPU machine (the gpu suite): GPUs with kernels on them, a kernel's targets, a move to
+    another GPU (where there is one), a GPU kernel suspended and resumed onto a GPU, a drain with its
+    results (with one GPU, a drain that fails, kernel by kernel)."""
+    walk = Walk(jp_fetch)
+    kid = kernel.id
+    await kernel.run("import torch; x = torch.ones(1 << 28, device='cuda'); torch.cuda.synchronize()")
+    gpus = await walk.call("GET", "/gpus", expect=200)
+    assert gpus["driver_version"] and any(k["id"] == kid for g in gpus["gpus"] for k in g["kernels"]), gpus
+    view = await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    home = view["gpus"][0]["index"]
+    assert [t["index"] for t in view["targets"]] == [g["index"] for g in gpus["gpus"]], view
+    target = next((t["index"] for t in view["targets"] if t["ok"]), None)
+
+    if target is not None:
+        op = await walk.call("POST", "/kernels/{kernel_id}/migrate", kernel_id=kid, body={"to_gpu": target},
+                             expect=202)
+        assert op["phases"] == list(PHASES["move_to_gpu"])
+        op = await walk.follow(op)
+        assert op["status"] == "succeeded" and (op["from_gpu"], op["to_gpu"]) == (home, target), op
+    where = home if target is None else target
+
+    op = await walk.follow(await walk.call("POST", "/kernels/{kernel_id}/suspend", kernel_id=kid, body={},
+                                           expect=202))
+    assert op["status"] == "succeeded", op
+    view = await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    assert view["suspended_on"][0]["index"] == where and view["suspended_on"][0]["name"], view
+    op = await walk.follow(await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid,
+                                           body={"to_gpu": home}, expect=202))
+    assert op["status"] == "succeeded" and op["to_gpu"] == home, op
+
+    drain = await walk.call("POST", "/gpus/{index}/drain", index=str(home), body={}, expect=202)
+    assert drain["action"] == "drain" and drain["phases"] == []
+    drain = await walk.follow(drain)
+    assert [r["kernel_id"] for r in drain["results"]] == [kid], drain
+    assert drain["status"] == ("succeeded" if len(gpus["gpus"]) > 1 else "failed"), drain
+    await walk.call("GET", "/operations", expect=200)
+    assert (await kernel.run("print(int(x.sum()))")).strip() == str(1 << 28)

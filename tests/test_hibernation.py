@@ -1,0 +1,116 @@
+"""Suspended kernels outlive their server: stopped (SIGTERM) or killed (SIGKILL), the next server takes them
+back under the same id, with their notebook's session, and a cell in that notebook resumes them intact.
+
+Real servers, run as processes and stopped for real; real CRIU; real kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab
+from servers import LocalServer
+from tornado.websocket import websocket_connect
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+
+@pytest.fixture
+def server(tmp_path: Path):
+    srv = LocalServer(tmp_path / "server")
+    yield srv
+    srv.stop(signal.SIGKILL)
+    srv.kill_kernels()
+
+
+def taken_back(srv: LocalServer, kernel_id: str, timeout: float = 30) -> dict:
+    """The kernel's view once the restarted server has taken it back (it does so as it starts)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        listed = {k["id"]: k for k in srv.api("GET", "api/gpumigrate/kernels")}
+        if kernel_id in listed:
+            return listed[kernel_id]
+        assert time.monotonic() < deadline, srv.server_log()
+        time.sleep(0.1)
+
+
+def notebook_session(srv: LocalServer, path: str = "analysis.ipynb") -> tuple[str, str]:
+    """A notebook's session, as JupyterLab makes it: (session id, kernel id)."""
+    made = srv.api("POST", "api/sessions", {"path": path, "name": path, "type": "notebook",
+                                            "kernel": {"name": "python3"}}, expect=201)
+    return made["id"], made["kernel"]["id"]
+
+
+async def tab_on(srv: LocalServer, kernel_id: str) -> WebSocketTab:
+    ws = await websocket_connect(srv.ws_url(kernel_id) + f"&session_id={uuid.uuid4().hex}")
+    return WebSocketTab(ws)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+async def test_a_suspended_kernel_comes_back_after_its_server_stops(server, tmp_path, stop):
+    server.start()
+    session_id, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    assert "built" in await tab.run(f"PATH = {str(tmp_path / 'notes.txt')!r}\n" + BUILD_STATE)
+    op = server.operate(kernel_id, "suspend")
+    assert op["status"] == "succeeded", op
+    tab.ws.close()
+
+    server.stop(stop)
+    images = server.state / "images" / kernel_id
+    assert (images / "manifest.json").is_file(), "stopping the server keeps a suspended kernel's images"
+    assert (server.state / "logs" / f"kernel-{kernel_id}.log").is_file(), "and the files the kernel had open"
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "suspended" and view["image_bytes"], view
+    assert kernel_id in [k["id"] for k in server.api("GET", "api/kernels")]
+    sessions = server.api("GET", "api/sessions")
+    assert [(s["id"], s["path"], s["kernel"]["id"]) for s in sessions] == [(session_id, "analysis.ipynb", kernel_id)]
+
+    # The notebook's tab reconnects; its next cell resumes the kernel, with every kind of state intact.
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run(CHECK_STATE, timeout=120)).splitlines() == EXPECTED
+    view = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["state"] == "running" and view["pid"], view
+    assert not images.exists(), "its images go once it runs again"
+    tab.ws.close()
+
+    # And it is an ordinary kernel of this server again: it suspends and resumes, and shuts down for good.
+    assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
+    assert server.operate(kernel_id, "resume")["status"] == "succeeded"
+    server.api("DELETE", f"api/kernels/{kernel_id}", expect=204)
+    assert not images.exists()
+
+
+async def test_the_next_server_removes_an_unfinished_dump_and_refuses_a_foreign_record(server):
+    server.start()
+    _, kernel_id = notebook_session(server)
+    assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
+    server.stop(signal.SIGKILL)
+
+    images = server.state / "images"
+    # A dump its server did not live to finish: images without a manifest.
+    unfinished = images / str(uuid.uuid4())
+    unfinished.mkdir(mode=0o700)
+    (unfinished / "pages-1.img").write_bytes(b"\0" * 4096)
+    # A record that is not this user's (forged, or left by another account): never taken back, never deleted.
+    foreign = images / str(uuid.uuid4())
+    foreign.mkdir(mode=0o700)
+    manifest = json.loads((images / kernel_id / "manifest.json").read_text())
+    (foreign / "manifest.json").write_text(json.dumps({**manifest, "kernel_id": foreign.name, "owner": 4242}))
+
+    server.start()
+    taken_back(server, kernel_id)
+    listed = {k["id"]: k["state"] for k in server.api("GET", "api/gpumigrate/kernels")}
+    assert listed == {kernel_id: "suspended"}, listed
+    assert not unfinished.exists(), "an unfinished dump is removed"
+    assert (foreign / "manifest.json").is_file(), "a foreign record is left where it is"
+    log = server.server_log()
+    assert "a dump that never finished" in log and f"not taking back the kernel in {foreign}" in log
+    assert "uid 4242" in log
