@@ -61,3 +61,10 @@ c.JupyterHub.services = [
         "oauth_no_confirm": True,
     },
 ]
+
+# Users' servers (each user's jupyter_server, whatever the spawner): a server the Hub stops (an admin, the
+# idle culler, the user) suspends its running kernels first, and its next start brings them back with
+# their notebooks. Suspended kernels survive a stop under any policy. Give the spawner time for it:
+# more than stop_timeout (docs/hub.md, "Stopping users' servers").
+c.Spawner.args = ["--GPUMigrateApp.stop_policy=suspend", "--GPUMigrateApp.stop_timeout=120"]
+c.Spawner.http_timeout = 60

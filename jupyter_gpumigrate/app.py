@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,7 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.netutil import bind_sockets
-from traitlets import Bool, Dict, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, TraitError, Unicode, default, validate
 
 from .autoresume import resuming
 from .credentials import KernelCredentials
@@ -127,6 +130,20 @@ class GPUMigrateApp(ExtensionApp):
             self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
                              "not resume a second time if PID 1 does not reap it")
 
+    stop_policy = Enum(
+        ["shutdown", "suspend"], default_value="shutdown",
+        help="What stopping the server does to its running kernels. 'shutdown': they end, as with any "
+        "Jupyter server. 'suspend': each is suspended first (in parallel, within stop_timeout) and comes back "
+        "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
+        "says so. Kernels that are already suspended always stay suspended, whatever the policy "
+        "(docs/users.md, 'Kernels outlive their server').",
+    ).tag(config=True)
+
+    stop_timeout = Float(
+        120.0, help="With stop_policy 'suspend': the longest a stopping server waits for its kernels to be "
+        "suspended, in seconds. Give a JupyterHub spawner's stop timeout more than this (docs/hub.md).",
+    ).tag(config=True)
+
     resume_on_execute = Bool(
         True,
         help="Resume a suspended kernel when a cell is run on it (an execute_request from its notebook); "
@@ -206,12 +223,55 @@ class GPUMigrateApp(ExtensionApp):
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Once the server runs: take back the kernels an earlier server left suspended (revive.py)."""
+        if not (sys.stdin and sys.stdin.isatty()) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            # With no terminal (systemd, `docker run` without -t, JupyterHub's spawners, which stop a server
+            # with SIGINT first), jupyter_server leaves SIGINT to Python, which ends the server with no clean-up
+            # at all: its running kernels would be left behind, unreachable. Stop as on SIGTERM instead.
+            signal.signal(signal.SIGINT, serverapp._signal_stop)
         try:
             await revive_all(serverapp)
         except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
             self.log.exception("gpumigrate: could not take back the suspended kernels of an earlier server")
 
     async def stop_extension(self) -> None:
+        operations: OperationManager = self.settings["gpumigrate_operations"]
+        if self.stop_policy == "suspend":
+            await self._suspend_all(operations)
         # From here on a suspended kernel that the server shuts down keeps its images (provisioner.py).
         self.serverapp.kernel_manager.gpumigrate_stopping = True
-        await self.settings["gpumigrate_operations"].wait_idle()
+        await operations.wait_idle()
+
+    async def _suspend_all(self, operations: OperationManager) -> None:
+        """The stop policy 'suspend': every running kernel, in parallel, within ``stop_timeout``."""
+        km = self.serverapp.kernel_manager
+        started = []
+        for kernel_id in km.list_kernel_ids():
+            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+            if not isinstance(provisioner, MigratableProvisioner) or provisioner.state != "running":
+                continue
+            if kernel_id in operations.active:
+                continue  # an operation of its own is under way; wait_idle waits for it
+            try:
+                started.append(operations.start(kernel_id, "suspend"))
+            except MigrateError as exc:
+                self.log.warning("gpumigrate: stopping: kernel %s cannot be suspended (%s): it is shut down",
+                                 kernel_id, exc)
+        if not started:
+            return
+        self.log.info("gpumigrate: stopping: suspending %d kernel(s) (at most %.0f s)", len(started),
+                      self.stop_timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stop_timeout
+        while any(not op.done for op in started) and loop.time() < deadline:
+            await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
+        late = [op for op in started if not op.done]
+        if late:
+            # CRIU killed mid-dump gives the kernel back (the plan rolls back); it is then shut down.
+            killed = proctree.kill_children_named("criu")
+            self.log.warning("gpumigrate: stopping: %d kernel(s) not suspended within %.0f s (%s): they are shut "
+                             "down (stopped %d CRIU run(s))", len(late), self.stop_timeout,
+                             ", ".join(op.kernel_id for op in late), len(killed))
+        for op in started:
+            if op.done and op.status != "succeeded":
+                self.log.warning("gpumigrate: stopping: kernel %s could not be suspended: %s. It is shut down.",
+                                 op.kernel_id, op.error)

@@ -51,7 +51,7 @@ async def tab_on(srv: LocalServer, kernel_id: str) -> WebSocketTab:
     return WebSocketTab(ws)
 
 
-@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["sigterm", "sigint", "sigkill"])
 async def test_a_suspended_kernel_comes_back_after_its_server_stops(server, tmp_path, stop):
     server.start()
     session_id, kernel_id = notebook_session(server)
@@ -114,3 +114,58 @@ async def test_the_next_server_removes_an_unfinished_dump_and_refuses_a_foreign_
     log = server.server_log()
     assert "a dump that never finished" in log and f"not taking back the kernel in {foreign}" in log
     assert "uid 4242" in log
+
+
+async def test_with_the_suspend_policy_stopping_the_server_suspends_every_kernel_and_they_come_back(tmp_path):
+    server = LocalServer(tmp_path / "server", extra_config={"GPUMigrateApp": {"stop_policy": "suspend"}})
+    try:
+        server.start()
+        kernels = {}
+        for i in range(3):
+            _, kernel_id = notebook_session(server, f"notebook-{i}.ipynb")
+            tab = await tab_on(server, kernel_id)
+            assert (await tab.run(f"value = {i} * 1000 + 7\nprint('ok')")).strip() == "ok"
+            tab.ws.close()
+            kernels[kernel_id] = i * 1000 + 7
+        server.stop(signal.SIGINT)  # as JupyterHub's spawners stop a server, with no terminal
+        log = server.server_log()
+        assert "suspending 3 kernel(s)" in log and "not suspended within" not in log, log
+
+        server.start()
+        for kernel_id in kernels:
+            assert taken_back(server, kernel_id)["state"] == "suspended"
+        assert sorted(s["path"] for s in server.api("GET", "api/sessions")) == [
+            f"notebook-{i}.ipynb" for i in range(3)]
+        for kernel_id, value in kernels.items():
+            tab = await tab_on(server, kernel_id)
+            assert (await tab.run("print(value)", timeout=120)).strip() == str(value)
+            tab.ws.close()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
+async def test_a_kernel_not_suspended_within_the_bound_is_shut_down_and_the_stop_is_not_held(tmp_path):
+    server = LocalServer(tmp_path / "server",
+                         extra_config={"GPUMigrateApp": {"stop_policy": "suspend", "stop_timeout": 0.2}})
+    try:
+        server.start()
+        _, kernel_id = notebook_session(server)
+        tab = await tab_on(server, kernel_id)
+        # Some 2 GB to write: far more than 0.2 s of dump.
+        assert (await tab.run("blob = bytes(range(256)) * 8_000_000\nprint('ok')")).strip() == "ok"
+        pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        tab.ws.close()
+        started = time.monotonic()
+        server.stop(signal.SIGTERM)
+        assert time.monotonic() - started < 30, "the stop waited for the dump"
+        log = server.server_log()
+        assert f"not suspended within 0 s ({kernel_id})" in log, log
+        assert not Path(f"/proc/{pid}").exists(), "the kernel was shut down, as without the policy"
+        assert not (server.state / "images" / kernel_id / "manifest.json").exists()
+        server.start()
+        time.sleep(1)
+        assert server.api("GET", "api/gpumigrate/kernels") == []
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()

@@ -294,3 +294,20 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
+
+
+def kill_children_named(name: str) -> list[int]:
+    """SIGKILL this process's children whose command name is ``name`` (the CRIU runs of a server that
+    must stop now); the PIDs signalled."""
+    me, killed = os.getpid(), []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        found = info(int(entry))
+        if found is not None and found.ppid == me and found.name == name and found.state not in ("Z", "X"):
+            try:
+                os.kill(found.pid, signal.SIGKILL)
+                killed.append(found.pid)
+            except ProcessLookupError:
+                pass
+    return killed
