@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .apiclient import ApiError, Client, NotFinished, Unreachable
+from .apiclient import ApiError, Client, NotFinished, Unreachable, quote
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
 from .opformat import DrainProgress, PhaseProgress, drain_report, report, size
@@ -136,6 +136,23 @@ def cmd_list(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_discard(args: argparse.Namespace) -> int:
+    """Shut a suspended kernel down for good: its images (its whole memory) are deleted."""
+    server, kernel = find_kernel(find_servers(args), args.kernel_id)
+    if kernel["state"] != "suspended":
+        raise CliError(f"Kernel {kernel['id']} is {kernel['state']}, not suspended: discard deletes a suspended "
+                       "kernel's images. Shut a running kernel down from its notebook (or its server's "
+                       "/api/kernels).", EXIT_FAILED)
+    freed = kernel.get("image_bytes") or 0
+    server.call(lambda _: Client.with_token(server.url, server.token, prefix="api").request(
+        "DELETE", f"kernels/{quote(kernel['id'])}"))
+    if args.json:
+        print(json.dumps({"kernel_id": kernel["id"], "discarded": True, "freed_bytes": freed}))
+    else:
+        print(f"Kernel {kernel['id']} discarded: {size(freed)} of images deleted.")
+    return EXIT_OK
+
+
 def cmd_action(args: argparse.Namespace) -> int:
     server, kernel = find_kernel(find_servers(args), args.kernel_id)
     body = {"to_gpu": args.to_gpu} if getattr(args, "to_gpu", None) is not None else {}
@@ -236,6 +253,10 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-fast-path", action="store_true", help="let the CUDA driver copy all GPU memory (no stash "
                    "of tensors on the target GPU; docs/performance.md)")
     m.set_defaults(func=cmd_action)
+    dc = sub.add_parser("discard", parents=[common, remote],
+                        help="shut a suspended kernel down for good and delete its images")
+    dc.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    dc.set_defaults(func=cmd_discard)
     dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
     dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")
     dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 
 import pytest
 from helpers import api, cli, remote
@@ -107,3 +108,19 @@ def test_drain_progress_has_one_line_per_change_of_each_kernels_result():
         f"  kernel {a}: moved to GPU 1", f"  kernel {b}: NOT moved: GPU 1 has 2.0 GiB free."]
     assert progress.lines(op({"kernel_id": a, "status": "succeeded", "to_gpu": 1},
                              {"kernel_id": b, "status": "failed", "error": "GPU 1 has 2.0 GiB free."})) == []
+
+
+async def test_discard_deletes_a_suspended_kernels_images_and_refuses_a_running_one(jp_fetch, jp_serverapp, kernel):
+    code, out, err = await cli("discard", kernel.id, *remote(jp_serverapp))
+    assert code == 1 and "is running, not suspended" in err, err
+    code, out, err = await cli("suspend", kernel.id, *remote(jp_serverapp))
+    assert code == 0, err
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kernel.id
+    assert images.is_dir()
+    code, out, err = await cli("discard", kernel.id[:8], "--json", *remote(jp_serverapp))
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["kernel_id"] == kernel.id and result["discarded"] and result["freed_bytes"] > 1_000_000
+    assert not images.exists()
+    code, out, err = await cli("list", "--json", *remote(jp_serverapp))
+    assert kernel.id not in [k["id"] for k in json.loads(out)]

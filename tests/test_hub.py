@@ -82,7 +82,7 @@ c.JupyterHub.cookie_secret_file = "{root}/cookie_secret"
 c.JupyterHub.pid_file = "{root}/hub.pid"
 c.SimpleLocalProcessSpawner.home_dir_template = "{root}/home/{{username}}"
 c.Spawner.cmd = [{str(VENV_BIN / "jupyterhub-singleuser")!r}]
-c.Spawner.args = ["--allow-root"]
+c.Spawner.args = [*c.Spawner.args, "--allow-root"]  # the example's (its stop policy), and root for CI
 c.Spawner.env_keep = ["PATH", "LANG", "LC_ALL"]
 c.Spawner.start_timeout = 60
 c.Spawner.http_timeout = 60
@@ -436,6 +436,27 @@ async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_
     busy_cell.cancel()
     bob.ws.close()
     alice.ws.close()
+
+
+async def test_a_users_server_stopped_through_the_hub_brings_its_kernels_back(make_hub):
+    # The example configuration's stop policy: a server the Hub stops suspends its kernels first.
+    hub = make_hub()
+    hub.start_server("alice")
+    kernel_id = hub.start_kernel("alice")
+    tab = await hub.tab("alice", kernel_id)
+    await tab.run("x = 'kept across a stop'\ngen = iter(range(10)); next(gen)")
+    tab.ws.close()
+
+    hub.hub_api("DELETE", "/users/alice/server")
+    await wait_for(lambda: not hub.hub_api("GET", "/users/alice")["servers"], 60, "alice's server did not stop")
+    hub.start_server("alice")
+    view = await wait_for(
+        lambda: next((k for k in hub.user_api("alice", "GET", "gpumigrate/kernels") if k["id"] == kernel_id), None),
+        30, lambda: f"the kernel is not back: {hub.user_api('alice', 'GET', 'gpumigrate/kernels')}")
+    assert view["state"] == "suspended", view
+    tab = await hub.tab("alice", kernel_id)
+    assert (await tab.run("print(x, next(gen))", timeout=120)).strip() == "kept across a stop 1"
+    tab.ws.close()
 
 
 async def test_the_idle_policy_decides_on_real_kernel_records(jp_fetch, kernel):
