@@ -66,5 +66,5 @@ c.JupyterHub.services = [
 # idle culler, the user) suspends its running kernels first, and its next start brings them back with
 # their notebooks. Suspended kernels survive a stop under any policy. Give the spawner time for it:
 # more than stop_timeout (docs/hub.md, "Stopping users' servers").
-c.Spawner.args = ["--GPUMigrateApp.stop_policy=suspend", "--GPUMigrateApp.stop_timeout=120"]
-c.Spawner.http_timeout = 60
+c.Spawner.args = ["--GPUMigrateApp.stop_policy=suspend", "--GPUMigrateApp.stop_timeout=100"]
+c.LocalProcessSpawner.interrupt_timeout = 120  # SIGINT, then this long before SIGTERM

@@ -20,6 +20,7 @@ from traitlets import Bool, Dict, Enum, Float, TraitError, Unicode, default, val
 
 from .autoresume import resuming
 from .credentials import KernelCredentials
+from .engine import criu as criu_mod
 from .engine import proctree
 from .handlers import handlers
 from .engine import gpus as gpus_mod
@@ -29,7 +30,12 @@ from .engine.errors import MigrateError
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
-from .revive import revive_all
+from .revive import lock_state, revive_all
+
+
+#: With the stop policy 'suspend': how long, past stop_timeout, a stopping server waits for the operations
+#: whose CRIU runs it stopped to roll back.
+LATE_GRACE = 15.0
 
 
 class GPUMigrateApp(ExtensionApp):
@@ -121,6 +127,7 @@ class GPUMigrateApp(ExtensionApp):
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
+        self._record_sessions()
         threading.Thread(target=self._initialise_cuda, name="gpumigrate-cuda-init", daemon=True).start()
         if proctree.become_subreaper():
             # Restored kernels are now our children: reap them, and their orphans, as they exit.
@@ -136,7 +143,7 @@ class GPUMigrateApp(ExtensionApp):
         "Jupyter server. 'suspend': each is suspended first (in parallel, within stop_timeout) and comes back "
         "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
         "says so. Kernels that are already suspended always stay suspended, whatever the policy "
-        "(docs/users.md, 'Kernels outlive their server').",
+        "(README, 'Kernels outlive their server').",
     ).tag(config=True)
 
     stop_timeout = Float(
@@ -218,6 +225,43 @@ class GPUMigrateApp(ExtensionApp):
 
         km.cull_kernel_if_idle = cull_unless_moving
 
+    def _record_sessions(self) -> None:
+        """Keep each kernel's sessions (the notebooks that point at it) in its provisioner and its running
+        record, so that a server started after a crash points the notebooks at their kernels again
+        (revive.py). jupyter_server has no hook for session changes: wrap this server's session manager's
+        two methods that make and change them."""
+        sessions = getattr(self.serverapp, "session_manager", None)
+        if sessions is None:
+            return
+        km = self.serverapp.kernel_manager
+
+        async def refresh() -> None:
+            try:
+                listed = await sessions.list_sessions()
+            except Exception:  # noqa: BLE001  best effort: the sessions are read again at the next change
+                self.log.debug("gpumigrate: could not list sessions", exc_info=True)
+                return
+            for kernel_id in km.list_kernel_ids():
+                provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+                if not isinstance(provisioner, MigratableProvisioner):
+                    continue
+                mine = [{"id": s["id"], "path": s.get("path"), "name": s.get("name"), "type": s.get("type")}
+                        for s in listed if (s.get("kernel") or {}).get("id") == kernel_id]
+                if mine != provisioner.sessions:
+                    provisioner.sessions = mine
+                    if provisioner.state == "running":
+                        provisioner.write_record()
+
+        for name in ("save_session", "update_session", "delete_session"):
+            method = getattr(sessions, name)
+
+            async def changed(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                result = await _method(*args, **kwargs)
+                await refresh()
+                return result
+
+            setattr(sessions, name, changed)
+
     def initialize_handlers(self) -> None:
         self.handlers.extend(handlers())
 
@@ -228,6 +272,13 @@ class GPUMigrateApp(ExtensionApp):
             # with SIGINT first), jupyter_server leaves SIGINT to Python, which ends the server with no clean-up
             # at all: its running kernels would be left behind, unreachable. Stop as on SIGTERM instead.
             signal.signal(signal.SIGINT, serverapp._signal_stop)
+        state_dir = Path(MigratableProvisioner(config=serverapp.config).state_dir)
+        self._state_lock, holder = lock_state(state_dir)
+        if self._state_lock is None:
+            self.log.warning("gpumigrate: another server (PID %s) uses %s: the kernels it keeps there are not taken "
+                             "back by this one. Give each server a state folder of its own "
+                             "(c.MigratableProvisioner.state_dir).", holder, state_dir)
+            return
         try:
             await revive_all(serverapp)
         except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
@@ -239,7 +290,20 @@ class GPUMigrateApp(ExtensionApp):
             await self._suspend_all(operations)
         # From here on a suspended kernel that the server shuts down keeps its images (provisioner.py).
         self.serverapp.kernel_manager.gpumigrate_stopping = True
-        await operations.wait_idle()
+        if self.stop_policy != "suspend":
+            await operations.wait_idle()
+            return
+        try:  # the suspends were waited for within their bound; other operations get the grace alone
+            await asyncio.wait_for(asyncio.shield(operations.wait_idle()), LATE_GRACE)
+        except asyncio.TimeoutError:
+            self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited for",
+                             LATE_GRACE)
+
+    def _images_of(self, kernel_id: str) -> Path:
+        km = self.serverapp.kernel_manager
+        provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None) if kernel_id in km else None
+        store = provisioner.images if isinstance(provisioner, MigratableProvisioner) else None
+        return store.path_for(kernel_id) if store is not None else Path("/nonexistent")
 
     async def _suspend_all(self, operations: OperationManager) -> None:
         """The stop policy 'suspend': every running kernel, in parallel, within ``stop_timeout``."""
@@ -266,11 +330,13 @@ class GPUMigrateApp(ExtensionApp):
             await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
         late = [op for op in started if not op.done]
         if late:
-            # CRIU killed mid-dump gives the kernel back (the plan rolls back); it is then shut down.
-            killed = proctree.kill_children_named("criu")
+            # Their CRIU runs stopped, their dumps give the kernels back (each plan rolls back); then they are
+            # shut down with the others. (Through the node helper, CRIU is the helper's: it runs to its end.)
+            stopped = criu_mod.stop_runs([self._images_of(op.kernel_id) for op in late])
             self.log.warning("gpumigrate: stopping: %d kernel(s) not suspended within %.0f s (%s): they are shut "
                              "down (stopped %d CRIU run(s))", len(late), self.stop_timeout,
-                             ", ".join(op.kernel_id for op in late), len(killed))
+                             ", ".join(op.kernel_id for op in late), stopped)
+
         for op in started:
             if op.done and op.status != "succeeded":
                 self.log.warning("gpumigrate: stopping: kernel %s could not be suspended: %s. It is shut down.",

@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +44,7 @@ from traitlets import Float, Unicode, default
 from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.access import images_root
-from .engine.images import ImageStore, Manifest
+from .engine.images import ImageStore, Manifest, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.errors import MigrateError
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
@@ -83,6 +86,25 @@ def can_import_package(python: str, pythonpath: str | None = None) -> bool:
 def is_ipython_kernel(cmd: list[str]) -> bool:
     """True for ipykernel's command lines (``python -m ipykernel_launcher ...``, ``ipykernel ...``)."""
     return any(part in ("ipykernel_launcher", "ipykernel") or part.endswith("/ipykernel") for part in cmd)
+
+
+@dataclass
+class Revival:
+    """A kernel an earlier server left behind, as the next one takes it back (revive.py)."""
+
+    #: its connection info, its key included
+    connection_info: dict
+    #: the notebook sessions that pointed at it
+    sessions: list[dict]
+    #: the hash of its API credential, if it had one
+    credential: str | None
+    #: its process, if it runs (adopted as running); None: it comes back suspended, from its images
+    pid: int | None
+
+
+#: The record of each running kernel (``<state_dir>/kernels/<id>.json``, 0600), kept up to date while it
+#: runs, so that a server started after a crash can adopt the kernels the dead one left running.
+RECORDS = "kernels"
 
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
@@ -128,12 +150,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     state: str = STOPPED
     broken_reason: str | None = None
     sessions: list[dict] = []
-    #: kernel id -> its manifest, for the kernels the extension is taking back at start (revive.py): their
-    #: provisioner starts them suspended, on their own ports and key, without launching anything
-    reviving: dict[str, Manifest] = {}
-    #: kernel id -> the PID of such a kernel whose process still runs (its resume restored it, and its
-    #: server died before it adopted it): adopted as running
-    adopting: dict[str, int | None] = {}
+    #: the kernels the extension is taking back as the server starts (revive.py), by id: their provisioner
+    #: launches nothing, and listens on their own ports with their own key
+    reviving: dict[str, Revival] = {}
     #: suspended when its server stopped: its images, and the files the kernel had open, stay for the next
     _kept = False
     log_path: Path | None = None
@@ -205,6 +224,33 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.pid = pid
         self.pgid = os.getpgid(pid)
         self.started = proctree.start_time(pid)
+        self.write_record()
+
+    # -- the record of a running kernel (revive.py) --------------------------------------------------
+
+    @property
+    def record_path(self) -> Path:
+        return Path(self.state_dir) / RECORDS / f"{self.kernel_id}.json"
+
+    def write_record(self) -> None:
+        """Record what a server started after a crash needs to adopt this running kernel (best effort)."""
+        if self.pid is None or self.started is None:
+            return
+        info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
+        credentials = self._credentials()
+        record = {"kernel_id": self.kernel_id, "kernel_name": self.kernel_name, "pid": self.pid,
+                  "started": self.started, "owner": os.geteuid(), "connection_info": info,
+                  "sessions": list(self.sessions),
+                  "credential": credentials.digest(self.kernel_id) if credentials is not None else None}
+        try:
+            self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            write_durably(self.record_path, json.dumps(record))
+        except OSError as exc:
+            self.log.warning("gpumigrate: could not record running kernel %s (%s): a server started after a "
+                             "crash will not find it", self.kernel_id, exc)
+
+    def drop_record(self) -> None:
+        self.record_path.unlink(missing_ok=True)
 
     def _is_ours(self) -> bool:
         """Our kernel's process still runs (not another process that got its PID since)."""
@@ -271,11 +317,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return list(manager._gpumigrate_identities)
 
     async def pre_launch(self, **kwargs: Any) -> dict[str, Any]:
-        revived = self.reviving.get(self.kernel_id)
-        if revived is not None and self.parent is not None:
-            # The kernel in the images listens on its old ports, with its old key: so does its manager.
-            secrets = self.images.read_secrets(self.kernel_id)
-            self.parent.load_connection_info({**revived.connection_info, **secrets})
+        revival = self.reviving.get(self.kernel_id)
+        if revival is not None and self.parent is not None:
+            # The kernel listens on its old ports, with its old key: so does its manager.
+            self.parent.load_connection_info(revival.connection_info)
             self.ports_cached = True
         return await super().pre_launch(**kwargs)
 
@@ -283,8 +328,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         logs = Path(self.state_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
-        if self.reviving.pop(self.kernel_id, None) is not None:
-            return self._revive()
+        revival = self.reviving.pop(self.kernel_id, None)
+        if revival is not None:
+            return self._revive(revival)
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
         self.client_identities()  # start recording the server's clients of this kernel
@@ -313,25 +359,26 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = RUNNING, None
+        self.write_record()
         return self.connection_info
 
-    def _revive(self) -> KernelConnectionInfo:
-        """Take back a kernel an earlier server suspended: suspended, nothing launched; or, if its process
-        runs (that server died during its resume), adopted as running, its stale images removed."""
+    def _revive(self, revival: Revival) -> KernelConnectionInfo:
+        """Take back a kernel an earlier server left: suspended, nothing launched; or, if its process runs
+        (that server died while it ran, or during its resume), adopted as running, stale images removed."""
         self.process, self.pid, self.pgid, self.started = None, None, None, None
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = SUSPENDED, None
-        manifest = self.manifest()
-        self.sessions = list(manifest.sessions) if manifest else []
+        self.sessions = list(revival.sessions)
+        if self.parent is not None and self.parent.has_trait("last_activity"):
+            # Listed as soon as it starts (the server's GET /api/status reads it); the server sets it again
+            # a moment later, once the kernel counts as started.
+            self.parent.last_activity = datetime.now(timezone.utc)
         credentials = self._credentials()
-        digest = self.images.read_secrets(self.kernel_id).get("credential")
-        if credentials is not None and digest:
-            credentials.restore(self.kernel_id, str(digest))  # its %migrate goes on working
-        running = self.adopting.pop(self.kernel_id, None)
-        if running is not None:
-            self.adopt(running)
+        if credentials is not None and revival.credential:
+            credentials.restore(self.kernel_id, revival.credential)  # its %migrate goes on working
+        if revival.pid is not None:
+            self.adopt(revival.pid)  # revive.py removes its images, if any, once it answers
             self.state = RUNNING
-            self.images.remove(self.kernel_id)
         return self.connection_info
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -347,7 +394,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return await self._poll_remote()
         if self.process is not None:
             return self.process.poll()
-        if self._is_ours() or self.state == BROKEN:
+        if self._is_ours() or (self.state == BROKEN and self.manifest() is not None):
             return None  # a broken kernel's images may be all that is left of it: never auto-restarted
         return 0
 
@@ -427,12 +474,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.state == SUSPENDED:
             self._keep_or_discard()
             return
-        if self.state == BROKEN:  # whatever runs of it goes, and so do its images
+        if self.state == BROKEN:  # whatever runs of it goes; its images go too, unless the server is stopping
             try:
                 await self.send_signal(signum)
             except ProcessLookupError:
                 pass
-            self._discard_images()
+            self._keep_or_discard()
             return
         if self.state == REMOTE:
             await self._end_remote()
@@ -473,6 +520,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.remote_link is not None:
             await self._end_remote()
         await super().cleanup(restart=restart)
+        if not restart:
+            self.drop_record()
         if not restart and not self._kept:
             if self.log_path is not None:
                 self.log_path.unlink(missing_ok=True)

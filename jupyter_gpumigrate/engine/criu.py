@@ -22,6 +22,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -82,6 +83,23 @@ def failure(log_path: Path, output: str, what: str, returncode: int = 1) -> Criu
     errors = error_lines(log_path) or [output.strip() or "no error logged"]
     cause = next((e for e in errors if not e.startswith(_GENERIC)), errors[0])
     return CriuFailed(f"CRIU could not {what}: {cause}. Full log: {log_path}", str(log_path), "\n".join(errors[-10:]))
+
+
+#: The CRIU runs of this process in flight, by their images folder: a server that must stop now stops the
+#: runs of the operations it gives up on, and those alone (:func:`stop_runs`).
+_RUNS: dict[str, subprocess.Popen] = {}
+_RUNS_LOCK = threading.Lock()
+
+
+def stop_runs(images_dirs: list[Path]) -> int:
+    """SIGKILL the CRIU runs of this process that work on ``images_dirs``; how many there were. A dump
+    stopped so gives its kernel back (CRIU releases the tree), and its plan rolls back."""
+    wanted = {str(Path(d).resolve()) for d in images_dirs}
+    with _RUNS_LOCK:
+        runs = [proc for key, proc in _RUNS.items() if key in wanted]
+    for proc in runs:
+        proc.kill()
+    return len(runs)
 
 
 @dataclass(frozen=True)
@@ -158,17 +176,26 @@ class Criu:
     def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str) -> None:
         cmd = [self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir), "--log-file", str(log_path),
                "-v4"]
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True)
+        key = str(Path(images_dir).resolve())
+        with _RUNS_LOCK:
+            _RUNS[key] = proc
         try:
-            proc = subprocess.run(
-                cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=self.timeout
-            )
+            stdout, stderr = proc.communicate(timeout=self.timeout)
         except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            proc.communicate()
             raise CriuFailed(
                 f"CRIU {what} did not finish within {self.timeout:.0f} s; see {log_path}.",
                 str(log_path),
             ) from exc
+        finally:
+            with _RUNS_LOCK:
+                if _RUNS.get(key) is proc:
+                    del _RUNS[key]
         if proc.returncode != 0:
-            raise failure(log_path, proc.stderr or proc.stdout, what, proc.returncode)
+            raise failure(log_path, stderr or stdout, what, proc.returncode)
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: (passed, what it printed)."""

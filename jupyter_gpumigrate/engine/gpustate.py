@@ -51,27 +51,36 @@ class GpuState:
             process.lock(self.lock_timeout)
             ctx.undo(process.unlock)
 
-    def unlock(self, ctx: Context) -> None:
+    def unlock(self, ctx: Context, cleanup: bool = False) -> None:
+        """CUDA calls go on; each undo locks again (``cleanup``: a tree that is killed next, whose lock
+        failing leaves nothing in doubt)."""
         for pid in self.pids:
             process = CudaProcess(pid)
             process.unlock()
-            ctx.undo(lambda p=process: p.lock(self.lock_timeout))
+            ctx.undo(lambda p=process: p.lock(self.lock_timeout), cleanup=cleanup)
 
     def checkpoint(self, ctx: Context) -> None:
+        """Each process's GPU memory into its host memory. One undo for them all, registered once the
+        first is checkpointed: they go back together, onto one GPU (:meth:`restore_home`)."""
+        done: list[CudaProcess] = []
         for pid in self.pids:
             process = CudaProcess(pid)
             process.checkpoint()
-            ctx.undo(lambda p=process: self.restore_home(p))
+            done.append(process)
+            if len(done) == 1:
+                ctx.undo(lambda: self.restore_home(done))
 
-    def restore_to(self, ctx: Context, target: str) -> None:
-        """Put the checkpointed memory on ``target``: a remap where it was checkpointed elsewhere. Each
-        process's undo takes its memory off ``target`` again (and records that it belongs there, so
-        that an earlier undo maps it home from the right GPU)."""
+    def restore_to(self, ctx: Context, target: str, undoable: bool = True) -> None:
+        """Put the checkpointed memory on ``target``: a remap where it was checkpointed elsewhere. With
+        ``undoable``, each process's undo takes its memory off ``target`` again (and records that it
+        belongs there, so that the checkpoint's undo maps it home from the right GPU). A restore whose
+        undo kills the tree (a resume) needs none."""
         for pid in self.pids:
             process = CudaProcess(pid)
             process.restore(self._mapping(self.at[pid], target))
             self.at[pid] = target
-            ctx.undo(process.checkpoint)
+            if undoable:
+                ctx.undo(process.checkpoint)
 
     # -- helpers -------------------------------------------------------------------------------------
 
@@ -80,26 +89,39 @@ class GpuState:
         known = [g.uuid for g in self.inventory() if not g.uuid.startswith("unknown-")]
         return None if source == target else gpu_mapping(known, source, target)
 
-    def _restore_one(self, process: CudaProcess, target: str) -> None:
-        process.restore(self._mapping(self.at[process.pid], target))
-        self.at[process.pid] = target
+    def _restore_all(self, processes: list[CudaProcess], target: str) -> None:
+        """All of ``processes`` onto ``target``, or none: those restored are checkpointed again if one fails."""
+        restored: list[CudaProcess] = []
+        try:
+            for process in processes:
+                process.restore(self._mapping(self.at[process.pid], target))
+                self.at[process.pid] = target
+                restored.append(process)
+        except BaseException:
+            for process in reversed(restored):
+                try:
+                    process.checkpoint()
+                except Exception:  # the restore's own error is the one to report
+                    log.exception("could not checkpoint process %s again", process.pid)
+            raise
 
-    def restore_home(self, process: CudaProcess) -> None:
-        """Undo of a checkpoint: back onto the GPU the kernel came from; if that fails (it filled up
-        meanwhile), onto another GPU of the same model with room, so that the kernel runs again."""
+    def restore_home(self, processes: list[CudaProcess]) -> None:
+        """Undo of a checkpoint: the processes back onto the GPU the kernel came from, together; if that
+        fails (it filled up meanwhile), onto another GPU of the same model with room, all of them, so that
+        the kernel runs again, on one GPU."""
         assert self.home is not None
         try:
-            self._restore_one(process, self.home)
+            self._restore_all(processes, self.home)
             return
         except MigrateError as home_error:
             inventory = self.inventory()
             home = next((g for g in inventory if g.uuid == self.home), None)
             for other in placement.same_model_with_room(inventory, home, self.needed):
                 try:
-                    self._restore_one(process, other.uuid)
+                    self._restore_all(processes, other.uuid)
                 except MigrateError:
                     continue
-                log.warning("kernel process %s could not go back to GPU %s (%s); it runs on GPU %s",
-                            process.pid, home.index if home else "?", home_error, other.index)
+                log.warning("kernel processes %s could not go back to GPU %s (%s); they run on GPU %s",
+                            [p.pid for p in processes], home.index if home else "?", home_error, other.index)
                 return
             raise

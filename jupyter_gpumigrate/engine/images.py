@@ -52,6 +52,22 @@ class Manifest:
     created: float = field(default_factory=time.time)
     version: int = MANIFEST_VERSION
 
+    def wrong_types(self) -> str:
+        """What in a manifest read from disk is not of its type ('' if nothing)."""
+        def whole(v: object) -> bool:
+            return isinstance(v, int) and not isinstance(v, bool)
+
+        checks = {"kernel_id": isinstance(self.kernel_id, str), "kernel_name": isinstance(self.kernel_name, str),
+                  "pid": whole(self.pid) and self.pid > 0, "owner": whole(self.owner),
+                  "ids": isinstance(self.ids, list) and all(whole(i) and i > 0 for i in self.ids),
+                  "cuda_pids": isinstance(self.cuda_pids, list) and all(whole(i) for i in self.cuda_pids),
+                  "gpus": isinstance(self.gpus, list) and all(isinstance(g, dict) for g in self.gpus),
+                  "sessions": isinstance(self.sessions, list) and all(isinstance(x, dict) for x in self.sessions),
+                  "connection_info": isinstance(self.connection_info, dict),
+                  "clients": isinstance(self.clients, dict), "image_bytes": whole(self.image_bytes)}
+        bad = [name for name, ok in checks.items() if not ok]
+        return f"wrong {', '.join(bad)}" if bad else ""
+
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
         known = {name for name in cls.__dataclass_fields__}
@@ -66,7 +82,7 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-def _write_durably(path: Path, text: str) -> None:
+def write_durably(path: Path, text: str) -> None:
     """``text`` into ``path``, 0600, all or nothing, on disk once this returns."""
     tmp = path.with_name(path.name + ".tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -132,12 +148,12 @@ class ImageStore:
                 entry.chmod(0o600)
                 _fsync_file(entry)
         if secrets is not None:
-            _write_durably(path / SECRETS, json.dumps(secrets))
+            write_durably(path / SECRETS, json.dumps(secrets))
         manifest.files = {entry.name: entry.stat().st_size for entry in sorted(path.iterdir())
                           if entry.is_file() and not entry.is_symlink() and not entry.name.startswith(MANIFEST)
                           and entry.name != SECRETS}
         manifest.image_bytes = directory_size(path)
-        _write_durably(path / MANIFEST, json.dumps(asdict(manifest), indent=1))
+        write_durably(path / MANIFEST, json.dumps(asdict(manifest), indent=1))
 
     def read_secrets(self, name: str) -> dict:
         """The secrets kept with ``name``'s images ({} if none were)."""
@@ -162,7 +178,15 @@ class ImageStore:
             ) from exc
         except ValueError as exc:
             raise ImageError(f"{path / MANIFEST} is damaged ({exc}); the kernel cannot be resumed.") from exc
-        return Manifest.from_dict(data)
+        try:
+            manifest = Manifest.from_dict(data)
+        except (TypeError, AttributeError, ValueError) as exc:
+            raise ImageError(f"{path / MANIFEST} is damaged (not a manifest: {exc}); the kernel cannot be "
+                             "resumed.") from exc
+        wrong = manifest.wrong_types()
+        if wrong:
+            raise ImageError(f"{path / MANIFEST} is damaged ({wrong}); the kernel cannot be resumed.")
+        return manifest
 
     def remove_logs(self, name: str) -> None:
         """Delete the logs kept for ``name`` (a failed dump's)."""

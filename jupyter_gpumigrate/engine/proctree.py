@@ -26,6 +26,12 @@ class ProcessInfo:
 
     def describe(self) -> str:
         owner = f" (a thread of process {self.tgid})" if self.tgid != self.pid else ""
+        if self.state in ("Z", "X"):
+            parent = info(self.ppid) if self.ppid else None
+            by = f"process {self.ppid} '{parent.name}'" if parent else f"process {self.ppid}"
+            return (f"process {self.pid} '{self.name}', which has exited but was not collected by its parent, "
+                    f"{by} (where PID 1 collects no exited processes, as in a container started without an "
+                    "init, run it with one: docker run --init)")
         return f"process {self.pid} '{self.name}'{owner}"
 
 
@@ -295,19 +301,3 @@ def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
         except ProcessLookupError:
             pass
 
-
-def kill_children_named(name: str) -> list[int]:
-    """SIGKILL this process's children whose command name is ``name`` (the CRIU runs of a server that
-    must stop now); the PIDs signalled."""
-    me, killed = os.getpid(), []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        found = info(int(entry))
-        if found is not None and found.ppid == me and found.name == name and found.state not in ("Z", "X"):
-            try:
-                os.kill(found.pid, signal.SIGKILL)
-                killed.append(found.pid)
-            except ProcessLookupError:
-                pass
-    return killed

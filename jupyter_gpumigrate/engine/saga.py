@@ -122,17 +122,25 @@ class Saga(Generic[C]):
         return tuple(s.name for s in self.steps if s.kind == PHASE)
 
     def run(self, ctx: C, progress: ProgressCallback | None = None) -> Result:
-        report = progress or (lambda phase, event, timings: None)
         kernel, result = ctx.kernel, Result()
         initial: str | None = None
+
+        def report(phase: str, event: str, timings: dict[str, float]) -> None:
+            if progress is not None:
+                try:
+                    progress(phase, event, timings)
+                except Exception:  # a listener gone (the server's loop closed): the plan goes on
+                    log.exception("%s: could not report %s %s", self.name, phase, event)
+
         try:
             for step in (s for s in self.steps if s.kind == PHASE):
-                if initial is not None and step.when is not None and not step.when(ctx):
-                    continue
                 ctx._phase = step.name
-                report(step.name, "start", result.timings)
                 started = time.perf_counter()
                 try:
+                    if initial is not None and step.when is not None and not step.when(ctx):
+                        continue
+                    report(step.name, "start", result.timings)
+                    started = time.perf_counter()
                     if initial is None:  # the first phase: the kernel is ours from here on
                         if kernel.state not in self.start_from:
                             raise InvalidState(self.refuse(kernel.state))

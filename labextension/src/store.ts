@@ -140,7 +140,7 @@ export class GpuMigrateStore {
     const known = this.operations.get(key);
     if (known && known.id === op.id && known.version >= op.version) {
       if (!known.phases && op.phases) {
-        // Known from its events (newer), fetched for its plan's phases, which events do not carry.
+        // Known from events that lacked its plan's phases (an older server's): take them from the fetch.
         this.operations.set(key, { ...known, phases: op.phases });
         this._changed.emit();
       }
@@ -213,7 +213,7 @@ export class GpuMigrateStore {
       }
     }
     for (const [key, op] of this.operations) {
-      // An operation known from its events only lacks its plan's phases (events do not carry them).
+      // An operation known from events without its plan's phases (an older server's) is fetched for them.
       if (key.startsWith('gpu:') || this.kernel(key)?.operation !== op.id || !op.phases) {
         ids.add(op.id);
       }

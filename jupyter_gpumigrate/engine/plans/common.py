@@ -86,6 +86,8 @@ class KernelContext(Context):
         self.pid: int | None = None
         #: where its GPU memory goes, once decided
         self.move: Move | None = None
+        #: the images hold a kernel that could not be brought back: never removed by an undo
+        self.keep_images = False
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()
@@ -136,7 +138,7 @@ def new_images(ctx: KernelContext, pid: int) -> None:
     if len(held) > 1:
         placement.source_gpu(gpus, held)  # raises: a single GPU only
     store.create(kernel.kernel_id)
-    ctx.undo(lambda: store.remove(kernel.kernel_id, keep_logs=True), cleanup=True)  # a failed dump's log says why
+    ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
     ctx.gpu.track(cuda_pids, held[0]["uuid"] if held else None, int(held[0]["memory_used"]) if held else 0)
     ctx.manifest = Manifest(
         kernel_id=kernel.kernel_id,
@@ -190,9 +192,24 @@ def full_disk(folder: Path, what: str) -> str:
 
 
 def restore_from_images(ctx: KernelContext) -> None:
-    """Undo of a dump: the kernel comes back as it was, from the images just written."""
+    """Undo of a dump: the kernel comes back as it was, from the images just written. If it cannot, the
+    images are all that is left of it: they are kept (the kernel is then broken, its images named)."""
     assert ctx.manifest is not None
-    adopt_tree(ctx, ctx.criu.restore(ctx.images, ctx.manifest.ids))
+    try:
+        adopt_tree(ctx, ctx.criu.restore(ctx.images, ctx.manifest.ids))
+    except BaseException:
+        ctx.keep_images = True
+        raise
+
+
+def forget_new_images(ctx: KernelContext) -> None:
+    """Undo of a new image folder: removed, its logs kept (a failed dump's log says why); kept instead if
+    they hold a kernel that could not be brought back."""
+    if ctx.keep_images:
+        log.error("kernel %s could not be brought back from its images: they are kept in %s",
+                  ctx.kernel.kernel_id, ctx.images)
+        return
+    ctx.tools.store.remove(ctx.kernel.kernel_id, keep_logs=True)
 
 
 def adopt_tree(ctx: KernelContext, pid: int) -> None:
@@ -254,13 +271,21 @@ def kill_tree(pid: int | None) -> None:
         proctree.wait_gone(pid, timeout=10)
 
 
-def remap(ctx: KernelContext) -> None:
+def remap_restored(ctx: KernelContext) -> None:
+    """The GPU memory of a tree just restored from images onto its chosen GPU. Nothing to undo: killing
+    the tree (the restore's undo) undoes it."""
     assert ctx.move is not None
-    ctx.gpu.restore_to(ctx, ctx.move.target.uuid)
+    ctx.gpu.restore_to(ctx, ctx.move.target.uuid, undoable=False)
 
 
 def unlock(ctx: KernelContext) -> None:
     ctx.gpu.unlock(ctx)
+
+
+def unlock_restored(ctx: KernelContext) -> None:
+    """Unlock a tree just restored from images: if a later step fails, the tree is killed anyway, so its
+    lock again is only tidiness (the images are intact)."""
+    ctx.gpu.unlock(ctx, cleanup=True)
 
 
 def lock(ctx: KernelContext) -> None:

@@ -25,8 +25,8 @@ from ..errors import GpuError
 from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ProgressCallback, Saga, Step
 from ..stash import MIN_STASH, Stash
-from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, gpu_use, lock, release_cache, remap, \
-    running_pid, unlock
+from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, gpu_use, lock, release_cache, running_pid, \
+    unlock
 
 
 def saga() -> Saga[MoveContext]:
@@ -72,6 +72,11 @@ def prepare(ctx: MoveContext) -> None:
     cuda_pids, held, gpus = gpu_use(ctx, pid)
     ctx.move = placement.plan_move(gpus, held, ctx.to_gpu, ctx.tools.driver_major())
     ctx.gpu.track(cuda_pids, ctx.move.source.uuid, ctx.move.needed)
+
+
+def remap(ctx: MoveContext) -> None:
+    assert ctx.move is not None
+    ctx.gpu.restore_to(ctx, ctx.move.target.uuid)
 
 
 def stash_tensors(ctx: MoveContext) -> None:

@@ -7,9 +7,8 @@ Away (``move_to_host``):
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it here, from the images
-    transfer    the images go there                               undo: that host discards them (and the
-                                                                        kernel, if it was restored there)
-    restore     that host restores the tree (onto its GPU)        (undone with the transfer)
+    transfer    the images go there                               undo: that host discards them
+    restore     that host restores the tree (onto its GPU)        undo: that host discards it
     adopt       this host relays the kernel's ports there, and    undo: stop relaying
                 the kernel answers through the relay
     on success  this host's copy of the images is stale: removed
@@ -20,8 +19,8 @@ Home (``return_home``):
     dump        that host dumps the kernel (its images stay there) undo: that host resumes it
     transfer    the images come here; choose the GPU               (the folder goes with prepare's undo)
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
-    remap       GPU memory onto the chosen GPU (GPU only)         undo: checkpoint it again
-    unlock      CUDA calls go on (GPU only)                       undo: lock
+    remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
+    unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
     adopt       the tree is the kernel again                      (last)
     on success  the images here and there are removed
 
@@ -41,7 +40,8 @@ from ..errors import ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess, kernel_listens
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, adopt_restored, checkpoint, dump, forget_images, gpu_use,
-                     lock, new_images, place, remap, restore_tree, running_pid, unlock)
+                     lock, new_images, place, remap_restored, restore_tree, running_pid,
+                     unlock_restored)
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +73,8 @@ def home() -> Saga[HostContext]:
             Step("dump", dump_there),
             Step("transfer", fetch_images),
             Step("restore", restore_here),
-            Step("remap", remap, when=KernelContext.on_gpu),
-            Step("unlock", unlock, when=KernelContext.on_gpu),
+            Step("remap", remap_restored, when=KernelContext.on_gpu),
+            Step("unlock", unlock_restored, when=KernelContext.on_gpu),
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
             Step("forget images there", discard_there, kind=ON_SUCCESS),
@@ -156,6 +156,8 @@ def send_images(ctx: HostContext) -> None:
 
 def restore_there(ctx: HostContext) -> None:
     ctx.there = ctx.link.restore(ctx.to_gpu)
+    # A kernel runs there now: if it cannot be discarded, two copies may run, which is no litter.
+    ctx.undo(ctx.link.discard)
 
 
 def adopt_there(ctx: HostContext) -> None:

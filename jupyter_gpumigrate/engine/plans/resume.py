@@ -2,8 +2,8 @@
 
     prepare     read the manifest, choose the GPU, free the PIDs  (nothing to undo)
     restore     CRIU recreates the tree                           undo: kill it (the images stay)
-    remap       GPU memory onto the chosen GPU (GPU only)         undo: checkpoint it again
-    unlock      CUDA calls go on (GPU only)                       undo: lock
+    remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
+    unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
     adopt       the tree is the kernel, its clients are back      (last)
     on success  the images are stale: removed
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from ..errors import ImageError
 from ..kernelproc import KernelProcess
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
-from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap,
-                     restore_tree, unlock)
+from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap_restored,
+                     restore_tree, unlock_restored)
 
 
 def saga() -> Saga[ResumeContext]:
@@ -23,8 +23,8 @@ def saga() -> Saga[ResumeContext]:
         [
             Step("prepare", prepare),
             Step("restore", restore_tree),
-            Step("remap", remap, when=KernelContext.on_gpu),
-            Step("unlock", unlock, when=KernelContext.on_gpu),
+            Step("remap", remap_restored, when=KernelContext.on_gpu),
+            Step("unlock", unlock_restored, when=KernelContext.on_gpu),
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
         ],
