@@ -162,7 +162,8 @@ async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Fou
             log.warning("gpumigrate: removed %s: a dump that never finished (its server stopped during it)",
                         store.path_for(name))
             return Found(name, "removed", "a dump that never finished")
-        log.error("gpumigrate: not taking back the kernel in %s: %s. It is left there.", store.path_for(name), exc)
+        log.error("gpumigrate: not taking back the kernel in %s: %s. It is left there.", store.path_for(name),
+                  str(exc).rstrip("."))
         return Found(name, "refused", str(exc))
     running = _running_kernel(manifest)
     secrets = store.read_secrets(name)

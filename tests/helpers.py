@@ -38,6 +38,17 @@ def rest(base_url: str, token: str, method: str, path: str, body: Any = None, ex
     return json.loads(raw) if raw else None
 
 
+def two_gpus() -> list:
+    """The GPUs, or a skip saying why: a test that moves a kernel between two GPUs of one model needs them."""
+    from jupyter_gpumigrate.engine import gpus as gpus_mod
+    import pytest
+
+    gpus = gpus_mod.snapshot()
+    if len(gpus) < 2 or gpus[0].name != gpus[1].name:
+        pytest.skip(f"needs two GPUs of the same model (nvidia-h200-x2); this machine has {len(gpus)}")
+    return gpus
+
+
 def wait_answering(server: Any, timeout: float = 60) -> None:
     """Wait until a server started as a process (``proc``, ``api``, ``server_log``) answers GET api/status."""
     deadline = time.monotonic() + timeout

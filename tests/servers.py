@@ -59,8 +59,10 @@ class LocalServer:
                "JUPYTER_DATA_DIR": str(self.root / "data"), "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
                "JUPYTER_PLATFORM_DIRS": "1"}
         self.log = open(self.root / "server.log", "ab")  # noqa: SIM115 (open while the server runs)
+        # SIGINT as a server normally has it: a test run in the background (CI) inherits it ignored.
         self.proc = subprocess.Popen([sys.executable, "-m", "jupyter_server"], env=env, stdin=subprocess.DEVNULL,
-                                     stdout=self.log, stderr=self.log, start_new_session=True)
+                                     stdout=self.log, stderr=self.log, start_new_session=True,
+                                     preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         wait_answering(self)
         return self
 

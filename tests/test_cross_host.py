@@ -14,7 +14,7 @@ import signal
 import time
 
 import pytest
-from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, two_gpus
 from hosts import Host, Network, make_certificate
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
@@ -172,6 +172,7 @@ async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(
 @pytest.mark.gpu
 async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     # The two hosts share the machine's GPUs: a's kernel on GPU 0 goes to b's GPU 1 and comes back.
+    two_gpus()
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     await tab.run("import torch; t = torch.arange(1 << 24, device='cuda', dtype=torch.float32); s0 = float(t.sum())")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import nbformat
 import pytest
-from helpers import KernelSession, api, cli, remote, start_kernel
+from helpers import KernelSession, api, cli, remote, start_kernel, two_gpus
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 
@@ -55,9 +55,7 @@ def test_the_notebook_is_valid_and_uses_the_magic():
 async def test_the_notebook_runs_and_moves_its_kernel(jp_fetch, jp_serverapp, tmp_path):
     from nbclient import NotebookClient
 
-    gpus = gpus_mod.snapshot()
-    if len(gpus) < 2 or gpus[0].name != gpus[1].name:
-        pytest.skip("needs two GPUs of the same model")
+    two_gpus()
     kernel_id = await start_kernel(jp_fetch)
     session = KernelSession(jp_serverapp, kernel_id)
     await session.ready()

@@ -18,7 +18,7 @@ import time
 
 import pytest
 from helpers import (OPEN_IO_URING, KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel,
-                     wait_operation)
+                     two_gpus, wait_operation)
 
 from jupyter_gpumigrate.engine import doctor
 from jupyter_gpumigrate.engine import gpus as gpus_mod
@@ -81,13 +81,6 @@ print(len(first), torch.cuda.current_device())
 def where(pid: int) -> set[int]:
     """Indexes of the GPUs on which NVML sees ``pid``."""
     return {g.index for g in gpus_mod.snapshot() if pid in g.processes}
-
-
-def two_gpus() -> list[gpus_mod.GpuInfo]:
-    gpus = gpus_mod.snapshot()
-    if len(gpus) < 2 or gpus[0].name != gpus[1].name:
-        pytest.skip("needs two GPUs of the same model (nvidia-h200-x2)")
-    return gpus
 
 
 async def build(kernel, gib: float = 1.0) -> int:

@@ -207,3 +207,92 @@ async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_note
     server.stop(signal.SIGTERM)
     assert not proctree.is_alive(pid), "a running kernel ends with its server (the default policy)"
     assert not (server.state / "kernels" / f"{kernel_id}.json").exists()
+
+
+GPU_BUILD = r"""
+import hashlib, torch
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 1024).cuda()
+big = torch.randn(256 * 1024 * 1024, device="cuda")   # 1 GiB
+def digest():
+    h = hashlib.sha256()
+    for t in (*model.state_dict().values(), big):
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+before = digest()
+print(before)
+"""
+
+
+@pytest.mark.gpu
+async def test_a_gpu_kernel_suspended_comes_back_after_its_server_restarts_with_its_tensors(server):
+    from jupyter_gpumigrate.engine import gpus as gpus_mod
+
+    gpus = gpus_mod.snapshot()
+    server.start()
+    _, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    before = (await tab.run(GPU_BUILD, timeout=180)).strip()
+    tab.ws.close()
+    op = server.operate(kernel_id, "suspend")
+    assert op["status"] == "succeeded" and "checkpoint" in op["timings"], op
+    server.stop(signal.SIGTERM)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "suspended" and view["suspended_on"], view
+    # Onto the other GPU where there are two of one model (a remap), else back onto the same one.
+    same_model = [g.index for g in gpus if g.name == gpus[0].name]
+    to_gpu = same_model[1] if len(same_model) > 1 else same_model[0]
+    op = server.operate(kernel_id, "resume", {"to_gpu": to_gpu})
+    assert op["status"] == "succeeded" and op["to_gpu"] == to_gpu, op
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(digest())", timeout=180)).strip() == before
+    pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    assert {g.index for g in gpus_mod.snapshot() if pid in g.processes} == {to_gpu}
+    tab.ws.close()
+
+
+def _criu_of(server_pid: int, action: bytes, timeout: float) -> int | None:
+    """The PID of the server's `criu <action>` once it runs, or None."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            found = proctree.info(int(entry.name))
+            if found is None or found.ppid != server_pid:
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if argv and argv[0].endswith(b"criu") and action in argv:
+                return int(entry.name)
+        time.sleep(0.005)
+    return None
+
+
+async def test_a_server_killed_during_a_dump_loses_nothing(server):
+    server.start()
+    session_id, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("x = 41\nblob = bytes(range(256)) * 8_000_000\nprint('ok')")).strip() == "ok"
+    tab.ws.close()
+    pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+    criu = _criu_of(server.proc.pid, b"dump", 30)
+    assert criu is not None, "the dump did not start"
+    time.sleep(0.2)  # CRIU is writing some 2 GB
+    server.stop(signal.SIGKILL)
+    assert proctree.wait_gone(criu, 10), "CRIU dies with its server"
+    assert proctree.is_alive(pid), "the kernel runs on: CRIU gave it back"
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "running" and view["pid"] == pid, view
+    assert not (server.state / "images" / kernel_id).exists(), "the unfinished dump is removed"
+    assert [s["id"] for s in server.api("GET", "api/sessions")] == [session_id]
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 8_000_000)]
+    tab.ws.close()

@@ -19,7 +19,7 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from helpers import WebSocketTab
+from helpers import WebSocketTab, two_gpus
 from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
@@ -346,10 +346,7 @@ async def test_a_user_with_a_criu_given_capabilities_needs_no_helper(world):
 @pytest.mark.gpu
 async def test_an_ordinary_users_gpu_kernel_moves_between_gpus_and_suspends_through_the_helper(world):
     """As user A: the CUDA checkpoint API as A itself, CRIU through the helper (docs/users.md)."""
-    from jupyter_gpumigrate.engine import gpus as gpus_mod
-
-    if len(gpus_mod.snapshot()) < 2:
-        pytest.skip("needs two GPUs")
+    two_gpus()
     users, helper, servers, _ = world
     server = servers[A]
     kernel_id, tab = await new_kernel(server)

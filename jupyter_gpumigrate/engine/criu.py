@@ -16,6 +16,7 @@ Options, as measured (docs/internals.md, "The options we pass"):
 
 from __future__ import annotations
 
+import ctypes
 import os
 import re
 import shutil
@@ -88,7 +89,17 @@ def failure(log_path: Path, output: str, what: str, returncode: int = 1) -> Criu
 #: The CRIU runs of this process in flight, by their images folder: a server that must stop now stops the
 #: runs of the operations it gives up on, and those alone (:func:`stop_runs`).
 _RUNS: dict[str, subprocess.Popen] = {}
+PR_SET_PDEATHSIG = 1
 _RUNS_LOCK = threading.Lock()
+
+
+def _die_with_parent() -> None:
+    """In CRIU's process, before it starts: SIGKILL it if the server dies. A dump then stops and gives the
+    kernel back, running (its record lets the next server adopt it), instead of killing it into images that
+    no manifest completes; a restore stops half-way, and the next server kills what it made and takes the
+    kernel back from its images (revive.py)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
 def stop_runs(images_dirs: list[Path]) -> int:
@@ -177,7 +188,7 @@ class Criu:
         cmd = [self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir), "--log-file", str(log_path),
                "-v4"]
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True)
+                                text=True, preexec_fn=_die_with_parent)
         key = str(Path(images_dir).resolve())
         with _RUNS_LOCK:
             _RUNS[key] = proc
