@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import signal
 import socket
 import sys
@@ -27,6 +28,7 @@ from .engine import gpus as gpus_mod
 from .engine import cudackpt
 from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
+from .engine.images import write_durably
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -36,6 +38,10 @@ from .revive import lock_state, revive_all
 #: With the stop policy 'suspend': how long, past stop_timeout, a stopping server waits for the operations
 #: whose CRIU runs it stopped to roll back.
 LATE_GRACE = 15.0
+#: The longest the session API waits, as the server starts, for the kernels of an earlier server.
+REVIVE_WAIT = 60.0
+#: True in the task that takes those kernels back.
+REVIVING: contextvars.ContextVar[bool] = contextvars.ContextVar("gpumigrate_reviving", default=False)
 
 
 class GPUMigrateApp(ExtensionApp):
@@ -187,7 +193,18 @@ class GPUMigrateApp(ExtensionApp):
         to another host, that host's end of the relay listens on this address for it (relay.py).
         """
         if self._kernel_api_address is None:
-            sock = bind_sockets(0, "127.0.0.1")[0]
+            # The same port as the last server's, if it is free: kernels it left (revive.py) call that one.
+            remembered = Path(MigratableProvisioner(config=self.serverapp.config).state_dir) / "kernel-api.port"
+            try:
+                sock = bind_sockets(int(remembered.read_text()), "127.0.0.1")[0]
+            except (OSError, ValueError):
+                sock = bind_sockets(0, "127.0.0.1")[0]
+                try:
+                    remembered.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+                    write_durably(remembered, str(sock.getsockname()[1]))
+                except OSError as exc:
+                    self.log.warning("gpumigrate: could not remember the kernels' API port in %s: %s", remembered,
+                                     exc)
             server = HTTPServer(self.serverapp.web_app, xheaders=False)
             server.add_sockets([sock])
             self._kernel_api_server = server
@@ -234,10 +251,11 @@ class GPUMigrateApp(ExtensionApp):
         if sessions is None:
             return
         km = self.serverapp.kernel_manager
+        list_sessions = sessions.list_sessions
 
         async def refresh() -> None:
             try:
-                listed = await sessions.list_sessions()
+                listed = await list_sessions()
             except Exception:  # noqa: BLE001  best effort: the sessions are read again at the next change
                 self.log.debug("gpumigrate: could not list sessions", exc_info=True)
                 return
@@ -273,18 +291,47 @@ class GPUMigrateApp(ExtensionApp):
             # at all: its running kernels would be left behind, unreachable. Stop as on SIGTERM instead.
             signal.signal(signal.SIGINT, serverapp._signal_stop)
         state_dir = Path(MigratableProvisioner(config=serverapp.config).state_dir)
-        self._state_lock, holder = lock_state(state_dir)
+        self._state_lock, why_not = lock_state(state_dir)
         if self._state_lock is None:
-            self.log.warning("gpumigrate: another server (PID %s) uses %s: the kernels it keeps there are not taken "
-                             "back by this one. Give each server a state folder of its own "
-                             "(c.MigratableProvisioner.state_dir).", holder, state_dir)
+            self.log.warning("gpumigrate: %s", why_not)
             return
+        done = self._hold_sessions_until_revived()
+        REVIVING.set(True)  # this task's own session calls are not held
         try:
             await revive_all(serverapp)
         except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
             self.log.exception("gpumigrate: could not take back the suspended kernels of an earlier server")
+        finally:
+            done.set()
+
+    def _hold_sessions_until_revived(self) -> asyncio.Event:
+        """JupyterLab, reconnecting as the server starts, asks which session a notebook has, and makes one,
+        with a new kernel, if there is none yet: the session API waits (at most REVIVE_WAIT) until the
+        kernels of an earlier server are back, with their sessions."""
+        done = asyncio.Event()
+        sessions = getattr(self.serverapp, "session_manager", None)
+        if sessions is None:
+            return done
+        for name in ("create_session", "list_sessions", "get_session"):
+            method = getattr(sessions, name)
+
+            async def held(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
+                if not done.is_set() and not REVIVING.get():
+                    try:
+                        await asyncio.wait_for(done.wait(), REVIVE_WAIT)
+                    except asyncio.TimeoutError:
+                        pass
+                return await _method(*args, **kwargs)
+
+            setattr(sessions, name, held)
+        return done
+
+    _stopping = False
 
     async def stop_extension(self) -> None:
+        if self._stopping:  # a second signal while the first stop runs: that one finishes the job
+            return
+        self._stopping = True
         operations: OperationManager = self.settings["gpumigrate_operations"]
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)

@@ -44,7 +44,7 @@ from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import ImageError, InvalidState, MigrateError
-from .engine.images import MANIFEST, SECRETS, ImageStore, Manifest
+from .engine.images import MANIFEST, PENDING, SECRETS, ImageStore, Manifest
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .relay import RelayClient
 
@@ -55,7 +55,7 @@ PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
 #: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
-_NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS}
+_NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS, PENDING}
 
 
 class PeerError(MigrateError):

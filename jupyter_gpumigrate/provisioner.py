@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from jupyter_client.connect import KernelConnectionInfo
+from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.paths import jupyter_data_dir
@@ -44,7 +44,7 @@ from traitlets import Float, Unicode, default
 from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.access import images_root
-from .engine.images import ImageStore, Manifest, write_durably
+from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.errors import MigrateError
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
@@ -96,11 +96,18 @@ class Revival:
     connection_info: dict
     #: the notebook sessions that pointed at it
     sessions: list[dict]
-    #: the hash of its API credential, if it had one
+    #: the hash of its API credential, if it had one, and where the kernel calls the API with it
     credential: str | None
+    api_url: str | None
     #: its process, if it runs (adopted as running); None: it comes back suspended, from its images
     pid: int | None
+    #: set by the provisioner that took it: one that did not (the kernelspec names another provisioner now)
+    #: launched a new kernel instead
+    taken: bool = False
 
+
+#: How long a stopping server's shutdown of a kernel still waits for its migration, in seconds.
+STOPPING_WAIT = 5.0
 
 #: The record of each running kernel (``<state_dir>/kernels/<id>.json``, 0600), kept up to date while it
 #: runs, so that a server started after a crash can adopt the kernels the dead one left running.
@@ -187,6 +194,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         credentials = self._credentials()
         if credentials is not None and credentials.digest(self.kernel_id):
             kept["credential"] = credentials.digest(self.kernel_id)
+            kept["api_url"] = credentials.server_url()
         return kept
 
     def manifest(self) -> Manifest | None:
@@ -239,9 +247,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
         credentials = self._credentials()
         record = {"kernel_id": self.kernel_id, "kernel_name": self.kernel_name, "pid": self.pid,
-                  "started": self.started, "owner": os.geteuid(), "connection_info": info,
+                  "started": self.started, "owner": os.geteuid(), "server": this_process(), "connection_info": info,
                   "sessions": list(self.sessions),
-                  "credential": credentials.digest(self.kernel_id) if credentials is not None else None}
+                  "credential": credentials.digest(self.kernel_id) if credentials is not None else None,
+                  "api_url": credentials.server_url() if credentials is not None else None}
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_durably(self.record_path, json.dumps(record))
@@ -322,6 +331,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             # The kernel listens on its old ports, with its old key: so does its manager.
             self.parent.load_connection_info(revival.connection_info)
             self.ports_cached = True
+            # Its ports are taken (by it, now or once resumed): no kernel started later gets one of them.
+            LocalPortCache.instance().currently_used_ports.update(self.parent.ports)
         return await super().pre_launch(**kwargs)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
@@ -329,8 +340,6 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
         revival = self.reviving.pop(self.kernel_id, None)
-        if revival is not None:
-            return self._revive(revival)
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
         self.client_identities()  # start recording the server's clients of this kernel
@@ -348,6 +357,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         elif self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
+        if revival is not None:  # the kernel an earlier server left: nothing is launched
+            self.cwd = kwargs.get("cwd", Path.cwd())
+            return self._revive(revival)
         kwargs = self._scrub_kwargs(kwargs)
         with open(self.log_path, "ab", buffering=0) as out:
             self.process = launch_kernel(
@@ -369,13 +381,20 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = SUSPENDED, None
         self.sessions = list(revival.sessions)
+        revival.taken = True
         if self.parent is not None and self.parent.has_trait("last_activity"):
             # Listed as soon as it starts (the server's GET /api/status reads it); the server sets it again
             # a moment later, once the kernel counts as started.
             self.parent.last_activity = datetime.now(timezone.utc)
         credentials = self._credentials()
         if credentials is not None and revival.credential:
-            credentials.restore(self.kernel_id, revival.credential)  # its %migrate goes on working
+            if revival.api_url == credentials.server_url():
+                credentials.restore(self.kernel_id, revival.credential)  # its %migrate goes on working
+            else:
+                # It calls the API where the last server listened, which this one could not take again:
+                # whatever listens there now may have its secret, so the secret is not accepted here.
+                self.log.warning("gpumigrate: kernel %s calls the API at %s, which this server does not serve: its "
+                                 "%%migrate works again once it is restarted", self.kernel_id, revival.api_url)
         if revival.pid is not None:
             self.adopt(revival.pid)  # revive.py removes its images, if any, once it answers
             self.state = RUNNING
@@ -394,7 +413,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return await self._poll_remote()
         if self.process is not None:
             return self.process.poll()
-        if self._is_ours() or (self.state == BROKEN and self.manifest() is not None):
+        if self._is_ours() or (self.state == BROKEN and self.images.path_for(self.kernel_id).is_dir()):
             return None  # a broken kernel's images may be all that is left of it: never auto-restarted
         return 0
 
@@ -423,7 +442,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def _migration_done(self) -> None:
         waited = 0.0
-        while self.state == MIGRATING and waited < self.migration_wait:
+        # A stopping server has waited for its operations already, within its own bound (app.py).
+        limit = min(self.migration_wait, STOPPING_WAIT) if self._server_stopping() else self.migration_wait
+        while self.state == MIGRATING and waited < limit:
             await asyncio.sleep(0.1)
             waited += 0.1
 

@@ -27,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,8 @@ from .credentials import ENV_KERNEL_ID
 from .kernelwire import kernel_answers
 from .engine import proctree
 from .engine.errors import MigrateError
-from .engine.images import ImageStore, Manifest
+from .engine.criu import dump_finished
+from .engine.images import MANIFEST, ImageStore, Manifest
 from .provisioner import RECORDS, MigratableProvisioner, Revival
 
 log = logging.getLogger(__name__)
@@ -56,27 +58,34 @@ LOCK = "server.lock"
 
 def lock_state(state_dir: Path) -> tuple[int | None, str]:
     """Hold the state folder for this server's life: (the lock's descriptor, "") or, when another server of
-    this user holds it, (None, that server's PID). Only the holder takes kernels back: two servers sharing
+    this user holds it or the folder is not private, (None, the sentence that says so). Only the holder takes kernels back: two servers sharing
     one folder would otherwise take each other's kernels, and the second would remove the first's dumps in
     progress as unfinished."""
     state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(state_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o600)
+    info = os.stat(state_dir)
+    if info.st_uid != os.geteuid() or info.st_mode & 0o022:
+        # Another user could plant records, images or links there: take nothing back from it.
+        return None, (f"{state_dir} is not this user's private folder (owner {info.st_uid}, mode "
+                      f"{oct(info.st_mode & 0o777)}): kernels are not taken back from it. Make it so (chmod go-w).")
+    fd = os.open(state_dir / LOCK, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.read(fd, 32).decode(errors="replace").strip() or "?"
         os.close(fd)
-        return None, holder
+        return None, (f"another server (PID {holder}) uses {state_dir}: the kernels it keeps there are not taken "
+                      "back by this one. Give each server a state folder of its own (c.MigratableProvisioner.state_dir).")
     os.ftruncate(fd, 0)
     os.write(fd, f"{os.getpid()}\n".encode())
     return fd, ""
 
 
-def _running_kernel(manifest: Manifest) -> int | None:
+def _running_kernel(manifest: Manifest, kill_stuck: bool = True) -> int | None:
     """The kernel's process, if it runs whole (restored by a resume its server did not live to finish).
 
     A tree stuck in CRIU's restorer (stopped), or whose CUDA processes are still locked or checkpointed,
-    runs nothing: it is killed, and the kernel comes back from its images instead, which are intact."""
+    runs nothing: with ``kill_stuck`` it is killed, and the kernel comes back from its images instead, which
+    are intact; without, it is left as it is (and counted as running)."""
     pid = manifest.pid
     if not proctree.is_alive(pid):
         return None
@@ -89,7 +98,7 @@ def _running_kernel(manifest: Manifest) -> int | None:
     tree = proctree.descendants(pid)
     stopped = [p for p in tree if (found := proctree.info(p)) is not None and found.state in ("t", "T")]
     locked = [p for p in manifest.cuda_pids if p in tree and _cuda_state(p) not in (None, "running")]
-    if stopped or locked:
+    if (stopped or locked) and kill_stuck:
         log.warning("gpumigrate: kernel %s was left half-restored by its server (%s): killed; it comes back from "
                     "its images", manifest.kernel_id, f"stopped: {stopped}" if stopped else f"CUDA locked: {locked}")
         proctree.kill_tree(pid)
@@ -108,6 +117,53 @@ def _cuda_state(pid: int) -> str | None:
         return None
 
 
+def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
+    """A folder with no manifest: a dump its server did not live to finish. None once it is completed (its
+    manifest written): the caller then takes the kernel back."""
+    folder, pending = store.path_for(name), store.read_pending(name)
+    if pending is not None and kept_by_another_live_server(pending.server):
+        return Found(name, "refused", "a dump in progress, by another server that still runs")
+    if pending is None and time.time() - folder.stat().st_mtime < 600 and _another_server_runs(store):
+        return Found(name, "refused", "maybe a dump in progress, by another server that still runs")
+    if pending is None or _running_kernel(pending, kill_stuck=False) is not None:
+        # CRIU never started, or stopped with its server and gave the kernel back (which runs, and is
+        # adopted from its record): these images are of no use.
+        shutil.rmtree(folder, ignore_errors=True)
+        log.warning("gpumigrate: removed %s: a dump that never finished (its server stopped during it)", folder)
+        return Found(name, "removed", "a dump that never finished")
+    if pending.owner != os.geteuid() or pending.kernel_id != name:
+        return None  # check() refuses it, saying why
+    if dump_finished(store.log_path(name, "dump")):
+        # CRIU wrote every image and killed the kernel; its server died before the manifest: complete it.
+        store.write_manifest(folder, pending)
+        log.warning("gpumigrate: completed the images of kernel %s, whose server stopped right after its dump",
+                    name)
+        return None
+    log.error("gpumigrate: %s holds a dump that did not finish, of a kernel that no longer runs: nothing can be "
+              "taken back from it. It is left there; remove it once you have looked.", folder)
+    return Found(name, "refused", "a dump that did not finish, of a kernel that no longer runs")
+
+
+def _another_server_runs(store: ImageStore) -> bool:
+    """Whether a server other than this one holds records here (a folder shared by two of one user's servers)."""
+    records = store.root.parent / RECORDS
+    for path in records.glob("*.json") if records.is_dir() else []:
+        try:
+            if kept_by_another_live_server(json.loads(path.read_text()).get("server")):
+                return True
+        except (OSError, ValueError, AttributeError):
+            continue
+    return False
+
+
+def kept_by_another_live_server(server: object) -> bool:
+    """Whether ``server`` ([PID, start time], as a record names its writer) is another process, alive."""
+    if not (isinstance(server, list) and len(server) == 2 and all(isinstance(x, int) for x in server)):
+        return False
+    pid, started = server
+    return pid != os.getpid() and proctree.is_alive(pid) and proctree.start_time(pid) == started
+
+
 def check(store: ImageStore, name: str) -> Manifest:
     """The manifest of folder ``name`` if this server may take the kernel back; else MigrateError saying why."""
     folder = store.path_for(name)
@@ -118,6 +174,8 @@ def check(store: ImageStore, name: str) -> Manifest:
                            f"server's user ({os.geteuid()})")
     if manifest.kernel_id != name:
         raise MigrateError(f"its manifest names kernel {manifest.kernel_id}, not {name}")
+    if kept_by_another_live_server(manifest.server):
+        raise MigrateError(f"the server that suspended it (PID {manifest.server[0]}) still runs and keeps it")
     return manifest
 
 
@@ -130,6 +188,10 @@ async def _take_back(serverapp: Any, kernel_id: str, kernel_name: str, revival: 
         return str(exc) or type(exc).__name__
     finally:
         MigratableProvisioner.reviving.pop(kernel_id, None)
+    if not revival.taken:
+        # Its kernelspec names another provisioner now: a fresh kernel was launched under its id. Not that.
+        await serverapp.kernel_manager.shutdown_kernel(kernel_id, now=True)
+        return "its kernelspec no longer uses jupyter-gpumigrate's provisioner (gpumigrate-provisioner)"
     await _restore_sessions(serverapp, kernel_id, revival.sessions)
     return None
 
@@ -154,35 +216,38 @@ async def revive_all(serverapp: Any) -> list[Found]:
 
 async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
     """One folder of images: taken back, removed (an unfinished dump) or refused."""
+    folder = store.path_for(name)
+    if not (folder / MANIFEST).exists() and not folder.is_symlink():
+        unfinished = _unfinished_dump(store, name)
+        if unfinished is not None:
+            return unfinished
     try:
         manifest = check(store, name)
     except MigrateError as exc:
-        if not (store.path_for(name) / "manifest.json").exists() and "no manifest" in str(exc):
-            shutil.rmtree(store.path_for(name), ignore_errors=True)
-            log.warning("gpumigrate: removed %s: a dump that never finished (its server stopped during it)",
-                        store.path_for(name))
-            return Found(name, "removed", "a dump that never finished")
         log.error("gpumigrate: not taking back the kernel in %s: %s. It is left there.", store.path_for(name),
                   str(exc).rstrip("."))
         return Found(name, "refused", str(exc))
-    running = _running_kernel(manifest)
     secrets = store.read_secrets(name)
-    key = {k: v for k, v in secrets.items() if k != "credential"}
-    revival = Revival({**manifest.connection_info, **key}, manifest.sessions,
-                      secrets.get("credential"), running)
+    if not secrets.get("key"):
+        raise MigrateError("its secrets.json holds no connection key, so the kernel could not be spoken to")
+    key = {k: v for k, v in secrets.items() if k not in ("credential", "api_url")}
+    connection_info = {**manifest.connection_info, **key}
+    running = _running_kernel(manifest)
+    if running is not None and not await asyncio.to_thread(kernel_answers, connection_info, 10.0):
+        # Restored but not answering (stuck in CRIU's restorer): its images are the copy to trust.
+        log.warning("gpumigrate: kernel %s runs (PID %d) but does not answer: killed; it comes back from its "
+                    "images", name, running)
+        proctree.kill_tree(running)
+        proctree.wait_gone(running, timeout=10)
+        running = None
+    revival = Revival(connection_info, manifest.sessions, secrets.get("credential"), secrets.get("api_url"), running)
     why_not = await _take_back(serverapp, name, manifest.kernel_name, revival)
     if why_not:
         log.error("gpumigrate: could not take back kernel %s (%s): %s. Its images are left in %s.",
                   name, manifest.kernel_name, why_not, store.path_for(name))
         return Found(name, "refused", why_not)
     if running is not None:
-        # Its images are stale once it answers; until then they are the copy to trust.
-        provisioner = serverapp.kernel_manager.get_kernel(name).provisioner
-        if await asyncio.to_thread(kernel_answers, provisioner.connection_info, 10.0):
-            store.remove(name)
-        else:
-            log.warning("gpumigrate: kernel %s runs (PID %d) but does not answer: its images are kept in %s",
-                        name, running, store.path_for(name))
+        store.remove(name)  # it runs and answers: its images are stale
     outcome = "running" if running else "suspended"
     log.info("gpumigrate: took back kernel %s (%s), %s", name, manifest.kernel_name, outcome)
     return Found(name, outcome)
@@ -206,11 +271,13 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
             log.error("gpumigrate: ignoring the record %s: %s", path, exc)
             found.append(Found(kernel_id, "refused", str(exc)))
             continue
+        if kept_by_another_live_server(record.get("server")):
+            continue  # a kernel of another server that runs: not ours to adopt
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
             path.unlink(missing_ok=True)  # it ended with its server, or was suspended since (its images tell)
             continue
         revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
-                          record.get("credential"), pid)
+                          record.get("credential"), record.get("api_url"), pid)
         why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)
         if why_not:
             log.error("gpumigrate: kernel %s runs (PID %d), left by an earlier server, but could not be adopted: "

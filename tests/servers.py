@@ -92,6 +92,9 @@ class LocalServer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
+                self.log.close()
+                raise AssertionError(f"the server did not stop within {timeout} s of {signal.Signals(sig).name}; "
+                                     f"killed:\n{self.server_log()}") from None
         self.log.close()
 
     def kill_kernels(self) -> None:

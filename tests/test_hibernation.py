@@ -81,6 +81,8 @@ async def test_a_suspended_kernel_comes_back_after_its_server_stops(server, tmp_
     view = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["state"] == "running" and view["pid"], view
     assert not images.exists(), "its images go once it runs again"
+    # Its own credential works on the new server (which listens for kernels where the last one did).
+    assert f"{kernel_id[:8]}*" in await tab.run("%migrate --list", timeout=60)
     tab.ws.close()
 
     # And it is an ordinary kernel of this server again: it suspends and resumes, and shuts down for good.
@@ -295,4 +297,27 @@ async def test_a_server_killed_during_a_dump_loses_nothing(server):
     assert [s["id"] for s in server.api("GET", "api/sessions")] == [session_id]
     tab = await tab_on(server, kernel_id)
     assert (await tab.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 8_000_000)]
+    tab.ws.close()
+
+
+async def test_a_server_killed_between_the_dump_and_the_manifest_loses_nothing(server):
+    # CRIU wrote every image and killed the kernel; the server died before it wrote the manifest: the
+    # folder holds the images, CRIU's log, and the manifest to be (pending.json), not the manifest.
+    server.start()
+    _, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("x = 41\nprint('set')")).strip() == "set"
+    tab.ws.close()
+    assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
+    server.stop(signal.SIGKILL)
+    images = server.state / "images" / kernel_id
+    (images / "manifest.json").rename(images / "pending.json")
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "suspended", view
+    assert (images / "manifest.json").is_file() and not (images / "pending.json").exists()
+    assert "completed the images of kernel" in server.server_log()
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
     tab.ws.close()

@@ -89,7 +89,12 @@ def failure(log_path: Path, output: str, what: str, returncode: int = 1) -> Criu
 #: The CRIU runs of this process in flight, by their images folder: a server that must stop now stops the
 #: runs of the operations it gives up on, and those alone (:func:`stop_runs`).
 _RUNS: dict[str, subprocess.Popen] = {}
+#: Images folders whose operations were given up: no CRIU run starts on them any more.
+_CANCELLED: set[str] = set()
 PR_SET_PDEATHSIG = 1
+#: Looked up once, here: the child between fork and exec only calls it (no dlopen there, where another
+#: thread of the server may have held the loader's lock at the fork).
+_prctl = ctypes.CDLL(None, use_errno=True).prctl
 _RUNS_LOCK = threading.Lock()
 
 
@@ -98,8 +103,19 @@ def _die_with_parent() -> None:
     kernel back, running (its record lets the next server adopt it), instead of killing it into images that
     no manifest completes; a restore stops half-way, and the next server kills what it made and takes the
     kernel back from its images (revive.py)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def dump_finished(log_path: Path) -> bool:
+    """Whether the CRIU dump that logged to ``log_path`` wrote all its images (and so killed the tree), even
+    if CRIU itself was killed just after."""
+    try:
+        with open(log_path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            return b"Dumping finished successfully" in f.read()
+    except OSError:
+        return False
 
 
 def stop_runs(images_dirs: list[Path]) -> int:
@@ -107,6 +123,7 @@ def stop_runs(images_dirs: list[Path]) -> int:
     stopped so gives its kernel back (CRIU releases the tree), and its plan rolls back."""
     wanted = {str(Path(d).resolve()) for d in images_dirs}
     with _RUNS_LOCK:
+        _CANCELLED.update(wanted)  # and none starts there from now on
         runs = [proc for key, proc in _RUNS.items() if key in wanted]
     for proc in runs:
         proc.kill()
@@ -187,10 +204,13 @@ class Criu:
     def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str) -> None:
         cmd = [self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir), "--log-file", str(log_path),
                "-v4"]
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, preexec_fn=_die_with_parent)
         key = str(Path(images_dir).resolve())
         with _RUNS_LOCK:
+            if key in _CANCELLED:
+                raise CriuFailed(f"CRIU did not {what}: the server is stopping, and gave this operation up.",
+                                 str(log_path))
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, preexec_fn=_die_with_parent)
             _RUNS[key] = proc
         try:
             stdout, stderr = proc.communicate(timeout=self.timeout)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -23,6 +24,9 @@ LOGS = ".logs"
 #: the kernel's secrets (its connection key, its API credential's hash), 0600, beside the images; never
 #: sent to another host
 SECRETS = "secrets.json"
+#: the manifest to be, written before CRIU runs: with CRIU's log, it completes images whose server died
+#: between the end of the dump and the manifest (revive.py)
+PENDING = "pending.json"
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Manifest:
     sessions: list[dict] = field(default_factory=list)
     #: the uid that wrote it: a server takes back only its own user's kernels
     owner: int = field(default_factory=os.geteuid)
+    #: the process that wrote it (PID, start time): while that one lives, no other takes the kernel back
+    server: list[int] = field(default_factory=lambda: this_process())
     image_bytes: int = 0
     #: each image file's size in bytes, by name (the manifest itself aside)
     files: dict[str, int] = field(default_factory=dict)
@@ -64,14 +70,26 @@ class Manifest:
                   "gpus": isinstance(self.gpus, list) and all(isinstance(g, dict) for g in self.gpus),
                   "sessions": isinstance(self.sessions, list) and all(isinstance(x, dict) for x in self.sessions),
                   "connection_info": isinstance(self.connection_info, dict),
-                  "clients": isinstance(self.clients, dict), "image_bytes": whole(self.image_bytes)}
+                  "clients": isinstance(self.clients, dict), "image_bytes": whole(self.image_bytes),
+                  "server": isinstance(self.server, list) and len(self.server) == 2 and all(map(whole, self.server))}
         bad = [name for name, ok in checks.items() if not ok]
         return f"wrong {', '.join(bad)}" if bad else ""
 
     @classmethod
     def from_dict(cls, data: dict) -> Manifest:
         known = {name for name in cls.__dataclass_fields__}
-        return cls(**{k: v for k, v in data.items() if k in known})
+        # Read from disk, an owner is what it says, never the reader by default.
+        return cls(**{"owner": -1, **{k: v for k, v in data.items() if k in known}})
+
+
+def this_process() -> list[int]:
+    """This process as [PID, start time]: a name that a later process with the same PID does not share."""
+    try:
+        with open(f"/proc/{os.getpid()}/stat", encoding="ascii", errors="replace") as f:
+            start = int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        start = 0
+    return [os.getpid(), start]
 
 
 def _fsync_file(path: Path) -> None:
@@ -83,14 +101,18 @@ def _fsync_file(path: Path) -> None:
 
 
 def write_durably(path: Path, text: str) -> None:
-    """``text`` into ``path``, 0600, all or nothing, on disk once this returns."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """``text`` into ``path``, 0600, all or nothing, on disk once this returns (a temporary file of its own,
+    made exclusively: two writers never mix, and no link planted there is followed)."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
     _fsync_file(path.parent)
 
 
@@ -150,10 +172,26 @@ class ImageStore:
         if secrets is not None:
             write_durably(path / SECRETS, json.dumps(secrets))
         manifest.files = {entry.name: entry.stat().st_size for entry in sorted(path.iterdir())
-                          if entry.is_file() and not entry.is_symlink() and not entry.name.startswith(MANIFEST)
-                          and entry.name != SECRETS}
-        manifest.image_bytes = directory_size(path)
+                          if entry.is_file() and not entry.is_symlink() and not entry.name.startswith((MANIFEST, "."))
+                          and entry.name not in (SECRETS, PENDING)}
+        manifest.image_bytes = sum(manifest.files.values())
         write_durably(path / MANIFEST, json.dumps(asdict(manifest), indent=1))
+        (path / PENDING).unlink(missing_ok=True)
+
+    def write_pending(self, path: Path, manifest: Manifest, secrets: dict | None = None) -> None:
+        """Before CRIU runs: the manifest to be and the secrets (see :data:`PENDING`)."""
+        if secrets is not None:
+            write_durably(path / SECRETS, json.dumps(secrets))
+        write_durably(path / PENDING, json.dumps(asdict(manifest), indent=1))
+
+    def read_pending(self, name: str) -> Manifest | None:
+        """The manifest to be of ``name``'s images, if a dump began writing them (None otherwise)."""
+        try:
+            data = json.loads((self.path_for(name) / PENDING).read_text())
+            manifest = Manifest.from_dict(data)
+        except (OSError, ValueError, TypeError, AttributeError):
+            return None
+        return None if manifest.wrong_types() else manifest
 
     def read_secrets(self, name: str) -> dict:
         """The secrets kept with ``name``'s images ({} if none were)."""

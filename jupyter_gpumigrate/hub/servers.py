@@ -25,9 +25,11 @@ PASSED_ON = (400, 404, 409, 503)
 class ServerError(Exception):
     """A user's server (or the Hub) refused or failed a request; ``status`` is what to answer with."""
 
-    def __init__(self, message: str, status: int = 502) -> None:
+    def __init__(self, message: str, status: int = 502, timed_out: bool = False) -> None:
         super().__init__(message)
         self.status = status
+        #: it did not answer in time
+        self.timed_out = timed_out
 
 
 @dataclass(frozen=True)
@@ -104,7 +106,7 @@ class Servers:
         try:
             return await asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(call, *args, **kwargs))
         except Unreachable as exc:
-            raise ServerError(str(exc)) from None
+            raise ServerError(str(exc), timed_out=exc.timed_out) from None
         except ApiError as exc:
             raise ServerError(str(exc), exc.status if exc.status in PASSED_ON else 502) from None
 
@@ -155,11 +157,13 @@ class Servers:
                 self.view_timeout,
             )
             check_answers(kernels, gpus)
-        except asyncio.TimeoutError:
-            entry["error"] = (f"{server.label} did not answer within {self.view_timeout:g} s; "
-                              "check that it is running (the Hub's admin page can stop it).")
-        except ServerError as exc:
-            entry["error"] = f"{server.label} could not be read: {exc}"
+        except (asyncio.TimeoutError, ServerError) as exc:
+            # One sentence for a server too slow, whichever timer fired first (ours, or its socket's).
+            if isinstance(exc, asyncio.TimeoutError) or exc.timed_out:
+                entry["error"] = (f"{server.label} did not answer within {self.view_timeout:g} s; "
+                                  "check that it is running (the Hub's admin page can stop it).")
+            else:
+                entry["error"] = f"{server.label} could not be read: {exc}"
         except ContractError as exc:
             entry["error"] = (f"{server.label} answers what jupyter-gpumigrate does not ({exc}); "
                               "check the jupyter-gpumigrate version installed in its environment.")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
-from ..criu import Criu
+from ..criu import Criu, dump_finished
 from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
@@ -160,16 +160,24 @@ def dump(ctx: KernelContext) -> None:
     assert ctx.manifest is not None
     kernel, store = ctx.kernel, ctx.tools.store
     # If CRIU fails, it resumes the tree: the kernel goes on running, untouched. Its log is kept
-    # outside the images, which the rollback deletes.
+    # outside the images, which the rollback deletes. The manifest to be goes first: should this server
+    # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
+    log_path = store.log_path(kernel.kernel_id, "dump")
     try:
-        ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=store.log_path(kernel.kernel_id, "dump"))
+        store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "
+                             "runs on, unchanged.") from exc
+        raise
+    try:
+        ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=log_path)
     except CriuFailed as exc:
-        if _disk_full(f"{exc}\n{exc.log_tail}"):
-            raise CriuFailed(full_disk(store.root, "CRIU could not write the kernel's images") + " The kernel "
-                             f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
-        raise CriuFailed(
-            f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
-            "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
+        if not proctree.is_alive(ctx.manifest.pid) and dump_finished(log_path):
+            log.warning("kernel %s: CRIU was stopped after it finished its dump: the images are complete",
+                        kernel.kernel_id)
+        else:
+            _dump_failed(ctx, exc)
     ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
@@ -180,6 +188,16 @@ def dump(ctx: KernelContext) -> None:
             raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "
                              "was brought back from its images and runs on.") from exc
         raise
+
+
+def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
+    """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why."""
+    if _disk_full(f"{exc}\n{exc.log_tail}"):
+        raise CriuFailed(full_disk(ctx.tools.store.root, "CRIU could not write the kernel's images") + " The kernel "
+                         f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
+    raise CriuFailed(
+        f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
+        "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
 
 
 def _disk_full(text: str) -> bool:
