@@ -265,7 +265,7 @@ def suspend(live: float, cached: float) -> dict:
 
 
 def restart(live: float, cached: float) -> dict:
-    target = gpus_mod.snapshot()[1].uuid
+    target = gpus_mod.snapshot()[-1].uuid  # the other GPU (with one: the same)
     started = time.perf_counter()
     worker = Worker(live, 0.0, env={"CUDA_VISIBLE_DEVICES": target})
     seconds = time.perf_counter() - started
@@ -281,7 +281,7 @@ def snapshot(live: float, cached: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="gpumigrate-snap-", dir=os.environ.get("BENCH_IMAGES")) as tmp:
         try:
             saved = worker.ask(f"snapshot {tmp}", timeout=1200)
-            target = gpus_mod.snapshot()[1].uuid
+            target = gpus_mod.snapshot()[-1].uuid  # the other GPU (with one: the same)
             started = time.perf_counter()
             load = subprocess.run([sys.executable, "-c", LOAD, tmp], capture_output=True, text=True, timeout=1200,
                                   env={**os.environ, "CUDA_VISIBLE_DEVICES": target})
