@@ -107,6 +107,29 @@ def _running_kernel(manifest: Manifest, kill_stuck: bool = True) -> int | None:
     return pid
 
 
+def _let_cuda_run(kernel_id: str, pid: int) -> None:
+    """A server killed during a GPU move or a GPU suspend's first phases leaves its kernel's CUDA processes
+    locked, or checkpointed (their GPU memory in host memory): put each back on the GPU it was on, and let
+    its CUDA calls go on. Best effort: a process that cannot be is named in the log."""
+    stuck = [(p, state) for p in proctree.descendants(pid) if (state := _cuda_state(p)) in ("locked", "checkpointed")]
+    if not stuck:
+        return
+    from .engine.cudackpt import CudaProcess
+
+    for process_id, state in stuck:
+        try:
+            process = CudaProcess(process_id)
+            if state == "checkpointed":
+                process.restore(None)  # onto the GPU it was checkpointed from
+            process.unlock()
+        except MigrateError as exc:
+            log.error("gpumigrate: kernel %s: its process %d was left %s by its server and could not run again: "
+                      "%s", kernel_id, process_id, state, exc)
+            continue
+        log.warning("gpumigrate: kernel %s: its process %d was left %s by its server; it runs again",
+                    kernel_id, process_id, state)
+
+
 def _cuda_state(pid: int) -> str | None:
     """The CUDA checkpoint state of ``pid`` ('running', 'locked', 'checkpointed'...), None if unknown."""
     try:
@@ -276,6 +299,7 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
             path.unlink(missing_ok=True)  # it ended with its server, or was suspended since (its images tell)
             continue
+        await asyncio.to_thread(_let_cuda_run, kernel_id, pid)
         revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
                           record.get("credential"), record.get("api_url"), pid)
         why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)

@@ -321,3 +321,34 @@ async def test_a_server_killed_between_the_dump_and_the_manifest_loses_nothing(s
     tab = await tab_on(server, kernel_id)
     assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
     tab.ws.close()
+
+
+@pytest.mark.gpu
+async def test_a_gpu_kernel_left_checkpointed_by_a_killed_server_runs_again_with_its_tensors(server):
+    from jupyter_gpumigrate.engine import gpus as gpus_mod
+    from jupyter_gpumigrate.engine.cudackpt import CudaProcess
+
+    server.start()
+    _, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    before = (await tab.run(GPU_BUILD, timeout=180)).strip()
+    tab.ws.close()
+    pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    on = {g.index for g in gpus_mod.snapshot() if pid in g.processes}
+    # What a server killed in the middle of a GPU move or suspend leaves: the kernel locked and its GPU
+    # memory checkpointed into its host memory (made here with the driver's own API), then the server dies.
+    cuda = CudaProcess(pid)
+    cuda.lock(60)
+    cuda.checkpoint()
+    assert cuda.state == "checkpointed"
+    server.stop(signal.SIGKILL)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "running" and view["pid"] == pid, view
+    assert CudaProcess(pid).state == "running"
+    assert {g.index for g in gpus_mod.snapshot() if pid in g.processes} == on, "back on its GPU"
+    assert "was left checkpointed by its server; it runs again" in server.server_log()
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(digest())", timeout=180)).strip() == before
+    tab.ws.close()
