@@ -49,6 +49,16 @@ def two_gpus() -> list:
     return gpus
 
 
+def operate_on(server: Any, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
+    """An operation on a server run as a process (``api``), followed to its end by long polls."""
+    op = server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)
+    deadline = time.monotonic() + timeout
+    while op["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, op
+        op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    return op
+
+
 def wait_answering(server: Any, timeout: float = 60) -> None:
     """Wait until a server started as a process (``proc``, ``api``, ``server_log``) answers GET api/status."""
     deadline = time.monotonic() + timeout

@@ -18,12 +18,11 @@ import signal
 import ssl
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import rest, wait_answering
+from helpers import operate_on, rest, wait_answering
 
 PORT = 8888
 
@@ -125,12 +124,7 @@ class Host:
         return rest(self.url, self.token, method, path, body, expect, headers, self.context())
 
     def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
-        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)
-        deadline = time.monotonic() + timeout
-        while op["status"] not in ("succeeded", "failed"):
-            assert time.monotonic() < deadline, op
-            op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-        return op
+        return operate_on(self, kernel_id, action, body, timeout)
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -10,12 +10,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from helpers import rest, wait_answering
+from helpers import operate_on, rest, wait_answering
 
 
 def free_port() -> int:
@@ -73,12 +72,7 @@ class LocalServer:
         return rest(self.url, self.token, method, path, body, expect)
 
     def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
-        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body or {}, expect=202)
-        deadline = time.monotonic() + timeout
-        while op["status"] not in ("succeeded", "failed"):
-            assert time.monotonic() < deadline, op
-            op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-        return op
+        return operate_on(self, kernel_id, action, body, timeout)
 
     def ws_url(self, kernel_id: str) -> str:
         return f"ws://127.0.0.1:{self.port}/api/kernels/{kernel_id}/channels?token={self.token}"

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -163,13 +164,8 @@ def dump(ctx: KernelContext) -> None:
     # outside the images, which the rollback deletes. The manifest to be goes first: should this server
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
-    try:
+    with _disk_full_said(store, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "
-                             "runs on, unchanged.") from exc
-        raise
     try:
         ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=log_path)
     except CriuFailed as exc:
@@ -181,12 +177,19 @@ def dump(ctx: KernelContext) -> None:
     ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
-    try:
+    with _disk_full_said(store, "is brought back from its images and runs on."):
         store.write_manifest(ctx.images, ctx.manifest, kernel.secrets())
+
+
+@contextmanager
+def _disk_full_said(store: ImageStore, then: str) -> Iterator[None]:
+    """A full disk while writing the manifest is said as such (``then``: what becomes of the kernel)."""
+    try:
+        yield
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + " The kernel "
-                             "was brought back from its images and runs on.") from exc
+            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + f" The kernel "
+                             f"{then}") from exc
         raise
 
 
