@@ -238,6 +238,28 @@ c.JupyterHub.services.append({{"name": "tester", "api_token": {TESTER_TOKEN!r}}}
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
+        self._end_leftovers()
+
+    def _end_leftovers(self) -> None:
+        """The proxy and the services the Hub started run in sessions of their own: a Hub that did not stop
+        them (killed, or too slow) leaves them behind. End those that serve this Hub's ports."""
+        marks = (f"--port {self.port}".encode(), f"127.0.0.1:{self.port}".encode())
+        found = []
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if (b"configurable-http-proxy" in cmdline or b"jupyter_gpumigrate.hub" in cmdline) and any(
+                    mark in cmdline for mark in marks):
+                found.append(int(entry.name))
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 @pytest.fixture
