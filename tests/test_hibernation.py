@@ -48,6 +48,16 @@ def notebook_session(srv: LocalServer, path: str = "analysis.ipynb") -> tuple[st
     return made["id"], made["kernel"]["id"]
 
 
+async def notebook_running(srv: LocalServer, code: str, timeout: float = 60) -> tuple[str, str, str]:
+    """A notebook's session on ``srv``, ``code`` run in it from its tab (closed after): (session id,
+    kernel id, what the cell printed, stripped)."""
+    session_id, kernel_id = notebook_session(srv)
+    tab = await tab_on(srv, kernel_id)
+    out = (await tab.run(code, timeout=timeout)).strip()
+    tab.ws.close()
+    return session_id, kernel_id, out
+
+
 async def tab_on(srv: LocalServer, kernel_id: str) -> WebSocketTab:
     ws = await websocket_connect(srv.ws_url(kernel_id) + f"&session_id={uuid.uuid4().hex}")
     return WebSocketTab(ws)
@@ -187,10 +197,8 @@ async def test_a_kernel_not_suspended_within_the_bound_is_shut_down_and_the_stop
 
 async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_notebook(server):
     server.start()
-    session_id, kernel_id = notebook_session(server)
-    tab = await tab_on(server, kernel_id)
-    assert (await tab.run("x = 41\nprint('set')")).strip() == "set"
-    tab.ws.close()
+    session_id, kernel_id, out = await notebook_running(server, "x = 41\nprint('set')")
+    assert out == "set"
     pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
     server.stop(signal.SIGKILL)
     assert Path(f"/proc/{pid}").exists(), "the kernel runs on without its server"
@@ -232,10 +240,7 @@ async def test_a_gpu_kernel_suspended_comes_back_after_its_server_restarts_with_
 
     gpus = gpus_mod.snapshot()
     server.start()
-    _, kernel_id = notebook_session(server)
-    tab = await tab_on(server, kernel_id)
-    before = (await tab.run(GPU_BUILD, timeout=180)).strip()
-    tab.ws.close()
+    _, kernel_id, before = await notebook_running(server, GPU_BUILD, timeout=180)
     op = server.operate(kernel_id, "suspend")
     assert op["status"] == "succeeded" and "checkpoint" in op["timings"], op
     server.stop(signal.SIGTERM)
@@ -277,10 +282,9 @@ def _criu_of(server_pid: int, action: bytes, timeout: float) -> int | None:
 
 async def test_a_server_killed_during_a_dump_loses_nothing(server):
     server.start()
-    session_id, kernel_id = notebook_session(server)
-    tab = await tab_on(server, kernel_id)
-    assert (await tab.run("x = 41\nblob = bytes(range(256)) * 8_000_000\nprint('ok')")).strip() == "ok"
-    tab.ws.close()
+    session_id, kernel_id, out = await notebook_running(
+        server, "x = 41\nblob = bytes(range(256)) * 8_000_000\nprint('ok')")
+    assert out == "ok"
     pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
     server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
     criu = _criu_of(server.proc.pid, b"dump", 30)
@@ -304,10 +308,8 @@ async def test_a_server_killed_between_the_dump_and_the_manifest_loses_nothing(s
     # CRIU wrote every image and killed the kernel; the server died before it wrote the manifest: the
     # folder holds the images, CRIU's log, and the manifest to be (pending.json), not the manifest.
     server.start()
-    _, kernel_id = notebook_session(server)
-    tab = await tab_on(server, kernel_id)
-    assert (await tab.run("x = 41\nprint('set')")).strip() == "set"
-    tab.ws.close()
+    _, kernel_id, out = await notebook_running(server, "x = 41\nprint('set')")
+    assert out == "set"
     assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
     server.stop(signal.SIGKILL)
     images = server.state / "images" / kernel_id
@@ -329,10 +331,7 @@ async def test_a_gpu_kernel_left_checkpointed_by_a_killed_server_runs_again_with
     from jupyter_gpumigrate.engine.cudackpt import CudaProcess
 
     server.start()
-    _, kernel_id = notebook_session(server)
-    tab = await tab_on(server, kernel_id)
-    before = (await tab.run(GPU_BUILD, timeout=180)).strip()
-    tab.ws.close()
+    _, kernel_id, before = await notebook_running(server, GPU_BUILD, timeout=180)
     pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
     on = {g.index for g in gpus_mod.snapshot() if pid in g.processes}
     # What a server killed in the middle of a GPU move or suspend leaves: the kernel locked and its GPU
