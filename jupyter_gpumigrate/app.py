@@ -32,6 +32,7 @@ from .engine.images import write_durably
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+from .retention import discard_expired, keep_discarding
 from .revive import lock_state, revive_all
 
 
@@ -124,6 +125,8 @@ class GPUMigrateApp(ExtensionApp):
             session_manager=getattr(self.serverapp, "session_manager", None),
         )
         self.settings["gpumigrate_operations"] = operations
+        #: the records not taken back at start (revive.py), for GET /refused
+        self.settings["gpumigrate_refused"] = []
         self._resume_on_cells(operations)
         defaults = MigratableProvisioner(config=self.serverapp.config)
         helper_socket = defaults.helper_socket or None
@@ -156,6 +159,25 @@ class GPUMigrateApp(ExtensionApp):
         120.0, help="With stop_policy 'suspend': the longest a stopping server waits for its kernels to be "
         "suspended, in seconds. Give a JupyterHub spawner's stop timeout more than this (docs/hub.md).",
     ).tag(config=True)
+
+    retention = Float(
+        0.0, help="How long a suspended kernel is kept, in seconds since it was suspended (7 days: 604800); "
+        "older ones are discarded, as `jupyter gpumigrate discard` does: their images are deleted. Checked as the "
+        "server starts and every retention_interval seconds. 0 (the default): kept until their user resumes or "
+        "discards them, since a suspended kernel is someone's work (README, 'Retention').",
+    ).tag(config=True)
+
+    retention_interval = Float(
+        3600.0, help="With a retention: how often the running server looks for suspended kernels older than it, "
+        "in seconds.",
+    ).tag(config=True)
+
+    @validate("retention", "retention_interval")
+    def _not_negative(self, proposal: Any) -> float:
+        if proposal["value"] < 0 or (proposal["trait"].name == "retention_interval" and proposal["value"] == 0):
+            raise TraitError(f"c.GPUMigrateApp.{proposal['trait'].name} must be a number of seconds above 0 "
+                             f"(got {proposal['value']}); a retention of 0 keeps suspended kernels forever.")
+        return proposal["value"]
 
     resume_on_execute = Bool(
         True,
@@ -298,11 +320,33 @@ class GPUMigrateApp(ExtensionApp):
         done = self._hold_sessions_until_revived()
         REVIVING.set(True)  # this task's own session calls are not held
         try:
-            await revive_all(serverapp)
+            found = await revive_all(serverapp)
+            # In place: the web application's settings hold this same list (a copy of the dict, made at load).
+            self.settings["gpumigrate_refused"].extend(f for f in found if f.outcome == "refused")
         except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
             self.log.exception("gpumigrate: could not take back the suspended kernels of an earlier server")
         finally:
             done.set()
+        self._start_retention()
+
+    _retention_task: asyncio.Task | None = None
+
+    def _start_retention(self) -> None:
+        """Discard the suspended kernels older than the retention now, then every retention_interval
+        (retention.py), until the server stops."""
+        if self.retention <= 0:
+            return
+        operations: OperationManager = self.settings["gpumigrate_operations"]
+        km = self.serverapp.kernel_manager
+
+        async def run() -> None:
+            try:
+                await discard_expired(km, operations, self.retention)
+            except Exception:  # noqa: BLE001  the server runs on; the next pass tries again
+                self.log.exception("gpumigrate: the retention pass failed")
+            await keep_discarding(km, operations, self.retention, self.retention_interval)
+
+        self._retention_task = asyncio.get_running_loop().create_task(run())
 
     def _hold_sessions_until_revived(self) -> asyncio.Event:
         """JupyterLab, reconnecting as the server starts, asks which session a notebook has, and makes one,
@@ -332,6 +376,8 @@ class GPUMigrateApp(ExtensionApp):
         if self._stopping:  # a second signal while the first stop runs: that one finishes the job
             return
         self._stopping = True
+        if self._retention_task is not None:
+            self._retention_task.cancel()  # nothing is discarded while the server stops
         operations: OperationManager = self.settings["gpumigrate_operations"]
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)

@@ -96,6 +96,21 @@ def find_kernel(servers: list[Server], wanted: str) -> tuple[Server, dict]:
     return matches[0]
 
 
+def refused_records(server: Server) -> list[dict]:
+    """The records ``server`` did not take back as it started (GET /refused); none from a server too old
+    to say."""
+    try:
+        return server.call(lambda c: c.get("refused"))
+    except CliError:
+        return []
+
+
+def suspended_total(kernels: list[dict]) -> tuple[int, int]:
+    """How many kernels are suspended, and the bytes of their images."""
+    suspended = [k for k in kernels if k["state"] == "suspended"]
+    return len(suspended), sum(k.get("image_bytes") or 0 for k in suspended)
+
+
 def table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     lines = ["  ".join(str(c).ljust(w) for c, w in zip(row, widths)).rstrip() for row in [header, *rows]]
@@ -105,8 +120,26 @@ def table(rows: list[list[str]], header: list[str]) -> str:
 # -- commands ---------------------------------------------------------------------------------------
 
 
+def record_checks(args: argparse.Namespace) -> list[doctor.Check]:
+    """One row per record that a running server did not take back as it started, with its remedy."""
+    try:
+        servers = find_servers(args)
+    except CliError:
+        return [doctor.Check("kernel records", doctor.INFO, "no running server with jupyter_gpumigrate to ask",
+                             "Start the server (or name it with --url and --token) to check its kernels' records.")]
+    checks = []
+    for server in servers:
+        for record in refused_records(server):
+            checks.append(doctor.Check(f"record {record['kernel_id'][:8]}", doctor.WARN,
+                                       f"not taken back: {record['path']}: {record['reason']}", record["remedy"]))
+    if not checks:
+        checks.append(doctor.Check("kernel records", doctor.OK, f"every record was taken back ({len(servers)} "
+                                   "server(s))"))
+    return checks
+
+
 def cmd_doctor(args: argparse.Namespace) -> int:
-    checks = doctor.run_checks(args.criu, args.helper_socket or None)
+    checks = doctor.run_checks(args.criu, args.helper_socket or None) + record_checks(args)
     ok = doctor.can_migrate(checks)
     if args.json:
         print(json.dumps({"ok": ok, "checks": [c.to_dict() for c in checks]}, indent=1))
@@ -120,9 +153,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_list(args: argparse.Namespace) -> int:
-    kernels = all_kernels(find_servers(args))
+    servers = find_servers(args)
+    kernels = all_kernels(servers)
+    refused = [dict(r, server=s.url) for s in servers for r in refused_records(s)]
+    count, image_bytes = suspended_total([k for _, k in kernels])
     if args.json:
-        print(json.dumps([dict(k, server=s.url) for s, k in kernels], indent=1))
+        print(json.dumps({"kernels": [dict(k, server=s.url) for s, k in kernels],
+                          "suspended": {"kernels": count, "image_bytes": image_bytes},
+                          "refused": refused}, indent=1))
         return EXIT_OK
     rows = []
     for _, k in kernels:
@@ -133,6 +171,13 @@ def cmd_list(args: argparse.Namespace) -> int:
         print("No kernels are running.")
     else:
         print(table(rows, ["KERNEL", "NAME", "HOST", "PID", "STATE", "EXECUTION", "GPUS", "IMAGES"]))
+    if count:
+        print(f"\n{count} suspended kernel(s): {size(image_bytes)} of images on disk "
+              "(`jupyter gpumigrate discard KERNEL` deletes a kernel's).")
+    if refused:
+        print("\nNot taken back at the server's start (left on disk; `jupyter gpumigrate doctor` says what to do):")
+        for record in refused:
+            print(f"  {record['path']}: {record['reason']}")
     return EXIT_OK
 
 
@@ -229,7 +274,8 @@ def parser() -> argparse.ArgumentParser:
         prog="jupyter gpumigrate", description="Suspend, resume and move live Jupyter kernels."
     )
     sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    d = sub.add_parser("doctor", parents=[common], help="can this machine migrate kernels? what to fix")
+    d = sub.add_parser("doctor", parents=[common, remote],
+                       help="can this machine migrate kernels? what to fix; records its servers did not take back")
     d.add_argument("--criu", help="the CRIU binary to check (default: /usr/local/sbin/criu, else PATH)")
     d.add_argument("--helper-socket", default=DEFAULT_SOCKET,
                    help=f"the node helper's socket, used by a server run by an ordinary user ({DEFAULT_SOCKET}; "

@@ -49,7 +49,7 @@ def event_schema() -> dict[str, Any]:
 
 
 PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-ACTIONS = ("suspend", "resume", "migrate", "drain")
+ACTIONS = ("suspend", "resume", "migrate", "drain", "discard")
 KEEP_FINISHED = 200
 
 
@@ -86,7 +86,8 @@ class Operation:
     version: int = 0
     #: a move to another GPU: what the fast path carried (stashed bytes, seconds) or why it stepped aside
     fast_path: dict[str, Any] | None = None
-    #: what asked for it: "api" (REST, CLI, panel, magic, Hub) or "cell" (a cell run on a suspended kernel)
+    #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
+    #: "retention" (a discard of a kernel suspended longer than c.GPUMigrateApp.retention)
     trigger: str = "api"
     #: the phases of its plan, in order (engine/plans); empty for a drain
     phases: list[str] = field(default_factory=list)
@@ -128,6 +129,8 @@ class OperationManager:
         # restore onto one GPU, and a restore that runs out of GPU memory can leave a process stuck.
         self._placing = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
+        #: kernels being discarded (retention.py): no operation starts on them
+        self.discarding: set[str] = set()
 
     # -- kernels ----------------------------------------------------------------------------------------
 
@@ -154,6 +157,9 @@ class OperationManager:
               fast_path: str = "auto") -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
         provisioner = self.provisioner(kernel_id)
+        if kernel_id in self.discarding:
+            raise InvalidState(f"Kernel {kernel_id} is being discarded: it was suspended longer than the server's "
+                               "retention (c.GPUMigrateApp.retention), and its images are being deleted.")
         if kernel_id in self.active:
             raise InvalidState(
                 f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
@@ -220,6 +226,16 @@ class OperationManager:
             self._trim()
             self._emit(op)
             return op
+
+    def record_discard(self, kernel_id: str, image_bytes: int, trigger: str) -> Operation:
+        """A suspended kernel was discarded (its images deleted): listed, and announced on the event bus, as
+        a finished operation, so that the panel and event listeners hear of it."""
+        op = Operation(kernel_id=kernel_id, action="discard", status=SUCCEEDED, bytes=image_bytes, trigger=trigger,
+                       finished=time.time())
+        self.operations[op.id] = op
+        self._trim()
+        self._emit(op)
+        return op
 
     def _start_host_move(self, kernel_id: str, provisioner: MigratableProvisioner, action: str,
                          to_gpu: int | None, to_host: str | None) -> Operation:
@@ -374,7 +390,7 @@ class OperationManager:
         if op.action == "suspend":
             provisioner.sessions = await self._sessions_of(op.kernel_id)  # kept with its images
         migration = Migration(provisioner, provisioner.images, criu, progress,
-                              lock_timeout=provisioner.gpu_lock_timeout)
+                              lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min)
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),

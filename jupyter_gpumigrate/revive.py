@@ -51,6 +51,31 @@ class Found:
     #: "suspended", "running" (adopted), "removed" (an unfinished dump), "refused"
     outcome: str
     reason: str = ""
+    #: a refused record: the folder (or running record) left on disk, and what its owner can do
+    path: str = ""
+    remedy: str = ""
+
+    def to_dict(self) -> dict[str, str]:
+        """A refused record as the API says it (contract: RefusedRecord)."""
+        return {"kernel_id": self.kernel_id, "path": self.path, "reason": self.reason, "remedy": self.remedy}
+
+
+class Refusal(MigrateError):
+    """Why a record is not taken back, and what its owner can do about it."""
+
+    def __init__(self, message: str, remedy: str) -> None:
+        super().__init__(message)
+        self.remedy = remedy
+
+
+def refused(name: str, path: Path, reason: str, remedy: str = "") -> Found:
+    """A refused record: left on disk, never deleted; ``remedy`` defaults to looking and removing it by hand."""
+    return Found(name, "refused", reason, str(path), remedy or look_then_remove(path))
+
+
+def look_then_remove(path: Path) -> str:
+    return (f"Nothing was deleted. Look at {path}; if nothing there is to keep, remove it (rm -r {path}), "
+            "else fix what the reason says and restart the server to take it back.")
 
 
 LOCK = "server.lock"
@@ -144,10 +169,12 @@ def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
     """A folder with no manifest: a dump its server did not live to finish. None once it is completed (its
     manifest written): the caller then takes the kernel back."""
     folder, pending = store.path_for(name), store.read_pending(name)
+    busy = ("Nothing to do while that server runs: it finishes the dump and keeps the kernel. Give each server "
+            "a state folder of its own (c.MigratableProvisioner.state_dir).")
     if pending is not None and kept_by_another_live_server(pending.server):
-        return Found(name, "refused", "a dump in progress, by another server that still runs")
+        return refused(name, folder, "a dump in progress, by another server that still runs", busy)
     if pending is None and time.time() - folder.stat().st_mtime < 600 and _another_server_runs(store):
-        return Found(name, "refused", "maybe a dump in progress, by another server that still runs")
+        return refused(name, folder, "maybe a dump in progress, by another server that still runs", busy)
     if pending is None or _running_kernel(pending, kill_stuck=False) is not None:
         # CRIU never started, or stopped with its server and gave the kernel back (which runs, and is
         # adopted from its record): these images are of no use.
@@ -164,7 +191,8 @@ def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
         return None
     log.error("gpumigrate: %s holds a dump that did not finish, of a kernel that no longer runs: nothing can be "
               "taken back from it. It is left there; remove it once you have looked.", folder)
-    return Found(name, "refused", "a dump that did not finish, of a kernel that no longer runs")
+    return refused(name, folder, "a dump that did not finish, of a kernel that no longer runs",
+                   f"Nothing can be taken back from it: remove it (rm -r {folder}) once you have looked.")
 
 
 def _another_server_runs(store: ImageStore) -> bool:
@@ -188,17 +216,25 @@ def kept_by_another_live_server(server: object) -> bool:
 
 
 def check(store: ImageStore, name: str) -> Manifest:
-    """The manifest of folder ``name`` if this server may take the kernel back; else MigrateError saying why."""
+    """The manifest of folder ``name`` if this server may take the kernel back; else MigrateError saying why
+    (a :class:`Refusal` with its remedy where there is a better one than looking and removing it)."""
     folder = store.path_for(name)
     manifest = store.read_manifest(name)  # ImageError: no manifest, or damaged
     owner = os.stat(folder / "manifest.json").st_uid
     if owner != os.geteuid() or manifest.owner != os.geteuid():
-        raise MigrateError(f"its manifest belongs to uid {manifest.owner} (file owned by {owner}), not to this "
-                           f"server's user ({os.geteuid()})")
+        raise Refusal(f"its manifest belongs to uid {manifest.owner} (file owned by {owner}), not to this "
+                      f"server's user ({os.geteuid()})",
+                      f"Nothing was deleted. It is not this user's kernel: only its owner's server takes it back, "
+                      f"from that user's own state folder. Move it there, or remove it (rm -r {folder}).")
     if manifest.kernel_id != name:
-        raise MigrateError(f"its manifest names kernel {manifest.kernel_id}, not {name}")
+        raise Refusal(f"its manifest names kernel {manifest.kernel_id}, not {name}",
+                      f"Nothing was deleted. The folder was renamed or copied: give it its kernel's name "
+                      f"({store.path_for(manifest.kernel_id)}) if no such folder exists, or remove it "
+                      f"(rm -r {folder}); then restart the server.")
     if kept_by_another_live_server(manifest.server):
-        raise MigrateError(f"the server that suspended it (PID {manifest.server[0]}) still runs and keeps it")
+        raise Refusal(f"the server that suspended it (PID {manifest.server[0]}) still runs and keeps it",
+                      f"Resume it from that server (PID {manifest.server[0]}), or stop that server and restart "
+                      "this one, which then takes it back.")
     return manifest
 
 
@@ -232,7 +268,7 @@ async def revive_all(serverapp: Any) -> list[Found]:
             found.append(await _take_back_images(serverapp, store, name))
         except Exception as exc:  # noqa: BLE001  one folder never stops the others
             log.exception("gpumigrate: not taking back the kernel in %s", store.path_for(name))
-            found.append(Found(name, "refused", str(exc)))
+            found.append(refused(name, store.path_for(name), str(exc) or type(exc).__name__))
     found += await _adopt_running(serverapp, Path(defaults.state_dir) / RECORDS)
     return found
 
@@ -249,7 +285,7 @@ async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Fou
     except MigrateError as exc:
         log.error("gpumigrate: not taking back the kernel in %s: %s. It is left there.", store.path_for(name),
                   str(exc).rstrip("."))
-        return Found(name, "refused", str(exc))
+        return refused(name, folder, str(exc), getattr(exc, "remedy", ""))
     secrets = store.read_secrets(name)
     if not secrets.get("key"):
         raise MigrateError("its secrets.json holds no connection key, so the kernel could not be spoken to")
@@ -268,7 +304,10 @@ async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Fou
     if why_not:
         log.error("gpumigrate: could not take back kernel %s (%s): %s. Its images are left in %s.",
                   name, manifest.kernel_name, why_not, store.path_for(name))
-        return Found(name, "refused", why_not)
+        return refused(name, folder, why_not,
+                       f"Nothing was deleted. Make the kernelspec '{manifest.kernel_name}' available again, with "
+                       f"jupyter-gpumigrate's provisioner, and restart the server; or remove the kernel's images "
+                       f"(rm -r {folder}).")
     if running is not None:
         store.remove(name)  # it runs and answers: its images are stale
     outcome = "running" if running else "suspended"
@@ -292,7 +331,9 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
                 raise ValueError(f"it is not this server's user's ({owner}), or not for kernel {kernel_id}")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("gpumigrate: ignoring the record %s: %s", path, exc)
-            found.append(Found(kernel_id, "refused", str(exc)))
+            found.append(refused(kernel_id, path, f"its running record is not usable: {exc}",
+                                 f"Nothing was deleted, and no process touched. Remove the record (rm {path}) once "
+                                 "you have looked; a kernel it names that still runs is then yours to end."))
             continue
         if kept_by_another_live_server(record.get("server")):
             continue  # a kernel of another server that runs: not ours to adopt
@@ -306,7 +347,9 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
         if why_not:
             log.error("gpumigrate: kernel %s runs (PID %d), left by an earlier server, but could not be adopted: "
                       "%s", kernel_id, pid, why_not)
-            found.append(Found(kernel_id, "refused", why_not))
+            found.append(refused(kernel_id, path, f"it runs (PID {pid}) but could not be adopted: {why_not}",
+                                 f"Nothing was deleted. End that kernel (kill {pid}) if its work is not needed, "
+                                 f"or make its kernelspec available again and restart the server."))
             continue
         log.info("gpumigrate: adopted kernel %s (PID %d), left running by an earlier server", kernel_id, pid)
         found.append(Found(kernel_id, "running"))

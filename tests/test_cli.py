@@ -10,6 +10,7 @@ import pytest
 from helpers import api, cli, remote
 
 from jupyter_gpumigrate.cli import DrainProgress
+from jupyter_gpumigrate.opformat import size
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -26,8 +27,12 @@ async def test_list_suspend_resume_from_the_command_line(jp_fetch, jp_serverapp,
     assert f"Kernel {kernel.id} suspended in" in out and "slowest phase:" in out
     assert "dump..." in err  # progress while it waits
     code, out, err = await cli("list", "--json", *remote(jp_serverapp))
-    row = next(k for k in json.loads(out) if k["id"] == kernel.id)
+    listed = json.loads(out)
+    row = next(k for k in listed["kernels"] if k["id"] == kernel.id)
     assert row["state"] == "suspended" and row["image_bytes"] > 0
+    assert listed["suspended"] == {"kernels": 1, "image_bytes": row["image_bytes"]} and listed["refused"] == []
+    code, out, err = await cli("list", *remote(jp_serverapp))
+    assert f"1 suspended kernel(s): {size(row['image_bytes'])} of images on disk" in out, out
 
     code, out, err = await cli("resume", kernel.id, "--json", *remote(jp_serverapp))
     assert code == 0, err
@@ -123,4 +128,4 @@ async def test_discard_deletes_a_suspended_kernels_images_and_refuses_a_running_
     assert result["kernel_id"] == kernel.id and result["discarded"] and result["freed_bytes"] > 1_000_000
     assert not images.exists()
     code, out, err = await cli("list", "--json", *remote(jp_serverapp))
-    assert kernel.id not in [k["id"] for k in json.loads(out)]
+    assert kernel.id not in [k["id"] for k in json.loads(out)["kernels"]]

@@ -205,6 +205,9 @@ async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
     gpus = await walk.call("GET", "/gpus", expect=200)
     assert gpus["host"] == view["home"]
     await walk.call("GET", "/operations", expect=200)
+    # (A server run in this process takes nothing back as it starts: the records it refuses, and their
+    # schema, are in test_hibernation.py.)
+    assert await walk.call("GET", "/refused", expect=200) == []
 
     # Suspend, followed with ?after=, the kernel seen while it moves and once it is suspended.
     op = await walk.call("POST", "/kernels/{kernel_id}/suspend", kernel_id=kid, body={}, expect=202)

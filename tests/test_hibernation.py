@@ -7,15 +7,18 @@ Real servers, run as processes and stopped for real; real CRIU; real kernels.
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
 import time
 import uuid
 from pathlib import Path
 
 import pytest
-from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, cli
 from servers import LocalServer
 
+from jupyter_gpumigrate import contract
 from jupyter_gpumigrate.engine import proctree
 from tornado.websocket import websocket_connect
 
@@ -138,6 +141,80 @@ async def test_the_next_server_removes_an_unfinished_dump_and_refuses_a_foreign_
     for folder in damaged:
         assert (folder / "manifest.json").is_file() and f"not taking back the kernel in {folder}" in log
     assert "is damaged" in log
+
+    # The refused records are told where a user looks: the API, `list` (with the reason) and `doctor` (with
+    # what to do), while they stay on disk.
+    answer = server.api("GET", "api/gpumigrate/refused")
+    contract.validate("RefusedList", answer)
+    records = {r["path"]: r for r in answer}
+    assert set(records) == {str(foreign), *map(str, damaged)}, records
+    assert "uid 4242" in records[str(foreign)]["reason"] and "Nothing was deleted" in records[str(foreign)]["remedy"]
+    where = ["--url", server.url, "--token", server.token]
+    code, out, err = await cli("list", *where)
+    assert code == 0, err
+    assert "Not taken back at the server's start" in out
+    assert f"  {foreign}: its manifest belongs to uid 4242" in out, out
+    assert all(f"  {folder}: {folder / 'manifest.json'} is damaged" in out for folder in damaged), out
+    code, out, err = await cli("list", "--json", *where)
+    assert {r["path"] for r in json.loads(out)["refused"]} == set(records)
+    code, out, err = await cli("doctor", "--json", *where)
+    rows = [c for c in json.loads(out)["checks"] if c["name"].startswith("record ")]
+    assert sorted(r["detail"] for r in rows) == sorted(f"not taken back: {path}: {r['reason']}"
+                                                       for path, r in records.items()), rows
+    assert all(r["status"] == "warn" and f"rm -r {r['detail'].split(': ')[1]}" in r["remedy"] for r in rows), rows
+    code, out, err = await cli("doctor", *where)
+    assert f"record {foreign.name[:8]}" in out and "It is not this user's kernel" in out, out
+    assert foreign.is_dir() and all(folder.is_dir() for folder in damaged), "nothing is deleted"
+    # One removed by hand is no longer listed.
+    shutil.rmtree(damaged[0])
+    assert {r["path"] for r in server.api("GET", "api/gpumigrate/refused")} == {str(foreign), str(damaged[1])}
+
+
+async def test_the_retention_discards_kernels_suspended_longer_at_start_and_while_the_server_runs(tmp_path):
+    gap = 12.0
+    server = LocalServer(tmp_path / "server")
+    try:
+        server.start()
+        _, old = notebook_session(server, "old.ipynb")
+        assert server.operate(old, "suspend")["status"] == "succeeded"
+        time.sleep(gap)
+        _, young = notebook_session(server, "young.ipynb")
+        assert server.operate(young, "suspend")["status"] == "succeeded"
+        server.stop(signal.SIGTERM)
+        images = server.state / "images"
+        created = {k: json.loads((images / k / "manifest.json").read_text())["created"] for k in (old, young)}
+        assert created[young] - created[old] >= gap
+
+        # A retention between their ages as the server starts: the old kernel is past it, the young one
+        # for another gap / 2 seconds (how long the start may take), then the hourly pass (here every
+        # second) finds it past it too.
+        retention = time.time() - created[young] + gap / 2
+        server.extra_config = {"GPUMigrateApp": {"retention": retention, "retention_interval": 1.0}}
+        server.start()
+        assert taken_back(server, young)["state"] == "suspended"
+        assert old not in {k["id"] for k in server.api("GET", "api/gpumigrate/kernels")}
+        assert not (images / old).exists(), "the old kernel's images are deleted"
+        assert (images / young / "manifest.json").is_file(), "the young kernel's are kept"
+        log = server.server_log()
+        assert re.search(rf"discarded kernel {old}: suspended \d+ s ago, longer than the retention \(\d+ s\); "
+                         r"[\d.]+ [KMG]?B of images deleted", log), log
+        assert f"discarded kernel {young}" not in log
+
+        deadline = time.monotonic() + 30
+        while (images / young).exists():
+            assert time.monotonic() < deadline, server.server_log()
+            time.sleep(0.2)
+        assert server.api("GET", "api/gpumigrate/kernels") == []
+        assert server.api("GET", "api/sessions") == [], "their notebooks' sessions went with them"
+        # Each discard is an operation of the server, on its event bus like the others.
+        discards = {op["kernel_id"]: op for op in server.api("GET", "api/gpumigrate/operations")
+                    if op["action"] == "discard"}
+        assert set(discards) == {old, young}
+        assert all(op["status"] == "succeeded" and op["trigger"] == "retention" and op["bytes"] > 0
+                   for op in discards.values()), discards
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
 
 
 async def test_with_the_suspend_policy_stopping_the_server_suspends_every_kernel_and_they_come_back(tmp_path):

@@ -67,6 +67,7 @@ ROUTES: tuple[Route, ...] = (
     Route("GET", "/operations", None, {200: "OperationList"}),
     Route("GET", "/operations/{op_id}", None, {200: "Operation"}),  # ?after=N: once past version N
     Route("GET", "/gpus", None, {200: "GpuList"}),
+    Route("GET", "/refused", None, {200: "RefusedList"}),
     Route("POST", "/gpus/{index}/drain", "DrainRequest", {202: "Operation"}),
     # For peer servers only, with "Authorization: gpumigrate-peer <token>" (handlers/peer.py).
     Route("POST", "/peer/check", "PeerCheckRequest", {200: "PeerCheckResponse"}),

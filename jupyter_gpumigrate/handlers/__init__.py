@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from . import gpus, kernels, operations, peer
+from . import gpus, kernels, operations, peer, refused
 
 API_PREFIX = "/api/gpumigrate"
 
@@ -19,6 +19,7 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
         (rf"{API_PREFIX}/gpus/?", gpus.GpuListHandler),
         (rf"{API_PREFIX}/gpus/(?P<index>\d+)/drain/?", gpus.DrainHandler),
+        (rf"{API_PREFIX}/refused/?", refused.RefusedListHandler),
         (rf"{PEER}/check/?", peer.CheckHandler),
         (rf"{PEER}/images/{KERNEL_ID}/?", peer.ImagesHandler),
         (rf"{PEER}/images/{KERNEL_ID}/complete/?", peer.CompleteHandler),

@@ -23,9 +23,9 @@ export type Phase =
  */
 export type KernelState = 'running' | 'migrating' | 'suspended' | 'stopped' | 'broken';
 /**
- * What an operation does.
+ * What an operation does; discard: a suspended kernel's images deleted by the server's retention (a finished operation, never started through the API).
  */
-export type Action = 'suspend' | 'resume' | 'migrate' | 'drain';
+export type Action = 'suspend' | 'resume' | 'migrate' | 'drain' | 'discard';
 export type OperationStatus = 'pending' | 'running' | 'succeeded' | 'failed';
 /**
  * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
@@ -39,6 +39,10 @@ export type GpuIndex = number;
  * GET /kernels.
  */
 export type KernelList = Kernel[];
+/**
+ * GET /refused: the records not taken back at the server's start that are still on disk.
+ */
+export type RefusedList = RefusedRecord[];
 /**
  * GET /operations.
  */
@@ -73,6 +77,8 @@ export interface ApiContract {
   DrainResult: DrainResult;
   Stager: Stager;
   Operation: Operation;
+  RefusedRecord: RefusedRecord;
+  RefusedList: RefusedList;
   OperationList: OperationList;
   ErrorBody: ErrorBody;
   SuspendRequest: SuspendRequest;
@@ -267,7 +273,7 @@ export interface Stager {
   token: string;
 }
 /**
- * GET /operations/{id}, and the 202 answer of every action: one suspend, resume, move or drain.
+ * GET /operations/{id}, and the 202 answer of every action: one suspend, resume, move or drain (or a discard by the retention).
  */
 export interface Operation {
   id: string;
@@ -335,10 +341,31 @@ export interface Operation {
   version: number;
   fast_path: FastPath | null;
   /**
-   * cell: a resume started by a cell run on the suspended kernel.
+   * cell: a resume started by a cell run on the suspended kernel; retention: a discard of a kernel suspended longer than c.GPUMigrateApp.retention.
    */
-  trigger: 'api' | 'cell';
+  trigger: 'api' | 'cell' | 'retention';
   stager?: Stager;
+}
+/**
+ * A kernel's record that this server did not take back as it started (revive.py): left on disk, never deleted.
+ */
+export interface RefusedRecord {
+  /**
+   * The kernel's id, as the folder (or running record) is named.
+   */
+  kernel_id: string;
+  /**
+   * The folder of images, or the running record, on the server's host.
+   */
+  path: string;
+  /**
+   * Why it was not taken back.
+   */
+  reason: string;
+  /**
+   * What its owner can do about it.
+   */
+  remedy: string;
 }
 /**
  * Every error answer, as jupyter_server's API writes them.
