@@ -6,7 +6,9 @@ worker thread, where jupyter_client's blocking client would try to drive the ser
 
 from __future__ import annotations
 
+import ast
 import time
+from collections.abc import Callable
 
 import zmq
 from jupyter_client.session import Session
@@ -90,5 +92,43 @@ def send_silently(connection_info: dict, code: str, linger: float = 2.0) -> None
         content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
                    "allow_stdin": False, "stop_on_error": False}
         session.send(shell, "execute_request", content)
+    finally:
+        shell.close()
+
+
+class KernelGone(ConnectionError):
+    """The kernel's process ended while the server waited for its answer."""
+
+
+def evaluate_silently(connection_info: dict, expression: str, timeout: float,
+                      alive: Callable[[], bool] | None = None) -> str:
+    """Evaluate ``expression`` in the kernel's main thread, between cells, as a silent request's user
+    expression (no output, no history, no execution count); its ``str`` value.
+
+    Raises TimeoutError if no answer comes within ``timeout`` seconds, :class:`KernelGone` as soon as
+    ``alive()`` says the kernel ended, and RuntimeError with the kernel's ``ename: evalue`` if it raised."""
+    session = _session(connection_info)
+    shell = _socket(connection_info, zmq.DEALER, "shell")
+    try:
+        content = {"code": "", "silent": True, "store_history": False, "user_expressions": {"r": expression},
+                   "allow_stdin": False, "stop_on_error": False}
+        msg_id = session.send(shell, "execute_request", content)["header"]["msg_id"]
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if not shell.poll(int(min(left, 0.5) * 1000) + 1):
+                if alive is not None and not alive():
+                    raise KernelGone("the kernel's process ended")
+                continue
+            _, frames = session.feed_identities(shell.recv_multipart())
+            reply = session.deserialize(frames)
+            if reply["parent_header"].get("msg_id") != msg_id:
+                continue
+            result = (reply["content"].get("user_expressions") or {}).get("r") or {}
+            if result.get("status") == "ok":
+                value = (result.get("data") or {}).get("text/plain", "")
+                return str(ast.literal_eval(value)) if value[:1] in ("'", '"') else value
+            error = result or reply["content"]
+            raise RuntimeError(f"{error.get('ename', 'Error')}: {error.get('evalue', '')}")
+        raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s")
     finally:
         shell.close()

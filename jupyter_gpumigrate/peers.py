@@ -387,6 +387,12 @@ class Guest:
     def invite_stager(self, path: str, token: str) -> str | None:
         return "a kernel hosted for a peer is not moved between GPUs here"
 
+    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
+        return {"aside": "a kernel hosted for a peer is not suspended here"}
+
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+        raise InvalidState("A kernel hosted for a peer has no host stash here.")
+
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host
 

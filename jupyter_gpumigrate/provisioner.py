@@ -39,7 +39,7 @@ from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Float, Unicode, default
+from traitlets import Float, Int, Unicode, default
 
 from .credentials import KernelCredentials
 from .engine import proctree
@@ -48,7 +48,7 @@ from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.errors import MigrateError
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import kernel_answers, run_silently, send_silently
+from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
@@ -58,6 +58,10 @@ RELEASE_TORCH_CACHE = (
     "(lambda t: t is not None and t.cuda.is_initialized() and (t.cuda.synchronize(), t.cuda.empty_cache()))"
     "(__import__('sys').modules.get('torch'))"
 )
+
+#: Evaluated in an idle IPython kernel: the host stash of a suspend, and its way back (kernel/hoststash.py).
+HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total})"
+HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
 #: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
 STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
@@ -140,6 +144,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     gpu_lock_timeout = Float(
         60.0, help="How long a GPU move or suspend waits for the kernel's GPU work in flight to finish, in "
         "seconds; then it gives up and the kernel runs on where it was.",
+    ).tag(config=True)
+
+    host_stash_min = Int(
+        10**9, allow_none=True,
+        help="A suspend has the kernel write its large buffers (PyTorch storages, CUDA or CPU, and bytearrays) "
+        "into the images itself, in parallel, when they add up to this many bytes or more: much faster than "
+        "CRIU and the CUDA driver alone for large kernels (docs/performance.md). None: never.",
     ).tag(config=True)
 
     cache_release_timeout = Float(
@@ -287,15 +298,40 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         """Have an idle IPython kernel serve the fast path of a GPU move (engine/stash.py) on the socket at
         ``path``: a silent request, whose reply nobody waits for (the socket says what happens). None
         if invited, else why not."""
-        if not self.ipython:
-            return "the kernel is not an IPython kernel started with the extension"
-        if self.python and not can_import_package(self.python, self.python_path):
-            return (f"the kernel's Python ({self.python}) cannot import jupyter_gpumigrate: install it there for "
-                    "the fast path")
+        why = self._cannot_serve("the fast path")
+        if why:
+            return why
         if getattr(self.parent, "execution_state", None) != "idle":
             return "the kernel is busy with a cell (the fast path runs between cells, or from %migrate)"
         send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
         return None
+
+    def _cannot_serve(self, what: str) -> str | None:
+        """Why this kernel cannot run this package's code for ``what``, or None."""
+        if not self.ipython:
+            return "the kernel is not an IPython kernel started with the extension"
+        if self.python and not can_import_package(self.python, self.python_path):
+            return f"the kernel's Python ({self.python}) cannot import jupyter_gpumigrate: install it there for {what}"
+        return None
+
+    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
+        """Have an idle IPython kernel write its large buffers into ``folder`` and free them
+        (kernel/hoststash.py): what it said (``stashed``... or ``aside``). Raises what
+        :func:`~.kernelwire.evaluate_silently` raises."""
+        why = self._cannot_serve("the host stash")
+        if why:
+            return {"aside": why}
+        if getattr(self.parent, "execution_state", None) != "idle":
+            return {"aside": "the kernel is busy with a cell"}
+        return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
+                                            min_total=int(min_total)), timeout, alive=self._is_ours))
+
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+        """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back
+        from ``folder``, checking them (kernel/hoststash.py)."""
+        root = pid if pid is not None else self.pid
+        return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
+                                            timeout, alive=lambda: root is not None and proctree.is_alive(root)))
 
     # -- launching -----------------------------------------------------------------------------------
 

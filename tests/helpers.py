@@ -11,7 +11,10 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.session import Session
@@ -445,3 +448,19 @@ right.sendall(b"pong"); print(left.recv(100).decode())
 """
 
 EXPECTED = ["42 héllo 49 25 True", "5 6", "True True", "5 'one\\nline two\\n'", "in flight", "pong"]
+
+
+@contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (mount's notation: 24m) mounted on ``folder``, for as long as the block runs (root)."""
+    import pytest
+
+    folder.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs", str(folder)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.fail(f"this test mounts a small tmpfs, as root: {done.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)

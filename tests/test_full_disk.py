@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import api, operate
+from helpers import api, operate, small_tmpfs
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -15,14 +14,8 @@ pytestmark = pytest.mark.usefixtures("criu_binary")
 @pytest.fixture
 def small_disk(tmp_path: Path):
     """A 24 MB tmpfs: too small for any kernel's images (an idle one needs some 75 MB)."""
-    folder = tmp_path / "small"
-    folder.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=24m,mode=0700", "tmpfs", str(folder)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.fail(f"this test mounts a small tmpfs, as root: {done.stderr.strip()}")
-    yield folder
-    subprocess.run(["umount", "-l", str(folder)], check=False)
+    with small_tmpfs(tmp_path / "small", "24m") as folder:
+        yield folder
 
 
 @pytest.fixture

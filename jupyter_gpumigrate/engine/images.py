@@ -53,6 +53,9 @@ class Manifest:
     #: the process that wrote it (PID, start time): while that one lives, no other takes the kernel back
     server: list[int] = field(default_factory=lambda: this_process())
     image_bytes: int = 0
+    #: the host stash (kernel/hoststash.py), if the kernel wrote its large buffers itself: bytes, buffers,
+    #: files, seconds; {} if CRIU and the driver carried everything
+    stash: dict = field(default_factory=dict)
     #: each image file's size in bytes, by name (the manifest itself aside)
     files: dict[str, int] = field(default_factory=dict)
     created: float = field(default_factory=time.time)
@@ -71,6 +74,7 @@ class Manifest:
                   "sessions": isinstance(self.sessions, list) and all(isinstance(x, dict) for x in self.sessions),
                   "connection_info": isinstance(self.connection_info, dict),
                   "clients": isinstance(self.clients, dict), "image_bytes": whole(self.image_bytes),
+                  "stash": isinstance(self.stash, dict),
                   "server": isinstance(self.server, list) and len(self.server) == 2 and all(map(whole, self.server))}
         bad = [name for name, ok in checks.items() if not ok]
         return f"wrong {', '.join(bad)}" if bad else ""

@@ -52,6 +52,15 @@ class KernelProcess(Protocol):
         """If the kernel is idle and can, have it connect to the fast path's socket at ``path`` (see
         stash.py) and serve it; None if invited, else why not."""
 
+    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
+        """If the kernel is idle and can, have it write its large buffers into files in ``folder`` and free
+        them (kernel/hoststash.py): ``{"stashed": bytes, ...}``, or ``{"aside": reason}`` (nothing changed).
+        Raises TimeoutError, RuntimeError (the kernel's error) or an error saying the kernel ended."""
+
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+        """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
+        RuntimeError naming ``StashDamaged`` if a file does not hold what was written."""
+
     def adopt_remote(self, link: object, where: dict) -> None:
         """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""
 

@@ -61,10 +61,17 @@ def why_not(torch: Any) -> str | None:
     """Why the fast path must step aside in this process, or None."""
     if torch is None or not torch.cuda.is_initialized():
         return "the kernel does not use CUDA through PyTorch"
+    return unsafe(torch)
+
+
+def unsafe(torch: Any) -> str | None:
+    """Why this process's buffers may not be taken away between two cells (by the fast path, or the host
+    stash of a suspend, kernel/hoststash.py), or None: a library that holds CUDA memory by address, a
+    live CUDA graph, or a thread that could touch them."""
     loaded = [name for name in FOREIGN_CUDA if name in sys.modules]
     if loaded:
         return f"{', '.join(loaded)} is loaded and may hold GPU memory by address"
-    graph = getattr(torch.cuda, "CUDAGraph", None)
+    graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
     # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
     if graph is not None and any(issubclass(type(o), graph) for o in gc.get_objects()):
         return "a CUDA graph is alive (graphs replay fixed addresses)"

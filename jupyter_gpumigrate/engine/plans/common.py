@@ -39,6 +39,9 @@ class Tools:
     reconnect_timeout: float = 3.0
     #: how long a CUDA lock waits for the GPU work in flight
     lock_timeout: float = 60.0
+    #: the host stash of a suspend (kernel/hoststash.py) is used from this many bytes of large buffers;
+    #: None: never
+    host_stash_min: int | None = 10**9
 
 
 @dataclass
@@ -70,6 +73,9 @@ class Outcome:
     #: bytes sent to or received from the other host
     transferred: int | None = None
     fast_path: FastPath | None = None
+    #: the host stash of a suspend or resume: what the kernel wrote or read ({"stashed": bytes, "seconds"...},
+    #: {"unstashed": ...}), or why it stepped aside ({"aside": reason}); None where it does not apply
+    stash: dict | None = None
 
 
 class KernelContext(Context):
@@ -89,6 +95,8 @@ class KernelContext(Context):
         self.move: Move | None = None
         #: the images hold a kernel that could not be brought back: never removed by an undo
         self.keep_images = False
+        #: the host stash: what the kernel wrote ({} if nothing), or why it stepped aside
+        self.stash: dict = {}
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()

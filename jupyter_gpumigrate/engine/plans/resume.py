@@ -4,8 +4,13 @@
     restore     CRIU recreates the tree                           undo: kill it (the images stay)
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
+    unstash     the kernel reads back the buffers it stashed,     (undone with the restore)
+                checking each chunk's checksum (if it did)
     adopt       the tree is the kernel, its clients are back      (last)
     on success  the images are stale: removed
+
+A stash file that does not hold what was written fails the resume: the tree is killed, the images are
+kept, and the error says which file.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from ..kernelproc import KernelProcess
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap_restored,
                      restore_tree, unlock_restored)
+from .suspend import STASH_RATE, STASH_WAIT
 
 
 def saga() -> Saga[ResumeContext]:
@@ -25,6 +31,7 @@ def saga() -> Saga[ResumeContext]:
             Step("restore", restore_tree),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
+            Step("unstash", unstash, when=lambda ctx: bool(ctx.manifest and ctx.manifest.stash)),
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
         ],
@@ -50,10 +57,27 @@ def prepare(ctx: ResumeContext) -> None:
     free_pids(manifest)
 
 
+def unstash(ctx: ResumeContext) -> None:
+    """The restored kernel reads its buffers back from the stash files. A file that does not hold what was
+    written fails the resume: the restore's undo kills the tree, and the images are kept as they are."""
+    assert ctx.manifest is not None
+    timeout = STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / STASH_RATE
+    try:
+        ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+    except RuntimeError as exc:
+        raise ImageError(f"The kernel could not read its large buffers back from {ctx.images} ({exc}). It is "
+                         "left suspended and its images are kept; if a file there was damaged, the kernel cannot "
+                         "come back whole: discard it (jupyter gpumigrate discard) once you have what you "
+                         "need.") from exc
+    except (OSError, TimeoutError) as exc:
+        raise ImageError(f"The restored kernel did not read its large buffers back ({exc}); it is left "
+                         "suspended, its images kept. Try again.") from exc
+
+
 def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None = None,
         progress: ProgressCallback | None = None) -> Outcome:
     ctx = ResumeContext(kernel, tools, to_gpu)
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest,
-                   to_gpu=ctx.move.target.index if ctx.move else None)
+                   to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.stash or None)

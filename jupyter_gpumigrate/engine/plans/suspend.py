@@ -1,16 +1,32 @@
 """Suspend: the running kernel goes into images on disk; its GPU and memory are freed.
 
     prepare     an image folder and the tree's manifest           undo: remove the folder (logs kept)
+    stash       the kernel writes its large buffers into the      undo: the kernel reads them back
+                folder and frees them (when it can)
     lock        CUDA calls of each CUDA process wait (GPU only)   undo: unlock
     checkpoint  GPU memory into the process's host memory         undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it from the images
+
+The stash (kernel/hoststash.py) is what makes a large kernel fast to suspend: its own threads write the
+big PyTorch storages (CUDA through pinned buffers) and bytearrays in parallel, so the driver checkpoints
+only the CUDA context and CRIU dumps only the rest. Where it steps aside (a busy or non-IPython kernel,
+a user's thread, too little to gain), nothing changed and CRIU and the driver carry everything.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+
+from .. import proctree
+from ..errors import ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess
 from ..saga import ProgressCallback, Saga, Step
-from .common import KernelContext, Outcome, Tools, checkpoint, dump, lock, new_images, running_pid
+from .common import KernelContext, Outcome, Tools, checkpoint, dump, full_disk, lock, new_images, running_pid
+
+#: How long the kernel gets to write its buffers: this, plus a second per STASH_RATE bytes it may hold.
+STASH_WAIT = 60.0
+STASH_RATE = 2 * 10**8
 
 
 def saga() -> Saga[KernelContext]:
@@ -18,6 +34,7 @@ def saga() -> Saga[KernelContext]:
         "suspend",
         [
             Step("prepare", prepare),
+            Step("stash", stash, when=worth_asking),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
@@ -32,8 +49,66 @@ def prepare(ctx: KernelContext) -> None:
     new_images(ctx, running_pid(ctx))
 
 
+def _held(ctx: KernelContext) -> int:
+    """What the kernel's root process holds, in host and GPU memory: a bound on its buffers."""
+    assert ctx.manifest is not None
+    return sum(int(g.get("memory_used", 0)) for g in ctx.manifest.gpus) + _rss(ctx.manifest.pid)
+
+
+def worth_asking(ctx: KernelContext) -> bool:
+    """Whether to ask the kernel for the stash: not when it holds too little for the stash to pay."""
+    least = ctx.tools.host_stash_min
+    return least is not None and _held(ctx) >= least
+
+
+def stash(ctx: KernelContext) -> None:
+    """The kernel writes its large buffers into the image folder and frees them. The undo is registered
+    first: a stash that outlives the wait is read back behind it (the kernel serves requests in order)."""
+    assert ctx.manifest is not None and ctx.tools.host_stash_min is not None
+    timeout = STASH_WAIT + _held(ctx) / STASH_RATE
+    ctx.undo(lambda: take_back(ctx, timeout))
+    try:
+        said = ctx.kernel.host_stash(str(ctx.images), ctx.tools.host_stash_min, timeout)
+    except TimeoutError as exc:
+        raise MigrateError(f"The kernel did not finish writing its large buffers within {timeout:.0f} s: the "
+                           "suspend is undone, and the kernel runs on once it has read them back.") from exc
+    except RuntimeError as exc:
+        if f"[Errno {errno.ENOSPC}]" in str(exc):
+            raise ImageError(full_disk(ctx.tools.store.root, "the kernel could not write its large buffers") +
+                             " The kernel runs on, unchanged.") from exc
+        raise MigrateError(f"The kernel could not write its large buffers ({exc}); it runs on, unchanged.") from exc
+    except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
+        raise InvalidState(f"The kernel stopped answering while it wrote its large buffers ({exc}): restart "
+                           "it.") from exc
+    ctx.stash = said
+    if "stashed" in said:
+        ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds") if k in said}
+
+
+def take_back(ctx: KernelContext, timeout: float) -> None:
+    """Undo of the stash: the kernel reads its buffers back. Until it has, the files are all there is of
+    them: kept, whatever else is undone."""
+    keep, ctx.keep_images = ctx.keep_images, True
+    try:
+        ctx.kernel.host_take_back(str(ctx.images), timeout)
+    except OSError:  # ConnectionError: the kernel ended, or its socket broke
+        pid = ctx.kernel.kernel_pid
+        if pid is not None and proctree.is_alive(pid):
+            raise
+        keep = False  # the kernel ended: its buffers with it, and the files are of no use
+    ctx.keep_images = keep
+
+
+def _rss(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None = None) -> Outcome:
     ctx = KernelContext(kernel, tools)
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
-    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest)
+    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, stash=ctx.stash or None)

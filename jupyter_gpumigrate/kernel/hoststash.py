@@ -1,0 +1,458 @@
+"""Inside the kernel: the host stash of a suspend. Large buffers go to files, in parallel, before the dump.
+
+CRIU writes and reads a process's memory at about 2 GB/s whatever the medium, and the CUDA driver copies
+a checkpoint out at about 1.5 GB/s (docs/internals.md): a kernel holding 32 GB took 33 s to suspend and
+26 s to resume. So, before the driver and CRIU run, the kernel itself writes its large buffers into files
+of the image folder with many threads (CUDA memory through pinned host buffers), and frees them; the
+driver then checkpoints only the CUDA context and CRIU dumps only what is left. At resume, once the tree
+is restored (and remapped), the buffers are allocated again and read back, each chunk checked against
+its checksum. A buffer keeps its identity (``Storage.resize_`` to 0 and back; a ``bytearray`` resized
+in place), so every tensor, view, parameter, gradient and optimizer state sharing it sees the same values.
+
+What it takes: PyTorch storages (CUDA or CPU) that can be resized, and ``bytearray`` objects held by a
+namespace, an object's attributes or a list (no view of them held), each of :data:`MIN_BYTES` or more. It steps aside, changing nothing, when a thread that is not Jupyter's runs (it
+could touch a buffer while it is away), when a CUDA graph is alive or a library that holds CUDA memory by
+address is loaded (kernel/stager.py: the same rules as the fast path of a GPU move), and when there is
+too little to gain (``min_total``).
+
+The files, in the image folder:
+    stash-NN.bin       one per writer thread; chunks of buffers, each at an offset
+    stash-index.json   written last: the session, and per chunk its buffer, place and CRC-32
+A folder with parts but no index is a stash that did not finish: nothing was freed yet (buffers are
+freed only once every part is written and synced), so the server removes it.
+
+Everything runs in the kernel's main thread, called by the server through a silent request while the
+kernel is idle: never beside a cell. The writer threads end before it returns.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import json
+import os
+import secrets
+import sys
+import threading
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .stager import unsafe as _unsafe
+
+FORMAT = 1
+INDEX = "stash-index.json"
+PART = "stash-{:02d}.bin"
+#: Buffers smaller than this stay: CRIU and the driver carry them with the rest.
+MIN_BYTES = 16 << 20
+#: Each chunk is copied, checksummed and written as one piece (and is the size of each thread's pinned buffer).
+CHUNK = 64 << 20
+#: Writer and reader threads: one file each (tmpfs serialises writes to one file on its inode).
+THREADS = 16
+_TMPFS_MAGIC = "tmpfs"
+
+
+class StepAside(Exception):
+    """The host stash does not apply; nothing was changed."""
+
+
+class StashDamaged(Exception):
+    """The stash files do not hold what was written: the buffers cannot be brought back whole."""
+
+
+# -- the buffers -----------------------------------------------------------------------------------------
+
+
+@dataclass
+class Buffer:
+    """One stashable buffer: a PyTorch storage (``cuda`` or ``cpu``) or a ``bytearray``."""
+
+    kind: str
+    obj: Any
+    size: int
+
+    def address(self) -> int:
+        if self.kind == "bytearray":
+            return ctypes.addressof(ctypes.c_char.from_buffer(self.obj)) if self.size else 0
+        return int(self.obj.data_ptr())
+
+    def release(self) -> None:
+        if self.kind == "bytearray":
+            del self.obj[:]
+        else:
+            self.obj.resize_(0)
+
+    def reallocate(self) -> None:
+        if self.kind == "bytearray":
+            _resize_bytearray(self.obj, self.size)
+        else:
+            self.obj.resize_(self.size)
+
+
+def _resize_bytearray(obj: bytearray, size: int) -> None:
+    resize = ctypes.pythonapi.PyByteArray_Resize
+    resize.argtypes = [ctypes.py_object, ctypes.c_ssize_t]
+    resize.restype = ctypes.c_int
+    if resize(obj, size) != 0:
+        raise MemoryError(f"cannot give a bytearray its {size} bytes back")
+
+
+def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
+    """Every distinct buffer of ``min_bytes`` or more that can be freed and given back in place, largest
+    first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of."""
+    found: dict[tuple[str, int], Buffer] = {}
+    tracked = gc.get_objects()
+    # bytearrays hold no references, so the collector does not track them: look in what holds them.
+    holders = [o for o in tracked if type(o) in (dict, list)]
+    for obj in gc.get_referents(*holders):
+        if type(obj) is bytearray and len(obj) >= min_bytes and ("bytearray", id(obj)) not in found \
+                and _exports(obj) == 0:
+            found[("bytearray", id(obj))] = Buffer("bytearray", obj, len(obj))
+    del holders
+    # is_pinned() would start CUDA in a kernel that never used it; without CUDA nothing is pinned.
+    cuda_on = torch is not None and torch.cuda.is_initialized()
+    for obj in tracked:
+        kind = type(obj)
+        if torch is None or not issubclass(kind, torch.Tensor):
+            continue
+        try:
+            if obj.layout != torch.strided or obj.device.type not in ("cuda", "cpu"):
+                continue
+            storage = obj.untyped_storage()
+            pointer, size = storage.data_ptr(), storage.nbytes()
+            if not pointer or size < min_bytes or not storage.resizable():
+                continue
+        except (RuntimeError, NotImplementedError, TypeError):
+            continue  # sparse, nested, wrapper subclasses: they stay
+        device = obj.device.type
+        if device == "cpu" and cuda_on and obj.is_pinned():
+            continue  # pinned host memory: freeing and taking it again costs more than CRIU's copy
+        found.setdefault((device, pointer), Buffer(device, storage, size))
+    return sorted(found.values(), key=lambda b: b.size, reverse=True)
+
+
+def _exports(obj: bytearray) -> int:
+    """1 if a buffer view (memoryview, numpy, ctypes) holds ``obj`` now, so that it cannot be resized; else 0.
+    Growing it by one byte asks exactly that (and a bytearray of this size has no room left to grow into)."""
+    try:
+        obj.append(0)
+    except BufferError:
+        return 1
+    del obj[-1]
+    return 0
+
+
+def why_not(torch: Any) -> str | None:
+    """Why the host stash must step aside in this process, or None. The fast path's rules (threads, CUDA
+    graphs, libraries that hold CUDA memory by address), less its need for CUDA: CPU buffers go too."""
+    return _unsafe(torch)
+
+
+# -- the CUDA driver, for CUDA buffers -------------------------------------------------------------------
+
+
+class _Cuda:
+    """The driver calls the stash needs: pinned host buffers, and copies on a stream per thread."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL("libcuda.so.1")
+        u64, size_t, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(vp)]
+        lib.cuCtxSetCurrent.argtypes = [vp]
+        lib.cuMemHostAlloc.argtypes = [ctypes.POINTER(vp), size_t, ctypes.c_uint]
+        lib.cuMemFreeHost.argtypes = [vp]
+        lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cuStreamDestroy_v2.argtypes = [vp]
+        lib.cuStreamSynchronize.argtypes = [vp]
+        lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, u64, size_t, vp]
+        lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, size_t, vp]
+        self.lib = lib
+        context = vp()
+        self._check(lib.cuCtxGetCurrent(ctypes.byref(context)), "finding the CUDA context")
+        self.context = context
+
+    @staticmethod
+    def _check(result: int, what: str) -> None:
+        if result != 0:
+            raise OSError(f"{what} failed (CUresult {result})")
+
+    def enter(self) -> tuple[int, int]:
+        """In a worker thread: make the kernel's context current; a pinned buffer and a stream of its own."""
+        lib, vp = self.lib, ctypes.c_void_p
+        self._check(lib.cuCtxSetCurrent(self.context), "making the CUDA context current")
+        host, stream = vp(), vp()
+        self._check(lib.cuMemHostAlloc(ctypes.byref(host), CHUNK, 0), "allocating a pinned buffer")
+        self._check(lib.cuStreamCreate(ctypes.byref(stream), 1), "creating a stream")
+        return int(host.value), int(stream.value)
+
+    def leave(self, host: int, stream: int) -> None:
+        self.lib.cuStreamDestroy_v2(ctypes.c_void_p(stream))
+        self.lib.cuMemFreeHost(ctypes.c_void_p(host))
+
+    def to_host(self, host: int, device: int, size: int, stream: int) -> None:
+        self._check(self.lib.cuMemcpyDtoHAsync_v2(host, device, size, stream), "a copy from the GPU")
+        self._check(self.lib.cuStreamSynchronize(stream), "a copy from the GPU")
+
+    def to_device(self, device: int, host: int, size: int, stream: int) -> None:
+        self._check(self.lib.cuMemcpyHtoDAsync_v2(device, host, size, stream), "a copy to the GPU")
+        self._check(self.lib.cuStreamSynchronize(stream), "a copy to the GPU")
+
+
+def _view(address: int, size: int) -> memoryview:
+    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
+
+
+# -- the plan of the files -------------------------------------------------------------------------------
+
+
+@dataclass
+class Chunk:
+    buffer: int
+    at: int
+    size: int
+    part: int
+    offset: int
+    crc32: int = 0
+
+
+def plan_chunks(sizes: list[int], threads: int, chunk: int = CHUNK) -> list[Chunk]:
+    """Cut each buffer into chunks and deal them round-robin over ``threads`` files (one per thread)."""
+    chunks: list[Chunk] = []
+    ends = [0] * max(1, threads)
+    for i, size in enumerate(sizes):
+        for at in range(0, size, chunk):
+            part = len(chunks) % len(ends)
+            n = min(chunk, size - at)
+            chunks.append(Chunk(i, at, n, part, ends[part]))
+            ends[part] += n
+    return chunks
+
+
+def _fs_type(folder: Path) -> str:
+    """The type of the file system ``folder`` is on (from /proc/self/mounts; '' if unknown)."""
+    best, kind = "", ""
+    target = os.path.realpath(folder)
+    try:
+        with open("/proc/self/mounts", encoding="utf-8") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) >= 3:
+                    point = fields[1].replace("\\040", " ")
+                    if (target == point or target.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                        best, kind = point, fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+# -- in the kernel's memory: what is away ---------------------------------------------------------------
+
+#: The buffers now in files, in the order of the index, and the session that wrote them.
+_away: list[Buffer] = []
+_session: str | None = None
+
+
+def _io_all(fn: Any, fd: int, view: memoryview, offset: int) -> None:
+    """pwrite/preadv until ``view`` is done (both may do less than asked)."""
+    done = 0
+    while done < len(view):
+        n = fn(fd, view[done:], offset + done)
+        if n <= 0:
+            raise OSError(f"the stash file ended {len(view) - done} bytes short")
+        done += n
+
+
+def _pread(fd: int, view: memoryview, offset: int) -> int:
+    return os.preadv(fd, [view], offset)
+
+
+def _run_parts(work: Any, parts: int) -> None:
+    """Run ``work(part)`` for each part on its own thread; the first error is raised after all ended."""
+    with ThreadPoolExecutor(max_workers=parts, thread_name_prefix="gpumigrate-hoststash") as pool:
+        futures = [pool.submit(work, p) for p in range(parts)]
+    for future in futures:
+        future.result()
+
+
+def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES) -> str:
+    """Write the kernel's large buffers into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
+    "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
+    changed). Raises OSError (a full disk, say) with nothing freed; the server removes the files."""
+    global _session
+    if _away:
+        return json.dumps({"aside": "buffers of an earlier stash are still away"})
+    torch = sys.modules.get("torch")
+    reason = why_not(torch)
+    if reason:
+        return json.dumps({"aside": reason})
+    started = time.perf_counter()
+    buffers = collect(torch, min_bytes)
+    total = sum(b.size for b in buffers)
+    if not buffers or total < max(min_total, 1):
+        return json.dumps({"aside": f"the kernel holds {total / 1e9:.1f} GB of large buffers: under "
+                                    f"{max(min_total, min_bytes) / 1e9:.1f} GB CRIU and the driver alone are as fast"})
+    cuda = None
+    devices = {b.obj.device.index for b in buffers if b.kind == "cuda"}
+    if len(devices) > 1:
+        return json.dumps({"aside": "the kernel's tensors are on several GPUs"})
+    if devices:
+        torch.cuda.synchronize()  # every kernel launched so far has finished with these buffers
+        with torch.cuda.device(devices.pop()):
+            cuda = _Cuda()  # the context of the buffers' GPU
+    root = Path(folder)
+    chunks = plan_chunks([b.size for b in buffers], threads)
+    parts = 1 + max(c.part for c in chunks)
+    durable = _fs_type(root) != _TMPFS_MAGIC
+    addresses = [b.address() for b in buffers]
+
+    def write(part: int) -> None:
+        mine = [c for c in chunks if c.part == part]
+        fd = os.open(root / PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        pinned = cuda.enter() if cuda is not None else None
+        try:
+            for c in mine:
+                source = addresses[c.buffer] + c.at
+                if buffers[c.buffer].kind == "cuda":
+                    assert cuda is not None and pinned is not None
+                    cuda.to_host(pinned[0], source, c.size, pinned[1])
+                    view = _view(pinned[0], c.size)
+                else:
+                    view = _view(source, c.size)
+                c.crc32 = zlib.crc32(view)
+                _io_all(os.pwrite, fd, view, c.offset)
+            if durable:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
+        finally:
+            os.close(fd)
+            if pinned is not None:
+                cuda.leave(*pinned)  # type: ignore[union-attr]
+
+    _run_parts(write, parts)
+    session = secrets.token_hex(8)
+    index = {"format": FORMAT, "session": session, "pid": os.getpid(),
+             "buffers": [{"kind": b.kind, "size": b.size} for b in buffers],
+             "chunks": [c.__dict__ for c in chunks], "parts": parts}
+    _write_index(root, index, durable)
+    # Every byte is in the files: only now are the buffers freed.
+    for b in buffers:
+        b.release()
+    if cuda is not None:
+        torch.cuda.empty_cache()  # give the freed blocks back, or the driver would checkpoint them anyway
+        torch.cuda.synchronize()
+    _away[:] = buffers
+    _session = session
+    return json.dumps({"stashed": total, "buffers": len(buffers), "files": parts,
+                       "seconds": round(time.perf_counter() - started, 4)})
+
+
+def _write_index(root: Path, index: dict, durable: bool) -> None:
+    tmp = root / f".{INDEX}.tmp"
+    with open(tmp, "w", encoding="utf-8", opener=lambda p, f: os.open(p, f | os.O_NOFOLLOW, 0o600)) as out:
+        json.dump(index, out)
+        out.flush()
+        if durable:
+            os.fsync(out.fileno())
+    os.replace(tmp, root / INDEX)
+
+
+def read_index(folder: str | os.PathLike[str]) -> dict:
+    """The stash index of ``folder``, checked for shape; StashDamaged if it is not one."""
+    path = Path(folder) / INDEX
+    try:
+        index = json.loads(path.read_text())
+        if index.get("format") != FORMAT:
+            raise ValueError(f"format {index.get('format')!r}, not {FORMAT}")
+        sizes = [int(b["size"]) for b in index["buffers"]]
+        chunks = [Chunk(**c) for c in index["chunks"]]
+    except FileNotFoundError as exc:
+        raise StashDamaged(f"{path} is missing") from exc
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StashDamaged(f"{path} is damaged ({exc})") from exc
+    for c in chunks:
+        if not (0 <= c.buffer < len(sizes) and 0 <= c.at and c.size > 0 and c.at + c.size <= sizes[c.buffer]
+                and 0 <= c.part < int(index.get("parts", 0)) and c.offset >= 0):
+            raise StashDamaged(f"{path} is damaged (a chunk out of bounds: {c})")
+    index["chunks"] = chunks
+    return index
+
+
+def take_back(folder: str, threads: int = THREADS) -> str:
+    """Bring every buffer back from the stash in ``folder``, checking each chunk's CRC-32. Returns JSON:
+    ``{"unstashed": bytes, "seconds": s}``. Raises :class:`StashDamaged` (a file missing, short or not
+    matching its checksum): the buffers that could not be filled are left empty, and the server kills
+    this process and keeps the images."""
+    global _session
+    started = time.perf_counter()
+    if not _away:
+        return json.dumps({"unstashed": 0, "seconds": 0.0})
+    index = read_index(folder)
+    if index.get("session") != _session or [b["size"] for b in index["buffers"]] != [b.size for b in _away]:
+        raise StashDamaged(f"the stash in {folder} is not the one this kernel wrote")
+    root = Path(folder)
+    chunks: list[Chunk] = index["chunks"]
+    parts = int(index["parts"])
+    buffers = list(_away)
+    torch = sys.modules.get("torch")
+    for b in buffers:
+        b.reallocate()
+    cuda = None
+    devices = {b.obj.device.index for b in buffers if b.kind == "cuda"}
+    if devices and torch is not None:
+        with torch.cuda.device(devices.pop()):
+            cuda = _Cuda()
+    addresses = [b.address() for b in buffers]
+    lock = threading.Lock()
+    damaged: list[str] = []
+
+    def read(part: int) -> None:
+        path = root / PART.format(part)
+        mine = [c for c in chunks if c.part == part]
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            with lock:
+                damaged.append(f"{path.name}: {exc.strerror or exc}")
+            return
+        pinned = cuda.enter() if cuda is not None else None
+        try:
+            for c in mine:
+                target = addresses[c.buffer] + c.at
+                on_gpu = buffers[c.buffer].kind == "cuda"
+                view = _view(pinned[0] if on_gpu and pinned else target, c.size)
+                try:
+                    _io_all(_pread, fd, view, c.offset)
+                except OSError as exc:
+                    with lock:
+                        damaged.append(f"{path.name}: {exc}")
+                    return
+                if zlib.crc32(view) != c.crc32:
+                    with lock:
+                        damaged.append(f"{path.name} at byte {c.offset}: its checksum does not match")
+                    return
+                if on_gpu:
+                    assert cuda is not None and pinned is not None
+                    cuda.to_device(target, pinned[0], c.size, pinned[1])
+        finally:
+            os.close(fd)
+            if pinned is not None:
+                cuda.leave(*pinned)  # type: ignore[union-attr]
+
+    _run_parts(read, parts)
+    if damaged:
+        raise StashDamaged("; ".join(sorted(damaged)[:3]) + (f" (and {len(damaged) - 3} more)" if len(damaged) > 3
+                                                             else ""))
+    if cuda is not None and torch is not None:
+        torch.cuda.synchronize()
+    total = sum(b.size for b in buffers)
+    _away.clear()
+    _session = None
+    return json.dumps({"unstashed": total, "seconds": round(time.perf_counter() - started, 4)})
+
+
+def away() -> int:
+    """Bytes of this kernel's buffers that are in a stash now (0: none)."""
+    return sum(b.size for b in _away)

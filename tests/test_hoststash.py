@@ -1,0 +1,211 @@
+"""The host stash of a suspend (kernel/hoststash.py), on CPU kernels: large bytearrays are written by the
+kernel's own threads into the images, read back at resume and checked; a damaged file is refused with the
+images kept; a full disk and a kernel killed mid-stash leave the kernel as it was or no half image.
+
+The GPU suite covers CUDA storages (tests/test_gpu.py); the file format and its checks are the same code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import api, operate, small_tmpfs, wait_operation
+
+from jupyter_gpumigrate.kernel import hoststash
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+#: the kernels' buffers: three of 96 MB, each of its own pattern, and their checksum (computed in the kernel)
+MAKE = """
+import hashlib, os
+blobs = [bytearray(os.urandom(1 << 20) * 96) for _ in range(3)]
+alias = blobs[1]
+small = bytearray(b"s" * 1000)
+digest = lambda: hashlib.sha256(b"".join(bytes(b) for b in blobs) + bytes(small)).hexdigest()
+print(digest())
+"""
+
+
+def _config(state_dir: Path) -> dict[str, Any]:
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
+        "MigratableProvisioner": {"state_dir": str(state_dir), "host_stash_min": 10**8},
+    }
+
+
+@pytest.fixture
+def jp_server_config(tmp_path: Path) -> dict[str, Any]:
+    return _config(tmp_path / "gpumigrate")
+
+
+def _flip(path: Path, offset: int) -> None:
+    """Invert the bits of one byte of ``path`` (twice puts it right)."""
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0xFF]))
+
+
+def _images(serverapp: Any, kernel_id: str) -> Path:
+    return serverapp.kernel_manager.get_kernel(kernel_id).provisioner.images.path_for(kernel_id)
+
+
+# -- the format, in this process ---------------------------------------------------------------------
+
+
+def test_the_format_round_trips_and_refuses_what_does_not_match(tmp_path: Path) -> None:
+    # As in a notebook, the buffers are held by a namespace (a dict, which also holds other objects: the
+    # collector tracks only dicts that hold an object it tracks).
+    ns = {"blob": bytearray(os.urandom(1 << 20) * 200), "view_held": bytearray(32 << 20), "In": []}
+    blob, view_held = ns["blob"], ns["view_held"]
+    held = memoryview(view_held)  # a bytearray that a view holds cannot be resized: it stays
+    expect = bytes(blob)
+    said = json.loads(hoststash.stash(str(tmp_path), min_total=1, threads=3))
+    assert said["stashed"] == len(expect) and said["buffers"] == 1, said
+    assert len(blob) == 0 and len(view_held) == 32 << 20, "the stashed buffer is freed, the held one stays"
+    index = hoststash.read_index(tmp_path)
+    assert index["format"] == hoststash.FORMAT and sum(c.size for c in index["chunks"]) == len(expect)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [hoststash.PART.format(p) for p in range(index["parts"])] \
+        + [hoststash.INDEX]
+    assert all((tmp_path / hoststash.PART.format(p)).stat().st_mode & 0o777 == 0o600 for p in range(index["parts"]))
+    # A flipped byte: refused, naming the file.
+    chunk = index["chunks"][-1]
+    part = tmp_path / hoststash.PART.format(chunk.part)
+    _flip(part, chunk.offset + 7)
+    with pytest.raises(hoststash.StashDamaged, match=f"{part.name} at byte {chunk.offset}: its checksum"):
+        hoststash.take_back(str(tmp_path), threads=3)
+    # Put right, it comes back whole, in the same object.
+    _flip(part, chunk.offset + 7)
+    said = json.loads(hoststash.take_back(str(tmp_path), threads=3))
+    assert said["unstashed"] == len(expect) and bytes(blob) == expect
+    del held
+
+
+def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:
+    ns = {"blob": bytearray(os.urandom(1 << 20) * 160), "In": []}
+    blob = ns["blob"]
+    expect = bytes(blob)
+    json.loads(hoststash.stash(str(tmp_path), min_total=1, threads=2))
+    index_path = tmp_path / hoststash.INDEX
+    good = index_path.read_text()
+    index_path.write_text(good.replace('"session": "', '"session": "x'))
+    with pytest.raises(hoststash.StashDamaged, match="not the one this kernel wrote"):
+        hoststash.take_back(str(tmp_path))
+    index_path.write_text('{"format": 1, "chunks": [{"buffer": 9}]}')
+    with pytest.raises(hoststash.StashDamaged, match="damaged"):
+        hoststash.take_back(str(tmp_path))
+    index_path.write_text(good)
+    second = tmp_path / hoststash.PART.format(1)
+    whole = second.read_bytes()
+    os.truncate(second, 100)
+    with pytest.raises(hoststash.StashDamaged, match="ended .* short"):
+        hoststash.take_back(str(tmp_path))
+    assert hoststash.away() == len(expect), "still away: the files are the copy"
+    second.write_bytes(whole)
+    hoststash.take_back(str(tmp_path))
+    assert bytes(blob) == expect and hoststash.away() == 0
+
+
+def test_a_thread_of_the_user_makes_it_step_aside(tmp_path: Path) -> None:
+    ns = {"blob": bytearray(32 << 20), "In": []}
+    blob = ns["blob"]
+    stop = threading.Event()
+    worker = threading.Thread(target=stop.wait, name="users-loop")
+    worker.start()
+    try:
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+    finally:
+        stop.set()
+        worker.join()
+    assert "users-loop" in said["aside"] and len(blob) == 32 << 20 and not list(tmp_path.iterdir())
+
+
+# -- through a real server and kernel -----------------------------------------------------------------
+
+
+async def test_suspend_writes_the_buffers_itself_and_resume_reads_them_back(jp_fetch, jp_serverapp, kernel):
+    digest = (await kernel.run(MAKE)).strip()
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert "stash" in op["phases"] and "stash" in op["timings"], op
+    folder = _images(jp_serverapp, kernel.id)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["stash"]["stashed"] == 3 * 96 << 20 and manifest["stash"]["buffers"] == 3, manifest["stash"]
+    parts = [n for n in manifest["files"] if n.startswith("stash-")]
+    assert "stash-index.json" in parts and sum(manifest["files"][n] for n in parts) >= 3 * 96 << 20
+    # CRIU did not carry them a second time: its images hold less than the buffers.
+    criu_bytes = sum(size for name, size in manifest["files"].items() if not name.startswith("stash-"))
+    assert criu_bytes < 96 << 20, manifest["files"]
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded" and "unstash" in op["timings"], op
+    assert (await kernel.run("print(digest(), alias is blobs[1], len(blobs[0]))")).split() == [digest, "True",
+                                                                                           str(96 << 20)]
+    assert not folder.exists(), "the images are removed once the kernel runs"
+
+
+async def test_a_damaged_stash_file_fails_the_resume_and_keeps_the_images(jp_fetch, jp_serverapp, kernel):
+    digest = (await kernel.run(MAKE)).strip()
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    folder = _images(jp_serverapp, kernel.id)
+    index = hoststash.read_index(folder)
+    chunk = index["chunks"][5]
+    part = folder / hoststash.PART.format(chunk.part)
+    _flip(part, chunk.offset + 1000)
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "failed" and op["failed_phase"] == "unstash", op
+    assert part.name in op["error"] and "checksum does not match" in op["error"] and "kept" in op["error"], op
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "suspended" and (folder / "manifest.json").exists()
+    # Repaired, the same images bring the kernel back whole: nothing was lost by the failed try.
+    _flip(part, chunk.offset + 1000)
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(digest())")).strip() == digest
+
+
+@pytest.fixture
+def small_disk(tmp_path: Path):
+    """A 200 MB tmpfs: room for the kernel's CRIU images, not for its 288 MB of buffers."""
+    with small_tmpfs(tmp_path / "small", "200m") as folder:
+        yield folder
+
+
+class TestFullDisk:
+    @pytest.fixture
+    def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
+        return _config(small_disk / "gpumigrate")
+
+    async def test_a_full_disk_during_the_stash_leaves_the_kernel_running_whole(self, jp_fetch, jp_serverapp,
+                                                                                kernel, small_disk):
+        digest = (await kernel.run(MAKE)).strip()
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "failed" and op["failed_phase"] == "stash", op
+        assert "full" in op["error"] and str(small_disk / "gpumigrate") in op["error"], op["error"]
+        assert "runs on, unchanged" in op["error"]
+        assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+        assert (await kernel.run("print(digest())")).strip() == digest
+        assert not _images(jp_serverapp, kernel.id).exists(), "the partial files are removed"
+
+
+async def test_a_kernel_killed_mid_stash_leaves_no_half_image(jp_fetch, jp_serverapp, kernel):
+    # Enough to take a while to write on this machine, so that the kill lands during the stash.
+    await kernel.run("import os\nbig = [bytearray(os.urandom(1 << 20) * 200) for _ in range(4)]\nprint('ok')")
+    pid = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.pid
+    op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
+    folder = _images(jp_serverapp, kernel.id)
+    deadline = time.monotonic() + 60
+    while not any(folder.glob("stash-*.bin")) if folder.exists() else True:
+        assert time.monotonic() < deadline, "the stash never started"
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    op = await wait_operation(jp_fetch, op)
+    assert op["status"] == "failed" and op["failed_phase"] == "stash", op
+    assert "stopped answering" in op["error"], op["error"]
+    assert not folder.exists(), "no half image is left"
