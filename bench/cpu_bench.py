@@ -65,7 +65,7 @@ class Way:
 
 
 class Server(Way):
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config: dict | None = None) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -74,12 +74,16 @@ class Server(Way):
         self.log = open(root / "server.log", "wb")  # noqa: SIM115 - closed in stop()
         # The extension is enabled here, not by the installed jupyter-config: where the package was
         # installed with pip --target (the GPU machine), that file is not on Jupyter's config path.
-        config = root / "server_config.json"
-        config.write_text(json.dumps({"ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}}}))
+        settings = {"ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
+                    "MigratableProvisioner": {"state_dir": str(root / "state")}}
+        for section, values in (config or {}).items():
+            settings.setdefault(section, {}).update(values)
+        path = root / "server_config.json"
+        path.write_text(json.dumps(settings))
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_server", f"--config={config}", "--no-browser", "--allow-root", f"--port={self.port}",
-             "--ip=127.0.0.1", f"--ServerApp.token={self.token}", f"--ServerApp.root_dir={root}",
-             f"--MigratableProvisioner.state_dir={root / 'state'}"],
+            [sys.executable, "-m", "jupyter_server", f"--config={path}", "--no-browser", "--allow-root",
+             f"--port={self.port}", "--ip=127.0.0.1", f"--ServerApp.token={self.token}",
+             f"--ServerApp.root_dir={root}"],
             stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
         )
         deadline = time.monotonic() + 60

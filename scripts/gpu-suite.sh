@@ -32,6 +32,8 @@
 #                     GPU_SUITE_BENCH_TIMEOUT  wall bound of bench/gpu_bench.py, s (default 900)
 #                     GPU_SUITE_TESTS=0 / GPU_SUITE_BENCH=0  skip the tests / the bench
 #                     GPU_SUITE_BENCH_ARGS     arguments for bench/gpu_bench.py (e.g. "--sizes 1,8 --cached= --cpu-sizes=")
+#                     GPU_SUITE_BENCH_SCRIPT   the bench to run (default bench/gpu_bench.py; bench/suspend_bench.py
+#                                              times GPU suspend and resume through a real server)
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
@@ -433,16 +435,17 @@ PY
   fi
   [ "$rc" = 124 ] && echo "gpu-suite: pytest ran past GPU_SUITE_PYTEST_TIMEOUT=${GPU_SUITE_PYTEST_TIMEOUT:-1800}s" | tee -a "$OUT/gpu-tests.log"
 
-  if [ "${GPU_SUITE_BENCH:-1}" = 1 ] && [ -f bench/gpu_bench.py ]; then
-    echo "=== bench/gpu_bench.py ${GPU_SUITE_BENCH_ARGS:-}"
+  local bench="${GPU_SUITE_BENCH_SCRIPT:-bench/gpu_bench.py}"
+  if [ "${GPU_SUITE_BENCH:-1}" = 1 ] && [ -f "$bench" ]; then
+    echo "=== $bench ${GPU_SUITE_BENCH_ARGS:-}"
     set +e
     # shellcheck disable=SC2086
-    PYTHONUNBUFFERED=1 timeout -k 30 "${GPU_SUITE_BENCH_TIMEOUT:-900}" python3 bench/gpu_bench.py ${GPU_SUITE_BENCH_ARGS:-} \
+    PYTHONUNBUFFERED=1 timeout -k 30 "${GPU_SUITE_BENCH_TIMEOUT:-900}" python3 "$bench" ${GPU_SUITE_BENCH_ARGS:-} \
       --out-dir "$OUT" --tag "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr -cd 'A-Za-z0-9')x$(nvidia-smi -L | wc -l)" 2>&1 \
       | tee "$OUT/bench.log"
     brc=${PIPESTATUS[0]}
     set -e
-    [ "$brc" = 0 ] || echo "gpu-suite: bench/gpu_bench.py exited $brc"
+    [ "$brc" = 0 ] || echo "gpu-suite: $bench exited $brc"
   fi
 
   echo "=== summary"

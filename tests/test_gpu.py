@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from helpers import (OPEN_IO_URING, KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel,
@@ -83,8 +84,11 @@ def where(pid: int) -> set[int]:
     return {g.index for g in gpus_mod.snapshot() if pid in g.processes}
 
 
-async def build(kernel, gib: float = 1.0) -> int:
-    two_gpus()
+async def build(kernel, gib: float = 1.0, gpus: int = 2) -> int:
+    """The kernel trains a model and holds ``gib`` GiB besides it, on GPU 0; skipped unless there are
+    ``gpus`` GPUs (2: of one model)."""
+    if gpus > 1:
+        two_gpus()
     await kernel.run(SETUP, timeout=120)
     out = await kernel.run(BUILD.format(n=int(gib * GIB // 4), gib=gib), timeout=120)
     assert out.split() == ["20", "0"]
@@ -149,7 +153,7 @@ async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
     used_before = gpus_mod.snapshot()[0].memory_used
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "dump"]
+    assert list(op["timings"]) == ["prepare", "stash", "lock", "checkpoint", "dump"]
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "suspended" and view["image_bytes"] > 4 * GIB
     assert where(pid) == set()
@@ -157,7 +161,7 @@ async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
 
     op = await operate(jp_fetch, kernel.id, "resume", {"to_gpu": 1})
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "adopt"] and op["to_gpu"] == 1
+    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"] and op["to_gpu"] == 1
     assert where(pid) == {1}
     out = await kernel.run("print(state_digest() == before, big.device); print(len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
@@ -170,7 +174,7 @@ async def test_resume_with_no_gpu_named_goes_back_where_it_was(jp_fetch, kernel)
     assert [t["index"] for t in view["targets"] if t["ok"]] == [0, 1], view["targets"]
     op = await operate(jp_fetch, kernel.id, "resume")  # the default: the GPU it was suspended on
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "adopt"]
+    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"]
     assert where(pid) == {0} and CudaProcess(pid).state == "running"
     out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
@@ -295,7 +299,7 @@ async def test_a_gpu_suspend_whose_dump_fails_leaves_the_kernel_on_its_gpu_unloc
     await kernel.run(OPEN_IO_URING)  # the dump fails after the CUDA checkpoint
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump", op
-    assert list(op["timings"]) == ["prepare", "lock", "checkpoint", "dump"]
+    assert list(op["timings"]) == ["prepare", "stash", "lock", "checkpoint", "dump"]
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid
     assert where(pid) == {0}, "its GPU memory is back on GPU 0"
@@ -399,3 +403,53 @@ async def test_a_failed_remap_after_the_stash_brings_the_tensors_back_on_the_ori
     assert provisioner.state == "running" and where(pid) == {0}
     out = await kernel.run("print(state_digest() == before); print(len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "3"], "unlocked, with its state intact"
+
+
+# -- the host stash of a suspend (kernel/hoststash.py): one GPU is enough -------------------------------
+
+
+def _images(kernel) -> Path:
+    provisioner = kernel.manager.provisioner
+    return provisioner.images.path_for(provisioner.kernel_id)
+
+
+async def test_a_gpu_suspend_writes_the_tensors_itself_and_the_resume_keeps_every_value(jp_fetch, kernel):
+    pid = await build(kernel, gib=4, gpus=1)
+    used_before = gpus_mod.snapshot()[0].memory_used
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "stash", "lock", "checkpoint", "dump"]
+    manifest = json.loads((_images(kernel) / "manifest.json").read_text())
+    assert manifest["stash"]["stashed"] >= 4 * GIB, manifest["stash"]
+    criu_bytes = sum(n for name, n in manifest["files"].items() if not name.startswith("stash-"))
+    assert criu_bytes < 2 * GIB, f"CRIU did not carry the tensors again: {manifest['files']}"
+    assert where(pid) == set() and gpus_mod.snapshot()[0].memory_used < used_before - 4 * GIB
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"]
+    assert where(pid) == {0} and CudaProcess(pid).state == "running"
+    out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
+    assert out.split() == ["True", "cuda:0", "3"]
+
+
+async def test_a_damaged_stash_file_of_a_gpu_kernel_is_refused_and_its_images_kept(jp_fetch, kernel):
+    await build(kernel, gib=2, gpus=1)
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    from jupyter_gpumigrate.kernel import hoststash
+
+    folder = _images(kernel)
+    chunk = hoststash.read_index(folder)["chunks"][3]
+    part = folder / hoststash.PART.format(chunk.part)
+    with open(part, "r+b") as f:
+        f.seek(chunk.offset + 11)
+        byte = f.read(1)[0]
+        f.seek(chunk.offset + 11)
+        f.write(bytes([byte ^ 0x5A]))
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "failed" and op["failed_phase"] == "unstash" and part.name in op["error"], op
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "suspended"
+    with open(part, "r+b") as f:
+        f.seek(chunk.offset + 11)
+        f.write(bytes([byte]))
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(state_digest() == before)")).strip() == "True"

@@ -1,0 +1,189 @@
+"""GPU suspend and resume through a real server, with and without the host stash, images in memory or on disk.
+
+For each way, a `jupyter server` with the extension is started, an IPython kernel fills GPU 0 with
+``--sizes`` GB of PyTorch tensors (from seeds), and is suspended and resumed through the REST API; after
+the resume every tensor is compared, on the GPU, with one rebuilt from its seed (torch.equal: exact).
+
+Ways, ``<how>-<where>``:
+  stash-*   the host stash (kernel/hoststash.py): the kernel writes its tensors itself, then the driver
+            and CRIU carry the rest
+  criu-*    the stash off (c.MigratableProvisioner.host_stash_min = None): the CUDA driver and CRIU alone
+  *-memory  the state folder on /dev/shm (tmpfs)
+  *-disk    the state folder on ``--disk-dir`` (the local disk)
+
+Floors, measured in the same run: the disk's sequential write and read (dd, O_DIRECT, 8 GiB), tmpfs
+written and read by 16 threads (one file each), and pinned host <-> GPU copies. Writes
+``<out-dir>/<date>-<tag>-suspend.json``; the table comes last.
+
+    python3 bench/suspend_bench.py [--sizes 8,32] [--ways stash-memory,criu-memory] [--disk-dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_bench import Server  # noqa: E402
+from report import text_table  # noqa: E402
+
+GB = 10**9
+GIB = 1 << 30
+
+BUILD = """
+import torch
+PART = 2 * 10**9
+def part(i, n):
+    g = torch.Generator(device="cuda").manual_seed(i)
+    return torch.randint(0, 255, (n,), dtype=torch.uint8, device="cuda", generator=g)
+sizes = []
+left = int({size} * 1e9)
+while left > 0:
+    sizes.append(min(PART, left)); left -= sizes[-1]
+tensors = [part(i, n) for i, n in enumerate(sizes)]
+torch.cuda.synchronize()
+print(sum(t.numel() for t in tensors))
+"""
+CHECK = """
+ok = all(torch.equal(t, part(i, t.numel())) for i, t in enumerate(tensors))
+torch.cuda.empty_cache()
+print(ok, torch.cuda.current_device())
+"""
+
+
+def floors(disk_dir: Path) -> dict:
+    """What the machine can do, measured now: disk (dd, O_DIRECT), tmpfs with 16 threads, pinned copies."""
+    out: dict = {}
+    probe = disk_dir / "gpumigrate-floor.bin"
+    try:
+        for what, args in (("disk_write", ["if=/dev/zero", f"of={probe}", "oflag=direct"]),
+                           ("disk_read", [f"if={probe}", "of=/dev/null", "iflag=direct"])):
+            t0 = time.perf_counter()
+            subprocess.run(["dd", *args, "bs=16M", "count=512", "status=none"], check=True)
+            out[what] = 8 * GIB / (time.perf_counter() - t0) / GB
+    finally:
+        probe.unlink(missing_ok=True)
+    folder = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="gpumigrate-floor-"))
+    block = os.urandom(1 << 20) * 64
+    per = 2 * GIB
+
+    def write(i: int) -> None:
+        with open(folder / f"{i}", "wb", buffering=0) as f:
+            for _ in range(per // len(block)):
+                f.write(block)
+
+    def read(i: int) -> None:
+        buf = bytearray(len(block))
+        with open(folder / f"{i}", "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+    try:
+        for what, fn in (("tmpfs_write", write), ("tmpfs_read", read)):
+            threads = [threading.Thread(target=fn, args=(i,)) for i in range(16)]
+            t0 = time.perf_counter()
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            out[what] = 16 * per / (time.perf_counter() - t0) / GB
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    code = ("import torch,time\nd=torch.empty(4<<30,dtype=torch.uint8,device='cuda');h=torch.empty(4<<30,"
+            "dtype=torch.uint8,pin_memory=True)\nfor w in (0,1):\n t=time.perf_counter();h.copy_(d);"
+            "torch.cuda.synchronize();a=time.perf_counter()-t\n t=time.perf_counter();d.copy_(h);"
+            "torch.cuda.synchronize();b=time.perf_counter()-t\nprint((4<<30)/a/1e9,(4<<30)/b/1e9)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    if done.returncode == 0:
+        out["pinned_d2h"], out["pinned_h2d"] = map(float, done.stdout.split())
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> None:
+    how, where = way.split("-")
+    root = Path(tempfile.mkdtemp(prefix="gpumigrate-suspend-bench-", dir="/tmp"))
+    state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir="/dev/shm" if where == "memory" else disk_dir))
+    config = {"MigratableProvisioner": {"state_dir": str(state), "host_stash_min": None if how == "criu" else 10**9}}
+    server = Server(root, config)
+    try:
+        for size in sizes:
+            kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
+            server.run(kernel_id, BUILD.format(size=size))
+            server.run(kernel_id, "torch.cuda.empty_cache()")
+            suspended = server.operate(kernel_id, "suspend")
+            resumed = server.operate(kernel_id, "resume")
+            check = server.run(kernel_id, CHECK).split()
+            if check[0] != "True":
+                raise RuntimeError(f"{way}, {size} GB: the tensors changed: {check}")
+            row = {"way": way, "size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended,
+                   "resume": resumed}
+            rows.append(row)
+            print(json.dumps({"way": way, "size_gb": size, "image_bytes": suspended["bytes"],
+                              "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
+            server.api("DELETE", f"api/kernels/{kernel_id}")
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(state, ignore_errors=True)
+
+
+def table(rows: list[dict], floor: dict) -> str:
+    head = ["way", "GB", "suspend s", "resume s", "suspend phases", "resume phases", "GB/s out", "GB/s back"]
+    body = []
+    for r in rows:
+        s, m = r["suspend"], r["resume"]
+        phases = lambda t: " ".join(f"{k} {v:.2f}" for k, v in t.items() if v >= 0.05)  # noqa: E731
+        body.append([r["way"], f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
+                     phases(m["timings"]), f"{r['size_gb'] / s['total']:.1f}", f"{r['size_gb'] / m['total']:.1f}"])
+    floors_line = ", ".join(f"{k} {v} GB/s" for k, v in floor.items())
+    return text_table(head, body) + f"\nfloors (same run): {floors_line}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="32", help="GB of tensors the kernel holds on GPU 0")
+    parser.add_argument("--ways", default="stash-memory,stash-disk,criu-memory,criu-disk")
+    parser.add_argument("--disk-dir", default=str(Path.home()), help="a folder on the local disk")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--tag", default="gpu")
+    args = parser.parse_args()
+    sizes = [float(s) for s in args.sizes.split(",")]
+    disk_dir = Path(args.disk_dir)
+    floor = floors(disk_dir)
+    print(json.dumps({"floors": floor}), flush=True)
+    rows: list[dict] = []
+    for way in args.ways.split(","):
+        try:
+            one_way(way, sizes, disk_dir, rows)
+        except Exception as exc:  # noqa: BLE001  one way's failure is reported, the others still run
+            print(f"{way}: FAILED: {exc}", flush=True)
+            rows_failed = {"way": way, "error": str(exc)}
+            print(json.dumps(rows_failed), flush=True)
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": socket.gethostname(),
+            "cpus": os.cpu_count(), "disk_dir": str(disk_dir), "gpus": _gpus()}
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{time.strftime('%Y-%m-%d')}-{args.tag}-suspend.json"
+    path.write_text(json.dumps({"meta": meta, "floors": floor, "rows": rows}, indent=1))
+    print(f"\n# {meta['date']}, {meta['gpus']}, {meta['cpus']} CPUs; images on /dev/shm or {disk_dir}")
+    print(table(rows, floor))
+    return 0
+
+
+def _gpus() -> str:
+    done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True)
+    return "; ".join(done.stdout.strip().splitlines()) or "no GPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
