@@ -16,6 +16,8 @@ from typing import Any
 
 from helpers import operate_on, rest, wait_answering
 
+from jupyter_gpumigrate.engine import proctree
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -91,8 +93,10 @@ class LocalServer:
                                      f"killed:\n{self.server_log()}") from None
         self.log.close()
 
-    def kill_kernels(self) -> None:
-        """The end of a test: no kernel of this server's folders outlives it (running, or left by a crash)."""
+    def kernel_processes(self) -> dict[int, str]:
+        """Every process of a kernel of this server's folders (its launcher's command line names them), running
+        or left by a crash: PID -> its state letter (R, S, T...)."""
+        found = {}
         for proc_dir in Path("/proc").iterdir():
             if not proc_dir.name.isdigit():
                 continue
@@ -100,8 +104,15 @@ class LocalServer:
                 cmdline = (proc_dir / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"ipykernel_launcher" in cmdline and str(self.root).encode() in cmdline:
-                try:
-                    os.killpg(int(proc_dir.name), signal.SIGKILL)
-                except OSError:
-                    pass
+            process = proctree.info(int(proc_dir.name))
+            if process is not None and b"ipykernel_launcher" in cmdline and str(self.root).encode() in cmdline:
+                found[int(proc_dir.name)] = process.state
+        return found
+
+    def kill_kernels(self) -> None:
+        """The end of a test: no kernel of this server's folders outlives it (running, or left by a crash)."""
+        for pid in self.kernel_processes():
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except OSError:
+                pass

@@ -428,3 +428,64 @@ async def test_a_gpu_kernel_left_checkpointed_by_a_killed_server_runs_again_with
     tab = await tab_on(server, kernel_id)
     assert (await tab.run("print(digest())", timeout=180)).strip() == before
     tab.ws.close()
+
+
+def collect_exited(session: int, timeout: float = 5) -> None:
+    """Collect the exited processes of a kernel's session that a killed server left to this process, as a
+    machine's init collects those left to it. (This machine's PID 1 collects nothing, so the tests' process
+    stands in for it as the subreaper of its servers' orphans; with a PID 1 that collects none, the PIDs of
+    a killed half-restored tree would stay taken: docs/internals.md, "PIDs".)"""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        proctree.reap_orphans({session}, set())
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("when", ["restore starts", "tree half restored"])
+async def test_a_server_killed_during_a_restore_loses_nothing_and_leaves_no_process_behind(server, when):
+    assert proctree.become_subreaper()  # the init of what its servers leave (collect_exited)
+    server.start()
+    session_id, kernel_id, out = await notebook_running(
+        server, "x = 41\nblob = bytes(range(256)) * 1_600_000\nprint('ok')")  # some 400 MB to restore
+    assert out == "ok"
+    assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
+    assert server.kernel_processes() == {}, "suspended: no process of it runs"
+    pid = json.loads((server.state / "images" / kernel_id / "manifest.json").read_text())["pid"]
+
+    # Resume, followed through the API; the server is killed as soon as the operation says "restore".
+    op = server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
+    deadline = time.monotonic() + 60
+    while op["phase"] != "restore":
+        assert op["status"] in ("pending", "running") and time.monotonic() < deadline, op
+        op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    criu = _criu_of(server.proc.pid, b"restore", 5)
+    assert criu is not None, "CRIU's restore had ended before it was seen: make the kernel bigger"
+    if when == "tree half restored":
+        # CRIU has made the kernel's process again (under its own PID) and is filling in its memory.
+        while not proctree.is_alive(pid):
+            assert proctree.is_alive(criu), "CRIU ended before the kernel's process was seen: make it bigger"
+            time.sleep(0.001)
+    server.stop(signal.SIGKILL)
+    assert proctree.wait_gone(criu, 10), "CRIU dies with its server"
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    collect_exited(pid)
+    # Whatever CRIU had done by then: the kernel is back, running whole, or suspended from its intact images.
+    assert view["state"] in ("running", "suspended"), view
+    left = server.kernel_processes()
+    if view["state"] == "suspended":
+        assert left == {}, f"a half-restored tree was left: {left}"
+        assert (server.state / "images" / kernel_id / "manifest.json").is_file()
+    else:
+        assert set(left) <= set(proctree.descendants(view["pid"])), (view, left)
+    assert [s["id"] for s in server.api("GET", "api/sessions")] == [session_id]
+    tab = await tab_on(server, kernel_id)  # a cell resumes it if it is suspended
+    assert (await tab.run("print(x + 1, len(blob))", timeout=120)).split() == ["42", str(256 * 1_600_000)]
+    tab.ws.close()
+    view = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["state"] == "running", view
+    left = server.kernel_processes()
+    assert set(left) == set(proctree.descendants(view["pid"])), f"processes of no kernel: {left}"
+    assert all(state not in ("T", "t", "Z") for state in left.values()), f"stopped or dead: {left}"
+    assert not (server.state / "images" / kernel_id).exists(), "no stale images"
