@@ -48,8 +48,8 @@ INDEX = "stash-index.json"
 PART = "stash-{:02d}.bin"
 #: Buffers smaller than this stay: CRIU and the driver carry them with the rest.
 MIN_BYTES = 16 << 20
-#: Each chunk is copied, checksummed and written as one piece (and is the size of each thread's pinned buffer).
-CHUNK = 64 << 20
+#: Each chunk is copied, checksummed and written as one piece; each thread has two pinned buffers of this size.
+CHUNK = 32 << 20
 #: Writer and reader threads: one file each (tmpfs serialises writes to one file on its inode).
 THREADS = 16
 _TMPFS_MAGIC = "tmpfs"
@@ -155,7 +155,7 @@ def why_not(torch: Any) -> str | None:
 
 
 class _Cuda:
-    """The driver calls the stash needs: pinned host buffers, and copies on a stream per thread."""
+    """The driver calls the stash needs, on the kernel's CUDA context: each worker thread gets a :class:`_Lane`."""
 
     def __init__(self) -> None:
         lib = ctypes.CDLL("libcuda.so.1")
@@ -166,39 +166,75 @@ class _Cuda:
         lib.cuMemFreeHost.argtypes = [vp]
         lib.cuStreamCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
         lib.cuStreamDestroy_v2.argtypes = [vp]
-        lib.cuStreamSynchronize.argtypes = [vp]
+        lib.cuEventCreate.argtypes = [ctypes.POINTER(vp), ctypes.c_uint]
+        lib.cuEventDestroy_v2.argtypes = [vp]
+        lib.cuEventRecord.argtypes = [vp, vp]
+        lib.cuEventSynchronize.argtypes = [vp]
         lib.cuMemcpyDtoHAsync_v2.argtypes = [vp, u64, size_t, vp]
         lib.cuMemcpyHtoDAsync_v2.argtypes = [u64, vp, size_t, vp]
         self.lib = lib
         context = vp()
-        self._check(lib.cuCtxGetCurrent(ctypes.byref(context)), "finding the CUDA context")
+        _check(lib.cuCtxGetCurrent(ctypes.byref(context)), "finding the CUDA context")
         self.context = context
 
-    @staticmethod
-    def _check(result: int, what: str) -> None:
-        if result != 0:
-            raise OSError(f"{what} failed (CUresult {result})")
+    def lane(self) -> _Lane:
+        """In a worker thread: the kernel's context made current, and a lane of its own."""
+        _check(self.lib.cuCtxSetCurrent(self.context), "making the CUDA context current")
+        return _Lane(self.lib)
 
-    def enter(self) -> tuple[int, int]:
-        """In a worker thread: make the kernel's context current; a pinned buffer and a stream of its own."""
-        lib, vp = self.lib, ctypes.c_void_p
-        self._check(lib.cuCtxSetCurrent(self.context), "making the CUDA context current")
-        host, stream = vp(), vp()
-        self._check(lib.cuMemHostAlloc(ctypes.byref(host), CHUNK, 0), "allocating a pinned buffer")
-        self._check(lib.cuStreamCreate(ctypes.byref(stream), 1), "creating a stream")
-        return int(host.value), int(stream.value)
 
-    def leave(self, host: int, stream: int) -> None:
-        self.lib.cuStreamDestroy_v2(ctypes.c_void_p(stream))
-        self.lib.cuMemFreeHost(ctypes.c_void_p(host))
+def _check(result: int, what: str) -> None:
+    if result != 0:
+        raise OSError(f"{what} failed (CUresult {result})")
 
-    def to_host(self, host: int, device: int, size: int, stream: int) -> None:
-        self._check(self.lib.cuMemcpyDtoHAsync_v2(host, device, size, stream), "a copy from the GPU")
-        self._check(self.lib.cuStreamSynchronize(stream), "a copy from the GPU")
 
-    def to_device(self, device: int, host: int, size: int, stream: int) -> None:
-        self._check(self.lib.cuMemcpyHtoDAsync_v2(device, host, size, stream), "a copy to the GPU")
-        self._check(self.lib.cuStreamSynchronize(stream), "a copy to the GPU")
+class _Lane:
+    """One worker's two pinned buffers, its stream and an event per buffer: while the thread checksums and
+    writes (or reads) one buffer, the GPU copies into (or out of) the other."""
+
+    def __init__(self, lib: Any) -> None:
+        vp = ctypes.c_void_p
+        self.lib = lib
+        self.buffers: list[int] = []
+        self.events: list[Any] = []
+        self.stream = vp()
+        try:
+            _check(lib.cuStreamCreate(ctypes.byref(self.stream), 1), "creating a stream")
+            for _ in range(2):
+                host, event = vp(), vp()
+                _check(lib.cuMemHostAlloc(ctypes.byref(host), CHUNK, 0), "allocating a pinned buffer")
+                self.buffers.append(int(host.value))
+                _check(lib.cuEventCreate(ctypes.byref(event), 2), "creating an event")  # no timing
+                self.events.append(event)
+        except OSError:
+            self.close()
+            raise
+
+    def view(self, k: int, size: int) -> memoryview:
+        return _view(self.buffers[k], size)
+
+    def out(self, k: int, device: int, size: int) -> None:
+        """Start copying ``size`` bytes at ``device`` into buffer ``k``."""
+        _check(self.lib.cuMemcpyDtoHAsync_v2(self.buffers[k], device, size, self.stream), "a copy from the GPU")
+        _check(self.lib.cuEventRecord(self.events[k], self.stream), "a copy from the GPU")
+
+    def into(self, k: int, device: int, size: int) -> None:
+        """Start copying buffer ``k`` to ``device``."""
+        _check(self.lib.cuMemcpyHtoDAsync_v2(device, self.buffers[k], size, self.stream), "a copy to the GPU")
+        _check(self.lib.cuEventRecord(self.events[k], self.stream), "a copy to the GPU")
+
+    def wait(self, k: int) -> None:
+        """Until the last copy into or out of buffer ``k`` is done."""
+        _check(self.lib.cuEventSynchronize(self.events[k]), "waiting for a copy")
+
+    def close(self) -> None:
+        for event in self.events:
+            self.lib.cuEventSynchronize(event)
+            self.lib.cuEventDestroy_v2(event)
+        for host in self.buffers:
+            self.lib.cuMemFreeHost(ctypes.c_void_p(host))
+        if self.stream.value:
+            self.lib.cuStreamDestroy_v2(self.stream)
 
 
 def _view(address: int, size: int) -> memoryview:
@@ -290,6 +326,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         return json.dumps({"aside": reason})
     started = time.perf_counter()
     buffers = collect(torch, min_bytes)
+    found = time.perf_counter()
     total = sum(b.size for b in buffers)
     if not buffers or total < max(min_total, 1):
         return json.dumps({"aside": f"the kernel holds {total / 1e9:.1f} GB of large buffers: under "
@@ -310,17 +347,22 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
 
     def write(part: int) -> None:
         mine = [c for c in chunks if c.part == part]
+        on_gpu = [buffers[c.buffer].kind == "cuda" for c in mine]
         fd = os.open(root / PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        pinned = cuda.enter() if cuda is not None else None
+        lane = cuda.lane() if cuda is not None and any(on_gpu) else None
         try:
-            for c in mine:
-                source = addresses[c.buffer] + c.at
-                if buffers[c.buffer].kind == "cuda":
-                    assert cuda is not None and pinned is not None
-                    cuda.to_host(pinned[0], source, c.size, pinned[1])
-                    view = _view(pinned[0], c.size)
+            def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
+                if i < len(mine) and on_gpu[i]:
+                    lane.out(i % 2, addresses[mine[i].buffer] + mine[i].at, mine[i].size)  # type: ignore[union-attr]
+
+            fetch(0)
+            for i, c in enumerate(mine):
+                fetch(i + 1)  # its buffer's last chunk (i - 1) is written already
+                if on_gpu[i]:
+                    lane.wait(i % 2)  # type: ignore[union-attr]
+                    view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
                 else:
-                    view = _view(source, c.size)
+                    view = _view(addresses[c.buffer] + c.at, c.size)
                 c.crc32 = zlib.crc32(view)
                 _io_all(os.pwrite, fd, view, c.offset)
             if durable:
@@ -328,10 +370,12 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
         finally:
             os.close(fd)
-            if pinned is not None:
-                cuda.leave(*pinned)  # type: ignore[union-attr]
+            if lane is not None:
+                lane.close()
 
+    copying = time.perf_counter()
     _run_parts(write, parts)
+    written = time.perf_counter()
     session = secrets.token_hex(8)
     index = {"format": FORMAT, "session": session, "pid": os.getpid(),
              "buffers": [{"kind": b.kind, "size": b.size} for b in buffers],
@@ -345,8 +389,11 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         torch.cuda.synchronize()
     _away[:] = buffers
     _session = session
+    done = time.perf_counter()
     return json.dumps({"stashed": total, "buffers": len(buffers), "files": parts,
-                       "seconds": round(time.perf_counter() - started, 4)})
+                       "seconds": round(done - started, 4),
+                       "split": {"find": round(found - started, 4), "write": round(written - copying, 4),
+                                 "free": round(done - written, 4)}})
 
 
 def _write_index(root: Path, index: dict, durable: bool) -> None:
@@ -399,6 +446,7 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     torch = sys.modules.get("torch")
     for b in buffers:
         b.reallocate()
+    allocated = time.perf_counter()
     cuda = None
     devices = {b.obj.device.index for b in buffers if b.kind == "cuda"}
     if devices and torch is not None:
@@ -417,12 +465,15 @@ def take_back(folder: str, threads: int = THREADS) -> str:
             with lock:
                 damaged.append(f"{path.name}: {exc.strerror or exc}")
             return
-        pinned = cuda.enter() if cuda is not None else None
+        lane = cuda.lane() if cuda is not None and any(buffers[c.buffer].kind == "cuda" for c in mine) else None
         try:
-            for c in mine:
+            for i, c in enumerate(mine):
                 target = addresses[c.buffer] + c.at
                 on_gpu = buffers[c.buffer].kind == "cuda"
-                view = _view(pinned[0] if on_gpu and pinned else target, c.size)
+                if on_gpu:
+                    assert lane is not None
+                    lane.wait(i % 2)  # its last copy to the GPU (chunk i - 2) is done; chunk i - 1's goes on
+                view = lane.view(i % 2, c.size) if on_gpu and lane else _view(target, c.size)
                 try:
                     _io_all(_pread, fd, view, c.offset)
                 except OSError as exc:
@@ -433,13 +484,12 @@ def take_back(folder: str, threads: int = THREADS) -> str:
                     with lock:
                         damaged.append(f"{path.name} at byte {c.offset}: its checksum does not match")
                     return
-                if on_gpu:
-                    assert cuda is not None and pinned is not None
-                    cuda.to_device(target, pinned[0], c.size, pinned[1])
+                if on_gpu and lane is not None:
+                    lane.into(i % 2, target, c.size)
         finally:
             os.close(fd)
-            if pinned is not None:
-                cuda.leave(*pinned)  # type: ignore[union-attr]
+            if lane is not None:
+                lane.close()  # waits for the last copies
 
     _run_parts(read, parts)
     if damaged:
@@ -450,7 +500,9 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     total = sum(b.size for b in buffers)
     _away.clear()
     _session = None
-    return json.dumps({"unstashed": total, "seconds": round(time.perf_counter() - started, 4)})
+    done = time.perf_counter()
+    return json.dumps({"unstashed": total, "seconds": round(done - started, 4),
+                       "split": {"allocate": round(allocated - started, 4), "read": round(done - allocated, 4)}})
 
 
 def away() -> int:

@@ -82,7 +82,7 @@ def stash(ctx: KernelContext) -> None:
                            "it.") from exc
     ctx.stash = said
     if "stashed" in said:
-        ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds") if k in said}
+        ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds", "split") if k in said}
 
 
 def take_back(ctx: KernelContext, timeout: float) -> None:
