@@ -352,7 +352,15 @@ async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make
     code, op = hub.service("POST", f"api/users/alice/kernels/{named}/suspend?server=second", boss, {})
     assert code == 202 and op["server"] == "second", op
     assert follow(hub, boss, op, "second")["status"] == "succeeded"
-    assert hub.user_api("alice", "GET", f"gpumigrate/kernels/{named}", server="second")["state"] == "suspended"
+    view = hub.user_api("alice", "GET", f"gpumigrate/kernels/{named}", server="second")
+    assert view["state"] == "suspended"
+    # Disk use: each server's suspended kernels and the bytes of their images (the page adds them up per user
+    # and per node).
+    code, views = hub.service("GET", "api/kernels", boss)
+    assert {(v["user"], v["server"]): v["suspended"] for v in views} == {
+        ("alice", ""): {"kernels": 0, "image_bytes": 0}, ("bob", ""): {"kernels": 0, "image_bytes": 0},
+        ("alice", "second"): {"kernels": 1, "image_bytes": view["image_bytes"]}}, views
+    assert view["image_bytes"] > 0
     code, body = hub.service("POST", f"api/users/alice/kernels/{named}/resume?server=third", boss, {})
     assert code == 404 and "?server=" in body["message"], body
 

@@ -62,6 +62,12 @@ def check_answers(kernels: Any, gpus: Any) -> None:
     validate("GpuList", gpus, strict=False)
 
 
+def suspended(kernels: list[dict] | None = None) -> dict[str, int]:
+    """A server's suspended kernels: how many, and the bytes of their images on its node's disk."""
+    held = [k for k in kernels or [] if k.get("state") == "suspended"]
+    return {"kernels": len(held), "image_bytes": sum(k.get("image_bytes") or 0 for k in held)}
+
+
 class Servers:
     """The Hub's API, called with the service's own token, which never leaves the service: a user's
     server (which its user controls) only ever sees a short-lived token of that user, limited to
@@ -149,7 +155,7 @@ class Servers:
         ``view_timeout``, or answers nonsense (its user controls it) is an entry with ``error`` set and
         no kernels or GPUs: it never breaks the view of the others."""
         entry: dict[str, Any] = {"user": server.user, "server": server.name, "host": None, "kernels": [],
-                                 "gpus": [], "error": None}
+                                 "gpus": [], "suspended": suspended(), "error": None}
         try:
             kernels, gpus = await asyncio.wait_for(
                 asyncio.gather(self.call(server, "kernels", timeout=self.view_timeout),
@@ -168,7 +174,7 @@ class Servers:
             entry["error"] = (f"{server.label} answers what jupyter-gpumigrate does not ({exc}); "
                               "check the jupyter-gpumigrate version installed in its environment.")
         else:
-            entry.update(host=gpus.get("host"), kernels=kernels, gpus=gpus["gpus"])
+            entry.update(host=gpus.get("host"), kernels=kernels, gpus=gpus["gpus"], suspended=suspended(kernels))
         return entry
 
     async def views(self, servers: list[UserServer]) -> list[dict[str, Any]]:

@@ -1,7 +1,8 @@
 """The Hub-managed service: a page for admins (HubOAuth) and a REST API (Hub tokens), under its prefix.
 
     GET  {prefix}                                  the page: every user's kernels and GPUs, per node
-    GET  {prefix}api/kernels                       the same as JSON, one entry per running user server
+    GET  {prefix}api/kernels                       the same as JSON, one entry per running user server (with
+                                                   its suspended kernels' count and image bytes)
     POST {prefix}api/users/{user}/kernels/{id}/{suspend|resume|migrate}[?server=NAME]   body as the server's API
     GET  {prefix}api/users/{user}/operations/{id}[?server=NAME&after=N]                 follow an operation
     POST {prefix}api/gpus/{index or uuid}/drain[?host=NODE]   drain that GPU on every server that has it

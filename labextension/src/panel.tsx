@@ -45,6 +45,7 @@ function PanelView({ store }: IStoreProps): React.ReactElement {
   const local = store.kernels.filter(k => !k.remote);
   const remote = store.kernels.filter(k => k.remote);
   const suspended = local.filter(k => k.state === 'suspended');
+  const onDisk = suspended.reduce((n, k) => n + (k.image_bytes ?? 0), 0);
   const cpu = local.filter(k => k.state !== 'suspended' && !onGpu.has(k.id));
   return (
     <>
@@ -88,6 +89,11 @@ function PanelView({ store }: IStoreProps): React.ReactElement {
           className="jp-gpumigrate-suspended"
           kernels={suspended}
           empty="No kernel is suspended."
+          total={
+            suspended.length
+              ? `${suspended.length} suspended: ${humanBytes(onDisk)} of images on disk`
+              : undefined
+          }
         />
         {remote.length > 0 && (
           <Group
@@ -109,6 +115,8 @@ function Group(props: {
   className: string;
   kernels: IKernel[];
   empty: string;
+  /** One line under the kernels (the suspended ones' images on disk). */
+  total?: string;
 }): React.ReactElement {
   return (
     <section className={`jp-gpumigrate-group ${props.className}`} aria-label={props.title}>
@@ -117,6 +125,7 @@ function Group(props: {
       {props.kernels.map(kernel => (
         <KernelRow key={kernel.id} store={props.store} kernel={kernel} />
       ))}
+      {props.total && <div className="jp-gpumigrate-muted jp-gpumigrate-total">{props.total}</div>}
     </section>
   );
 }

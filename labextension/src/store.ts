@@ -330,6 +330,8 @@ export function describe(op: IOperation): string {
       const why = op.trigger === 'cell' ? ' (a cell was run)' : '';
       return `resumed${onto} in ${seconds}${why}.`;
     }
+    case 'discard':
+      return `discarded: suspended longer than the server keeps kernels, ${humanBytes(op.bytes)} of images deleted.`;
     default:
       return `${op.action} done in ${seconds}.`;
   }

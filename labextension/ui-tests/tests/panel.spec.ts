@@ -94,12 +94,16 @@ test('suspend and resume a kernel from the panel; the notebook goes on with its 
   const suspended = panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-kernel');
   await expect(suspended).toHaveAttribute('data-state', 'suspended');
   await expect(suspended.locator('.jp-gpumigrate-details')).toContainText('on disk');
+  // Under the group, one line: how much the suspended kernels hold on disk.
+  const total = panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-total');
+  await expect(total).toHaveText(/^1 suspended: [\d.]+ [KMG]?B of images on disk$/);
   await expect(status).toHaveText('Kernel suspended');
   await panel.screenshot({ path: `${SHOTS}/panel-suspended-light.png` });
 
   await suspended.getByRole('button', { name: 'Resume state.ipynb' }).click();
   await expect(running).toHaveAttribute('data-state', 'running');
   await expect(panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-kernel')).toHaveCount(0);
+  await expect(total).toHaveCount(0);
   await expect(status).toHaveText('CPU');
 
   // The same tab, never reloaded, runs the next cell in the resumed kernel.
