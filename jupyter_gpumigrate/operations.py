@@ -86,6 +86,9 @@ class Operation:
     version: int = 0
     #: a move to another GPU: what the fast path carried (stashed bytes, seconds) or why it stepped aside
     fast_path: dict[str, Any] | None = None
+    #: a suspend: where its images go, as asked ("memory", "disk", "auto"; None: the server's default,
+    #: c.MigratableProvisioner.suspend_to), then as done ("memory" or "disk")
+    images: str | None = None
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
     #: "retention" (a discard of a kernel suspended longer than c.GPUMigrateApp.retention)
     trigger: str = "api"
@@ -390,7 +393,8 @@ class OperationManager:
         if op.action == "suspend":
             provisioner.sessions = await self._sessions_of(op.kernel_id)  # kept with its images
         migration = Migration(provisioner, provisioner.images, criu, progress,
-                              lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min)
+                              lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min,
+                              images=op.images or provisioner.suspend_to)
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),

@@ -63,7 +63,9 @@ def criu_binary() -> str:
 def jp_server_config(tmp_path: Any) -> dict:
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate")},
+        # Images on disk, in the state folder, where these tests look; images in memory (the default's
+        # choice where there is room) have tests of their own (test_image_places.py, test_hoststash.py).
+        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
     }
 
 

@@ -100,7 +100,7 @@ class Host:
                           "port_retries": 0, "certfile": str(self.cert), "keyfile": str(self.key),
                           "allow_root": True, "open_browser": False, "root_dir": str(self.root / "work")},
             "IdentityProvider": {"token": self.token},
-            "MigratableProvisioner": {"state_dir": str(self.root / "state")},
+            "MigratableProvisioner": {"state_dir": str(self.root / "state"), "suspend_to": "disk"},
             "GPUMigrateApp": {"host_name": self.name, "peers": peers, "peer_token": self.peer_token},
         }))
         env = {**os.environ, "JUPYTER_CONFIG_DIR": str(self.root / "config"),

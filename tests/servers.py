@@ -51,7 +51,7 @@ class LocalServer:
                           "port": self.port, "port_retries": 0, "allow_root": True, "open_browser": False,
                           "root_dir": str(self.root / "work")},
             "IdentityProvider": {"token": self.token},
-            "MigratableProvisioner": {"state_dir": str(self.state)},
+            "MigratableProvisioner": {"state_dir": str(self.state), "suspend_to": "disk"},  # where tests look
         }
         for section, values in self.extra_config.items():
             config.setdefault(section, {}).update(values)

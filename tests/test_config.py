@@ -17,7 +17,7 @@ SHIPPED = Path(__file__).parent.parent / "jupyter-config" / "jupyter_server_conf
 def jp_server_config(tmp_path, request):
     config = {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate")},
+        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
     }
     config.update(request.param)
     return config

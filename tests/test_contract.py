@@ -40,7 +40,7 @@ def jp_server_config(tmp_path: Path) -> dict:
     # conftest's server, with a peer token: this server is its own peer for the peer routes.
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate")},
+        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
         "GPUMigrateApp": {"peer_token": PEER_TOKEN},
     }
 

@@ -22,7 +22,7 @@ def small_disk(tmp_path: Path):
 def jp_server_config(small_disk: Path) -> dict[str, Any]:
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(small_disk / "gpumigrate")},
+        "MigratableProvisioner": {"state_dir": str(small_disk / "gpumigrate"), "suspend_to": "disk"},
     }
 
 

@@ -33,10 +33,10 @@ print(digest())
 """
 
 
-def _config(state_dir: Path) -> dict[str, Any]:
+def _config(state_dir: Path, suspend_to: str = "auto") -> dict[str, Any]:
     return {
         "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(state_dir), "host_stash_min": 10**8},
+        "MigratableProvisioner": {"state_dir": str(state_dir), "host_stash_min": 10**8, "suspend_to": suspend_to},
     }
 
 
@@ -180,7 +180,7 @@ def small_disk(tmp_path: Path):
 class TestFullDisk:
     @pytest.fixture
     def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
-        return _config(small_disk / "gpumigrate")
+        return _config(small_disk / "gpumigrate", suspend_to="disk")
 
     async def test_a_full_disk_during_the_stash_leaves_the_kernel_running_whole(self, jp_fetch, jp_serverapp,
                                                                                 kernel, small_disk):

@@ -164,7 +164,7 @@ class UserServer:
                           "port": self.port, "port_retries": 0, "open_browser": False,
                           "root_dir": str(self.root / "work")},
             "IdentityProvider": {"token": self.token},
-            "MigratableProvisioner": {"state_dir": str(self.root / "state"), **self.config},
+            "MigratableProvisioner": {"state_dir": str(self.root / "state"), "suspend_to": "disk", **self.config},
         }))
         for path in [self.root, *self.root.rglob("*")]:
             os.chown(path, pw.pw_uid, pw.pw_gid)

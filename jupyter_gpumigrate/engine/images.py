@@ -3,6 +3,11 @@
 Images hold everything that was in the kernel's memory, secrets included: the root and every image
 directory are created 0700 and the manifest 0600. A directory is ours only if it lies directly under
 the root, is not a symbolic link, and holds a manifest.
+
+Images go to disk (``root``, under the state folder) or to memory (``memory_root``, on a tmpfs such as
+/dev/shm): memory is some ten times faster both ways (docs/performance.md) but holds host memory while
+the kernel is suspended, and is lost with a reboot. :func:`choose` picks one for a suspend;
+:meth:`ImageStore.to_disk` moves a kernel's memory images to disk (when its server stops), crash-safely.
 """
 
 from __future__ import annotations
@@ -10,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import socket
 import tempfile
 import time
@@ -124,39 +130,103 @@ def directory_size(path: Path) -> int:
     return sum(entry.stat().st_size for entry in path.rglob("*") if entry.is_file() and not entry.is_symlink())
 
 
+MEMORY, DISK, AUTO = "memory", "disk", "auto"
+#: A folder being moved from memory to disk (to_disk), until it is complete there.
+MOVING = ".moving-"
+
+
 class ImageStore:
-    """The directory that holds one image directory per suspended kernel."""
+    """The directory that holds one image directory per suspended kernel, on disk, and optionally a second
+    one in memory (a tmpfs). A kernel's images are in one of them: :meth:`path_for` says which."""
 
-    def __init__(self, root: str | os.PathLike[str]) -> None:
+    def __init__(self, root: str | os.PathLike[str], memory_root: str | os.PathLike[str] | None = None) -> None:
         self.root = Path(root)
+        self.memory_root = Path(memory_root) if memory_root else None
 
-    def _ensure_root(self) -> None:
-        self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        os.chmod(self.root, 0o700)
+    def _ensure_root(self, root: Path | None = None) -> None:
+        root = root or self.root
+        root.mkdir(parents=True, exist_ok=True, mode=0o700)
+        info = os.lstat(root)
+        # The memory folder lies in a folder everyone can write (/dev/shm): someone else could have made it.
+        if root == self.memory_root and (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()):
+            raise ImageError(f"{root} is not a folder of this user's: images are not put there. Remove it, or set "
+                             "c.MigratableProvisioner.memory_dir (or state_dir) to a folder of your own.")
+        os.chmod(root, 0o700)
 
     def path_for(self, name: str) -> Path:
         if not name or "/" in name or name.startswith("."):
             raise ImageError(f"'{name}' is not a valid image name.")
-        return self.root / name
+        disk = self.root / name
+        if self.memory_root is not None and not (disk / MANIFEST).exists():
+            memory = self.memory_root / name
+            if memory.is_dir() and not memory.is_symlink():
+                return memory
+        return disk
 
-    def create(self, name: str) -> Path:
-        """A new, empty, private directory for ``name``; an old one of the same name is replaced."""
-        path = self.path_for(name)
+    def where(self, name: str) -> str:
+        """``memory`` or ``disk``: where ``name``'s images are (or would be read from)."""
+        return MEMORY if self.memory_root is not None and self.path_for(name).parent == self.memory_root else DISK
+
+    def create(self, name: str, where: str = DISK) -> Path:
+        """A new, empty, private directory for ``name``, in memory or on disk (``where``); old ones of the same
+        name, wherever they are, are replaced."""
+        self.path_for(name)  # a valid name
+        base = self.memory_root if where == MEMORY and self.memory_root is not None else self.root
+        path = base / name
         try:
-            self._ensure_root()
-            if path.is_symlink():
-                path.unlink()
-            elif path.exists():
-                shutil.rmtree(path)
+            self._ensure_root(base)
+            for old in self._both(name):
+                _remove(old)
             path.mkdir(mode=0o700)
             os.chmod(path, 0o700)
         except OSError as exc:
             raise ImageError(
                 f"Cannot make the images folder {path} ({exc.strerror or exc}): check that "
-                f"{self.root} is a folder the server can write, on a disk with room "
+                f"{base} is a folder the server can write, on a disk with room "
                 f"(c.MigratableProvisioner.state_dir)."
             ) from exc
         return path
+
+    def _both(self, name: str) -> list[Path]:
+        return [self.root / name] + ([self.memory_root / name] if self.memory_root is not None else [])
+
+    def to_disk(self, name: str) -> Path:
+        """Move ``name``'s memory images to disk; their disk folder. Crash-safe: the copy is made under a
+        temporary name, synced, renamed (a disk folder with a manifest is complete, and wins over the memory
+        one), and only then is the memory folder removed. A no-op for images already on disk."""
+        source = self.path_for(name)
+        if self.where(name) != MEMORY:
+            return source
+        self._ensure_root()
+        temporary = self.root / f"{MOVING}{name}"
+        _remove(temporary)
+        temporary.mkdir(mode=0o700)
+        for entry in sorted(source.iterdir()):
+            if entry.is_file() and not entry.is_symlink():
+                shutil.copyfile(entry, temporary / entry.name, follow_symlinks=False)
+                os.chmod(temporary / entry.name, 0o600)
+                _fsync_file(temporary / entry.name)
+        _fsync_file(temporary)
+        target = self.root / name
+        _remove(target)
+        os.rename(temporary, target)
+        _fsync_file(self.root)
+        _remove(source)
+        return target
+
+    def tidy(self) -> list[str]:
+        """At start: finish what a server stopped during :meth:`to_disk` left (a partial copy is removed; a
+        memory folder whose disk copy is complete is removed). The names it acted on."""
+        done = []
+        for partial in self.root.glob(f"{MOVING}*") if self.root.is_dir() else []:
+            _remove(partial)
+            done.append(partial.name[len(MOVING):])
+        if self.memory_root is not None and self.memory_root.is_dir():
+            for memory in self.memory_root.iterdir():
+                if memory.is_dir() and (self.root / memory.name / MANIFEST).exists():
+                    _remove(memory)
+                    done.append(memory.name)
+        return done
 
     def log_path(self, name: str, what: str) -> Path:
         """Where CRIU's ``what`` log for ``name`` goes when it must outlive the images (a failed dump's)."""
@@ -237,17 +307,83 @@ class ImageStore:
                 log.unlink(missing_ok=True)
 
     def remove(self, name: str, keep_logs: bool = False) -> None:
-        """Delete ``name``'s images, and (unless ``keep_logs``) the logs kept beside them."""
+        """Delete ``name``'s images, in memory and on disk, and (unless ``keep_logs``) the logs kept beside them."""
         if not keep_logs:
             self.remove_logs(name)
-        path = self.path_for(name)
-        if path.is_symlink():
-            path.unlink()
-        elif path.exists():
-            shutil.rmtree(path, ignore_errors=True)
+        self.path_for(name)  # a valid name
+        for path in self._both(name):
+            _remove(path)
+        if self.memory_root is not None:
+            try:
+                self.memory_root.rmdir()  # no litter in /dev/shm once no kernel is there
+            except OSError:
+                pass
 
     def names(self) -> list[str]:
-        if not self.root.is_dir():
-            return []
-        return sorted(p.name for p in self.root.iterdir()
-                      if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+        found: set[str] = set()
+        for root in (self.root, self.memory_root):
+            if root is not None and root.is_dir():
+                found.update(p.name for p in root.iterdir()
+                             if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+        return sorted(found)
+
+
+def _remove(path: Path) -> None:
+    if path.is_symlink():
+        path.unlink()
+    elif path.exists():
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def memory_free(folder: Path) -> int:
+    """Bytes that can still be written to the file system of ``folder`` (or of its nearest existing parent)."""
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        info = os.statvfs(folder)
+    except OSError:
+        return 0
+    return info.f_bavail * info.f_frsize
+
+
+def host_memory() -> tuple[int, int]:
+    """(MemTotal, MemAvailable) of this host, in bytes (0, 0 if unknown)."""
+    found = {}
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                if key in ("MemTotal", "MemAvailable"):
+                    found[key] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return found.get("MemTotal", 0), found.get("MemAvailable", 0)
+
+
+#: Memory images are chosen by ``auto`` only while the host keeps this share of its memory available after them.
+KEEP_AVAILABLE = 0.25
+
+
+def choose(store: ImageStore, wanted: str, estimate: int) -> tuple[str, str]:
+    """Where a suspend of a kernel holding ``estimate`` bytes (host and GPU memory) puts its images, and why.
+
+    ``disk`` and ``memory`` are taken as asked (memory refused, with :class:`ImageError`, where it has no
+    room); ``auto`` takes memory when the tmpfs has room for the estimate and 10 % more, and the host would
+    keep a quarter of its memory available afterwards; disk otherwise."""
+    if wanted == DISK:
+        return DISK, "asked for"
+    if store.memory_root is None:
+        if wanted == MEMORY:
+            raise ImageError("Images cannot go to memory here: no memory folder is set (c.MigratableProvisioner."
+                             "memory_dir), or CRIU runs through the node helper, which writes only to disk. "
+                             "Suspend to disk.")
+        return DISK, "no memory folder"
+    free = memory_free(store.memory_root)
+    total, available = host_memory()
+    room = free >= estimate * 1.1 and available - estimate >= KEEP_AVAILABLE * total
+    why = (f"{estimate / 1e9:.1f} GB to write; {free / 1e9:.1f} GB free in {store.memory_root}, "
+           f"{available / 1e9:.1f} of {total / 1e9:.1f} GB of memory available")
+    if wanted == MEMORY and not room:
+        raise ImageError(f"No room for the kernel's images in memory ({why}): suspend it to disk, or free memory. "
+                         "The kernel runs on, unchanged.")
+    return (MEMORY, why) if room else (DISK, f"no room in memory ({why})")

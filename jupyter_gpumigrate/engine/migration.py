@@ -58,10 +58,12 @@ class Migration:
         inventory: Callable[[], list[GpuInfo]] = gpus_mod.snapshot,
         driver_major: Callable[[], int | None] = gpus_mod.driver_major,
         host_stash_min: int | None = 10**9,
+        images: str = "disk",
     ) -> None:
         self.kernel = kernel
         self.progress = progress
-        self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min)
+        self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min,
+                           images)
 
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)

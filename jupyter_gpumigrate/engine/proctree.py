@@ -70,6 +70,18 @@ def is_alive(pid: int) -> bool:
     return found is not None and found.state not in ("Z", "X")
 
 
+def memory(pid: int) -> int:
+    """Resident bytes of the tree under ``pid`` (0 for what cannot be read)."""
+    total, page = 0, os.sysconf("SC_PAGE_SIZE")
+    for process in descendants(pid):
+        try:
+            with open(f"/proc/{process}/statm", encoding="ascii") as f:
+                total += int(f.read().split()[1]) * page
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
 def threads(pid: int) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))

@@ -19,7 +19,7 @@ from ..criu import Criu, dump_finished
 from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
-from ..images import ImageStore, Manifest
+from ..images import DISK, ImageStore, Manifest, choose
 from ..kernelproc import KernelProcess, public_connection_info
 from ..placement import Move
 from ..saga import Context, Result
@@ -42,6 +42,8 @@ class Tools:
     #: the host stash of a suspend (kernel/hoststash.py) is used from this many bytes of large buffers;
     #: None: never
     host_stash_min: int | None = 10**9
+    #: where a suspend's images go: memory, disk, or auto (images.choose)
+    images: str = DISK
 
 
 @dataclass
@@ -73,6 +75,8 @@ class Outcome:
     #: bytes sent to or received from the other host
     transferred: int | None = None
     fast_path: FastPath | None = None
+    #: where a suspend put its images (memory or disk)
+    images: str | None = None
     #: the host stash of a suspend or resume: what the kernel wrote or read ({"stashed": bytes, "seconds"...},
     #: {"unstashed": ...}), or why it stepped aside ({"aside": reason}); None where it does not apply
     stash: dict | None = None
@@ -97,6 +101,9 @@ class KernelContext(Context):
         self.keep_images = False
         #: the host stash: what the kernel wrote ({} if nothing), or why it stepped aside
         self.stash: dict = {}
+        #: where new images went (memory or disk), and why
+        self.images_where = DISK
+        self.images_why = ""
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()
@@ -137,16 +144,19 @@ def release_cache(ctx: KernelContext) -> None:
 # -- images -------------------------------------------------------------------------------------------
 
 
-def new_images(ctx: KernelContext, pid: int) -> None:
-    """An empty image folder for the kernel (undone: removed, its logs kept), the manifest of the tree
-    under ``pid``, and its CUDA processes in ``ctx.gpu``."""
+def new_images(ctx: KernelContext, pid: int, images: str = DISK) -> None:
+    """An empty image folder for the kernel (undone: removed, its logs kept), in memory or on disk as
+    ``images`` asks (``auto``: :func:`~..images.choose`), the manifest of the tree under ``pid``, and its
+    CUDA processes in ``ctx.gpu``."""
     kernel, store = ctx.kernel, ctx.tools.store
     if gpu_use(ctx, pid)[0]:
         release_cache(ctx)
     cuda_pids, held, gpus = gpu_use(ctx, pid)
     if len(held) > 1:
         placement.source_gpu(gpus, held)  # raises: a single GPU only
-    store.create(kernel.kernel_id)
+    estimate = proctree.memory(pid) + sum(int(h["memory_used"]) for h in held)
+    ctx.images_where, ctx.images_why = choose(store, images, estimate)
+    ctx.images = store.create(kernel.kernel_id, ctx.images_where)
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
     ctx.gpu.track(cuda_pids, held[0]["uuid"] if held else None, int(held[0]["memory_used"]) if held else 0)
     ctx.manifest = Manifest(
@@ -172,7 +182,7 @@ def dump(ctx: KernelContext) -> None:
     # outside the images, which the rollback deletes. The manifest to be goes first: should this server
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
-    with _disk_full_said(store, "runs on, unchanged."):
+    with _disk_full_said(ctx.images.parent, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
     try:
         ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=log_path)
@@ -185,18 +195,18 @@ def dump(ctx: KernelContext) -> None:
     ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
-    with _disk_full_said(store, "is brought back from its images and runs on."):
+    with _disk_full_said(ctx.images.parent, "is brought back from its images and runs on."):
         store.write_manifest(ctx.images, ctx.manifest, kernel.secrets())
 
 
 @contextmanager
-def _disk_full_said(store: ImageStore, then: str) -> Iterator[None]:
+def _disk_full_said(folder: Path, then: str) -> Iterator[None]:
     """A full disk while writing the manifest is said as such (``then``: what becomes of the kernel)."""
     try:
         yield
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise ImageError(full_disk(store.root, "the kernel's manifest could not be written") + f" The kernel "
+            raise ImageError(full_disk(folder, "the kernel's manifest could not be written") + f" The kernel "
                              f"{then}") from exc
         raise
 
@@ -204,7 +214,7 @@ def _disk_full_said(store: ImageStore, then: str) -> Iterator[None]:
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why."""
     if _disk_full(f"{exc}\n{exc.log_tail}"):
-        raise CriuFailed(full_disk(ctx.tools.store.root, "CRIU could not write the kernel's images") + " The kernel "
+        raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images") + " The kernel "
                          f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
     raise CriuFailed(
         f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "

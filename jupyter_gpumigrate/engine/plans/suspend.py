@@ -1,6 +1,7 @@
-"""Suspend: the running kernel goes into images on disk; its GPU and memory are freed.
+"""Suspend: the running kernel goes into images, in memory or on disk; its GPU (and, on disk, its memory) are freed.
 
-    prepare     an image folder and the tree's manifest           undo: remove the folder (logs kept)
+    prepare     an image folder (memory or disk, images.choose)   undo: remove the folder (logs kept)
+                and the tree's manifest
     stash       the kernel writes its large buffers into the      undo: the kernel reads them back
                 folder and frees them (when it can)
     lock        CUDA calls of each CUDA process wait (GPU only)   undo: unlock
@@ -16,7 +17,6 @@ a user's thread, too little to gain), nothing changed and CRIU and the driver ca
 from __future__ import annotations
 
 import errno
-import os
 
 from .. import proctree
 from ..errors import ImageError, InvalidState, MigrateError
@@ -46,13 +46,13 @@ def saga() -> Saga[KernelContext]:
 
 
 def prepare(ctx: KernelContext) -> None:
-    new_images(ctx, running_pid(ctx))
+    new_images(ctx, running_pid(ctx), ctx.tools.images)
 
 
 def _held(ctx: KernelContext) -> int:
     """What the kernel's root process holds, in host and GPU memory: a bound on its buffers."""
     assert ctx.manifest is not None
-    return sum(int(g.get("memory_used", 0)) for g in ctx.manifest.gpus) + _rss(ctx.manifest.pid)
+    return sum(int(g.get("memory_used", 0)) for g in ctx.manifest.gpus) + proctree.memory(ctx.manifest.pid)
 
 
 def worth_asking(ctx: KernelContext) -> bool:
@@ -74,7 +74,7 @@ def stash(ctx: KernelContext) -> None:
                            "suspend is undone, and the kernel runs on once it has read them back.") from exc
     except RuntimeError as exc:
         if f"[Errno {errno.ENOSPC}]" in str(exc):
-            raise ImageError(full_disk(ctx.tools.store.root, "the kernel could not write its large buffers") +
+            raise ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers") +
                              " The kernel runs on, unchanged.") from exc
         raise MigrateError(f"The kernel could not write its large buffers ({exc}); it runs on, unchanged.") from exc
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
@@ -99,16 +99,9 @@ def take_back(ctx: KernelContext, timeout: float) -> None:
     ctx.keep_images = keep
 
 
-def _rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/statm", encoding="ascii") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
 def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None = None) -> Outcome:
     ctx = KernelContext(kernel, tools)
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
-    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, stash=ctx.stash or None)
+    return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, stash=ctx.stash or None,
+                   images=ctx.images_where)

@@ -1,0 +1,94 @@
+"""Images in memory or on disk (engine/images.py): where a suspend puts them, and their move to disk."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from jupyter_gpumigrate.engine import images
+from jupyter_gpumigrate.engine.errors import ImageError
+from jupyter_gpumigrate.engine.images import DISK, MEMORY, ImageStore, Manifest
+
+
+def _store(tmp_path: Path) -> ImageStore:
+    return ImageStore(tmp_path / "state" / "images", tmp_path / "shm" / "gpumigrate")
+
+
+def _suspended(store: ImageStore, name: str, where: str) -> Path:
+    folder = store.create(name, where)
+    (folder / "pages-1.img").write_bytes(os.urandom(4096))
+    store.write_manifest(folder, Manifest(kernel_id=name, kernel_name="python3", pid=1, ids=[1]), {"key": "k"})
+    return folder
+
+
+def test_a_kernel_in_memory_is_found_there_listed_and_removed(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    folder = _suspended(store, "k1", MEMORY)
+    _suspended(store, "k2", DISK)
+    assert folder.parent == store.memory_root and store.path_for("k1") == folder and store.where("k1") == MEMORY
+    assert store.where("k2") == DISK and store.names() == ["k1", "k2"]
+    assert store.read_manifest("k1").kernel_id == "k1"
+    assert oct(store.memory_root.stat().st_mode & 0o777) == "0o700" and oct(folder.stat().st_mode & 0o777) == "0o700"
+    store.create("k1", DISK)  # a new suspend to disk replaces the memory images
+    assert not folder.exists() and store.where("k1") == DISK
+    _suspended(store, "k1", MEMORY)
+    store.remove("k1")
+    assert store.names() == ["k2"]
+
+
+def test_to_disk_moves_every_file_and_leaves_the_manifest_readable(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    folder = _suspended(store, "k1", MEMORY)
+    before = {p.name: p.read_bytes() for p in folder.iterdir()}
+    moved = store.to_disk("k1")
+    assert moved == store.root / "k1" and not folder.exists() and store.where("k1") == DISK
+    assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
+    assert all(p.stat().st_mode & 0o777 == 0o600 for p in moved.iterdir())
+    assert store.to_disk("k1") == moved, "images already on disk stay where they are"
+
+
+def test_a_move_cut_short_is_finished_at_the_next_start(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    # Stopped while copying: the partial copy goes, the memory images stay the kernel's.
+    folder = _suspended(store, "k1", MEMORY)
+    partial = store.root / f"{images.MOVING}k1"
+    partial.mkdir(parents=True)
+    (partial / "pages-1.img").write_bytes(b"half")
+    # Stopped after the rename, before the memory folder was removed: the disk copy is complete and wins.
+    other = _suspended(store, "k2", MEMORY)
+    complete = store.root / "k2"
+    complete.mkdir()
+    for entry in other.iterdir():
+        (complete / entry.name).write_bytes(entry.read_bytes())
+    assert store.path_for("k2") == complete
+    assert sorted(store.tidy()) == ["k1", "k2"]
+    assert not partial.exists() and store.path_for("k1") == folder and not other.exists()
+    assert json.loads((complete / "manifest.json").read_text())["kernel_id"] == "k2"
+
+
+def test_a_memory_folder_someone_else_made_is_refused(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.memory_root.parent.mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    store.memory_root.symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(ImageError, match="not a folder of this user's"):
+        store.create("k1", MEMORY)
+
+
+def test_auto_takes_memory_only_with_room(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    total, available = images.host_memory()
+    assert total > 0 and available > 0
+    assert images.choose(store, "auto", 10**6)[0] == MEMORY
+    where, why = images.choose(store, "auto", available)
+    assert where == DISK and "no room in memory" in why, "it would leave the host less than a quarter"
+    with pytest.raises(ImageError, match="No room for the kernel's images in memory .* suspend it to disk"):
+        images.choose(store, MEMORY, available)
+    assert images.choose(store, DISK, 1) == (DISK, "asked for")
+    without = ImageStore(tmp_path / "images")
+    assert images.choose(without, "auto", 1)[0] == DISK
+    with pytest.raises(ImageError, match="no memory folder"):
+        images.choose(without, MEMORY, 1)
