@@ -8,6 +8,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -385,12 +386,42 @@ class GPUMigrateApp(ExtensionApp):
         self.serverapp.kernel_manager.gpumigrate_stopping = True
         if self.stop_policy != "suspend":
             await operations.wait_idle()
+        else:
+            try:  # the suspends were waited for within their bound; other operations get the grace alone
+                await asyncio.wait_for(asyncio.shield(operations.wait_idle()), LATE_GRACE)
+            except asyncio.TimeoutError:
+                self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited "
+                                 "for", LATE_GRACE)
+        await self._images_to_disk()
+
+    async def _images_to_disk(self) -> None:
+        """Suspended kernels kept for the next server with their images in memory: those go to disk, which
+        outlives a reboot, in parallel, within ``stop_timeout`` (crash-safe: images.ImageStore.to_disk; what
+        is not done by then stays in memory, and the next server on this host takes it back from there)."""
+        km = self.serverapp.kernel_manager
+        moves: dict[str, Any] = {}
+        for kernel_id in km.list_kernel_ids():
+            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+            if isinstance(provisioner, MigratableProvisioner) and provisioner.state == "suspended":
+                store = provisioner.images
+                if store.where(kernel_id) == "memory":
+                    moves[kernel_id] = asyncio.ensure_future(asyncio.to_thread(store.to_disk, kernel_id))
+        if not moves:
             return
-        try:  # the suspends were waited for within their bound; other operations get the grace alone
-            await asyncio.wait_for(asyncio.shield(operations.wait_idle()), LATE_GRACE)
-        except asyncio.TimeoutError:
-            self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited for",
-                             LATE_GRACE)
+        self.log.info("gpumigrate: stopping: moving the images of %d suspended kernel(s) from memory to disk",
+                      len(moves))
+        started = time.monotonic()
+        await asyncio.wait(moves.values(), timeout=self.stop_timeout)
+        for kernel_id, move in moves.items():
+            if not move.done():
+                self.log.warning("gpumigrate: stopping: kernel %s: its images are still in memory after %.0f s: "
+                                 "they stay there (lost if the host restarts)", kernel_id, self.stop_timeout)
+            elif move.exception() is not None:
+                self.log.error("gpumigrate: stopping: kernel %s: its images stay in memory (lost if the host "
+                               "restarts): %s", kernel_id, move.exception())
+            else:
+                self.log.info("gpumigrate: kernel %s: its images moved from memory to %s in %.1f s", kernel_id,
+                              move.result(), time.monotonic() - started)
 
     def _images_of(self, kernel_id: str) -> Path:
         km = self.serverapp.kernel_manager

@@ -105,6 +105,13 @@ def refused_records(server: Server) -> list[dict]:
         return []
 
 
+def _images(kernel: dict) -> str:
+    """A kernel's images in the list: their size, and "(memory)" where they are in memory."""
+    if not kernel.get("image_bytes"):
+        return "-"
+    return size(kernel["image_bytes"]) + (" (memory)" if kernel.get("images") == "memory" else "")
+
+
 def suspended_total(kernels: list[dict]) -> tuple[int, int]:
     """How many kernels are suspended, and the bytes of their images."""
     suspended = [k for k in kernels if k["state"] == "suspended"]
@@ -166,13 +173,13 @@ def cmd_list(args: argparse.Namespace) -> int:
     for _, k in kernels:
         gpus = ",".join(str(g["index"]) for g in k["gpus"]) or "-"
         rows.append([k["id"], k["name"], k.get("host") or "-", str(k["pid"] or "-"), k["state"],
-                     k["execution_state"] or "-", gpus, size(k["image_bytes"]) if k["image_bytes"] else "-"])
+                     k["execution_state"] or "-", gpus, _images(k)])
     if not rows:
         print("No kernels are running.")
     else:
         print(table(rows, ["KERNEL", "NAME", "HOST", "PID", "STATE", "EXECUTION", "GPUS", "IMAGES"]))
     if count:
-        print(f"\n{count} suspended kernel(s): {size(image_bytes)} of images on disk "
+        print(f"\n{count} suspended kernel(s): {size(image_bytes)} of images "
               "(`jupyter gpumigrate discard KERNEL` deletes a kernel's).")
     if refused:
         print("\nNot taken back at the server's start (left on disk; `jupyter gpumigrate doctor` says what to do):")
@@ -205,6 +212,8 @@ def cmd_action(args: argparse.Namespace) -> int:
         body["to_host"] = args.to_host
     if getattr(args, "no_fast_path", False):
         body["fast_path"] = "off"
+    if getattr(args, "images", None):
+        body["images"] = args.images
     if args.command == "migrate" and not body.keys() - {"fast_path"}:
         print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
         return EXIT_USAGE
@@ -283,8 +292,13 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_doctor)
     lst = sub.add_parser("list", parents=[common, remote], help="kernels, their state, GPUs and images")
     lst.set_defaults(func=cmd_list)
-    s = sub.add_parser("suspend", parents=[common, remote], help="write a kernel to disk and free its memory")
+    s = sub.add_parser("suspend", parents=[common, remote],
+                       help="write a kernel to memory or disk and free its GPU (and, on disk, its memory)")
     s.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    s.add_argument("--images", choices=("auto", "memory", "disk"),
+                   help="where the images go: memory (a tmpfs: fast, but it holds host memory and is lost with a "
+                   "reboot; moved to disk when the server stops), disk, or auto (memory where there is room); "
+                   "default: the server's c.MigratableProvisioner.suspend_to")
     s.set_defaults(func=cmd_action)
     r = sub.add_parser("resume", parents=[common, remote], help="bring a suspended kernel back")
     r.add_argument("kernel_id", help="kernel id, or a unique prefix of it")

@@ -89,6 +89,8 @@ class Operation:
     #: a suspend: where its images go, as asked ("memory", "disk", "auto"; None: the server's default,
     #: c.MigratableProvisioner.suspend_to), then as done ("memory" or "disk")
     images: str | None = None
+    #: a suspend or resume: what the kernel's host stash wrote or read back, or why it stepped aside
+    stash: dict[str, Any] | None = None
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
     #: "retention" (a discard of a kernel suspended longer than c.GPUMigrateApp.retention)
     trigger: str = "api"
@@ -157,7 +159,7 @@ class OperationManager:
             raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
 
     def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
-              fast_path: str = "auto") -> Operation:
+              fast_path: str = "auto", images: str | None = None) -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.discarding:
@@ -199,7 +201,7 @@ class OperationManager:
             criu = self._criu(provisioner)
         plan = {"suspend": "suspend", "resume": "resume", "migrate": "move_to_gpu"}[action]
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu,
-                       phases=list(PHASES[plan]))
+                       phases=list(PHASES[plan]), images=images if action == "suspend" else None)
         stash = None
         if action == "migrate" and fast_path != "off":
             try:
@@ -429,6 +431,9 @@ class OperationManager:
             if outcome.transferred is not None:
                 op.bytes = outcome.transferred
             op.fast_path = outcome.fast_path.to_dict() if outcome.fast_path is not None else None
+            op.stash = outcome.stash
+            if outcome.images is not None:
+                op.images = outcome.images
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()

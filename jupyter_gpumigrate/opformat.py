@@ -133,7 +133,12 @@ def report(op: dict, kernel_id: str | None = None) -> str:
                 f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
     done = {"suspend": "suspended", "resume": "resumed"}.get(action, f"{action} done")
     where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
-    return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images; slowest phase: {slow})."
+    if action == "suspend" and op.get("images") in ("memory", "disk"):
+        where = f" to {op['images']}"
+    stash = op.get("stash") or {}
+    carried = stash.get("stashed") or stash.get("unstashed")
+    how = f", {size(carried)} of it by the kernel's own threads" if carried else ""
+    return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images{how}; slowest phase: {slow})."
 
 
 def drain_report(op: dict) -> str:

@@ -31,7 +31,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -553,28 +552,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         else:
             self._discard_images()
 
-    async def _keep_on_disk(self) -> None:
-        """A kernel kept for the next server, with its images in memory: they go to disk, which outlives a
-        reboot (crash-safe: images.ImageStore.to_disk; a server killed meanwhile leaves them in memory)."""
-        store = self.images
-        if store.where(self.kernel_id) != "memory":
-            return
-        started = time.monotonic()
-        try:
-            folder = await asyncio.to_thread(store.to_disk, self.kernel_id)
-        except OSError as exc:
-            self.log.error("gpumigrate: kernel %s: its images stay in memory (%s), and are lost if the host "
-                           "restarts: %s", self.kernel_id, store.path_for(self.kernel_id), exc)
-            return
-        self.log.info("gpumigrate: kernel %s: its images moved from memory to %s in %.1f s", self.kernel_id,
-                      folder, time.monotonic() - started)
-
     async def _end(self, signum: int) -> None:
         await self._migration_done()
         if self.state == SUSPENDED:
             self._keep_or_discard()
-            if self._kept:
-                await self._keep_on_disk()
             return
         if self.state == BROKEN:  # whatever runs of it goes; its images go too, unless the server is stopping
             try:

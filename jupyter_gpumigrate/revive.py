@@ -33,12 +33,13 @@ from pathlib import Path
 from typing import Any
 
 from .credentials import ENV_KERNEL_ID
-from .kernelwire import kernel_answers
+from .kernel.hoststash import INDEX as STASH_INDEX
+from .kernelwire import evaluate_silently, kernel_answers
 from .engine import proctree
 from .engine.errors import MigrateError
 from .engine.criu import dump_finished
 from .engine.images import MANIFEST, ImageStore, Manifest
-from .provisioner import RECORDS, MigratableProvisioner, Revival
+from .provisioner import HOST_TAKE_BACK_CALL, RECORDS, MigratableProvisioner, Revival
 
 log = logging.getLogger(__name__)
 
@@ -260,6 +261,9 @@ async def revive_all(serverapp: Any) -> list[Found]:
     km = serverapp.kernel_manager
     defaults = MigratableProvisioner(config=serverapp.config)
     store = defaults.images
+    for name in store.tidy():
+        log.warning("gpumigrate: kernel %s: finished moving its images from memory to disk, which its server had "
+                    "begun as it stopped", name)
     found: list[Found] = []
     for name in store.names():
         if name in km:
@@ -273,10 +277,62 @@ async def revive_all(serverapp: Any) -> list[Found]:
     return found
 
 
+def _connection(store: ImageStore, name: str, manifest: Manifest) -> dict:
+    """The kernel's connection info, its key from the secrets kept with its images."""
+    secrets = store.read_secrets(name)
+    if not secrets.get("key"):
+        raise MigrateError("its secrets.json holds no connection key, so the kernel could not be spoken to")
+    key = {k: v for k, v in secrets.items() if k not in ("credential", "api_url")}
+    return {**manifest.connection_info, **key}
+
+
+def _give_back_stash(connection_info: dict, folder: Path, pid: int) -> str | None:
+    """Have the running kernel ``pid`` read back the buffers it wrote into ``folder``'s host stash
+    (kernel/hoststash.py; nothing if it holds none away): None once it has, else why not."""
+    try:
+        evaluate_silently(connection_info, HOST_TAKE_BACK_CALL.format(folder=str(folder)), STASH_WAIT_AT_START,
+                          alive=lambda: proctree.is_alive(pid))
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
+#: How long a kernel found running at start gets to read its stash back, in seconds.
+STASH_WAIT_AT_START = 600.0
+
+
+async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
+    """A folder with no manifest but a host stash: its server died after the kernel wrote its large buffers
+    there and before the dump. The kernel runs on without them: it reads them back before anything is
+    removed (its CUDA processes, if its server left them locked, run again first). None when that is done
+    or does not apply; a refusal, the folder kept, if the kernel could not."""
+    folder, pending = store.path_for(name), store.read_pending(name)
+    if pending is None or not (folder / STASH_INDEX).exists() or kept_by_another_live_server(pending.server):
+        return None
+    pid = _running_kernel(pending, kill_stuck=False)
+    if pid is None:
+        return None  # the kernel is gone, its buffers with it: an unfinished dump
+    await asyncio.to_thread(_let_cuda_run, name, pid)
+    error = await asyncio.to_thread(_give_back_stash, _connection(store, name, pending), folder, pid)
+    if error is None:
+        log.warning("gpumigrate: kernel %s read back the buffers it had written to %s before its server "
+                    "stopped", name, folder)
+        return None
+    log.error("gpumigrate: kernel %s (PID %d) runs without its large buffers, which are in %s, and could not read "
+              "them back: %s", name, pid, folder, error)
+    return refused(name, folder, f"the kernel runs without its large buffers, which are here, and could not read "
+                                 f"them back ({error})",
+                   "Nothing was deleted. Restart the server to try again; the kernel's buffers stay in this folder "
+                   "until it has them back.")
+
+
 async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
     """One folder of images: taken back, removed (an unfinished dump) or refused."""
     folder = store.path_for(name)
     if not (folder / MANIFEST).exists() and not folder.is_symlink():
+        stash_left = await _stash_left_in(store, name)
+        if stash_left is not None:
+            return stash_left
         unfinished = _unfinished_dump(store, name)
         if unfinished is not None:
             return unfinished
@@ -287,10 +343,7 @@ async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Fou
                   str(exc).rstrip("."))
         return refused(name, folder, str(exc), getattr(exc, "remedy", ""))
     secrets = store.read_secrets(name)
-    if not secrets.get("key"):
-        raise MigrateError("its secrets.json holds no connection key, so the kernel could not be spoken to")
-    key = {k: v for k, v in secrets.items() if k not in ("credential", "api_url")}
-    connection_info = {**manifest.connection_info, **key}
+    connection_info = _connection(store, name, manifest)
     running = _running_kernel(manifest)
     if running is not None and not await asyncio.to_thread(kernel_answers, connection_info, 10.0):
         # Restored but not answering (stuck in CRIU's restorer): its images are the copy to trust.
@@ -299,6 +352,16 @@ async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Fou
         proctree.kill_tree(running)
         proctree.wait_gone(running, timeout=10)
         running = None
+    if running is not None and manifest.stash:
+        # Its server died during the resume's unstash: the kernel finishes reading (or has); if it cannot,
+        # its images, never changed, are the copy to trust.
+        error = await asyncio.to_thread(_give_back_stash, connection_info, folder, running)
+        if error is not None:
+            log.warning("gpumigrate: kernel %s runs (PID %d) but could not read its buffers back (%s): killed; it "
+                        "comes back from its images", name, running, error)
+            proctree.kill_tree(running)
+            proctree.wait_gone(running, timeout=10)
+            running = None
     revival = Revival(connection_info, manifest.sessions, secrets.get("credential"), secrets.get("api_url"), running)
     why_not = await _take_back(serverapp, name, manifest.kernel_name, revival)
     if why_not:

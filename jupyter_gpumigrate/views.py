@@ -46,11 +46,12 @@ class Views:
         state = provisioner.state if migratable else RUNNING
         if gpus is None:
             gpus = gpus_mod.snapshot()
-        image_bytes, suspended_on = None, []
+        image_bytes, suspended_on, images = None, [], None
         if migratable and state == SUSPENDED:
             manifest = provisioner.manifest()
             if manifest is not None:
                 image_bytes, suspended_on = manifest.image_bytes, manifest.gpus
+                images = provisioner.images.where(kernel_id)
         active = self.active.get(kernel_id)
         remote = migratable and state == REMOTE
         held = placement.held_by_tree(pid, gpus)
@@ -74,6 +75,7 @@ class Views:
             "last_activity": _last_activity(kernel),
             "gpus": provisioner.remote_gpus if remote else held,
             "image_bytes": image_bytes,
+            "images": images,
             "suspended_on": suspended_on,
             "migratable": migratable,
             "operation": active.id if active else None,

@@ -12,6 +12,7 @@ import shutil
 import signal
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -357,19 +358,26 @@ def _criu_of(server_pid: int, action: bytes, timeout: float) -> int | None:
     return None
 
 
+def cut_dump(server: LocalServer, kernel_id: str, pid: int, meanwhile: Callable[[], None] | None = None) -> None:
+    """Suspend the kernel (``pid``) and SIGKILL its server once CRIU's dump runs (and ``meanwhile()`` has run):
+    CRIU dies with its server, and the kernel runs on."""
+    server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+    criu = _criu_of(server.proc.pid, b"dump", 60)
+    assert criu is not None, "the dump did not start"
+    if meanwhile is not None:
+        meanwhile()
+    server.stop(signal.SIGKILL)
+    assert proctree.wait_gone(criu, 10), "CRIU dies with its server"
+    assert proctree.is_alive(pid), "the kernel runs on: CRIU gave it back"
+
+
 async def test_a_server_killed_during_a_dump_loses_nothing(server):
     server.start()
     session_id, kernel_id, out = await notebook_running(
         server, "x = 41\nblob = bytes(range(256)) * 8_000_000\nprint('ok')")
     assert out == "ok"
     pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
-    server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
-    criu = _criu_of(server.proc.pid, b"dump", 30)
-    assert criu is not None, "the dump did not start"
-    time.sleep(0.2)  # CRIU is writing some 2 GB
-    server.stop(signal.SIGKILL)
-    assert proctree.wait_gone(criu, 10), "CRIU dies with its server"
-    assert proctree.is_alive(pid), "the kernel runs on: CRIU gave it back"
+    cut_dump(server, kernel_id, pid, lambda: time.sleep(0.2))  # CRIU is writing some 2 GB
 
     server.start()
     view = taken_back(server, kernel_id)

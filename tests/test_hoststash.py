@@ -17,6 +17,8 @@ from typing import Any
 
 import pytest
 from helpers import api, operate, small_tmpfs, wait_operation
+from servers import LocalServer
+from test_hibernation import cut_dump, notebook_running, tab_on, taken_back
 
 from jupyter_gpumigrate.kernel import hoststash
 
@@ -209,3 +211,65 @@ async def test_a_kernel_killed_mid_stash_leaves_no_half_image(jp_fetch, jp_serve
     assert op["status"] == "failed" and op["failed_phase"] == "stash", op
     assert "stopped answering" in op["error"], op["error"]
     assert not folder.exists(), "no half image is left"
+
+
+# -- a server killed while the buffers are in the stash -----------------------------------------------
+
+
+@pytest.fixture
+def process_server(tmp_path: Path):
+    """A server run as a process of its own (it is killed), its host stash used from 100 MB, images on disk."""
+    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"host_stash_min": 10**8}})
+    yield srv
+    srv.stop(signal.SIGKILL)
+    srv.kill_kernels()
+
+
+async def test_a_server_killed_between_the_stash_and_the_dump_loses_nothing(process_server):
+    server = process_server
+    server.start()
+    # The stashed buffers, and 1.5 GB that CRIU dumps itself: the dump lasts long enough to be cut.
+    _, kernel_id, digest = await notebook_running(server, MAKE + "ballast = bytes(range(256)) * 6_000_000")
+    pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    folder = server.state / "images" / kernel_id
+
+    def stashed() -> None:  # the dump starts once the stash is written: the buffers are away now
+        assert (folder / hoststash.INDEX).is_file() and (folder / "pending.json").is_file()
+
+    cut_dump(server, kernel_id, pid, stashed)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "running" and view["pid"] == pid, view
+    assert "read back the buffers it had written" in server.server_log()
+    assert not folder.exists(), "once the kernel has its buffers, the unfinished dump is removed"
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(digest(), len(ballast))")).split() == [digest, str(256 * 6_000_000)]
+    tab.ws.close()
+
+
+async def test_a_server_killed_while_the_resumed_kernel_reads_its_stash_loses_nothing(process_server):
+    server = process_server
+    server.start()
+    _, kernel_id, digest = await notebook_running(
+        server, MAKE.replace("for _ in range(3)", "for _ in range(12)"))  # 1.2 GB to read back
+    assert server.operate(kernel_id, "suspend")["status"] == "succeeded"
+    folder = server.state / "images" / kernel_id
+    assert json.loads((folder / "manifest.json").read_text())["stash"]["buffers"] == 12
+    op = server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
+    deadline = time.monotonic() + 60
+    while op["phase"] != "unstash":
+        assert op["status"] in ("pending", "running") and time.monotonic() < deadline, op
+        op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    server.stop(signal.SIGKILL)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    # The kernel had read its buffers back, or finished after its server died: it runs whole. Or it
+    # could not, and is suspended from its intact images. Either way nothing is lost.
+    assert view["state"] in ("running", "suspended"), view
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(digest())", timeout=120)).strip() == digest
+    tab.ws.close()
+    assert server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["state"] == "running"
+    assert not folder.exists(), "no stale images"

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
+from helpers import small_tmpfs
+from servers import LocalServer
+from test_hibernation import notebook_running, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import images
 from jupyter_gpumigrate.engine.errors import ImageError
@@ -92,3 +96,72 @@ def test_auto_takes_memory_only_with_room(tmp_path: Path) -> None:
     assert images.choose(without, "auto", 1)[0] == DISK
     with pytest.raises(ImageError, match="no memory folder"):
         images.choose(without, MEMORY, 1)
+
+
+# -- through a real server ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def memory_server(tmp_path: Path):
+    """A server run as a process of its own, whose suspends put images in memory."""
+    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"suspend_to": "memory"}})
+    yield srv
+    srv.stop(signal.SIGKILL)
+    srv.kill_kernels()
+
+
+def _memory_images(server: LocalServer, kernel_id: str) -> list[Path]:
+    config = json.loads((server.root / "config" / "jupyter_server_config.json").read_text())
+    state = config["MigratableProvisioner"]["state_dir"]
+    from jupyter_gpumigrate.provisioner import MigratableProvisioner
+
+    found = MigratableProvisioner(state_dir=state).images
+    assert found.memory_root is not None and str(found.memory_root).startswith("/dev/shm/")
+    return [p for p in (found.memory_root / kernel_id,) if p.exists()]
+
+
+@pytest.mark.parametrize("stop", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+async def test_a_kernel_suspended_to_memory_comes_back_after_its_server_stops(memory_server, stop):
+    server = memory_server
+    server.start()
+    _, kernel_id, out = await notebook_running(server, "x = 41\nprint('set')")
+    assert out == "set"
+    op = server.operate(kernel_id, "suspend")
+    assert op["status"] == "succeeded" and op["images"] == "memory", op
+    view = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["images"] == "memory" and _memory_images(server, kernel_id)
+    assert not (server.state / "images" / kernel_id).exists()
+    server.stop(stop)
+    if stop == signal.SIGTERM:  # stopped: its images went to disk, which outlives a reboot
+        assert (server.state / "images" / kernel_id / "manifest.json").is_file()
+        assert not _memory_images(server, kernel_id) and "moved from memory to" in server.server_log()
+    else:  # killed: they stay in memory, and the next server takes the kernel back from there
+        assert _memory_images(server, kernel_id)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "suspended" and view["images"] == ("disk" if stop == signal.SIGTERM else "memory")
+    tab = await tab_on(server, kernel_id)
+    assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
+    tab.ws.close()
+    assert not _memory_images(server, kernel_id) and not (server.state / "images" / kernel_id).exists()
+
+
+async def test_memory_without_room_is_refused_when_asked_for_and_passed_over_by_auto(tmp_path):
+    with small_tmpfs(tmp_path / "shm", "24m") as shm:  # too small for any kernel's images
+        server = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"memory_dir": str(shm / "gpumigrate")}})
+        try:
+            server.start()
+            _, kernel_id, _ = await notebook_running(server, "x = 41")
+            op = server.operate(kernel_id, "suspend", {"images": "memory"})
+            assert op["status"] == "failed" and op["failed_phase"] == "prepare", op
+            assert "No room for the kernel's images in memory" in op["error"] and "runs on, unchanged" in op["error"]
+            op = server.operate(kernel_id, "suspend", {"images": "auto"})
+            assert op["status"] == "succeeded" and op["images"] == "disk", op
+            assert (server.state / "images" / kernel_id / "manifest.json").is_file()
+            tab = await tab_on(server, kernel_id)
+            assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
+            tab.ws.close()
+        finally:
+            server.stop(signal.SIGKILL)
+            server.kill_kernels()

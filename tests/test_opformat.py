@@ -62,6 +62,10 @@ def test_suspend_resume_and_failures_in_the_clis_voice():
     assert report(suspended) == f"Kernel {KID} suspended in 0.41 s (74.2 MB of images; slowest phase: dump)."
     resumed = record(action="resume", to_gpu=1, bytes=74_200_000, timings={"restore": 0.19}, total=0.19)
     assert report(resumed, "k") == "Kernel k resumed onto GPU 1 in 0.19 s (74.2 MB of images; slowest phase: restore)."
+    stashed = record(action="suspend", images="memory", bytes=33_000_000_000, total=5.07,
+                     timings={"stash": 3.65, "dump": 0.92}, stash={"stashed": 32_000_000_000, "buffers": 16})
+    assert report(stashed, "k") == ("Kernel k suspended to memory in 5.07 s (33.0 GB of images, 32.0 GB of it by "
+                                    "the kernel's own threads; slowest phase: stash).")
     failed = record(action="resume", status="failed", phase="restore", failed_phase="restore",
                     error="CRIU could not restore.")
     assert report(failed) == "resume failed in phase restore: CRIU could not restore."

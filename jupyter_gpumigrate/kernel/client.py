@@ -87,8 +87,8 @@ class ServerClient:
             body["fast_path"] = fast_path
         return self.api.act(self.kernel_id, "migrate", body)
 
-    def suspend(self) -> dict:
-        return self.api.act(self.kernel_id, "suspend")
+    def suspend(self, images: str | None = None) -> dict:
+        return self.api.act(self.kernel_id, "suspend", {"images": images} if images else None)
 
     def operation(self, op_id: str) -> dict:
         return self.api.operation(op_id)

@@ -64,6 +64,8 @@ class MigrateMagics(Magics):
               "its GPU N); the name of this kernel's home server brings it back")
     @argument("--suspend", action="store_true", help="write this kernel to disk and free its memory, now; the cell "
               "finishes once the kernel is resumed (panel, CLI, or by running a cell)")
+    @argument("--images", choices=("auto", "memory", "disk"), help="with --suspend: where the images go (memory: "
+              "fast, holds host memory; disk; auto: memory where there is room); default: the server's")
     @argument("--list", action="store_true", help="print the GPUs, their memory and kernels")
     @argument("--help", action="store_true", help="show this help")
     @line_magic
@@ -78,7 +80,8 @@ class MigrateMagics(Magics):
         %migrate --list       the GPUs and the kernels on them (this one marked *), and the hosts
         %migrate --suspend    write this kernel to disk and free its memory (GPU memory too); the cell
                               waits, and once the kernel is resumed (panel, jupyter gpumigrate resume,
-                              or running a cell) prints for how long, where it runs and the image size
+                              or running a cell) prints for how long, where it runs and the image size;
+                              --images memory|disk|auto says where its images go
 
         After a move PyTorch still calls the device cuda:0. The cell with %migrate goes on once the
         move is done; a failed move leaves the kernel where it was, running.
@@ -94,6 +97,8 @@ class MigrateMagics(Magics):
         target = args.to_gpu is not None or to_host is not None
         if sum((args.list, args.suspend, target)) > 1:
             raise UsageError("%migrate: give one of --list, --suspend or a target (--to-gpu N, --to-host NAME).")
+        if args.images and not args.suspend:
+            raise UsageError("%migrate: --images goes with --suspend (where the suspended kernel's images go).")
         if args.to_gpu is not None and args.to_gpu < 0:
             raise UsageError(f"%migrate: --to-gpu takes a GPU index, 0 or more (got {args.to_gpu}).")
         client = self._client()
@@ -101,7 +106,7 @@ class MigrateMagics(Magics):
             if args.list:
                 print(gpu_table(client.gpus(), client.kernels(), client.kernel_id))
             elif args.suspend:
-                print(self._suspend(client))
+                print(self._suspend(client, args.images))
             elif target:
                 release_torch_cache()
                 op = client.migrate(args.to_gpu, to_host, fast_path=None if to_host else "caller")
@@ -126,7 +131,7 @@ class MigrateMagics(Magics):
             raise MigrateFailed("Interrupted while waiting; %migrate --list shows where the kernel is now.") from None
 
     @staticmethod
-    def _suspend(client: ServerClient) -> str:
+    def _suspend(client: ServerClient, images: str | None = None) -> str:
         """Ask the server to suspend this very process, and say how it went once it runs again.
 
         The server dumps the kernel while this cell waits on the operation: the process stops here and
@@ -134,7 +139,7 @@ class MigrateMagics(Magics):
         so the request in flight fails and :meth:`ServerClient.follow` dials again.
         """
         release_torch_cache()
-        op = client.follow(client.suspend())
+        op = client.follow(client.suspend(images))
         if op["status"] != "succeeded":
             raise MigrateFailed(failure(op))
         # Running again: restored by a resume, which may still be adopting this process.

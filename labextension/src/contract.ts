@@ -75,6 +75,7 @@ export interface ApiContract {
   GpuList: GpuList;
   FastPath: FastPath;
   DrainResult: DrainResult;
+  HostStash: HostStash;
   Stager: Stager;
   Operation: Operation;
   RefusedRecord: RefusedRecord;
@@ -173,6 +174,10 @@ export interface Kernel {
    */
   image_bytes: number | null;
   /**
+   * Where its images are while suspended: memory (a tmpfs; lost with a reboot) or disk.
+   */
+  images: 'memory' | 'disk' | null;
+  /**
    * The GPUs it held when it was suspended.
    */
   suspended_on: HeldGpu[];
@@ -266,6 +271,27 @@ export interface DrainResult {
   to_gpu?: number | null;
 }
 /**
+ * A suspend or resume: what the kernel wrote into its images itself (stashed) or read back (unstashed), or why it stepped aside (aside; CRIU and the CUDA driver then carried everything).
+ */
+export interface HostStash {
+  stashed?: Bytes;
+  unstashed?: Bytes;
+  /**
+   * How many buffers (PyTorch storages, bytearrays).
+   */
+  buffers?: number;
+  /**
+   * How many files, one per writer thread.
+   */
+  files?: number;
+  seconds?: number;
+  split?: Seconds;
+  /**
+   * Why it stepped aside.
+   */
+  aside?: string;
+}
+/**
  * Where the kernel's own %migrate serves the fast path (in the 202 answer to that kernel only).
  */
 export interface Stager {
@@ -341,6 +367,14 @@ export interface Operation {
   version: number;
   fast_path: FastPath | null;
   /**
+   * A suspend: where its images go, as asked (null: the server's default), then, once it succeeded, where they went (memory or disk).
+   */
+  images: 'auto' | 'memory' | 'disk' | null;
+  /**
+   * A suspend or resume: its host stash, where it was asked.
+   */
+  stash: HostStash | null;
+  /**
    * cell: a resume started by a cell run on the suspended kernel; retention: a discard of a kernel suspended longer than c.GPUMigrateApp.retention.
    */
   trigger: 'api' | 'cell' | 'retention';
@@ -381,9 +415,14 @@ export interface ErrorBody {
   reason: string | null;
 }
 /**
- * POST /kernels/{id}/suspend: an empty object (or no body).
+ * POST /kernels/{id}/suspend: an empty object (or no body), or where the images go.
  */
-export interface SuspendRequest {}
+export interface SuspendRequest {
+  /**
+   * memory (a tmpfs: fast, holds host memory, lost with a reboot, moved to disk when the server stops), disk, or auto (memory where there is room); absent: c.MigratableProvisioner.suspend_to.
+   */
+  images?: 'auto' | 'memory' | 'disk';
+}
 /**
  * POST /kernels/{id}/resume.
  */

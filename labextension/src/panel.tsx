@@ -45,7 +45,8 @@ function PanelView({ store }: IStoreProps): React.ReactElement {
   const local = store.kernels.filter(k => !k.remote);
   const remote = store.kernels.filter(k => k.remote);
   const suspended = local.filter(k => k.state === 'suspended');
-  const onDisk = suspended.reduce((n, k) => n + (k.image_bytes ?? 0), 0);
+  const imageBytes = suspended.reduce((n, k) => n + (k.image_bytes ?? 0), 0);
+  const inMemory = suspended.filter(k => k.images === 'memory').length;
   const cpu = local.filter(k => k.state !== 'suspended' && !onGpu.has(k.id));
   return (
     <>
@@ -91,7 +92,8 @@ function PanelView({ store }: IStoreProps): React.ReactElement {
           empty="No kernel is suspended."
           total={
             suspended.length
-              ? `${suspended.length} suspended: ${humanBytes(onDisk)} of images on disk`
+              ? `${suspended.length} suspended: ${humanBytes(imageBytes)} of images` +
+                (inMemory ? ` (${inMemory} in memory)` : ' on disk')
               : undefined
           }
         />
@@ -228,7 +230,9 @@ function KernelRow({ store, kernel }: IStoreProps & { kernel: IKernel }): React.
     kernel.name,
     kernel.id.slice(0, 8),
     held ? `${humanBytes(held.memory_used)} on GPU ${held.index}` : null,
-    kernel.state === 'suspended' ? `${humanBytes(kernel.image_bytes)} on disk` : null,
+    kernel.state === 'suspended'
+      ? `${humanBytes(kernel.image_bytes)} ${kernel.images === 'memory' ? 'in memory' : 'on disk'}`
+      : null,
     kernel.state === 'suspended' && was ? `was on GPU ${was.index}` : null,
     kernel.state,
     kernel.remote ? `on host ${kernel.host}` : null

@@ -182,7 +182,7 @@ def dump(ctx: KernelContext) -> None:
     # outside the images, which the rollback deletes. The manifest to be goes first: should this server
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
-    with _disk_full_said(ctx.images.parent, "runs on, unchanged."):
+    with disk_full_said(ctx.images.parent, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
     try:
         ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=log_path)
@@ -195,12 +195,12 @@ def dump(ctx: KernelContext) -> None:
     ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
-    with _disk_full_said(ctx.images.parent, "is brought back from its images and runs on."):
+    with disk_full_said(ctx.images.parent, "is brought back from its images and runs on."):
         store.write_manifest(ctx.images, ctx.manifest, kernel.secrets())
 
 
 @contextmanager
-def _disk_full_said(folder: Path, then: str) -> Iterator[None]:
+def disk_full_said(folder: Path, then: str) -> Iterator[None]:
     """A full disk while writing the manifest is said as such (``then``: what becomes of the kernel)."""
     try:
         yield

@@ -22,7 +22,8 @@ from .. import proctree
 from ..errors import ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess
 from ..saga import ProgressCallback, Saga, Step
-from .common import KernelContext, Outcome, Tools, checkpoint, dump, full_disk, lock, new_images, running_pid
+from .common import (KernelContext, Outcome, Tools, checkpoint, disk_full_said, dump, full_disk, lock, new_images,
+                     running_pid)
 
 #: How long the kernel gets to write its buffers: this, plus a second per STASH_RATE bytes it may hold.
 STASH_WAIT = 60.0
@@ -66,6 +67,10 @@ def stash(ctx: KernelContext) -> None:
     first: a stash that outlives the wait is read back behind it (the kernel serves requests in order)."""
     assert ctx.manifest is not None and ctx.tools.host_stash_min is not None
     timeout = STASH_WAIT + _held(ctx) / STASH_RATE
+    # The manifest to be first: should this server die while the kernel's buffers are in the stash, the
+    # next one finds the kernel and has it read them back (revive.py).
+    with disk_full_said(ctx.images.parent, "runs on, unchanged."):
+        ctx.tools.store.write_pending(ctx.images, ctx.manifest, ctx.kernel.secrets())
     ctx.undo(lambda: take_back(ctx, timeout))
     try:
         said = ctx.kernel.host_stash(str(ctx.images), ctx.tools.host_stash_min, timeout)

@@ -93,10 +93,11 @@ test('suspend and resume a kernel from the panel; the notebook goes on with its 
   await running.getByRole('button', { name: 'Suspend state.ipynb' }).click();
   const suspended = panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-kernel');
   await expect(suspended).toHaveAttribute('data-state', 'suspended');
-  await expect(suspended.locator('.jp-gpumigrate-details')).toContainText('on disk');
-  // Under the group, one line: how much the suspended kernels hold on disk.
+  // The test server puts images in memory (jupyter_server_test_config.py): the panel says where they are.
+  await expect(suspended.locator('.jp-gpumigrate-details')).toContainText('in memory');
+  // Under the group, one line: how much the suspended kernels hold, and where.
   const total = panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-total');
-  await expect(total).toHaveText(/^1 suspended: [\d.]+ [KMG]?B of images on disk$/);
+  await expect(total).toHaveText(/^1 suspended: [\d.]+ [KMG]?B of images \(1 in memory\)$/);
   await expect(status).toHaveText('Kernel suspended');
   await panel.screenshot({ path: `${SHOTS}/panel-suspended-light.png` });
 
