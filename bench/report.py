@@ -1,9 +1,11 @@
 """What the benchmarks share (the text table they print last), and docs/performance.md, made from results.
 
-    python3 bench/report.py [RESULTS.json ...]     (default: the newest day's bench/results/*-bench.json)
+    python3 bench/report.py [RESULTS.json ...]     (default: the newest day's bench/results/*-bench.json,
+                                                    and the newest *-suspend.json)
 
 writes docs/performance.md: how each number was measured, then one table per run, with each method's
-ratio to ours *within that run* (ratios are never taken across runs).
+ratio to ours *within that run* (ratios are never taken across runs); then GPU suspend and resume
+(bench/suspend_bench.py) against the floors measured in the same run.
 """
 
 from __future__ import annotations
@@ -138,6 +140,66 @@ def section(path: Path) -> str:
     return "\n".join(out)
 
 
+SUSPEND_INTRO = """## GPU suspend and resume: the host stash, images in memory or on disk
+
+Measured by `bench/suspend_bench.py` (`GPU_SUITE_BENCH_SCRIPT=bench/suspend_bench.py scripts/gpu-suite.sh
+run`): a real `jupyter server` with the extension and a real IPython kernel holding *N* GB of PyTorch
+tensors on GPU 0, suspended and resumed through the REST API; after the resume every tensor is compared
+on the GPU with one rebuilt from its seed (`torch.equal`). Ways:
+
+- **stash**: the host stash (`jupyter_gpumigrate/kernel/hoststash.py`): the kernel's own threads write its
+  large storages into the image folder (GPU -> two pinned buffers per thread -> one file per thread,
+  CRC-32 per 32 MiB chunk) and free them; the CUDA driver then checkpoints only the context and CRIU
+  dumps only the rest. Resume: CRIU restore, remap, unlock, then the threads read the files back
+  (checking each chunk) straight into the storages.
+- **criu**: the stash off (`c.MigratableProvisioner.host_stash_min = None`): the driver copies all GPU
+  memory into the process (about 2 GB/s) and CRIU writes it (about 2 GB/s, to tmpfs too).
+- **memory**: the state folder on /dev/shm (tmpfs), as `suspend_to` `memory` (or `auto` with room) does;
+  **disk**: the local disk.
+
+The floors are measured in the same run: the disk by `dd` (O_DIRECT, 16 MiB blocks, 8 GiB, one stream),
+tmpfs written and read by 16 threads with a file each, and pinned copies between host and GPU.
+"""
+
+
+def suspend_section(path: Path) -> str:
+    data = json.loads(path.read_text())
+    meta, floors, rows = data["meta"], data["floors"], [r for r in data["rows"] if "suspend" in r]
+    body = []
+    for r in rows:
+        s, m = r["suspend"], r["resume"]
+
+        def phases(t: dict) -> str:
+            return ", ".join(f"{k} {v:.2f}" for k, v in t.items() if v >= 0.05)
+
+        body.append([r["way"], f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
+                     phases(m["timings"])])
+    out = [SUSPEND_INTRO, f"### Run `{path.name}`", "",
+           f"{meta['date']}; {meta.get('gpus')}; {meta.get('cpus')} CPUs; disk folder {meta.get('disk_dir')}.", "",
+           md_table(["way", "GB", "suspend s", "resume s", "suspend phases (s)", "resume phases (s)"], body), "",
+           "Floors in this run: " + ", ".join(f"{k.replace('_', ' ')} {v} GB/s" for k, v in floors.items()) + ".",
+           ""]
+    by = {(r["way"], r["size_gb"]): r for r in rows}
+    lines = []
+    for (way, size), r in sorted(by.items()):
+        if not way.startswith("stash-"):
+            continue
+        base = by.get(("criu-" + way.split("-")[1], size))
+        if base is not None:
+            lines.append(f"{size:g} GB in {way.split('-')[1]}: suspend {base['suspend']['total'] / r['suspend']['total']:.1f}× "
+                         f"and resume {base['resume']['total'] / r['resume']['total']:.1f}× faster than the driver and "
+                         "CRIU alone")
+        stashed = r["suspend"].get("stash") or {}
+        written = r["suspend"]["timings"].get("stash")
+        floor = floors.get("tmpfs_write" if way.endswith("memory") else "disk_write")
+        if stashed.get("stashed") and written and floor:
+            rate = stashed["stashed"] / written / GB
+            lines.append(f"{size:g} GB, {way}: the stash wrote {rate:.1f} GB/s ({rate / floor:.2f} of the floor)")
+    if lines:
+        out += ["Ratios within this run: " + "; ".join(lines) + ".", ""]
+    return "\n".join(out)
+
+
 def main(argv: list[str]) -> int:
     paths = [Path(p) for p in argv] or None
     if paths is None:
@@ -149,8 +211,11 @@ def main(argv: list[str]) -> int:
             return 1
         newest = found[-1].name[:10]
         paths = [p for p in found if p.name.startswith(newest)]
-    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths)
-    DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths))
+    suspends = sorted(RESULTS.glob("*-suspend.json"))
+    suspends = [p for p in suspends if "floors" in json.loads(p.read_text())][-1:]
+    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends)
+    DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
+                   "".join("\n" + suspend_section(p) for p in suspends))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 

@@ -8,8 +8,8 @@ Ways, ``<how>-<where>``:
   stash-*   the host stash (kernel/hoststash.py): the kernel writes its tensors itself, then the driver
             and CRIU carry the rest
   criu-*    the stash off (c.MigratableProvisioner.host_stash_min = None): the CUDA driver and CRIU alone
-  *-memory  the state folder on /dev/shm (tmpfs)
-  *-disk    the state folder on ``--disk-dir`` (the local disk)
+  *-memory  images in memory (c.MigratableProvisioner.suspend_to = "memory": a folder on /dev/shm)
+  *-disk    images on disk (suspend_to = "disk": the state folder, on ``--disk-dir``)
 
 Floors, measured in the same run: the disk's sequential write and read (dd, O_DIRECT, 8 GiB), tmpfs
 written and read by 16 threads (one file each), and pinned host <-> GPU copies. Writes
@@ -111,8 +111,9 @@ def floors(disk_dir: Path) -> dict:
 def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> None:
     how, where = way.split("-")
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-suspend-bench-", dir="/tmp"))
-    state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir="/dev/shm" if where == "memory" else disk_dir))
-    config = {"MigratableProvisioner": {"state_dir": str(state), "host_stash_min": None if how == "criu" else 10**9}}
+    state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir=disk_dir))
+    config = {"MigratableProvisioner": {"state_dir": str(state), "suspend_to": where,
+                                        "host_stash_min": None if how == "criu" else 10**9}}
     server = Server(root, config)
     try:
         for size in sizes:
@@ -120,6 +121,8 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> N
             server.run(kernel_id, BUILD.format(size=size))
             server.run(kernel_id, "torch.cuda.empty_cache()")
             suspended = server.operate(kernel_id, "suspend")
+            if suspended.get("images") != where:
+                raise RuntimeError(f"{way}: the images went to {suspended.get('images')}, not {where}")
             resumed = server.operate(kernel_id, "resume")
             check = server.run(kernel_id, CHECK).split()
             if check[0] != "True":

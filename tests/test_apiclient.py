@@ -41,7 +41,7 @@ async def test_follow_sees_each_version_of_a_real_suspend_and_resume(jp_serverap
         if op.get("phases"):  # the plan's own list, once the record carries it
             assert [p for p in op["phases"] if p in phases] == list(dict.fromkeys(phases)), (op["phases"], phases)
             assert progress(op) == (len(op["phases"]), len(op["phases"]))
-        done = {"suspend": "suspended", "resume": "resumed"}[action]
+        done = {"suspend": "suspended to disk", "resume": "resumed"}[action]
         assert report(op, kernel.id).startswith(f"Kernel {kernel.id} {done} in "), report(op, kernel.id)
     assert (await asyncio.to_thread(client.kernel, kernel.id))["state"] == "running"
     assert (await kernel.run("print(kept)")).strip() == "here"
