@@ -414,8 +414,10 @@ class GPUMigrateApp(ExtensionApp):
         await asyncio.wait(moves.values(), timeout=self.stop_timeout)
         for kernel_id, move in moves.items():
             if not move.done():
-                self.log.warning("gpumigrate: stopping: kernel %s: its images are still in memory after %.0f s: "
-                                 "they stay there (lost if the host restarts)", kernel_id, self.stop_timeout)
+                self.log.warning("gpumigrate: stopping: kernel %s: its images are still being moved to disk after "
+                                 "%.0f s; the server exits once that is done. Killed before, it leaves them in "
+                                 "memory (lost if the host restarts), and the next start takes them from there",
+                                 kernel_id, self.stop_timeout)
             elif move.exception() is not None:
                 self.log.error("gpumigrate: stopping: kernel %s: its images stay in memory (lost if the host "
                                "restarts): %s", kernel_id, move.exception())

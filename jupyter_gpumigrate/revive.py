@@ -307,8 +307,11 @@ async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
     removed (its CUDA processes, if its server left them locked, run again first). None when that is done
     or does not apply; a refusal, the folder kept, if the kernel could not."""
     folder, pending = store.path_for(name), store.read_pending(name)
-    if pending is None or not (folder / STASH_INDEX).exists() or kept_by_another_live_server(pending.server):
+    written = (folder / STASH_INDEX).exists() or any(folder.glob("stash-*.bin"))
+    if pending is None or not written or kept_by_another_live_server(pending.server):
         return None
+    # The kernel may still be writing them (its server died during the stash): its answer comes once it is
+    # done, and only then is anything removed.
     pid = _running_kernel(pending, kill_stuck=False)
     if pid is None:
         return None  # the kernel is gone, its buffers with it: an unfinished dump

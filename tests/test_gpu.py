@@ -457,3 +457,16 @@ async def test_a_damaged_stash_file_of_a_gpu_kernel_is_refused_and_its_images_ke
         f.write(bytes([byte]))
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(state_digest() == before)")).strip() == "True"
+
+
+async def test_a_tensor_sharing_memory_without_its_storage_makes_the_host_stash_step_aside(jp_fetch, kernel):
+    # A DLPack alias points at `big`'s memory through a storage of its own that cannot be resized: freeing
+    # `big`'s storage would leave it pointing at freed memory. The stash steps aside; the driver and CRIU
+    # carry everything, alias included.
+    await build(kernel, gib=2, gpus=1)
+    await kernel.run("from torch.utils import dlpack\nalias = dlpack.from_dlpack(dlpack.to_dlpack(big))")
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded" and "shares memory" in op["stash"]["aside"], op
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    out = await kernel.run("kept = state_digest() == before; alias[0] = 7.0; print(kept, float(big[0]) == 7.0)")
+    assert out.split() == ["True", "True"], "every value kept, and the alias still writes into big's memory"

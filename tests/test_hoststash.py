@@ -116,6 +116,22 @@ def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:
     assert bytes(blob) == expect and hoststash.away() == 0
 
 
+def test_the_index_on_disk_cannot_tell_the_kernel_where_its_bytes_go(tmp_path: Path) -> None:
+    # The kernel checks the files against the chunk table it kept in its own memory: an index whose
+    # chunks were swapped or dropped changes nothing.
+    ns = {"blob": bytearray(os.urandom(1 << 20) * 100), "In": []}
+    blob = ns["blob"]
+    expect = bytes(blob)
+    json.loads(hoststash.stash(str(tmp_path), min_total=1, threads=2))
+    path = tmp_path / hoststash.INDEX
+    index = json.loads(path.read_text())
+    index["chunks"][0]["at"], index["chunks"][1]["at"] = index["chunks"][1]["at"], index["chunks"][0]["at"]
+    del index["chunks"][2]
+    path.write_text(json.dumps(index))
+    said = json.loads(hoststash.take_back(str(tmp_path), threads=2))
+    assert said["unstashed"] == len(expect) and bytes(blob) == expect
+
+
 def test_a_thread_of_the_user_makes_it_step_aside(tmp_path: Path) -> None:
     ns = {"blob": bytearray(32 << 20), "In": []}
     blob = ns["blob"]
@@ -201,9 +217,8 @@ async def test_a_kernel_killed_mid_stash_leaves_no_half_image(jp_fetch, jp_serve
     await kernel.run("import os\nbig = [bytearray(os.urandom(1 << 20) * 200) for _ in range(4)]\nprint('ok')")
     pid = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.pid
     op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
-    folder = _images(jp_serverapp, kernel.id)
     deadline = time.monotonic() + 60
-    while not any(folder.glob("stash-*.bin")) if folder.exists() else True:
+    while not any((folder := _images(jp_serverapp, kernel.id)).glob("stash-*.bin")):  # memory or disk
         assert time.monotonic() < deadline, "the stash never started"
         time.sleep(0.01)
     os.kill(pid, signal.SIGKILL)

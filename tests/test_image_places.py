@@ -73,13 +73,30 @@ def test_a_move_cut_short_is_finished_at_the_next_start(tmp_path: Path) -> None:
     assert json.loads((complete / "manifest.json").read_text())["kernel_id"] == "k2"
 
 
-def test_a_memory_folder_someone_else_made_is_refused(tmp_path: Path) -> None:
+def test_a_link_in_place_of_the_memory_folder_is_refused(tmp_path: Path) -> None:
     store = _store(tmp_path)
     store.memory_root.parent.mkdir(parents=True)
     (tmp_path / "elsewhere").mkdir()
     store.memory_root.symlink_to(tmp_path / "elsewhere")
-    with pytest.raises(ImageError, match="not a folder of this user's"):
+    with pytest.raises(ImageError, match="not a private folder of this user's"):
         store.create("k1", MEMORY)
+
+
+def test_a_memory_folder_made_by_someone_else_is_never_read_nor_written(tmp_path: Path) -> None:
+    store = _store(tmp_path)
+    store.memory_root.mkdir(parents=True)
+    planted = store.memory_root / "planted"
+    planted.mkdir()
+    os.chown(store.memory_root, 12345, 12345)  # as if another user had made it first (we are root here)
+    assert "not a private folder of this user's" in store.memory_refused()
+    assert store.names() == [] and store.where("planted") == DISK and store.path_for("planted").parent == store.root
+    where, why = images.choose(store, "auto", 10**6)
+    assert where == DISK and "not a private folder" in why, "auto goes to disk, saying why"
+    with pytest.raises(ImageError, match="Images cannot go to memory: .* not a private folder"):
+        images.choose(store, MEMORY, 10**6)
+    os.chown(store.memory_root, os.geteuid(), os.getegid())
+    os.chmod(store.memory_root, 0o777)
+    assert store.memory_refused(), "open to others: refused too"
 
 
 def test_auto_takes_memory_only_with_room(tmp_path: Path) -> None:

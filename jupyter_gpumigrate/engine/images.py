@@ -146,18 +146,35 @@ class ImageStore:
     def _ensure_root(self, root: Path | None = None) -> None:
         root = root or self.root
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        info = os.lstat(root)
-        # The memory folder lies in a folder everyone can write (/dev/shm): someone else could have made it.
-        if root == self.memory_root and (not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid()):
-            raise ImageError(f"{root} is not a folder of this user's: images are not put there. Remove it, or set "
-                             "c.MigratableProvisioner.memory_dir (or state_dir) to a folder of your own.")
+        if root == self.memory_root and self.memory_refused():
+            raise ImageError(f"{root} is not a private folder of this user's: images are not put there. Remove it, "
+                             "or set c.MigratableProvisioner.memory_dir (or state_dir) to a folder of your own.")
         os.chmod(root, 0o700)
+
+    def memory_refused(self) -> str:
+        """Why the memory folder may not be used ('' if it may): it lies in a folder everyone can write
+        (/dev/shm), so someone else could have made it, or a link there. Absent, it is fine (made 0700)."""
+        if self.memory_root is None:
+            return "no memory folder is set"
+        try:
+            info = os.lstat(self.memory_root)
+        except FileNotFoundError:
+            return ""
+        except OSError as exc:
+            return f"{self.memory_root} cannot be read ({exc.strerror or exc})"
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() or info.st_mode & 0o077:
+            return f"{self.memory_root} is not a private folder of this user's"
+        return ""
+
+    def _memory(self) -> Path | None:
+        """The memory folder, if it may be read from (see :meth:`memory_refused`)."""
+        return self.memory_root if self.memory_root is not None and not self.memory_refused() else None
 
     def path_for(self, name: str) -> Path:
         if not name or "/" in name or name.startswith("."):
             raise ImageError(f"'{name}' is not a valid image name.")
         disk = self.root / name
-        if self.memory_root is not None and not (disk / MANIFEST).exists():
+        if self._memory() is not None and not (disk / MANIFEST).exists():
             memory = self.memory_root / name
             if memory.is_dir() and not memory.is_symlink():
                 return memory
@@ -165,7 +182,7 @@ class ImageStore:
 
     def where(self, name: str) -> str:
         """``memory`` or ``disk``: where ``name``'s images are (or would be read from)."""
-        return MEMORY if self.memory_root is not None and self.path_for(name).parent == self.memory_root else DISK
+        return MEMORY if self._memory() is not None and self.path_for(name).parent == self.memory_root else DISK
 
     def create(self, name: str, where: str = DISK) -> Path:
         """A new, empty, private directory for ``name``, in memory or on disk (``where``); old ones of the same
@@ -188,7 +205,8 @@ class ImageStore:
         return path
 
     def _both(self, name: str) -> list[Path]:
-        return [self.root / name] + ([self.memory_root / name] if self.memory_root is not None else [])
+        memory = self._memory()
+        return [self.root / name] + ([memory / name] if memory is not None else [])
 
     def to_disk(self, name: str) -> Path:
         """Move ``name``'s memory images to disk; their disk folder. Crash-safe: the copy is made under a
@@ -200,13 +218,17 @@ class ImageStore:
         self._ensure_root()
         temporary = self.root / f"{MOVING}{name}"
         _remove(temporary)
-        temporary.mkdir(mode=0o700)
-        for entry in sorted(source.iterdir()):
-            if entry.is_file() and not entry.is_symlink():
-                shutil.copyfile(entry, temporary / entry.name, follow_symlinks=False)
-                os.chmod(temporary / entry.name, 0o600)
-                _fsync_file(temporary / entry.name)
-        _fsync_file(temporary)
+        try:
+            temporary.mkdir(mode=0o700)
+            for entry in sorted(source.iterdir()):
+                if entry.is_file() and not entry.is_symlink():
+                    shutil.copyfile(entry, temporary / entry.name, follow_symlinks=False)
+                    os.chmod(temporary / entry.name, 0o600)
+                    _fsync_file(temporary / entry.name)
+            _fsync_file(temporary)
+        except BaseException:
+            _remove(temporary)  # a full disk, say: the memory images stay the kernel's, whole
+            raise
         target = self.root / name
         _remove(target)
         os.rename(temporary, target)
@@ -221,7 +243,7 @@ class ImageStore:
         for partial in self.root.glob(f"{MOVING}*") if self.root.is_dir() else []:
             _remove(partial)
             done.append(partial.name[len(MOVING):])
-        if self.memory_root is not None and self.memory_root.is_dir():
+        if self._memory() is not None and self.memory_root.is_dir():
             for memory in self.memory_root.iterdir():
                 if memory.is_dir() and (self.root / memory.name / MANIFEST).exists():
                     _remove(memory)
@@ -321,7 +343,7 @@ class ImageStore:
 
     def names(self) -> list[str]:
         found: set[str] = set()
-        for root in (self.root, self.memory_root):
+        for root in (self.root, self._memory()):
             if root is not None and root.is_dir():
                 found.update(p.name for p in root.iterdir()
                              if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
@@ -364,12 +386,29 @@ def host_memory() -> tuple[int, int]:
 KEEP_AVAILABLE = 0.25
 
 
-def choose(store: ImageStore, wanted: str, estimate: int) -> tuple[str, str]:
+def cgroup_room(pid: int) -> int | None:
+    """Bytes the memory cgroup (v2) of ``pid`` may still take, or None where it has no limit (or none is known)."""
+    try:
+        with open(f"/proc/{pid}/cgroup", encoding="utf-8") as f:
+            path = next((line.split(":", 2)[2].strip() for line in f if line.startswith("0::")), None)
+        if path is None:
+            return None
+        folder = Path("/sys/fs/cgroup") / path.lstrip("/")
+        limit = (folder / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return int(limit) - int((folder / "memory.current").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def choose(store: ImageStore, wanted: str, estimate: int, pid: int | None = None) -> tuple[str, str]:
     """Where a suspend of a kernel holding ``estimate`` bytes (host and GPU memory) puts its images, and why.
 
     ``disk`` and ``memory`` are taken as asked (memory refused, with :class:`ImageError`, where it has no
-    room); ``auto`` takes memory when the tmpfs has room for the estimate and 10 % more, and the host would
-    keep a quarter of its memory available afterwards; disk otherwise."""
+    room); ``auto`` takes memory when the tmpfs has room for the estimate and 10 % more, the host would
+    keep a quarter of its memory available afterwards, and the memory cgroup of the kernel (``pid``), if it
+    has a limit, has room for it too; disk otherwise (also when the memory folder is not the user's own)."""
     if wanted == DISK:
         return DISK, "asked for"
     if store.memory_root is None:
@@ -378,9 +417,20 @@ def choose(store: ImageStore, wanted: str, estimate: int) -> tuple[str, str]:
                              "memory_dir), or CRIU runs through the node helper, which writes only to disk. "
                              "Suspend to disk.")
         return DISK, "no memory folder"
+    refused = store.memory_refused()
+    if refused:
+        if wanted == MEMORY:
+            raise ImageError(f"Images cannot go to memory: {refused}. Suspend to disk, or remove it (or set "
+                             "c.MigratableProvisioner.memory_dir to a folder of your own). The kernel runs on.")
+        return DISK, refused
     free = memory_free(store.memory_root)
     total, available = host_memory()
     room = free >= estimate * 1.1 and available - estimate >= KEEP_AVAILABLE * total
+    # The stash's files are charged to the memory cgroup of the kernel, which writes them: within its limit.
+    left = cgroup_room(pid) if pid is not None else None
+    if left is not None and left < estimate * 1.1:
+        room = False
+        free = min(free, left)
     why = (f"{estimate / 1e9:.1f} GB to write; {free / 1e9:.1f} GB free in {store.memory_root}, "
            f"{available / 1e9:.1f} of {total / 1e9:.1f} GB of memory available")
     if wanted == MEMORY and not room:

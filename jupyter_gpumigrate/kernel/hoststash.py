@@ -32,6 +32,7 @@ import gc
 import json
 import os
 import secrets
+import signal
 import sys
 import threading
 import time
@@ -73,6 +74,8 @@ class Buffer:
     kind: str
     obj: Any
     size: int
+    #: freed, its bytes in the stash files (False: it stayed, whole, in memory)
+    away: bool = False
 
     def address(self) -> int:
         if self.kind == "bytearray":
@@ -114,6 +117,8 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
     del holders
     # is_pinned() would start CUDA in a kernel that never used it; without CUDA nothing is pinned.
     cuda_on = torch is not None and torch.cuda.is_initialized()
+    #: (device, start, end) of storages that stay: one that overlaps a taken one would keep a freed address
+    fixed: list[tuple[str, int, int]] = []
     for obj in tracked:
         kind = type(obj)
         if torch is None or not issubclass(kind, torch.Tensor):
@@ -123,7 +128,12 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
                 continue
             storage = obj.untyped_storage()
             pointer, size = storage.data_ptr(), storage.nbytes()
-            if not pointer or size < min_bytes or not storage.resizable():
+            if not pointer:
+                continue
+            if not storage.resizable():
+                fixed.append((obj.device.type, pointer, pointer + size))  # IPC, DLPack, from_blob, numpy: stays
+                continue
+            if size < min_bytes:
                 continue
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # sparse, nested, wrapper subclasses: they stay
@@ -131,15 +141,21 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
         if device == "cpu" and cuda_on and obj.is_pinned():
             continue  # pinned host memory: freeing and taking it again costs more than CRIU's copy
         found.setdefault((device, pointer), Buffer(device, storage, size))
+    taken = [(b.kind, b.address(), b.address() + b.size) for b in found.values() if b.kind != "bytearray"]
+    for device, start, end in fixed:
+        if any(kind == device and a < end and start < b for kind, a, b in taken):
+            raise StepAside("a tensor shares memory with another without sharing its storage (DLPack, from_blob): "
+                            "it would keep the old address")
     return sorted(found.values(), key=lambda b: b.size, reverse=True)
 
 
 def _exports(obj: bytearray) -> int:
-    """1 if a buffer view (memoryview, numpy, ctypes) holds ``obj`` now, so that it cannot be resized; else 0.
-    Growing it by one byte asks exactly that (and a bytearray of this size has no room left to grow into)."""
+    """1 if a buffer view (memoryview, numpy, ctypes) holds ``obj`` now, so that it cannot be resized (or it
+    cannot grow by a byte); else 0. Growing it by one byte asks exactly that: CPython checks for views
+    before it resizes, whether or not the bytearray has room to grow into."""
     try:
         obj.append(0)
-    except BufferError:
+    except (BufferError, MemoryError):
         return 1
     del obj[-1]
     return 0
@@ -287,7 +303,11 @@ def _fs_type(folder: Path) -> str:
 # -- in the kernel's memory: what is away ---------------------------------------------------------------
 
 #: The buffers now in files, in the order of the index, and the session that wrote them.
+#: The buffers of the stash now in files, in the order of the index; its chunks, CRC-32s included (what a
+#: resume checks the files against: the kernel's own memory, which CRIU carries, not the index on disk);
+#: and the session id written into the index.
 _away: list[Buffer] = []
+_chunks: list[Chunk] = []
 _session: str | None = None
 
 
@@ -325,75 +345,111 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
     if reason:
         return json.dumps({"aside": reason})
     started = time.perf_counter()
-    buffers = collect(torch, min_bytes)
+    try:
+        buffers = collect(torch, min_bytes)
+    except StepAside as exc:
+        return json.dumps({"aside": str(exc)})
     found = time.perf_counter()
     total = sum(b.size for b in buffers)
     if not buffers or total < max(min_total, 1):
         return json.dumps({"aside": f"the kernel holds {total / 1e9:.1f} GB of large buffers: under "
                                     f"{max(min_total, min_bytes) / 1e9:.1f} GB CRIU and the driver alone are as fast"})
-    cuda = None
+    cuda, device = None, None
     devices = {b.obj.device.index for b in buffers if b.kind == "cuda"}
     if len(devices) > 1:
         return json.dumps({"aside": "the kernel's tensors are on several GPUs"})
     if devices:
-        torch.cuda.synchronize()  # every kernel launched so far has finished with these buffers
-        with torch.cuda.device(devices.pop()):
+        device = devices.pop()
+        with torch.cuda.device(device):
+            torch.cuda.synchronize(device)  # every kernel launched so far has finished with these buffers
             cuda = _Cuda()  # the context of the buffers' GPU
     root = Path(folder)
     chunks = plan_chunks([b.size for b in buffers], threads)
     parts = 1 + max(c.part for c in chunks)
     durable = _fs_type(root) != _TMPFS_MAGIC
     addresses = [b.address() for b in buffers]
+    # Opened here and kept open until the buffers are freed: a file removed meanwhile (a server that
+    # thought the stash abandoned) is seen, and nothing is freed then.
+    fds: list[int] = []
+    try:
+        for part in range(parts):
+            fds.append(os.open(root / PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
-    def write(part: int) -> None:
-        mine = [c for c in chunks if c.part == part]
-        on_gpu = [buffers[c.buffer].kind == "cuda" for c in mine]
-        fd = os.open(root / PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        lane = cuda.lane() if cuda is not None and any(on_gpu) else None
-        try:
-            def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
-                if i < len(mine) and on_gpu[i]:
-                    lane.out(i % 2, addresses[mine[i].buffer] + mine[i].at, mine[i].size)  # type: ignore[union-attr]
+        def write(part: int) -> None:
+            mine = [c for c in chunks if c.part == part]
+            on_gpu = [buffers[c.buffer].kind == "cuda" for c in mine]
+            fd = fds[part]
+            lane = cuda.lane() if cuda is not None and any(on_gpu) else None
+            try:
+                def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
+                    if i < len(mine) and on_gpu[i]:
+                        lane.out(i % 2, addresses[mine[i].buffer] + mine[i].at, mine[i].size)  # type: ignore[union-attr]
 
-            fetch(0)
-            for i, c in enumerate(mine):
-                fetch(i + 1)  # its buffer's last chunk (i - 1) is written already
-                if on_gpu[i]:
-                    lane.wait(i % 2)  # type: ignore[union-attr]
-                    view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
-                else:
-                    view = _view(addresses[c.buffer] + c.at, c.size)
-                c.crc32 = zlib.crc32(view)
-                _io_all(os.pwrite, fd, view, c.offset)
-            if durable:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
-        finally:
+                fetch(0)
+                for i, c in enumerate(mine):
+                    fetch(i + 1)  # its buffer's last chunk (i - 1) is written already
+                    if on_gpu[i]:
+                        lane.wait(i % 2)  # type: ignore[union-attr]
+                        view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
+                    else:
+                        view = _view(addresses[c.buffer] + c.at, c.size)
+                    c.crc32 = zlib.crc32(view)
+                    _io_all(os.pwrite, fd, view, c.offset)
+                if durable:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
+            finally:
+                if lane is not None:
+                    lane.close()
+
+        copying = time.perf_counter()
+        _run_parts(write, parts)
+        written = time.perf_counter()
+        session = secrets.token_hex(8)
+        index = {"format": FORMAT, "session": session, "pid": os.getpid(),
+                 "buffers": [{"kind": b.kind, "size": b.size} for b in buffers],
+                 "chunks": [c.__dict__ for c in chunks], "parts": parts}
+        _write_index(root, index, durable)
+        if any(os.fstat(fd).st_nlink == 0 for fd in fds) or not (root / INDEX).exists():
+            raise OSError(f"the stash files in {root} were removed while they were written: nothing was freed")
+        # Every byte is in the files: only now are the buffers freed, with what is away recorded first, and
+        # no interrupt (SIGINT) between one buffer freed and the next.
+        _away[:] = buffers
+        _chunks[:] = chunks
+        _session = session
+        with _no_interrupt():
+            for b in buffers:
+                try:
+                    b.release()
+                except BufferError:  # a view was made meanwhile: it stays, whole
+                    continue
+                b.away = True
+        if cuda is not None:
+            with torch.cuda.device(device):
+                torch.cuda.empty_cache()  # give the freed blocks back, or the driver would checkpoint them anyway
+                torch.cuda.synchronize(device)
+    finally:
+        for fd in fds:
             os.close(fd)
-            if lane is not None:
-                lane.close()
-
-    copying = time.perf_counter()
-    _run_parts(write, parts)
-    written = time.perf_counter()
-    session = secrets.token_hex(8)
-    index = {"format": FORMAT, "session": session, "pid": os.getpid(),
-             "buffers": [{"kind": b.kind, "size": b.size} for b in buffers],
-             "chunks": [c.__dict__ for c in chunks], "parts": parts}
-    _write_index(root, index, durable)
-    # Every byte is in the files: only now are the buffers freed.
-    for b in buffers:
-        b.release()
-    if cuda is not None:
-        torch.cuda.empty_cache()  # give the freed blocks back, or the driver would checkpoint them anyway
-        torch.cuda.synchronize()
-    _away[:] = buffers
-    _session = session
     done = time.perf_counter()
-    return json.dumps({"stashed": total, "buffers": len(buffers), "files": parts,
+    moved = sum(b.size for b in buffers if b.away)
+    return json.dumps({"stashed": moved, "buffers": sum(b.away for b in buffers), "files": parts,
                        "seconds": round(done - started, 4),
                        "split": {"find": round(found - started, 4), "write": round(written - copying, 4),
                                  "free": round(done - written, 4)}})
+
+
+class _no_interrupt:
+    """SIGINT held back (delivered after) in this thread, so that an interrupt cannot stop a loop halfway."""
+
+    def __enter__(self) -> None:
+        self.main = threading.current_thread() is threading.main_thread()
+        if self.main:
+            self.old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+
+    def __exit__(self, *exc: object) -> None:
+        if self.main:
+            signal.pthread_sigmask(signal.SIG_SETMASK, self.old)
 
 
 def _write_index(root: Path, index: dict, durable: bool) -> None:
@@ -428,29 +484,32 @@ def read_index(folder: str | os.PathLike[str]) -> dict:
 
 
 def take_back(folder: str, threads: int = THREADS) -> str:
-    """Bring every buffer back from the stash in ``folder``, checking each chunk's CRC-32. Returns JSON:
-    ``{"unstashed": bytes, "seconds": s}``. Raises :class:`StashDamaged` (a file missing, short or not
-    matching its checksum): the buffers that could not be filled are left empty, and the server kills
-    this process and keeps the images."""
+    """Bring every buffer back from the stash in ``folder``, checking each chunk against the CRC-32 this
+    kernel kept in its own memory. Returns JSON: ``{"unstashed": bytes, "seconds": s}``. Raises
+    :class:`StashDamaged` (the index not this stash's, a file missing, short or not matching): the buffers
+    that could not be filled are left as they are, and the server kills this process and keeps the images."""
     global _session
     started = time.perf_counter()
     if not _away:
         return json.dumps({"unstashed": 0, "seconds": 0.0})
-    index = read_index(folder)
-    if index.get("session") != _session or [b["size"] for b in index["buffers"]] != [b.size for b in _away]:
+    index = read_index(folder)  # only to be sure it is this stash: the chunks and their CRCs are ours
+    if index.get("session") != _session:
         raise StashDamaged(f"the stash in {folder} is not the one this kernel wrote")
     root = Path(folder)
-    chunks: list[Chunk] = index["chunks"]
-    parts = int(index["parts"])
     buffers = list(_away)
+    chunks = [c for c in _chunks if buffers[c.buffer].away]
+    parts = 1 + max((c.part for c in _chunks), default=0)
     torch = sys.modules.get("torch")
-    for b in buffers:
-        b.reallocate()
+    with _no_interrupt():
+        for b in buffers:
+            if b.away:
+                b.reallocate()
     allocated = time.perf_counter()
-    cuda = None
-    devices = {b.obj.device.index for b in buffers if b.kind == "cuda"}
+    cuda, device = None, None
+    devices = {b.obj.device.index for b in buffers if b.kind == "cuda" and b.away}
     if devices and torch is not None:
-        with torch.cuda.device(devices.pop()):
+        device = devices.pop()
+        with torch.cuda.device(device):
             cuda = _Cuda()
     addresses = [b.address() for b in buffers]
     lock = threading.Lock()
@@ -459,6 +518,8 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     def read(part: int) -> None:
         path = root / PART.format(part)
         mine = [c for c in chunks if c.part == part]
+        if not mine:
+            return
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError as exc:
@@ -496,9 +557,12 @@ def take_back(folder: str, threads: int = THREADS) -> str:
         raise StashDamaged("; ".join(sorted(damaged)[:3]) + (f" (and {len(damaged) - 3} more)" if len(damaged) > 3
                                                              else ""))
     if cuda is not None and torch is not None:
-        torch.cuda.synchronize()
-    total = sum(b.size for b in buffers)
+        torch.cuda.synchronize(device)
+    total = sum(b.size for b in buffers if b.away)
+    for b in buffers:
+        b.away = False
     _away.clear()
+    _chunks.clear()
     _session = None
     done = time.perf_counter()
     return json.dumps({"unstashed": total, "seconds": round(done - started, 4),
@@ -507,4 +571,4 @@ def take_back(folder: str, threads: int = THREADS) -> str:
 
 def away() -> int:
     """Bytes of this kernel's buffers that are in a stash now (0: none)."""
-    return sum(b.size for b in _away)
+    return sum(b.size for b in _away if b.away)

@@ -155,7 +155,7 @@ def new_images(ctx: KernelContext, pid: int, images: str = DISK) -> None:
     if len(held) > 1:
         placement.source_gpu(gpus, held)  # raises: a single GPU only
     estimate = proctree.memory(pid) + sum(int(h["memory_used"]) for h in held)
-    ctx.images_where, ctx.images_why = choose(store, images, estimate)
+    ctx.images_where, ctx.images_why = choose(store, images, estimate, pid)
     ctx.images = store.create(kernel.kernel_id, ctx.images_where)
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
     ctx.gpu.track(cuda_pids, held[0]["uuid"] if held else None, int(held[0]["memory_used"]) if held else 0)

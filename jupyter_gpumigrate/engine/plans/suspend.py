@@ -75,8 +75,9 @@ def stash(ctx: KernelContext) -> None:
     try:
         said = ctx.kernel.host_stash(str(ctx.images), ctx.tools.host_stash_min, timeout)
     except TimeoutError as exc:
-        raise MigrateError(f"The kernel did not finish writing its large buffers within {timeout:.0f} s: the "
-                           "suspend is undone, and the kernel runs on once it has read them back.") from exc
+        raise MigrateError(f"The kernel did not finish writing its large buffers within {timeout:.0f} s (a slow "
+                           "disk, or a cell that ran first): the suspend is undone; the kernel reads back what it "
+                           "wrote once it is done, and runs on.") from exc
     except RuntimeError as exc:
         if f"[Errno {errno.ENOSPC}]" in str(exc):
             raise ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers") +
@@ -92,10 +93,15 @@ def stash(ctx: KernelContext) -> None:
 
 def take_back(ctx: KernelContext, timeout: float) -> None:
     """Undo of the stash: the kernel reads its buffers back. Until it has, the files are all there is of
-    them: kept, whatever else is undone."""
+    them: kept, whatever else is undone. Its request waits behind the stash if that still runs (the kernel
+    serves requests in order): it gets the stash's time again, and as long again to read."""
     keep, ctx.keep_images = ctx.keep_images, True
     try:
-        ctx.kernel.host_take_back(str(ctx.images), timeout)
+        ctx.kernel.host_take_back(str(ctx.images), 3 * timeout)
+    except TimeoutError as exc:
+        raise MigrateError(f"The kernel did not read its large buffers back within {3 * timeout:.0f} s; they are "
+                           f"kept in {ctx.images}, and the kernel reads them back once it can: restart the server "
+                           "to ask it again, or restart the kernel if it stays stuck.") from exc
     except OSError:  # ConnectionError: the kernel ended, or its socket broke
         pid = ctx.kernel.kernel_pid
         if pid is not None and proctree.is_alive(pid):
