@@ -190,3 +190,35 @@ async def test_two_hosts_starting_at_once_take_a_stopped_hosts_kernel_exactly_on
     assert (await tab.run("print(x + 1, next(gen))")).strip() == "42 1"
     tab.ws.close()
     await call(winner.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+async def test_a_running_host_whose_suspended_kernel_another_took_drops_it_and_deletes_nothing(shared_hosts):
+    # What a host's server does when another host claimed one of its kernels (the two raced at its start):
+    # the claim is made here as b's server makes it, while b runs (so a does not take it back), and it is
+    # b's next start that takes the kernel from its own folder.
+    a, b, c, shared = shared_hosts
+    c.stop()
+    for host in (a, b):
+        if host.proc is None or host.proc.poll() is not None:
+            host.start({})
+    kernel_id, tab = await new_kernel(a)
+    await tab.run("x = 41")
+    assert (await call(a.operate, kernel_id, "suspend"))["status"] == "succeeded"
+    tab.ws.close()
+    images = SharedFolder(shared, "b").claim("a", kernel_id)
+    files = sorted(p.name for p in images.iterdir())
+    deadline = time.monotonic() + 30
+    while kernel_id in [k["id"] for k in await call(a.api, "GET", "api/kernels")]:
+        assert time.monotonic() < deadline, a.server_log()
+        await asyncio.sleep(0.25)
+    assert f"kernel {kernel_id} was taken by host b from the shared folder" in a.server_log()
+    assert sorted(p.name for p in images.iterdir()) == files  # nothing deleted
+    a.stop()
+
+    b.stop()
+    b.start({})
+    await listed_by(b, kernel_id)
+    tab = await open_tab(b, kernel_id)
+    assert (await tab.run("print(x + 1)")).strip() == "42"
+    tab.ws.close()
+    await call(b.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
