@@ -103,6 +103,20 @@ def shared_hosts(tmp_path_factory):
         net.close()
 
 
+async def suspended_on(a: Host, running: tuple[Host, ...], stopped: tuple[Host, ...], cell: str) -> str:
+    """With ``running`` hosts up and ``stopped`` ones down: a kernel of a's that ran ``cell``, suspended; its id."""
+    for host in stopped:
+        host.stop()
+    for host in (a, *running):
+        if host.proc is None or host.proc.poll() is not None:
+            host.start({})
+    kernel_id, tab = await new_kernel(a)
+    await tab.run(cell)
+    assert (await call(a.operate, kernel_id, "suspend"))["status"] == "succeeded"
+    tab.ws.close()
+    return kernel_id
+
+
 async def listed_by(host: Host, kernel_id: str, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while True:
@@ -153,13 +167,7 @@ async def test_a_kernel_suspended_on_a_host_that_died_is_resumed_on_the_other_fr
 
 async def test_two_hosts_starting_at_once_take_a_stopped_hosts_kernel_exactly_once(shared_hosts):
     a, b, c, shared = shared_hosts
-    b.stop()
-    if a.proc is None or a.proc.poll() is not None:
-        a.start({})
-    kernel_id, tab = await new_kernel(a)
-    await tab.run("x = 41; gen = iter(range(10)); next(gen)")
-    assert (await call(a.operate, kernel_id, "suspend"))["status"] == "succeeded"
-    tab.ws.close()
+    kernel_id = await suspended_on(a, (), (b,), "x = 41; gen = iter(range(10)); next(gen)")
     a.stop(signal.SIGKILL)
     await asyncio.sleep(4 * BEAT)  # a's heartbeat is stale as b and c start
 
@@ -197,14 +205,7 @@ async def test_a_running_host_whose_suspended_kernel_another_took_drops_it_and_d
     # the claim is made here as b's server makes it, while b runs (so a does not take it back), and it is
     # b's next start that takes the kernel from its own folder.
     a, b, c, shared = shared_hosts
-    c.stop()
-    for host in (a, b):
-        if host.proc is None or host.proc.poll() is not None:
-            host.start({})
-    kernel_id, tab = await new_kernel(a)
-    await tab.run("x = 41")
-    assert (await call(a.operate, kernel_id, "suspend"))["status"] == "succeeded"
-    tab.ws.close()
+    kernel_id = await suspended_on(a, (b,), (c,), "x = 41")
     images = SharedFolder(shared, "b").claim("a", kernel_id)
     files = sorted(p.name for p in images.iterdir())
     deadline = time.monotonic() + 30
