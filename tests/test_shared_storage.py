@@ -8,6 +8,7 @@ kernel is dumped, its PIDs are free for b.
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import os
 import signal
@@ -221,5 +222,23 @@ async def test_a_running_host_whose_suspended_kernel_another_took_drops_it_and_d
     await listed_by(b, kernel_id)
     tab = await open_tab(b, kernel_id)
     assert (await tab.run("print(x + 1)")).strip() == "42"
+    tab.ws.close()
+    await call(b.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+@pytest.mark.gpu
+async def test_a_gpu_kernel_suspended_on_a_host_that_died_resumes_on_the_other_with_its_tensors(shared_hosts):
+    # The hosts share the machine's GPUs (one model): b resumes a's GPU kernel from the shared folder.
+    a, b, c, shared = shared_hosts
+    cell = "import torch; t = torch.arange(1 << 24, device='cuda', dtype=torch.float32); s0 = float(t.sum())"
+    kernel_id = await suspended_on(a, (b,), (c,), cell)
+    manifest = json.loads((shared / "hosts" / "a" / "images" / kernel_id / "manifest.json").read_text())
+    assert manifest["gpus"] and manifest["gpus"][0]["name"], manifest["gpus"]
+    a.stop(signal.SIGKILL)
+    await listed_by(b, kernel_id, timeout=60)
+    tab = await open_tab(b, kernel_id)
+    assert (await tab.run("print(float(t.sum()) == s0, t.device, float((t * 2).sum()) == 2 * s0)")).strip() == \
+        "True cuda:0 True"
+    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
     tab.ws.close()
     await call(b.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
