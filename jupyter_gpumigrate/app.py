@@ -35,6 +35,7 @@ from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .retention import discard_expired, keep_discarding
 from .revive import lock_state, revive_all
+from .sharing import Sharing
 
 
 #: With the stop policy 'suspend': how long, past stop_timeout, a stopping server waits for the operations
@@ -168,10 +169,23 @@ class GPUMigrateApp(ExtensionApp):
         "discards them, since a suspended kernel is someone's work (README, 'Retention').",
     ).tag(config=True)
 
+    shared_heartbeat = Float(
+        10.0, help="With c.MigratableProvisioner.shared_dir: how often this server says in the shared folder that "
+        "it runs, and looks there for the suspended kernels of hosts that stopped, in seconds. A host that has "
+        "not said so for three of its intervals has stopped: its suspended kernels may be taken by another.",
+    ).tag(config=True)
+
     retention_interval = Float(
         3600.0, help="With a retention: how often the running server looks for suspended kernels older than it, "
         "in seconds.",
     ).tag(config=True)
+
+    @validate("shared_heartbeat")
+    def _positive(self, proposal: Any) -> float:
+        if proposal["value"] <= 0:
+            raise TraitError(f"c.GPUMigrateApp.shared_heartbeat must be a number of seconds above 0 (got "
+                             f"{proposal['value']}).")
+        return proposal["value"]
 
     @validate("retention", "retention_interval")
     def _not_negative(self, proposal: Any) -> float:
@@ -320,7 +334,11 @@ class GPUMigrateApp(ExtensionApp):
             return
         done = self._hold_sessions_until_revived()
         REVIVING.set(True)  # this task's own session calls are not held
+        sharing = None
         try:
+            sharing = self._sharing(serverapp)
+            if sharing is not None:
+                await sharing.beat()  # before taking its own back: no other host takes them meanwhile
             found = await revive_all(serverapp)
             # In place: the web application's settings hold this same list (a copy of the dict, made at load).
             self.settings["gpumigrate_refused"].extend(f for f in found if f.outcome == "refused")
@@ -329,6 +347,20 @@ class GPUMigrateApp(ExtensionApp):
         finally:
             done.set()
         self._start_retention()
+        if sharing is not None:
+            self._sharing_task = asyncio.get_running_loop().create_task(
+                sharing.run(self.settings["gpumigrate_refused"]))
+
+    _sharing_task: asyncio.Task | None = None
+
+    def _sharing(self, serverapp: Any) -> Sharing | None:
+        """The shared folder's ticks (sharing.py), if c.MigratableProvisioner.shared_dir is set."""
+        shared = MigratableProvisioner(config=serverapp.config).shared
+        if shared is None:
+            return None
+        self.log.info("gpumigrate: suspended kernels go to %s, shared with other hosts, as host %s",
+                      shared.images_root(), shared.host)
+        return Sharing(serverapp, self.settings["gpumigrate_operations"], shared, self.shared_heartbeat)
 
     _retention_task: asyncio.Task | None = None
 
@@ -379,6 +411,8 @@ class GPUMigrateApp(ExtensionApp):
         self._stopping = True
         if self._retention_task is not None:
             self._retention_task.cancel()  # nothing is discarded while the server stops
+        if self._sharing_task is not None:
+            self._sharing_task.cancel()  # nothing is taken while it stops; its heartbeat goes stale
         operations: OperationManager = self.settings["gpumigrate_operations"]
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)

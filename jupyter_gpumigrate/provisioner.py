@@ -29,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from .engine import proctree
 from .engine.access import images_root
 from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
+from .engine.shared import SharedFolder
 from .engine.errors import MigrateError
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
@@ -158,7 +160,16 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     memory_dir = Unicode(
         help="The folder on a tmpfs for images in memory (created 0700); empty: images always go to disk. "
-        "Default: a folder of this user's and state folder's in /dev/shm.",
+        "Default: a folder of this user's and state folder's in /dev/shm; none with a shared_dir (images in "
+        "memory are local: another host could not take them).",
+    ).tag(config=True)
+
+    shared_dir = Unicode(
+        "", help="A folder on storage shared by several hosts (a node pool), this user's: suspended kernels' "
+        "images go there, under hosts/<host_name>/images, instead of state_dir/images, and a server takes "
+        "the suspended kernels of a host whose server has stopped (its heartbeat there is stale). Records, "
+        "logs and locks stay in state_dir, which is local. Empty (the default): no sharing. README, 'Shared "
+        "storage', says what must hold (same GPU model, same kernelspecs and paths, the kernel's PIDs free).",
     ).tag(config=True)
 
     host_stash_min = Int(
@@ -182,7 +193,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     @default("memory_dir")
     def _default_memory_dir(self) -> str:
-        if not os.path.isdir("/dev/shm"):
+        if not os.path.isdir("/dev/shm") or self.shared_dir:
             return ""
         # One per user and state folder: two servers with folders of their own never share it.
         digest = hashlib.sha256(os.path.realpath(self.state_dir).encode()).hexdigest()[:12]
@@ -196,6 +207,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     reviving: dict[str, Revival] = {}
     #: suspended when its server stopped: its images, and the files the kernel had open, stay for the next
     _kept = False
+    #: taken by another host from the shared folder: dropped from this server's list, nothing deleted
+    given_away = False
     log_path: Path | None = None
     remote_link: Any = None  # peers.PeerLink, while the kernel runs on another host
     remote_gpus: list = []
@@ -217,12 +230,26 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return dict(self.connection_info)
 
     @property
+    def host_name(self) -> str:
+        """This server's name (c.GPUMigrateApp.host_name, by default the host's)."""
+        return str(self.config.get("GPUMigrateApp", {}).get("host_name") or socket.gethostname())
+
+    @property
+    def shared(self) -> SharedFolder | None:
+        """The folder shared with other hosts, if one is set and the images go there (not through the node
+        helper, which dumps only into its own folder)."""
+        if not self.shared_dir or images_root(Path(self.state_dir), self.helper_socket or None) != Path(self.state_dir):
+            return None
+        return SharedFolder(self.shared_dir, self.host_name)
+
+    @property
     def images(self) -> ImageStore:
         # With the node helper, the folder it made for this user (access.py), on disk only: the helper
-        # dumps nowhere else.
+        # dumps nowhere else. With a shared folder, this host's folder there (engine/shared.py).
         root = images_root(Path(self.state_dir), self.helper_socket or None)
         memory = self.memory_dir if root == Path(self.state_dir) else None
-        return ImageStore(root / "images", memory or None)
+        shared = self.shared
+        return ImageStore(shared.images_root() if shared is not None else root / "images", memory or None)
 
     def secrets(self) -> dict:
         info = self.connection_info
@@ -543,8 +570,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     def _keep_or_discard(self) -> None:
         """A suspended kernel shut down: by its user, its images go; by its server stopping, they stay, and
-        the next server takes it back (revive.py)."""
-        if self._server_stopping():
+        the next server takes it back (revive.py); taken by another host (engine/shared.py), they are its now."""
+        if self.given_away:
+            self._kept = True
+            self.state = STOPPED
+            self.log.info("gpumigrate: kernel %s was taken by another host from the shared folder: no longer "
+                          "listed here", self.kernel_id)
+        elif self._server_stopping():
             self._kept = True
             self.state = STOPPED
             self.log.info("gpumigrate: kernel %s stays suspended for the next server (its images are in %s)",

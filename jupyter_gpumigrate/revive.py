@@ -166,7 +166,7 @@ def _cuda_state(pid: int) -> str | None:
         return None
 
 
-def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
+def _unfinished_dump(store: ImageStore, name: str, records: Path) -> Found | None:
     """A folder with no manifest: a dump its server did not live to finish. None once it is completed (its
     manifest written): the caller then takes the kernel back."""
     folder, pending = store.path_for(name), store.read_pending(name)
@@ -174,7 +174,7 @@ def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
             "a state folder of its own (c.MigratableProvisioner.state_dir).")
     if pending is not None and kept_by_another_live_server(pending.server):
         return refused(name, folder, "a dump in progress, by another server that still runs", busy)
-    if pending is None and time.time() - folder.stat().st_mtime < 600 and _another_server_runs(store):
+    if pending is None and time.time() - folder.stat().st_mtime < 600 and _another_server_runs(records):
         return refused(name, folder, "maybe a dump in progress, by another server that still runs", busy)
     if pending is None or _running_kernel(pending, kill_stuck=False) is not None:
         # CRIU never started, or stopped with its server and gave the kernel back (which runs, and is
@@ -196,9 +196,9 @@ def _unfinished_dump(store: ImageStore, name: str) -> Found | None:
                    f"Nothing can be taken back from it: remove it (rm -r {folder}) once you have looked.")
 
 
-def _another_server_runs(store: ImageStore) -> bool:
-    """Whether a server other than this one holds records here (a folder shared by two of one user's servers)."""
-    records = store.root.parent / RECORDS
+def _another_server_runs(records: Path) -> bool:
+    """Whether a server other than this one holds records in ``records`` (a state folder shared by two of one
+    user's servers)."""
     for path in records.glob("*.json") if records.is_dir() else []:
         try:
             if kept_by_another_live_server(json.loads(path.read_text()).get("server")):
@@ -269,7 +269,7 @@ async def revive_all(serverapp: Any) -> list[Found]:
         if name in km:
             continue
         try:
-            found.append(await _take_back_images(serverapp, store, name))
+            found.append(await take_back_images(serverapp, store, name))
         except Exception as exc:  # noqa: BLE001  one folder never stops the others
             log.exception("gpumigrate: not taking back the kernel in %s", store.path_for(name))
             found.append(refused(name, store.path_for(name), str(exc) or type(exc).__name__))
@@ -329,14 +329,15 @@ async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
                    "until it has them back.")
 
 
-async def _take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
+async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
     """One folder of images: taken back, removed (an unfinished dump) or refused."""
     folder = store.path_for(name)
+    records = Path(MigratableProvisioner(config=serverapp.config).state_dir) / RECORDS
     if not (folder / MANIFEST).exists() and not folder.is_symlink():
         stash_left = await _stash_left_in(store, name)
         if stash_left is not None:
             return stash_left
-        unfinished = _unfinished_dump(store, name)
+        unfinished = _unfinished_dump(store, name, records)
         if unfinished is not None:
             return unfinished
     try:

@@ -83,6 +83,8 @@ class Host:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     peer_token: str = field(default_factory=lambda: secrets.token_hex(16))
     proc: subprocess.Popen | None = None
+    #: more configuration, by class ({"MigratableProvisioner": {"shared_dir": ...}}), merged into the defaults
+    extra: dict = field(default_factory=dict)
 
     @property
     def url(self) -> str:
@@ -95,14 +97,17 @@ class Host:
         for sub in ("config", "data", "runtime", "work", "state"):
             (self.root / sub).mkdir(parents=True, exist_ok=True)
         config = self.root / "config" / "jupyter_server_config.json"
-        config.write_text(json.dumps({
+        settings = {
             "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}, "ip": self.ip, "port": PORT,
                           "port_retries": 0, "certfile": str(self.cert), "keyfile": str(self.key),
                           "allow_root": True, "open_browser": False, "root_dir": str(self.root / "work")},
             "IdentityProvider": {"token": self.token},
             "MigratableProvisioner": {"state_dir": str(self.root / "state"), "suspend_to": "disk"},
             "GPUMigrateApp": {"host_name": self.name, "peers": peers, "peer_token": self.peer_token},
-        }))
+        }
+        for section, values in self.extra.items():
+            settings.setdefault(section, {}).update(values)
+        config.write_text(json.dumps(settings))
         env = {**os.environ, "JUPYTER_CONFIG_DIR": str(self.root / "config"),
                "JUPYTER_DATA_DIR": str(self.root / "data"), "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
                "JUPYTER_PLATFORM_DIRS": "1"}

@@ -1,0 +1,180 @@
+"""A folder of suspended kernels shared by several hosts (a node pool's shared storage).
+
+Each host keeps its kernels' images in a folder of its own, and says it runs with a heartbeat beside it:
+
+    <shared>/hosts/<host>/images/<kernel id>/   the images and manifest of a kernel that <host> keeps
+    <shared>/hosts/<host>.alive                 <host>'s heartbeat: its time and interval, rewritten each interval
+
+A host keeps its kernels while its heartbeat is fresh. Once it is stale (no beat for :data:`STALE_BEATS`
+of the host's intervals: its server stopped, was killed, or its node is gone), any other host may take its
+suspended kernels: it claims a kernel by renaming its folder into its own, one atomic rename within the
+shared folder. Of two hosts that claim one kernel at once, exactly one rename succeeds; the other finds the
+folder gone and is told which host has it (:class:`ClaimLost`). Nothing is ever copied or deleted here: a
+claim that the new host cannot use after all is given back, by the same rename the other way.
+
+Only folders with a manifest are claimed: one without is a dump in progress, or one its host's next server
+finishes or removes, never another host's business. Images in memory (a tmpfs) are local by nature: they
+are never in the shared folder, and only their own host takes them back.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import MigrateError
+from .images import MANIFEST, write_durably
+
+HOSTS = "hosts"
+IMAGES = "images"
+ALIVE = ".alive"
+#: A host whose heartbeat is older than this many of its intervals does not run: its kernels may be taken.
+STALE_BEATS = 3
+
+
+class ClaimLost(MigrateError):
+    """Another host claimed the kernel first (or its folder is gone): nothing was changed here."""
+
+    http_status = 409
+
+
+@dataclass
+class Heartbeat:
+    """What a host's heartbeat file says."""
+
+    host: str
+    time: float
+    interval: float
+
+    def stale(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.time()) - self.time > STALE_BEATS * self.interval
+
+
+@dataclass
+class Candidate:
+    """A suspended kernel of another host, in the shared folder."""
+
+    host: str
+    kernel_id: str
+    folder: Path
+
+
+def valid_name(name: str, what: str) -> str:
+    if not name or "/" in name or name.startswith(".") or "\0" in name:
+        raise MigrateError(f"'{name}' cannot be a {what} in a shared folder: give it a name without '/' that does "
+                           "not start with '.' (c.GPUMigrateApp.host_name).")
+    return name
+
+
+class SharedFolder:
+    """The shared folder ``root``, as host ``host`` sees it."""
+
+    def __init__(self, root: str | os.PathLike[str], host: str) -> None:
+        self.root = Path(root)
+        self.host = valid_name(host, "host name")
+
+    def images_root(self, host: str | None = None) -> Path:
+        """The folder of ``host``'s images (this host's by default)."""
+        return self.root / HOSTS / valid_name(host or self.host, "host name") / IMAGES
+
+    def heartbeat_path(self, host: str | None = None) -> Path:
+        return self.root / HOSTS / f"{valid_name(host or self.host, 'host name')}{ALIVE}"
+
+    def beat(self, interval: float) -> None:
+        """Say that this host runs, for the next ``interval`` seconds (times :data:`STALE_BEATS`)."""
+        path = self.heartbeat_path()
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        write_durably(path, json.dumps({"host": self.host, "time": time.time(), "interval": float(interval)}))
+
+    def heartbeat(self, host: str) -> Heartbeat | None:
+        """``host``'s last heartbeat (None: it never beat here, or the file is not readable)."""
+        try:
+            data = json.loads(self.heartbeat_path(host).read_text())
+            return Heartbeat(str(data["host"]), float(data["time"]), float(data["interval"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def runs(self, host: str) -> bool:
+        """Whether ``host``'s server runs, as far as its heartbeat says (fresh)."""
+        beat = self.heartbeat(host)
+        return beat is not None and not beat.stale()
+
+    def hosts(self) -> list[str]:
+        """Every host with a folder here, this one aside."""
+        folder = self.root / HOSTS
+        if not folder.is_dir():
+            return []
+        return sorted(p.name for p in folder.iterdir()
+                      if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != self.host)
+
+    def candidates(self) -> list[Candidate]:
+        """The suspended kernels (complete images) of hosts whose server does not run."""
+        found = []
+        for host in self.hosts():
+            if self.runs(host):
+                continue
+            images = self.images_root(host)
+            for folder in sorted(images.iterdir()) if images.is_dir() else []:
+                if (folder.is_dir() and not folder.is_symlink() and not folder.name.startswith(".")
+                        and (folder / MANIFEST).is_file()):
+                    found.append(Candidate(host, folder.name, folder))
+        return found
+
+    def where(self, kernel_id: str) -> str | None:
+        """The host whose folder holds ``kernel_id``'s images now (None: none here)."""
+        for host in [self.host, *self.hosts()]:
+            if (self.images_root(host) / kernel_id).is_dir():
+                return host
+        return None
+
+    def claim(self, host: str, kernel_id: str) -> Path:
+        """Take ``kernel_id``'s images from ``host``'s folder into this host's, atomically; their new folder.
+        :class:`ClaimLost` if another host took them first (nothing changed here)."""
+        source = self.images_root(host) / valid_name(kernel_id, "kernel id")
+        target = self.images_root() / kernel_id
+        target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if target.exists() or target.is_symlink():
+            raise ClaimLost(f"Kernel {kernel_id}: this host ({self.host}) already has a folder {target}: nothing "
+                            f"was taken from {host}. Look at both and remove the one that is not needed.")
+        try:
+            # rename(2) within one file system: atomic, and of two claims of one folder exactly one succeeds.
+            os.rename(source, target)
+        except FileNotFoundError:
+            winner = self.where(kernel_id)
+            said = f"host {winner} took it first" if winner else "its images are gone from the shared folder"
+            raise ClaimLost(f"Kernel {kernel_id} of host {host}: {said}; nothing was changed here.") from None
+        except OSError as exc:
+            if exc.errno in (errno.EEXIST, errno.ENOTEMPTY):
+                raise ClaimLost(f"Kernel {kernel_id}: {target} appeared meanwhile: nothing was taken from {host}.") \
+                    from None
+            raise MigrateError(f"Could not take kernel {kernel_id} from {source} ({exc.strerror or exc}): check that "
+                               f"{self.root} is one file system this server can write.") from exc
+        _fsync_dir(source.parent)
+        _fsync_dir(target.parent)
+        return target
+
+    def give_back(self, host: str, kernel_id: str) -> Path:
+        """Undo :meth:`claim`: ``kernel_id``'s images go back to ``host``'s folder; their folder there."""
+        source = self.images_root() / valid_name(kernel_id, "kernel id")
+        target = self.images_root(host) / kernel_id
+        os.rename(source, target)
+        _fsync_dir(source.parent)
+        _fsync_dir(target.parent)
+        return target
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
