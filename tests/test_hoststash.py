@@ -91,11 +91,17 @@ def test_the_format_round_trips_and_refuses_what_does_not_match(tmp_path: Path) 
     del held
 
 
+def _stashed(folder: Path, mib: int) -> tuple[bytearray, bytes]:
+    """A bytearray of ``mib`` MiB held by a namespace (a dict), stashed into ``folder`` by two threads: the
+    bytearray (now empty), and the bytes it held. The namespace lives as long as the bytearray."""
+    ns = {"blob": bytearray(os.urandom(1 << 20) * mib), "In": []}
+    expect = bytes(ns["blob"])
+    json.loads(hoststash.stash(str(folder), min_total=1, threads=2))
+    return ns["blob"], expect
+
+
 def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:
-    ns = {"blob": bytearray(os.urandom(1 << 20) * 160), "In": []}
-    blob = ns["blob"]
-    expect = bytes(blob)
-    json.loads(hoststash.stash(str(tmp_path), min_total=1, threads=2))
+    blob, expect = _stashed(tmp_path, 160)
     index_path = tmp_path / hoststash.INDEX
     good = index_path.read_text()
     index_path.write_text(good.replace('"session": "', '"session": "x'))
@@ -119,10 +125,7 @@ def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:
 def test_the_index_on_disk_cannot_tell_the_kernel_where_its_bytes_go(tmp_path: Path) -> None:
     # The kernel checks the files against the chunk table it kept in its own memory: an index whose
     # chunks were swapped or dropped changes nothing.
-    ns = {"blob": bytearray(os.urandom(1 << 20) * 100), "In": []}
-    blob = ns["blob"]
-    expect = bytes(blob)
-    json.loads(hoststash.stash(str(tmp_path), min_total=1, threads=2))
+    blob, expect = _stashed(tmp_path, 100)
     path = tmp_path / hoststash.INDEX
     index = json.loads(path.read_text())
     index["chunks"][0]["at"], index["chunks"][1]["at"] = index["chunks"][1]["at"], index["chunks"][0]["at"]
