@@ -211,8 +211,8 @@ def main(argv: list[str]) -> int:
             return 1
         newest = found[-1].name[:10]
         paths = [p for p in found if p.name.startswith(newest)]
-    suspends = sorted(RESULTS.glob("*-suspend.json"))
-    suspends = [p for p in suspends if "floors" in json.loads(p.read_text())][-1:]
+    suspends = [p for p in RESULTS.glob("*-suspend.json") if "floors" in json.loads(p.read_text())]
+    suspends = sorted(suspends, key=lambda p: json.loads(p.read_text())["meta"]["date"])[-1:]  # the newest run
     sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends)
     DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
                    "".join("\n" + suspend_section(p) for p in suspends))

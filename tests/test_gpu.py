@@ -415,14 +415,15 @@ def _images(kernel) -> Path:
 
 async def test_a_gpu_suspend_writes_the_tensors_itself_and_the_resume_keeps_every_value(jp_fetch, kernel):
     pid = await build(kernel, gib=4, gpus=1)
-    # A CPU tensor of 512 MiB goes through the stash too (a host buffer: no pinned copy).
-    await kernel.run("on_cpu = torch.randn(2**27); on_cpu_before = digest(on_cpu)")
+    # CPU tensors of 512 MiB go through the stash too (host buffers: no pinned copy). Compared with torch,
+    # not numpy: a storage lent to numpy cannot be resized, and stays.
+    await kernel.run("on_cpu = torch.randn(2**27); on_cpu_ref = on_cpu.clone()")
     used_before = gpus_mod.snapshot()[0].memory_used
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "succeeded", op
     assert list(op["timings"]) == ["prepare", "stash", "lock", "checkpoint", "dump"]
     manifest = json.loads((_images(kernel) / "manifest.json").read_text())
-    assert manifest["stash"]["stashed"] >= 4.5 * GIB and manifest["stash"]["buffers"] >= 2, manifest["stash"]
+    assert manifest["stash"]["stashed"] >= 5 * GIB and manifest["stash"]["buffers"] >= 3, manifest["stash"]
     assert op["stash"]["stashed"] == manifest["stash"]["stashed"] and op["images"] in ("memory", "disk"), op
     criu_bytes = sum(n for name, n in manifest["files"].items() if not name.startswith("stash-"))
     assert criu_bytes < 2 * GIB, f"CRIU did not carry the tensors again: {manifest['files']}"
@@ -433,7 +434,8 @@ async def test_a_gpu_suspend_writes_the_tensors_itself_and_the_resume_keeps_ever
     assert where(pid) == {0} and CudaProcess(pid).state == "running"
     out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
-    assert (await kernel.run("print(digest(on_cpu) == on_cpu_before)")).strip() == "True"
+    out = await kernel.run("print(torch.equal(on_cpu, on_cpu_ref), bool(on_cpu.abs().sum() > 0))")
+    assert out.split() == ["True", "True"]
 
 
 async def test_a_damaged_stash_file_of_a_gpu_kernel_is_refused_and_its_images_kept(jp_fetch, kernel):
