@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, drain.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, discard, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token, through apiclient.Client (the standard
@@ -15,12 +15,36 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import __version__
 from .apiclient import ApiError, Client, NotFinished, Unreachable, quote
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
 from .opformat import DrainProgress, PhaseProgress, drain_report, report, size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+#: A reader closed our stdout (`... | head`): what a shell reports for a process killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
+
+DESCRIPTION = """\
+Suspend, resume and move live Jupyter kernels (GPU included) with CRIU.
+
+The commands talk to the running Jupyter servers that have the jupyter_gpumigrate server extension
+(found as `jupyter server list` finds them), or to the one named with --url and --token.
+Each command takes --help."""
+
+EXAMPLES = """\
+Examples
+--------
+
+    jupyter gpumigrate doctor                      # can this machine migrate kernels? what to fix
+    jupyter gpumigrate list                        # kernels, their state, GPUs and images
+    jupyter gpumigrate suspend 3f2a --images disk  # a kernel (id or unique prefix) to disk
+    jupyter gpumigrate resume 3f2a --to-gpu 1
+    jupyter gpumigrate migrate 3f2a --to-gpu 1     # a running kernel to another GPU
+    jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
+    jupyter gpumigrate list --json --url http://host:8888/ --token TOKEN
+
+Exit status: 0 done, 1 failed, 2 usage, 3 no server (or token refused)."""
 
 
 class CliError(Exception):
@@ -280,9 +304,11 @@ def parser() -> argparse.ArgumentParser:
     remote.add_argument("--timeout", type=float, default=3600, help="seconds to wait for an operation")
 
     top = argparse.ArgumentParser(
-        prog="jupyter gpumigrate", description="Suspend, resume and move live Jupyter kernels."
+        prog="jupyter gpumigrate", description=DESCRIPTION, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top.add_argument("--version", action="version", version=__version__, help="print the version and exit")
+    sub = top.add_subparsers(title="Subcommands", dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser("doctor", parents=[common, remote],
                        help="can this machine migrate kernels? what to fix; records its servers did not take back")
     d.add_argument("--criu", help="the CRIU binary to check (default: /usr/local/sbin/criu, else PATH)")
@@ -325,6 +351,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script: the command's exit status; a closed stdout (`| head`) ends it quietly."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must be seen while we can still catch it
+        return code
+    except BrokenPipeError:
+        # As Python's documentation says (signal, "Note on SIGPIPE"): point stdout at devnull so that the
+        # interpreter's own flush at exit writes nowhere instead of printing another BrokenPipeError.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)
