@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import email.parser
 import json
+import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -89,3 +91,44 @@ def test_sdist_has_no_build_leftovers(dist: Dist) -> None:
     top = names[0].split("/")[0]
     assert f"{top}/jupyter_gpumigrate/labextension/static/style.js" in names
     assert f"{top}/LICENSE" in names
+
+
+def lab_bounds() -> list[str]:
+    """The lowest and the highest JupyterLab that the package accepts, as pip requirements."""
+    lab = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lab"]
+    spec = next(r for r in lab if r.startswith("jupyterlab"))
+    low = re.search(r">=\s*([0-9.]+)", spec).group(1)
+    return [f"jupyterlab=={low}.0" if low.count(".") == 1 else f"jupyterlab=={low}", spec]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a process of a fresh venv: nothing of this checkout's on its Python path."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"NO_COLOR": "1"}
+
+
+def fresh_venv(path: Path) -> Path:
+    """A new virtual environment; its bin folder."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    return path / "bin"
+
+
+def pip_install(bin_dir: Path, *requirements: str) -> None:
+    proc = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           *requirements], capture_output=True, text=True, timeout=900, env=clean_env())
+    assert proc.returncode == 0, f"pip install {' '.join(requirements)} failed:\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("jupyterlab", lab_bounds(), ids=["lowest", "highest"])
+def test_the_prebuilt_extension_is_ok_with_the_lowest_and_highest_jupyterlab(
+        dist: Dist, tmp_path: Path, jupyterlab: str) -> None:
+    bin_dir = fresh_venv(tmp_path / "venv")
+    pip_install(bin_dir, str(dist.wheel), jupyterlab)
+    lab_version = subprocess.run([str(bin_dir / "jupyter"), "lab", "--version"], capture_output=True, text=True,
+                                 timeout=60, env=clean_env()).stdout.strip()
+    proc = subprocess.run([str(bin_dir / "jupyter"), "labextension", "list"], capture_output=True, text=True,
+                          timeout=120, env=clean_env())
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    version = json.loads((ROOT / "labextension" / "package.json").read_text())["version"]
+    assert re.search(rf"jupyter-gpumigrate v{re.escape(version)} enabled +OK", listing), (
+        f"JupyterLab {lab_version} does not take the prebuilt extension:\n{listing}")
+    assert "not compatible" not in listing, listing
