@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ Examples
 --------
 
     jupyter gpumigrate doctor                      # can this machine migrate kernels? what to fix
+    sudo jupyter gpumigrate install-criu           # CRIU >= 4.2, built if the system has none
     jupyter gpumigrate list                        # kernels, their state, GPUs and images
     jupyter gpumigrate suspend 3f2a --images disk  # a kernel (id or unique prefix) to disk
     jupyter gpumigrate resume 3f2a --to-gpu 1
@@ -183,6 +185,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def ensure_criu_script() -> str:
+    """scripts/ensure-criu.sh: in the package (a wheel carries it), else in the source tree (a checkout)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged, checkout = here, os.path.join(os.path.dirname(here), "scripts")
+    for path in (os.path.join(packaged, "ensure-criu.sh"), os.path.join(checkout, "ensure-criu.sh")):
+        if os.path.isfile(path):
+            return path
+    raise CliError("ensure-criu.sh is missing from this installation of jupyter-gpumigrate: reinstall it "
+                   "(pip install --force-reinstall jupyter-gpumigrate), or run scripts/ensure-criu.sh of its "
+                   "source tree as root.")
+
+
+def cmd_install_criu(args: argparse.Namespace) -> int:
+    """Run ensure-criu.sh: keep a working CRIU >= 4.2, or build and install one (as root)."""
+    extra = ["--print-path"] if args.print_path else ["--bundle", args.bundle] if args.bundle else []
+    launcher = os.path.join(os.path.dirname(sys.executable), "jupyter-gpumigrate")
+    command = f"{launcher} install-criu" if os.path.exists(launcher) else "jupyter gpumigrate install-criu"
+    env = dict(os.environ, ENSURE_CRIU_COMMAND=command)
+    if args.criu_install:
+        env["CRIU_INSTALL"] = args.criu_install
+    return subprocess.run(["bash", ensure_criu_script(), *extra], env=env).returncode
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     servers = find_servers(args)
     kernels = all_kernels(servers)
@@ -316,6 +341,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the node helper's socket, used by a server run by an ordinary user ({DEFAULT_SOCKET}; "
                    "empty: none)")
     d.set_defaults(func=cmd_doctor)
+    ic = sub.add_parser("install-criu", help="make sure CRIU >= 4.2 works here: use the system's, or build it "
+                        "from Debian's source package and install it (as root; what scripts/ensure-criu.sh does)")
+    ic.add_argument("--print-path", action="store_true", help="then print only the CRIU binary's path on stdout")
+    ic.add_argument("--bundle", metavar="DIR", help="then copy CRIU and its libraries to DIR/bin and DIR/lib")
+    ic.add_argument("--criu-install", metavar="PATH", help="where to install a built CRIU (default "
+                    "/usr/local/sbin/criu, which the server takes first)")
+    ic.set_defaults(func=cmd_install_criu)
     lst = sub.add_parser("list", parents=[common, remote], help="kernels, their state, GPUs and images")
     lst.set_defaults(func=cmd_list)
     s = sub.add_parser("suspend", parents=[common, remote],

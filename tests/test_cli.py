@@ -85,6 +85,7 @@ async def test_doctor_json_and_table():
     assert "CHECK" in out and "REMEDY" in out and "criu check" in out
     code, out, err = await cli("doctor", "--criu", "/nonexistent/criu")
     assert code == 1 and "FAIL" in out and "ensure-criu.sh" in out and "cannot migrate kernels yet" in out
+    assert "sudo jupyter gpumigrate install-criu" in out
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has GPUs: the gpu suite drains for real")
@@ -171,3 +172,13 @@ def test_a_closed_stdout_ends_quietly_without_a_traceback():
                           text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout == "{\n", proc.stdout
     assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+def test_install_criu_keeps_the_working_criu_and_says_where_it_is():
+    # This machine has CRIU >= 4.2 (make test's set-up made sure): the command finds it and builds nothing.
+    proc = subprocess.run([JUPYTER, "gpumigrate", "install-criu", "--print-path"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert os.access(path, os.X_OK) and "Looks good" in proc.stderr, (path, proc.stderr)
+    assert "building" not in proc.stderr

@@ -64,6 +64,9 @@ def test_wheel_metadata_license_classifiers_and_one_version(dist: Dist) -> None:
         shared = next(n for n in names if n.endswith("share/jupyter/labextensions/jupyter-gpumigrate/package.json"))
         built_json = json.loads(zf.read(shared))
         version_py = zf.read("jupyter_gpumigrate/_version.py").decode()
+        ensure_criu = zf.read("jupyter_gpumigrate/ensure-criu.sh").decode()
+    # `jupyter gpumigrate install-criu` runs the script that the checkout's set-up runs.
+    assert ensure_criu == (ROOT / "scripts" / "ensure-criu.sh").read_text()
     assert license_text == (ROOT / "LICENSE").read_text()
     assert "BSD 3-Clause License" in license_text
 
