@@ -4,7 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+
+
+def _version() -> str:
+    """The version, whose one source is labextension/package.json: a build writes it to _version.py; a
+    checkout never built takes the installed distribution's."""
+    try:
+        from ._version import __version__ as version
+
+        return version
+    except ImportError:
+        from importlib.metadata import PackageNotFoundError, version as dist_version
+
+        try:
+            return dist_version("jupyter-gpumigrate")
+        except PackageNotFoundError:
+            return "0+unknown"
+
+
+__version__ = _version()
 
 
 def _jupyter_labextension_paths() -> list[dict[str, str]]:

@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, drain.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, discard, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token, through apiclient.Client (the standard
@@ -10,17 +10,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from . import __version__
 from .apiclient import ApiError, Client, NotFinished, Unreachable, quote
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
 from .opformat import DrainProgress, PhaseProgress, drain_report, report, size
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
+#: A reader closed our stdout (`... | head`): what a shell reports for a process killed by SIGPIPE.
+EXIT_BROKEN_PIPE = 128 + 13
+
+DESCRIPTION = """\
+Suspend, resume and move live Jupyter kernels (GPU included) with CRIU.
+
+The commands talk to the running Jupyter servers that have the jupyter_gpumigrate server extension
+(found as `jupyter server list` finds them), or to the one named with --url and --token.
+Each command takes --help."""
+
+EXAMPLES = """\
+Examples
+--------
+
+    jupyter gpumigrate doctor                      # can this machine migrate kernels? what to fix
+    sudo jupyter gpumigrate install-criu           # CRIU >= 4.2, built if the system has none
+    jupyter gpumigrate list                        # kernels, their state, GPUs and images
+    jupyter gpumigrate suspend 3f2a --images disk  # a kernel (id or unique prefix) to disk
+    jupyter gpumigrate resume 3f2a --to-gpu 1
+    jupyter gpumigrate migrate 3f2a --to-gpu 1     # a running kernel to another GPU
+    jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
+    jupyter gpumigrate list --json --url http://host:8888/ --token TOKEN
+
+Exit status: 0 done, 1 failed, 2 usage, 3 no server (or token refused)."""
 
 
 class CliError(Exception):
@@ -159,6 +185,29 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return EXIT_OK if ok else EXIT_FAILED
 
 
+def ensure_criu_script() -> str:
+    """scripts/ensure-criu.sh: in the package (a wheel carries it), else in the source tree (a checkout)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    packaged, checkout = here, os.path.join(os.path.dirname(here), "scripts")
+    for path in (os.path.join(packaged, "ensure-criu.sh"), os.path.join(checkout, "ensure-criu.sh")):
+        if os.path.isfile(path):
+            return path
+    raise CliError("ensure-criu.sh is missing from this installation of jupyter-gpumigrate: reinstall it "
+                   "(pip install --force-reinstall jupyter-gpumigrate), or run scripts/ensure-criu.sh of its "
+                   "source tree as root.")
+
+
+def cmd_install_criu(args: argparse.Namespace) -> int:
+    """Run ensure-criu.sh: keep a working CRIU >= 4.2, or build and install one (as root)."""
+    extra = ["--print-path"] if args.print_path else ["--bundle", args.bundle] if args.bundle else []
+    launcher = os.path.join(os.path.dirname(sys.executable), "jupyter-gpumigrate")
+    command = f"{launcher} install-criu" if os.path.exists(launcher) else "jupyter gpumigrate install-criu"
+    env = dict(os.environ, ENSURE_CRIU_COMMAND=command)
+    if args.criu_install:
+        env["CRIU_INSTALL"] = args.criu_install
+    return subprocess.run(["bash", ensure_criu_script(), *extra], env=env).returncode
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     servers = find_servers(args)
     kernels = all_kernels(servers)
@@ -280,9 +329,11 @@ def parser() -> argparse.ArgumentParser:
     remote.add_argument("--timeout", type=float, default=3600, help="seconds to wait for an operation")
 
     top = argparse.ArgumentParser(
-        prog="jupyter gpumigrate", description="Suspend, resume and move live Jupyter kernels."
+        prog="jupyter gpumigrate", description=DESCRIPTION, epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    sub = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    top.add_argument("--version", action="version", version=__version__, help="print the version and exit")
+    sub = top.add_subparsers(title="Subcommands", dest="command", required=True, metavar="COMMAND")
     d = sub.add_parser("doctor", parents=[common, remote],
                        help="can this machine migrate kernels? what to fix; records its servers did not take back")
     d.add_argument("--criu", help="the CRIU binary to check (default: /usr/local/sbin/criu, else PATH)")
@@ -290,6 +341,13 @@ def parser() -> argparse.ArgumentParser:
                    help=f"the node helper's socket, used by a server run by an ordinary user ({DEFAULT_SOCKET}; "
                    "empty: none)")
     d.set_defaults(func=cmd_doctor)
+    ic = sub.add_parser("install-criu", help="make sure CRIU >= 4.2 works here: use the system's, or build it "
+                        "from Debian's source package and install it (as root; what scripts/ensure-criu.sh does)")
+    ic.add_argument("--print-path", action="store_true", help="then print only the CRIU binary's path on stdout")
+    ic.add_argument("--bundle", metavar="DIR", help="then copy CRIU and its libraries to DIR/bin and DIR/lib")
+    ic.add_argument("--criu-install", metavar="PATH", help="where to install a built CRIU (default "
+                    "/usr/local/sbin/criu, which the server takes first)")
+    ic.set_defaults(func=cmd_install_criu)
     lst = sub.add_parser("list", parents=[common, remote], help="kernels, their state, GPUs and images")
     lst.set_defaults(func=cmd_list)
     s = sub.add_parser("suspend", parents=[common, remote],
@@ -325,6 +383,20 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The console script: the command's exit status; a closed stdout (`| head`) ends it quietly."""
+    try:
+        code = _run(argv)
+        sys.stdout.flush()  # here, not at exit: a closed pipe must be seen while we can still catch it
+        return code
+    except BrokenPipeError:
+        # As Python's documentation says (signal, "Note on SIGPIPE"): point stdout at devnull so that the
+        # interpreter's own flush at exit writes nowhere instead of printing another BrokenPipeError.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(argv: list[str] | None) -> int:
     args = parser().parse_args(argv)
     try:
         return args.func(args)

@@ -2,6 +2,7 @@
 # ensure-criu.sh - make sure a working CRIU >= 4.2 is available.
 #
 #   scripts/ensure-criu.sh               check (fast), build + install if needed
+#                                        (`jupyter gpumigrate install-criu` runs this, shipped in the wheel)
 #   scripts/ensure-criu.sh --print-path  same, then print only the binary's path on stdout
 #   scripts/ensure-criu.sh --bundle DIR  same, then copy the binary to DIR/bin and its shared
 #                                        libraries (all but libc / ld-linux / vdso) to DIR/lib;
@@ -16,7 +17,7 @@
 # Cache: ${XDG_CACHE_HOME:-$HOME/.cache}/jupyter-gpumigrate/criu (sources, apt lists, build, logs).
 # Install: /usr/local/sbin/criu.
 # Environment: CRIU_MIN_VERSION (default 4.2), CRIU_INSTALL (default /usr/local/sbin/criu),
-#              CRIU_SRC_SUITE (default sid).
+#              CRIU_SRC_SUITE (default sid), ENSURE_CRIU_COMMAND (how the messages name this command).
 set -euo pipefail
 
 MIN_VERSION="${CRIU_MIN_VERSION:-4.2}"
@@ -32,7 +33,7 @@ log() { printf 'ensure-criu: %s\n' "$*" >&2; }
 die() { printf 'ensure-criu: ERROR: %s\n' "$*" >&2; exit 1; }
 
 usage() {
-  sed -n '2,8p' "$0" | sed 's/^# \{0,1\}//' >&2
+  sed -n '2,9p' "$0" | sed 's/^# \{0,1\}//' >&2
   exit "${1:-0}"
 }
 
@@ -98,7 +99,7 @@ find_good_criu() {
 need_root() {
   [ "$(id -u)" = 0 ] && return 0
   local self
-  self="$(readlink -f "$0")"
+  self="${ENSURE_CRIU_COMMAND:-$(readlink -f "$0")}"
   if [ -n "$NEAR_BIN" ]; then
     cat >&2 <<EOF
 ensure-criu: ERROR: $NEAR_BIN is CRIU $(criu_version "$NEAR_BIN") but 'criu check' fails for user $(id -un):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -83,6 +85,7 @@ async def test_doctor_json_and_table():
     assert "CHECK" in out and "REMEDY" in out and "criu check" in out
     code, out, err = await cli("doctor", "--criu", "/nonexistent/criu")
     assert code == 1 and "FAIL" in out and "ensure-criu.sh" in out and "cannot migrate kernels yet" in out
+    assert "sudo jupyter gpumigrate install-criu" in out
 
 
 @pytest.mark.skipif(os.path.exists("/dev/nvidiactl"), reason="this machine has GPUs: the gpu suite drains for real")
@@ -129,3 +132,53 @@ async def test_discard_deletes_a_suspended_kernels_images_and_refuses_a_running_
     assert not images.exists()
     code, out, err = await cli("list", "--json", *remote(jp_serverapp))
     assert kernel.id not in [k["id"] for k in json.loads(out)["kernels"]]
+
+
+# -- the console script as a shell runs it: `jupyter gpumigrate ...` through jupyter's own launcher --------
+
+JUPYTER = str(Path(sys.executable).parent / "jupyter")
+
+
+def test_version_prints_the_packages_version_and_exits_0():
+    from jupyter_gpumigrate import __version__
+
+    proc = subprocess.run([JUPYTER, "gpumigrate", "--version"], capture_output=True, text=True, timeout=60)
+    assert (proc.returncode, proc.stdout.strip(), proc.stderr) == (0, __version__, "")
+    package_json = json.loads((Path(__file__).parents[1] / "labextension" / "package.json").read_text())
+    assert __version__ == package_json["version"]
+
+
+def test_help_is_in_the_jupyter_style():
+    proc = subprocess.run([JUPYTER, "gpumigrate", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0
+    assert proc.stdout.startswith("usage: jupyter gpumigrate ")
+    for part in ("Subcommands", "doctor", "suspend", "resume", "migrate", "drain", "--version", "Examples\n-----"):
+        assert part in proc.stdout
+
+
+def test_a_closed_stdout_ends_quietly_without_a_traceback():
+    # A reader that is gone before anything is written: every write fails with EPIPE, deterministically.
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        proc = subprocess.run([JUPYTER, "gpumigrate", "doctor", "--json"], stdout=w, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(w)
+    assert proc.returncode == 141, proc.stderr
+    assert "Traceback" not in proc.stderr and "BrokenPipeError" not in proc.stderr, proc.stderr
+    # And as users type it: the first line comes through, nothing else is said.
+    proc = subprocess.run(["bash", "-c", f"{JUPYTER} gpumigrate doctor --json | head -1"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout == "{\n", proc.stdout
+    assert "Traceback" not in proc.stderr and "Error" not in proc.stderr, proc.stderr
+
+
+def test_install_criu_keeps_the_working_criu_and_says_where_it_is():
+    # This machine has CRIU >= 4.2 (make test's set-up made sure): the command finds it and builds nothing.
+    proc = subprocess.run([JUPYTER, "gpumigrate", "install-criu", "--print-path"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    path = proc.stdout.strip()
+    assert os.access(path, os.X_OK) and "Looks good" in proc.stderr, (path, proc.stderr)
+    assert "building" not in proc.stderr

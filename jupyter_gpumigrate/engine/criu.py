@@ -45,8 +45,8 @@ _ERROR_LINE = re.compile(r"^(?:\(\s*[\d.]+\)\s+)?(?:pie:\s+)?(?:\d+:\s+)?Error \
 _GENERIC = ("Restoring FAILED", "Killing processes because of failure", "The Network was unlocked")
 
 INSTALL_HINT = (
-    "Install CRIU >= 4.2: run scripts/ensure-criu.sh from the jupyter-gpumigrate source tree as root "
-    "(it builds CRIU from Debian's source package), or point the provisioner at a binary with "
+    "Install CRIU >= 4.2: run `sudo jupyter gpumigrate install-criu` (scripts/ensure-criu.sh of the source "
+    "tree: it builds CRIU from Debian's source package), or point the provisioner at a binary with "
     "c.MigratableProvisioner.criu_path."
 )
 

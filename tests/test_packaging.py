@@ -1,0 +1,137 @@
+"""The package as pip users get it: the sdist and wheel that `python -m build` makes from this tree (the
+wheel built from the sdist, as PyPI users' pip would), their metadata, and what they leave out."""
+
+from __future__ import annotations
+
+import email.parser
+import json
+import os
+import re
+import subprocess
+import sys
+import tarfile
+import tomllib
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Dist:
+    sdist: Path
+    wheel: Path
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    """The sdist and the wheel built from it, by `python -m build` (the test extra's `build`), as a release
+    would build them (the labextension is the one `scripts/setup.sh` built)."""
+    out = tmp_path_factory.mktemp("dist")
+    proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"python -m build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    sdists, wheels = list(out.glob("*.tar.gz")), list(out.glob("*.whl"))
+    assert len(sdists) == 1 and len(wheels) == 1, f"build made {sorted(p.name for p in out.iterdir())}"
+    return Dist(sdists[0], wheels[0])
+
+
+def wheel_metadata(wheel: Path) -> email.message.Message:
+    with zipfile.ZipFile(wheel) as zf:
+        name = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        return email.parser.Parser().parsestr(zf.read(name).decode())
+
+
+def test_wheel_metadata_license_classifiers_and_one_version(dist: Dist) -> None:
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    package_json = json.loads((ROOT / "labextension" / "package.json").read_text())
+    meta = wheel_metadata(dist.wheel)
+
+    classifiers = meta.get_all("Classifier")
+    # JupyterLab's extension manager lists PyPI packages by this classifier.
+    assert "Framework :: Jupyter :: JupyterLab :: Extensions :: Prebuilt" in classifiers
+    assert "Framework :: Jupyter :: JupyterLab :: 4" in classifiers
+    assert meta["License-Expression"] == pyproject["license"] == package_json["license"] == "BSD-3-Clause"
+    assert meta.get_all("License-File") == ["LICENSE"]
+    assert {u.split(",")[0] for u in meta.get_all("Project-URL")} >= {"Homepage", "Source", "Issues"}
+
+    with zipfile.ZipFile(dist.wheel) as zf:
+        names = zf.namelist()
+        license_text = zf.read(next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))).decode()
+        shared = next(n for n in names if n.endswith("share/jupyter/labextensions/jupyter-gpumigrate/package.json"))
+        built_json = json.loads(zf.read(shared))
+        version_py = zf.read("jupyter_gpumigrate/_version.py").decode()
+        ensure_criu = zf.read("jupyter_gpumigrate/ensure-criu.sh").decode()
+    # `jupyter gpumigrate install-criu` runs the script that the checkout's set-up runs.
+    assert ensure_criu == (ROOT / "scripts" / "ensure-criu.sh").read_text()
+    assert license_text == (ROOT / "LICENSE").read_text()
+    assert "BSD 3-Clause License" in license_text
+
+    # One version source (labextension/package.json), the same everywhere.
+    version = package_json["version"]
+    assert meta["Version"] == version
+    assert built_json["version"] == version, (
+        "the built labextension is stale: run `npm run build:prod` in labextension/ (scripts/setup.sh does)")
+    assert f"__version__ = VERSION = '{version}'" in version_py
+    assert dist.wheel.name.startswith(f"jupyter_gpumigrate-{version}-")
+    with tarfile.open(dist.sdist) as tf:
+        pkg_info = tf.extractfile(f"jupyter_gpumigrate-{version}/PKG-INFO").read().decode()
+    assert email.parser.Parser().parsestr(pkg_info)["Version"] == version
+    # JupyterLab's extension manager finds the Python package to install from this.
+    assert built_json["jupyterlab"]["discovery"]["server"]["base"]["name"] == pyproject["name"]
+
+
+def test_sdist_has_no_build_leftovers(dist: Dist) -> None:
+    with tarfile.open(dist.sdist) as tf:
+        names = tf.getnames()
+    leftovers = [n for n in names if n.endswith((".tsbuildinfo", ".png", ".pyc")) or "/test-results/" in n
+                 or "/playwright-report/" in n or "/node_modules/" in n or "__pycache__" in n or "/.venv/" in n]
+    assert not leftovers, f"the sdist carries build leftovers: {leftovers[:10]}"
+    # What a wheel built from it without Node.js needs: the built labextension, the LICENSE.
+    top = names[0].split("/")[0]
+    assert f"{top}/jupyter_gpumigrate/labextension/static/style.js" in names
+    assert f"{top}/LICENSE" in names
+
+
+def lab_bounds() -> list[str]:
+    """The lowest and the highest JupyterLab that the package accepts, as pip requirements."""
+    lab = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["lab"]
+    spec = next(r for r in lab if r.startswith("jupyterlab"))
+    low = re.search(r">=\s*([0-9.]+)", spec).group(1)
+    return [f"jupyterlab=={low}.0" if low.count(".") == 1 else f"jupyterlab=={low}", spec]
+
+
+def clean_env() -> dict[str, str]:
+    """The environment of a process of a fresh venv: nothing of this checkout's on its Python path."""
+    return {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")} | {"NO_COLOR": "1"}
+
+
+def fresh_venv(path: Path) -> Path:
+    """A new virtual environment; its bin folder."""
+    subprocess.run([sys.executable, "-m", "venv", str(path)], check=True, timeout=120)
+    return path / "bin"
+
+
+def pip_install(bin_dir: Path, *requirements: str) -> None:
+    proc = subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                           *requirements], capture_output=True, text=True, timeout=900, env=clean_env())
+    assert proc.returncode == 0, f"pip install {' '.join(requirements)} failed:\n{proc.stderr[-4000:]}"
+
+
+@pytest.mark.parametrize("jupyterlab", lab_bounds(), ids=["lowest", "highest"])
+def test_the_prebuilt_extension_is_ok_with_the_lowest_and_highest_jupyterlab(
+        dist: Dist, tmp_path: Path, jupyterlab: str) -> None:
+    bin_dir = fresh_venv(tmp_path / "venv")
+    pip_install(bin_dir, str(dist.wheel), jupyterlab)
+    lab_version = subprocess.run([str(bin_dir / "jupyter"), "lab", "--version"], capture_output=True, text=True,
+                                 timeout=60, env=clean_env()).stdout.strip()
+    proc = subprocess.run([str(bin_dir / "jupyter"), "labextension", "list"], capture_output=True, text=True,
+                          timeout=120, env=clean_env())
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", proc.stdout + proc.stderr)
+    version = json.loads((ROOT / "labextension" / "package.json").read_text())["version"]
+    assert re.search(rf"jupyter-gpumigrate v{re.escape(version)} enabled +OK", listing), (
+        f"JupyterLab {lab_version} does not take the prebuilt extension:\n{listing}")
+    assert "not compatible" not in listing, listing
