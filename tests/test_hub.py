@@ -438,6 +438,7 @@ async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_
     # (suspended, and its suspend operation closed)
     await wait_for(lambda: (lambda k: k["state"] == "suspended" and not k["operation"])(kernel("alice", idle_id)), 60,
                    lambda: f"the idle kernel was not suspended: {hub.service('GET', 'api/policy', boss)}")
+    assert kernel("alice", idle_id)["images"] == "disk", "the policy's suspends free the node's memory too"
     code, policy = hub.service("GET", "api/policy", boss)
     assert code == 200 and policy["idle_suspend_minutes"] == 0.25 and policy["grace_minutes"] == 0.25, policy
     kept = [d for d in policy["last_decisions"] if d["kernel"] == busy_id]

@@ -1,6 +1,7 @@
 """The idle policy: suspend kernels idle for longer than N minutes instead of culling them.
 
-Their GPUs (and memory) are freed, their state is kept on the node's disk, and the user resumes them
+Their GPUs and memory are freed (their images go to disk unless ``images`` says otherwise), their state is
+kept on the node, and the user resumes them
 from the panel, the CLI, the REST API, or by running a cell. Each suspension is logged with its reason
 (each kernel kept, at debug level), servers that could not be read are logged as warnings, and each
 round ends with one summary line.
@@ -50,6 +51,9 @@ class IdlePolicy:
     #: leave a kernel alone for this long after its last operation (a resume, a move), so that a kernel
     #: just resumed, from the panel for example, is not suspended again at once; None: ``minutes``
     grace_minutes: float | None = None
+    #: where its suspends put the images: disk (the default: the policy frees the node's memory too, and an
+    #: idle kernel may stay suspended for days), memory, or auto (each server's choice)
+    images: str = "disk"
 
     @property
     def grace(self) -> float:
@@ -134,7 +138,8 @@ class IdlePolicy:
                         "reason": why}
             if suspend:
                 try:
-                    op = await servers.call(server, kernel_path(kernel["id"], "suspend"), "POST")
+                    op = await servers.call(server, kernel_path(kernel["id"], "suspend"), "POST",
+                                            {"images": self.images})
                     decision["operation"] = op["id"]
                     log.info("idle policy: suspending %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
                 except (ServerError, KeyError, TypeError) as exc:

@@ -184,6 +184,7 @@ class PolicyHandler(ApiHandler):
             "idle_suspend_minutes": policy.minutes if policy else None,
             "gpu_only": policy.gpu_only if policy else None,
             "grace_minutes": policy.grace if policy else None,
+            "images": policy.images if policy else None,
             "last_decisions": self.settings["decisions"],
         })
 
@@ -215,6 +216,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="leave a kernel alone this long after its last operation, a resume for example "
                              "(default: as long as --idle-suspend-minutes)")
     parser.add_argument("--idle-check-seconds", type=float, default=60, help="how often the policy looks")
+    parser.add_argument("--idle-images", choices=("disk", "memory", "auto"), default="disk",
+                        help="where the policy's suspends put the images: disk (the default: the node's memory is "
+                             "freed too), memory (faster to resume, but it holds the node's memory), or auto")
     parser.add_argument("--server-timeout", type=float, default=10,
                         help="how long one user's server may take to list its kernels and GPUs before it is "
                              "reported as not answering")
@@ -231,7 +235,8 @@ def main(argv: list[str] | None = None) -> None:
                       view_timeout=args.server_timeout, parallel=args.parallel)
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpumigrate/")
     policy = (IdlePolicy(args.idle_suspend_minutes, gpu_only=not args.idle_include_cpu,
-                         grace_minutes=args.idle_grace_minutes) if args.idle_suspend_minutes else None)
+                         grace_minutes=args.idle_grace_minutes, images=args.idle_images)
+              if args.idle_suspend_minutes else None)
     app = make_app(servers, prefix, policy, os.urandom(32))
     url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
