@@ -182,3 +182,10 @@ def test_install_criu_keeps_the_working_criu_and_says_where_it_is():
     path = proc.stdout.strip()
     assert os.access(path, os.X_OK) and "Looks good" in proc.stderr, (path, proc.stderr)
     assert "building" not in proc.stderr
+
+
+def test_the_hub_service_has_a_console_script():
+    script = Path(sys.executable).parent / "jupyter-gpumigrate-hub"
+    done = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "--idle-suspend-minutes" in done.stdout and "--idle-images" in done.stdout
