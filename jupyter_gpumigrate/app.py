@@ -338,7 +338,7 @@ class GPUMigrateApp(ExtensionApp):
         try:
             sharing = self._sharing(serverapp)
             if sharing is not None:
-                await sharing.beat()  # before taking its own back: no other host takes them meanwhile
+                await asyncio.to_thread(sharing.start_beating)  # no other host takes its kernels meanwhile
             found = await revive_all(serverapp)
             # In place: the web application's settings hold this same list (a copy of the dict, made at load).
             self.settings["gpumigrate_refused"].extend(f for f in found if f.outcome == "refused")
@@ -360,7 +360,11 @@ class GPUMigrateApp(ExtensionApp):
             return None
         self.log.info("gpumigrate: suspended kernels go to %s, shared with other hosts, as host %s",
                       shared.images_root(), shared.host)
-        return Sharing(serverapp, self.settings["gpumigrate_operations"], shared, self.shared_heartbeat)
+        shared.interval = self.shared_heartbeat
+        self._shared = Sharing(serverapp, self.settings["gpumigrate_operations"], shared, self.shared_heartbeat)
+        return self._shared
+
+    _shared: Sharing | None = None
 
     _retention_task: asyncio.Task | None = None
 
@@ -412,7 +416,7 @@ class GPUMigrateApp(ExtensionApp):
         if self._retention_task is not None:
             self._retention_task.cancel()  # nothing is discarded while the server stops
         if self._sharing_task is not None:
-            self._sharing_task.cancel()  # nothing is taken while it stops; its heartbeat goes stale
+            self._sharing_task.cancel()  # nothing is taken while it stops; it beats until the very end
         operations: OperationManager = self.settings["gpumigrate_operations"]
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)
@@ -427,6 +431,8 @@ class GPUMigrateApp(ExtensionApp):
                 self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited "
                                  "for", LATE_GRACE)
         await self._images_to_disk()
+        if self._shared is not None:
+            self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
 
     async def _images_to_disk(self) -> None:
         """Suspended kernels kept for the next server with their images in memory: those go to disk, which

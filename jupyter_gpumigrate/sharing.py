@@ -1,10 +1,9 @@
 """Suspended kernels on storage shared by several hosts (c.MigratableProvisioner.shared_dir).
 
-Each server keeps its kernels' images in its own folder of the shared one and beats there while it runs
-(engine/shared.py). As it starts, it beats first, then takes back its own kernels (revive.py); then, every
-``c.GPUMigrateApp.shared_heartbeat`` seconds, it:
+Each server keeps its kernels' images in its own folder of the shared one and beats there, from a thread of
+its own, from before it takes back its own kernels (revive.py) until it has finished stopping
+(engine/shared.py). Every ``c.GPUMigrateApp.shared_heartbeat`` seconds, it:
 
-- beats again;
 - drops from its list each of its suspended kernels whose folder another host has taken (nothing deleted:
   the images are that host's now);
 - takes the suspended kernels of every host whose heartbeat is stale (its server stopped or died): for each,
@@ -25,7 +24,7 @@ from .engine.errors import MigrateError
 from .engine.hostfit import Requirements, problems
 from .engine.images import ImageStore, Manifest
 from .engine.kernelproc import SUSPENDED
-from .engine.shared import ClaimLost, SharedFolder
+from .engine.shared import Beating, ClaimLost, SharedFolder
 from .provisioner import MigratableProvisioner
 from .revive import Found, refused, take_back_images
 
@@ -63,11 +62,29 @@ class Sharing:
         #: kernels claimed, then given back because this server could not register them: not tried again
         self._given_back: set[tuple[str, str]] = set()
 
-    async def beat(self) -> None:
-        await asyncio.to_thread(self.shared.beat, self.interval)
+    def start_beating(self) -> None:
+        """Beat now (before anything is taken back: no other host takes this one's kernels meanwhile), then
+        from a thread of its own until :meth:`stop_beating`."""
+        self.shared.beat(self.interval)
+        self.beating = Beating(self.shared, self.interval, self._beat_failed)
+        self.beating.start()
+
+    def stop_beating(self) -> None:
+        if self.beating is not None:
+            self.beating.stop()
+
+    beating: Beating | None = None
+
+    def _beat_failed(self, exc: OSError) -> None:
+        self._once(("", "beat"), f"cannot beat in the shared folder ({exc}): other hosts may take this host's "
+                   "suspended kernels once its heartbeat looks stopped")
+
+    def _once(self, key: tuple[str, str], said: str) -> None:
+        if self._said.get(key) != said:
+            self._said[key] = said
+            log.warning("gpumigrate: %s", said)
 
     async def tick(self) -> list[Found]:
-        await self.beat()
         await self.drop_taken()
         return await self.take_from_stopped_hosts()
 
@@ -81,9 +98,11 @@ class Sharing:
                     or kernel_id in self.operations.active or provisioner.images.path_for(kernel_id).is_dir()):
                 continue
             holder = await asyncio.to_thread(self.shared.where, kernel_id)
+            if holder is None or holder == self.shared.host:
+                continue  # gone from every host's folder (an unmounted share?): not taken by anyone; listed on
             provisioner.given_away = True
             log.warning("gpumigrate: kernel %s was taken by %s from the shared folder: it is no longer listed here",
-                        kernel_id, f"host {holder}" if holder else "another host (its images are gone from here)")
+                        kernel_id, f"host {holder}")
             await km.shutdown_kernel(kernel_id, now=True)
             dropped.append(kernel_id)
         return dropped
@@ -93,7 +112,11 @@ class Sharing:
         km = self.serverapp.kernel_manager
         store: ImageStore = MigratableProvisioner(config=self.serverapp.config).images
         found: list[Found] = []
-        for candidate in await asyncio.to_thread(self.shared.candidates):
+        def unreadable(host: str, exc: OSError) -> None:
+            self._once((host, ""), f"the shared folder of host {host} cannot be read ({exc}): its kernels are not "
+                       "taken; the other hosts' are")
+
+        for candidate in await asyncio.to_thread(self.shared.candidates, unreadable):
             key = (candidate.host, candidate.kernel_id)
             if candidate.kernel_id in km or key in self._given_back:
                 continue
@@ -112,6 +135,9 @@ class Sharing:
                 await asyncio.to_thread(self.shared.claim, candidate.host, candidate.kernel_id)
             except ClaimLost as exc:
                 log.info("gpumigrate: %s", exc)
+                continue
+            except MigrateError as exc:  # a rename that cannot work (another file system, read-only...): the next
+                self._once(key, str(exc))
                 continue
             try:
                 result = await take_back_images(self.serverapp, store, candidate.kernel_id)

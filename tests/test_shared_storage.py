@@ -73,15 +73,37 @@ def test_of_two_hosts_claiming_one_kernel_at_once_exactly_one_wins_and_the_other
 
 
 def test_a_hosts_kernels_are_candidates_only_once_its_heartbeat_is_stale_and_only_with_a_manifest(tmp_path):
-    a, b = SharedFolder(tmp_path, "a"), SharedFolder(tmp_path, "b")
+    a, b = SharedFolder(tmp_path, "a", 0.2), SharedFolder(tmp_path, "b", 0.2)
     _images_of_a(tmp_path)
     (a.images_root() / "k2").mkdir()  # a dump in progress: never taken
     a.beat(0.2)
     assert b.runs("a") and b.candidates() == []
-    time.sleep(0.7)
+    for _ in range(5):  # a heartbeat that moves is alive, however long b watches
+        time.sleep(0.2)
+        a.beat(0.2)
+        assert b.runs("a")
+    time.sleep(0.7)  # still for three of its intervals, as b's own clock says
     assert not b.runs("a")
     assert [(c.host, c.kernel_id) for c in b.candidates()] == [("a", "k1")]
     assert a.candidates() == []  # its own are not candidates
+    # A fresh watcher judges nothing stale before it has watched long enough itself (clocks need not agree).
+    c = SharedFolder(tmp_path, "c", 0.2)
+    assert c.runs("a") and c.candidates() == []
+
+
+def test_a_link_planted_as_a_hosts_images_hands_out_nothing(tmp_path):
+    a, b = SharedFolder(tmp_path, "a", 0.2), SharedFolder(tmp_path, "b", 0.2)
+    _images_of_a(tmp_path)
+    a.beat(0.2)
+    (tmp_path / "hosts" / "old").mkdir()
+    (tmp_path / "hosts" / "old" / "images").symlink_to(a.images_root())  # "old" is silent, a is alive
+    assert b.runs("a") and b.candidates() == []
+    time.sleep(0.7)
+    a.beat(0.2)  # a beats again: alive; the link's "host" is stale, but its images are a's
+    assert b.runs("a") and [c.host for c in b.candidates()] == []
+    with pytest.raises(ClaimLost):
+        b.claim("old", "k1")
+    assert (a.images_root() / "k1" / "manifest.json").exists(), "a keeps its kernel"
 
 
 @pytest.fixture(scope="module")

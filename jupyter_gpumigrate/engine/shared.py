@@ -5,9 +5,12 @@ Each host keeps its kernels' images in a folder of its own, and says it runs wit
     <shared>/hosts/<host>/images/<kernel id>/   the images and manifest of a kernel that <host> keeps
     <shared>/hosts/<host>.alive                 <host>'s heartbeat: its time and interval, rewritten each interval
 
-A host keeps its kernels while its heartbeat is fresh. Once it is stale (no beat for :data:`STALE_BEATS`
-of the host's intervals: its server stopped, was killed, or its node is gone), any other host may take its
-suspended kernels: it claims a kernel by renaming its folder into its own, one atomic rename within the
+A host keeps its kernels while its heartbeat is fresh. A heartbeat is judged by what this host sees, on
+its own clock: one that has not changed for :data:`STALE_BEATS` of the host's intervals (at least of this
+host's own), watched from here all that time, is stale (its server stopped, was killed, or its node is
+gone); one that cannot be read is not (a storage hiccup says nothing). A server beats from a thread of its
+own, from before it takes anything back until it has finished stopping, so a busy event loop or a long
+resume never makes it look stopped. Then any other host may take its suspended kernels: it claims a kernel by renaming its folder into its own, one atomic rename within the
 shared folder. Of two hosts that claim one kernel at once, exactly one rename succeeds; the other finds the
 folder gone and is told which host has it (:class:`ClaimLost`). Nothing is ever copied or deleted here: a
 claim that the new host cannot use after all is given back, by the same rename the other way.
@@ -22,9 +25,12 @@ from __future__ import annotations
 import errno
 import json
 import os
+import stat
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from .errors import MigrateError
 from .images import MANIFEST, write_durably
@@ -73,9 +79,13 @@ def valid_name(name: str, what: str) -> str:
 class SharedFolder:
     """The shared folder ``root``, as host ``host`` sees it."""
 
-    def __init__(self, root: str | os.PathLike[str], host: str) -> None:
+    def __init__(self, root: str | os.PathLike[str], host: str, interval: float = 10.0) -> None:
         self.root = Path(root)
         self.host = valid_name(host, "host name")
+        #: this host's own heartbeat interval: no other host is judged stale in less than STALE_BEATS of it
+        self.interval = interval
+        #: host -> (what its heartbeat file said, when this host first saw it say that: monotonic)
+        self._seen: dict[str, tuple[str, float]] = {}
 
     def images_root(self, host: str | None = None) -> Path:
         """The folder of ``host``'s images (this host's by default)."""
@@ -98,30 +108,75 @@ class SharedFolder:
         except (OSError, ValueError, KeyError, TypeError):
             return None
 
-    def runs(self, host: str) -> bool:
-        """Whether ``host``'s server runs, as far as its heartbeat says (fresh)."""
-        beat = self.heartbeat(host)
-        return beat is not None and not beat.stale()
+    def runs(self, host: str, now: float | None = None) -> bool:
+        """Whether ``host``'s server may run: True unless its heartbeat file has said the same thing (or been
+        missing) for STALE_BEATS of its interval (and of ours), as watched from here, on this host's clock.
+        A file that cannot be read counts as a beat: it says nothing of the host."""
+        now = time.monotonic() if now is None else now
+        path = self.heartbeat_path(host)
+        try:
+            said = path.read_text()
+        except FileNotFoundError:
+            said = ""
+        except OSError:
+            return True
+        try:
+            interval = float(json.loads(said)["interval"]) if said else self.interval
+        except (ValueError, KeyError, TypeError):
+            interval = self.interval
+        seen = self._seen.get(host)
+        if seen is None or seen[0] != said:
+            self._seen[host] = (said, now)
+            return True
+        return now - seen[1] <= STALE_BEATS * max(interval, self.interval)
+
+    def _moved(self, host: str) -> bool:
+        """Whether ``host``'s heartbeat changed since this host last looked (False if it never looked)."""
+        seen = self._seen.get(host)
+        if seen is None:
+            return False
+        try:
+            said = self.heartbeat_path(host).read_text()
+        except FileNotFoundError:
+            said = ""
+        except OSError:
+            return True
+        return said != seen[0]
+
+    def _private_dir(self, path: Path) -> bool:
+        """A real folder (no link) of this user's: only such folders are looked into, or taken from."""
+        try:
+            info = os.lstat(path)
+        except OSError:
+            return False
+        return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
 
     def hosts(self) -> list[str]:
         """Every host with a folder here, this one aside."""
         folder = self.root / HOSTS
-        if not folder.is_dir():
+        if not self._private_dir(folder):
             return []
         return sorted(p.name for p in folder.iterdir()
-                      if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != self.host)
+                      if not p.name.startswith(".") and p.name != self.host and self._private_dir(p))
 
-    def candidates(self) -> list[Candidate]:
-        """The suspended kernels (complete images) of hosts whose server does not run."""
+    def candidates(self, on_error: Any = None) -> list[Candidate]:
+        """The suspended kernels (complete images) of hosts whose server does not run. A host whose folder
+        cannot be read is passed over (``on_error(host, exc)`` is told), never the others."""
         found = []
         for host in self.hosts():
-            if self.runs(host):
-                continue
-            images = self.images_root(host)
-            for folder in sorted(images.iterdir()) if images.is_dir() else []:
-                if (folder.is_dir() and not folder.is_symlink() and not folder.name.startswith(".")
-                        and (folder / MANIFEST).is_file()):
-                    found.append(Candidate(host, folder.name, folder))
+            try:
+                if self.runs(host):
+                    continue
+                images = self.images_root(host)
+                if not self._private_dir(images.parent) or not self._private_dir(images):
+                    continue  # a link planted as a host's images would hand out another host's kernels
+                for folder in sorted(images.iterdir()):
+                    if (not folder.name.startswith(".") and self._private_dir(folder)
+                            and (folder / MANIFEST).is_file()):
+                        found.append(Candidate(host, folder.name, folder))
+            except OSError as exc:
+                if on_error is not None:
+                    on_error(host, exc)
         return found
 
     def where(self, kernel_id: str) -> str | None:
@@ -136,6 +191,12 @@ class SharedFolder:
         :class:`ClaimLost` if another host took them first (nothing changed here)."""
         source = self.images_root(host) / valid_name(kernel_id, "kernel id")
         target = self.images_root() / kernel_id
+        if self._moved(host):  # asked again at the last moment: a host that beat meanwhile keeps its kernels
+            raise ClaimLost(f"Kernel {kernel_id}: host {host} runs again (its heartbeat moved): nothing was taken.")
+        if not all(self._private_dir(p) or not os.path.lexists(p) for p in (source.parent.parent, source.parent,
+                                                                              source)):
+            raise ClaimLost(f"Kernel {kernel_id} of host {host}: {source} is not a plain folder of this user's (a "
+                            "link?): nothing was taken.")
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         if target.exists() or target.is_symlink():
             raise ClaimLost(f"Kernel {kernel_id}: this host ({self.host}) already has a folder {target}: nothing "
@@ -165,6 +226,28 @@ class SharedFolder:
         _fsync_dir(source.parent)
         _fsync_dir(target.parent)
         return target
+
+
+class Beating(threading.Thread):
+    """Beats for ``shared`` every ``interval`` seconds from a thread of its own, until :meth:`stop`: the
+    server's event loop may be busy (a long resume, a slow start), its heartbeat goes on."""
+
+    def __init__(self, shared: SharedFolder, interval: float, on_error: Any = None) -> None:
+        super().__init__(name="gpumigrate-heartbeat", daemon=True)
+        self.shared, self.interval, self.on_error = shared, interval, on_error
+        self._stop_event = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop_event.is_set():
+            try:
+                self.shared.beat(self.interval)
+            except OSError as exc:
+                if self.on_error is not None:
+                    self.on_error(exc)
+            self._stop_event.wait(self.interval)
+
+    def stop(self) -> None:
+        self._stop_event.set()
 
 
 def _fsync_dir(path: Path) -> None:

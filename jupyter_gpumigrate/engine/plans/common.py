@@ -298,10 +298,14 @@ def free_pids(manifest: Manifest) -> None:
 
 
 def restore_tree(ctx: KernelContext) -> None:
-    """CRIU recreates the tree from the images; undone by killing it (the images stay as they were)."""
+    """CRIU recreates the tree from the images; undone by killing it (the images stay as they were). The undo
+    is registered first: a restore that fails after CRIU made the tree (its pidfile gone with a folder taken
+    meanwhile, say) must not leave it running. The tree comes back under its old PID, which was free before."""
     assert ctx.manifest is not None
+    root = ctx.manifest.pid
+    there_before = proctree.is_alive(root)
+    ctx.undo(lambda: kill_tree(ctx.pid if ctx.pid is not None else (None if there_before else root)))
     ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
-    ctx.undo(lambda: kill_tree(ctx.pid))
 
 
 def kill_tree(pid: int | None) -> None:

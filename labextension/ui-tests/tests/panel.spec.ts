@@ -266,6 +266,7 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
         last_activity: '2026-11-23T00:12:10.000000+00:00',
         gpus: [{ index: 0, uuid: 'GPU-0a3b5c7d-1e2f-4a5b-8c9d-0e1f2a3b4c50', memory_used: held }],
         image_bytes: null,
+        images: null,
         suspended_on: [],
         migratable: true,
         operation: null,
