@@ -65,6 +65,9 @@ def test_wheel_metadata_license_classifiers_and_one_version(dist: Dist) -> None:
         built_json = json.loads(zf.read(shared))
         version_py = zf.read("jupyter_gpumigrate/_version.py").decode()
         ensure_criu = zf.read("jupyter_gpumigrate/ensure-criu.sh").decode()
+    # JupyterLab's extension manager reads install.json: there, once.
+    assert [n for n in names if n.endswith("labextensions/jupyter-gpumigrate/install.json")] != [] and \
+        len([n for n in names if n.endswith("/install.json")]) == 1, [n for n in names if "install" in n]
     # `jupyter gpumigrate install-criu` runs the script that the checkout's set-up runs.
     assert ensure_criu == (ROOT / "scripts" / "ensure-criu.sh").read_text()
     assert license_text == (ROOT / "LICENSE").read_text()
