@@ -49,18 +49,6 @@ class ClaimLost(MigrateError):
 
 
 @dataclass
-class Heartbeat:
-    """What a host's heartbeat file says."""
-
-    host: str
-    time: float
-    interval: float
-
-    def stale(self, now: float | None = None) -> bool:
-        return (now if now is not None else time.time()) - self.time > STALE_BEATS * self.interval
-
-
-@dataclass
 class Candidate:
     """A suspended kernel of another host, in the shared folder."""
 
@@ -99,14 +87,6 @@ class SharedFolder:
         path = self.heartbeat_path()
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         write_durably(path, json.dumps({"host": self.host, "time": time.time(), "interval": float(interval)}))
-
-    def heartbeat(self, host: str) -> Heartbeat | None:
-        """``host``'s last heartbeat (None: it never beat here, or the file is not readable)."""
-        try:
-            data = json.loads(self.heartbeat_path(host).read_text())
-            return Heartbeat(str(data["host"]), float(data["time"]), float(data["interval"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
 
     def runs(self, host: str, now: float | None = None) -> bool:
         """Whether ``host``'s server may run: True unless its heartbeat file has said the same thing (or been
