@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import tarfile
+import time
 import tomllib
 import zipfile
 from dataclasses import dataclass
@@ -138,3 +139,72 @@ def test_the_prebuilt_extension_is_ok_with_the_lowest_and_highest_jupyterlab(
     assert re.search(rf"jupyter-gpumigrate v{re.escape(version)} enabled +OK", listing), (
         f"JupyterLab {lab_version} does not take the prebuilt extension:\n{listing}")
     assert "not compatible" not in listing, listing
+
+
+def test_an_isolated_install_suspends_and_resumes_a_kernel_with_its_own_server_and_cli(
+        dist: Dist, tmp_path: Path) -> None:
+    """As the extension template's isolated test: the wheel alone in a fresh venv, run with no Node.js on the
+    PATH and far from this source tree, enables its server extension and provisioner, and its own server and
+    CLI suspend and resume a kernel."""
+    bin_dir = fresh_venv(tmp_path / "venv")
+    pip_install(bin_dir, str(dist.wheel))
+    home = tmp_path / "home"
+    work = tmp_path / "work"
+    for folder in (home, work):
+        folder.mkdir()
+    env = clean_env() | {"PATH": f"{bin_dir}:/usr/local/sbin:/usr/sbin:/sbin", "HOME": str(home),
+                         "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_DATA_DIR": str(home / "data"),
+                         "JUPYTER_RUNTIME_DIR": str(home / "runtime")}
+
+    def run(*argv: str, timeout: float = 120) -> subprocess.CompletedProcess:
+        return subprocess.run([str(bin_dir / argv[0]), *argv[1:]], capture_output=True, text=True, cwd=work,
+                              env=env, timeout=timeout)
+
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", (lambda p: p.stdout + p.stderr)(run("jupyter", "server", "extension",
+                                                                               "list")))
+    assert re.search(r"jupyter_gpumigrate enabled", listing) and "jupyter_gpumigrate" in listing, listing
+    providers = run("python", "-c", "from importlib.metadata import entry_points; "
+                    "print(sorted(e.name for e in entry_points(group='jupyter_client.kernel_provisioners')))")
+    assert "gpumigrate-provisioner" in providers.stdout, providers
+    assert run("python", "-c", "import shutil; print(shutil.which('node'))").stdout.strip() == "None"
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    from servers import free_port  # noqa: E402
+
+    port, token = free_port(), "isolated-token"
+    url = f"http://127.0.0.1:{port}/"
+    log = open(tmp_path / "server.log", "wb")  # noqa: SIM115 - closed below
+    server = subprocess.Popen(
+        [str(bin_dir / "jupyter"), "server", "--no-browser", "--allow-root", "--ip=127.0.0.1", f"--port={port}",
+         f"--IdentityProvider.token={token}", f"--MigratableProvisioner.state_dir={home / 'state'}",
+         "--MigratableProvisioner.suspend_to=disk"],
+        cwd=work, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        cli = ("jupyter", "gpumigrate")
+        remote = ("--url", url, "--token", token)
+        deadline = time.monotonic() + 60
+        while run(*cli, "list", *remote, "--json").returncode != 0:
+            assert server.poll() is None and time.monotonic() < deadline, (tmp_path / "server.log").read_text()
+            time.sleep(0.5)
+        started = run("python", "-c", "import json, sys, urllib.request as u; r = u.Request(sys.argv[1] + "
+                      "'api/kernels', data=b'{\"name\": \"python3\"}', method='POST', headers={'Authorization': "
+                      "'token ' + sys.argv[2]}); print(json.load(u.urlopen(r))['id'])", url, token)
+        kernel_id = started.stdout.strip()
+        assert kernel_id, started.stderr
+        for action in ("suspend", "resume"):
+            done = run(*cli, action, kernel_id, *remote, "--json", timeout=300)
+            assert done.returncode == 0, done.stdout + done.stderr
+            op = json.loads(done.stdout)
+            assert op["status"] == "succeeded" and op["action"] == action, op
+        assert op["timings"] and "restore" in op["timings"], op
+        listed = json.loads(run(*cli, "list", *remote, "--json").stdout)
+        assert [k["state"] for k in listed["kernels"] if k["id"] == kernel_id] == ["running"], listed
+    finally:
+        os.killpg(server.pid, 15)  # a server stopped with SIGTERM shuts its running kernels down
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, 9)
+            server.wait(timeout=30)
+        log.close()
+        subprocess.run(["pkill", "-9", "-f", str(home / "runtime")], check=False)  # its kernels, if any outlived it
