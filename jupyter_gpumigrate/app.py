@@ -33,6 +33,7 @@ from .engine.images import write_durably
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+from .memorywatch import keep_relieving
 from .retention import discard_expired, keep_discarding
 from .revive import lock_state, revive_all
 from .sharing import Sharing
@@ -173,6 +174,15 @@ class GPUMigrateApp(ExtensionApp):
         10.0, help="With c.MigratableProvisioner.shared_dir: how often this server says in the shared folder that "
         "it runs, and looks there for the suspended kernels of hosts that stopped, in seconds. A host that has "
         "not said so for three of its intervals has stopped: its suspended kernels may be taken by another.",
+    ).tag(config=True)
+
+    memory_low = Float(
+        0.1, help="When the host's available memory falls under this share of its total, suspended kernels' "
+        "images in memory are moved to disk, the largest first, until it is above again (0: never).",
+    ).tag(config=True)
+
+    memory_check_interval = Float(
+        30.0, help="How often the server looks whether memory runs short (memory_low), in seconds.",
     ).tag(config=True)
 
     retention_interval = Float(
@@ -347,11 +357,16 @@ class GPUMigrateApp(ExtensionApp):
         finally:
             done.set()
         self._start_retention()
+        if self.memory_low > 0:
+            self._memory_task = asyncio.get_running_loop().create_task(keep_relieving(
+                serverapp.kernel_manager, self.settings["gpumigrate_operations"], self.memory_low,
+                self.memory_check_interval))
         if sharing is not None:
             self._sharing_task = asyncio.get_running_loop().create_task(
                 sharing.run(self.settings["gpumigrate_refused"]))
 
     _sharing_task: asyncio.Task | None = None
+    _memory_task: asyncio.Task | None = None
 
     def _sharing(self, serverapp: Any) -> Sharing | None:
         """The shared folder's ticks (sharing.py), if c.MigratableProvisioner.shared_dir is set."""
@@ -415,6 +430,8 @@ class GPUMigrateApp(ExtensionApp):
         self._stopping = True
         if self._retention_task is not None:
             self._retention_task.cancel()  # nothing is discarded while the server stops
+        if self._memory_task is not None:
+            self._memory_task.cancel()  # a move under way finishes (below: waited for)
         if self._sharing_task is not None:
             self._sharing_task.cancel()  # nothing is taken while it stops; it beats until the very end
         operations: OperationManager = self.settings["gpumigrate_operations"]
@@ -439,6 +456,10 @@ class GPUMigrateApp(ExtensionApp):
         outlives a reboot, in parallel, within ``stop_timeout`` (crash-safe: images.ImageStore.to_disk; what
         is not done by then stays in memory, and the next server on this host takes it back from there)."""
         km = self.serverapp.kernel_manager
+        operations: OperationManager = self.settings["gpumigrate_operations"]
+        deadline = time.monotonic() + self.stop_timeout
+        while operations.moving_images and time.monotonic() < deadline:  # a move because memory ran short
+            await asyncio.sleep(0.1)
         moves: dict[str, Any] = {}
         for kernel_id in km.list_kernel_ids():
             provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)

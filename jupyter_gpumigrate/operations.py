@@ -136,6 +136,8 @@ class OperationManager:
         self._tasks: set[asyncio.Task] = set()
         #: kernels being discarded (retention.py): no operation starts on them
         self.discarding: set[str] = set()
+        #: kernels whose images are being moved from memory to disk (memorywatch.py, a stopping server)
+        self.moving_images: set[str] = set()
 
     # -- kernels ----------------------------------------------------------------------------------------
 
@@ -165,6 +167,9 @@ class OperationManager:
         if kernel_id in self.discarding:
             raise InvalidState(f"Kernel {kernel_id} is being discarded: it was suspended longer than the server's "
                                "retention (c.GPUMigrateApp.retention), and its images are being deleted.")
+        if kernel_id in self.moving_images:
+            raise InvalidState(f"Kernel {kernel_id}'s images are being moved from memory to disk (the host's memory "
+                               "runs short, or the server stops): try again in a few seconds.")
         if kernel_id in self.active:
             raise InvalidState(
                 f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
+import time
 from pathlib import Path
 
 import pytest
@@ -182,3 +184,27 @@ async def test_memory_without_room_is_refused_when_asked_for_and_passed_over_by_
         finally:
             server.stop(signal.SIGKILL)
             server.kill_kernels()
+
+
+async def test_memory_images_go_to_disk_when_the_hosts_memory_runs_short(tmp_path):
+    # memory_low at 100% of the total: memory always "runs short" here, so the check moves them at once.
+    server = LocalServer(tmp_path / "server", {"GPUMigrateApp": {"memory_low": 1.0, "memory_check_interval": 0.5}})
+    try:
+        server.start()
+        _, kernel_id, out = await notebook_running(server, "x = 41\nprint('set')")
+        assert out == "set"
+        op = server.operate(kernel_id, "suspend", {"images": "memory"})
+        assert op["status"] == "succeeded" and op["images"] == "memory", op
+        deadline = time.monotonic() + 30
+        while server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["images"] != "disk":
+            assert time.monotonic() < deadline, server.server_log()
+            time.sleep(0.2)
+        assert (server.state / "images" / kernel_id / "manifest.json").is_file()
+        assert re.search(rf"memory runs short \(.*\): kernel {kernel_id}'s images \(.*\) moved from memory to",
+                         (server.root / "server.log").read_text())
+        tab = await tab_on(server, kernel_id)  # a cell resumes it, from disk, with its state
+        assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
+        tab.ws.close()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
