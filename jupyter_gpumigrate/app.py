@@ -172,8 +172,9 @@ class GPUMigrateApp(ExtensionApp):
 
     shared_heartbeat = Float(
         10.0, help="With c.MigratableProvisioner.shared_dir: how often this server says in the shared folder that "
-        "it runs, and looks there for the suspended kernels of hosts that stopped, in seconds. A host that has "
-        "not said so for three of its intervals has stopped: its suspended kernels may be taken by another.",
+        "it runs, and looks there for the suspended kernels of hosts that stopped, in seconds. A host whose "
+        "heartbeat another sees unchanged for three of its intervals, on its own clock, has stopped: its "
+        "suspended kernels may be taken by that one.",
     ).tag(config=True)
 
     memory_low = Float(
@@ -190,11 +191,18 @@ class GPUMigrateApp(ExtensionApp):
         "in seconds.",
     ).tag(config=True)
 
-    @validate("shared_heartbeat")
+    @validate("shared_heartbeat", "memory_check_interval")
     def _positive(self, proposal: Any) -> float:
         if proposal["value"] <= 0:
-            raise TraitError(f"c.GPUMigrateApp.shared_heartbeat must be a number of seconds above 0 (got "
+            raise TraitError(f"c.GPUMigrateApp.{proposal['trait'].name} must be a number of seconds above 0 (got "
                              f"{proposal['value']}).")
+        return proposal["value"]
+
+    @validate("memory_low")
+    def _share(self, proposal: Any) -> float:
+        if not 0 <= proposal["value"] <= 1:
+            raise TraitError(f"c.GPUMigrateApp.memory_low is a share of the host's memory, from 0 (never) to 1 "
+                             f"(got {proposal['value']}).")
         return proposal["value"]
 
     @validate("retention", "retention_interval")

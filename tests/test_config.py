@@ -5,6 +5,7 @@ jupyter_client's."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -45,3 +46,17 @@ async def test_the_shipped_configuration_makes_every_kernel_migratable(jp_fetch,
     kernel_id = await start_kernel(jp_fetch)
     assert (await api(jp_fetch, "kernels", kernel_id))["migratable"] is True
     await jp_fetch("api", "kernels", kernel_id, method="DELETE")
+
+
+@pytest.mark.parametrize("setting, value, words", [
+    ("memory_low", 2.0, "is a share of the host's memory, from 0 (never) to 1 (got 2.0)"),
+    ("memory_check_interval", 0.0, "memory_check_interval must be a number of seconds above 0"),
+    ("shared_heartbeat", -1.0, "shared_heartbeat must be a number of seconds above 0"),
+])
+def test_settings_out_of_range_are_refused_saying_what_they_may_be(setting, value, words):
+    from traitlets import TraitError
+
+    from jupyter_gpumigrate.app import GPUMigrateApp
+
+    with pytest.raises(TraitError, match=re.escape(words)):
+        GPUMigrateApp(**{setting: value})
