@@ -62,7 +62,7 @@ class MigrateMagics(Magics):
     @argument("--to-gpu", type=int, metavar="N", help="move this kernel to GPU N (NVML's index) now")
     @argument("--to-host", metavar="NAME", help="move this kernel to the peer server NAME (with --to-gpu: onto "
               "its GPU N); the name of this kernel's home server brings it back")
-    @argument("--suspend", action="store_true", help="write this kernel to disk and free its memory, now; the cell "
+    @argument("--suspend", action="store_true", help="write this kernel to memory or disk (--images) and free its GPU, now; the cell "
               "finishes once the kernel is resumed (panel, CLI, or by running a cell)")
     @argument("--images", choices=("auto", "memory", "disk"), help="with --suspend: where the images go (memory: "
               "fast, holds host memory; disk; auto: memory where there is room); default: the server's")
@@ -78,8 +78,8 @@ class MigrateMagics(Magics):
                               the notebook stays where it is; --to-host with the home server's name
                               brings the kernel back
         %migrate --list       the GPUs and the kernels on them (this one marked *), and the hosts
-        %migrate --suspend    write this kernel to disk and free its memory (GPU memory too); the cell
-                              waits, and once the kernel is resumed (panel, jupyter gpumigrate resume,
+        %migrate --suspend    write this kernel to memory or disk and free its GPU (on disk, its
+                              memory too); the cell waits, and once the kernel is resumed (panel, jupyter gpumigrate resume,
                               or running a cell) prints for how long, where it runs and the image size;
                               --images memory|disk|auto says where its images go
 
