@@ -29,6 +29,7 @@ from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
 from .engine.plans import ALL_PHASES, PHASES
+from .engine.plans import transplant as transplant_plan
 from .engine.stash import Stash
 from .peers import Peer, PeerLink, UnknownPeer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
@@ -94,6 +95,8 @@ class Operation:
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
     #: "retention" (a discard of a kernel suspended longer than c.GPUMigrateApp.retention)
     trigger: str = "api"
+    #: a transplant: where to, what it carries and what it leaves (the dry run's answer), then its seconds
+    transplant: dict[str, Any] | None = None
     #: the phases of its plan, in order (engine/plans); empty for a drain
     phases: list[str] = field(default_factory=list)
     #: the fast path's socket, when the kernel's own %migrate serves it (told to that caller only)
@@ -177,6 +180,8 @@ class OperationManager:
             )
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
+        if action == "transplant":
+            return self._start_transplant(kernel_id, provisioner, to_gpu)
         if provisioner.state == BROKEN:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
@@ -217,6 +222,46 @@ class OperationManager:
                 op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller"))
+
+    def _check_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> bool:
+        """Refuse a transplant that cannot start now; whether the target GPU is of the kernel's own model."""
+        if provisioner.state == BROKEN:
+            raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
+        if provisioner.state != RUNNING:
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be transplanted: only a "
+                               "running kernel can.")
+        if to_gpu is None:
+            return False
+        gpus = gpus_mod.snapshot()
+        target = placement.gpu_by_index(gpus, to_gpu)
+        held = placement.held_by_tree(provisioner.pid, gpus)
+        return any(h.get("name") == target.name or h.get("uuid") == target.uuid for h in held)
+
+    async def survey(self, kernel_id: str, to_gpu: int | None) -> dict[str, Any]:
+        """The dry run of a transplant: what would carry to GPU ``to_gpu`` (None: the CPU), and what not."""
+        provisioner = self.provisioner(kernel_id)
+        if kernel_id in self.active:
+            raise InvalidState(f"Kernel {kernel_id} is being moved by operation {self.active[kernel_id].id}: wait "
+                               "for it to finish.")
+        same_model = self._check_transplant(kernel_id, provisioner, to_gpu)
+        try:
+            said = await asyncio.to_thread(provisioner.transplant_survey, transplant_plan.WAIT)
+        except TimeoutError as exc:
+            raise InvalidState(f"Kernel {kernel_id} did not answer within {transplant_plan.WAIT:.0f} s (a cell that "
+                               "runs long?): ask again once it is idle.") from exc
+        except (RuntimeError, ConnectionError) as exc:
+            raise InvalidState(f"Kernel {kernel_id} could not say what of it would carry: {exc}") from exc
+        return {**said, "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "same_model": same_model}
+
+    def _start_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> Operation:
+        self._check_transplant(kernel_id, provisioner, to_gpu)
+        held = placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()) if provisioner.pid else []
+        if held:
+            cudackpt.ensure_available()  # the source's GPU memory is checkpointed before its dump
+        op = Operation(kernel_id=kernel_id, action="transplant", to_gpu=to_gpu,
+                       from_gpu=int(held[0]["index"]) if held else None, phases=list(PHASES["transplant"]))
+        self.active[kernel_id] = op
+        return self._launch(op, self._run(op, provisioner, self._criu(provisioner)))
 
     def resume_for_cell(self, kernel_id: str) -> Operation:
         """A cell was run on suspended kernel ``kernel_id`` (autoresume.py): resume it where it is best
@@ -406,6 +451,7 @@ class OperationManager:
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),
             "migrate": lambda: migration.move_to_gpu(op.to_gpu, stash=stash, invite=invite),
+            "transplant": lambda: migration.transplant(op.to_gpu),
         }
         if link is not None and op.to_host == self.host_name:
             steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)
@@ -437,6 +483,7 @@ class OperationManager:
                 op.bytes = outcome.transferred
             op.fast_path = outcome.fast_path.to_dict() if outcome.fast_path is not None else None
             op.stash = outcome.stash
+            op.transplant = outcome.transplant
             if outcome.images is not None:
                 op.images = outcome.images
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)

@@ -49,7 +49,7 @@ from .engine.access import images_root
 from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
-from .engine.errors import MigrateError
+from .engine.errors import InvalidState, MigrateError
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
 
@@ -67,6 +67,9 @@ HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
 #: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
+TRANSPLANT_MODULE = "jupyter_gpumigrate.kernel.transplant"
+TRANSPLANT_SURVEY_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['survey']).survey()"
+TRANSPLANT_EXPORT_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['export']).export({{folder!r}})"
 STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
 
 
@@ -214,6 +217,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     remote_gpus: list = []
     _remote_ending = False
     started: int | None = None  # start time of the kernel's root process (proctree.start_time)
+    #: the command line and environment the kernel was launched with (a transplant launches its new process so)
+    launch_cmd: list[str] = []
+    launch_env: dict[str, str] = {}
+    #: the new process of a transplant under way (engine/plans/transplant.py), until it is the kernel
+    _transplant: subprocess.Popen | None = None
+    #: earlier processes of this kernel that a transplant replaced: what was sent to them goes to this one
+    lineage: set[int] = set()
 
     # -- what a migration needs (engine.kernelproc.KernelProcess) -----------------------------------
 
@@ -386,6 +396,65 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
                                             timeout, alive=lambda: root is not None and proctree.is_alive(root)))
 
+    # -- a transplant (engine/plans/transplant.py, kernel/transplant.py) -------------------------------
+
+    def _transplant_cmd(self, folder: str) -> list[str] | None:
+        """The kernel's command line with ``-m ipykernel_launcher`` made ``-m <transplant> FOLDER``."""
+        cmd = list(self.launch_cmd)
+        for i in range(len(cmd) - 1):
+            if cmd[i] == "-m" and cmd[i + 1] == "ipykernel_launcher":
+                return [*cmd[:i], "-m", TRANSPLANT_MODULE, folder, *cmd[i + 2:]]
+        return None
+
+    def transplant_survey(self, timeout: float) -> dict:
+        why = self._cannot_serve("a transplant")
+        if why is None and self._transplant_cmd("") is None:
+            why = "its command line does not start it with python -m ipykernel_launcher"
+        if why:
+            raise InvalidState(f"Kernel {self.kernel_id} cannot be transplanted: {why}.")
+        return json.loads(evaluate_silently(self.connection_info, TRANSPLANT_SURVEY_CALL, timeout, alive=self._is_ours))
+
+    def transplant_export(self, folder: str, timeout: float) -> dict:
+        return json.loads(evaluate_silently(self.connection_info, TRANSPLANT_EXPORT_CALL.format(folder=folder), timeout,
+                                            alive=self._is_ours))
+
+    def transplant_start(self, folder: str, gpu_uuid: str | None) -> int:
+        cmd = self._transplant_cmd(folder)
+        assert cmd is not None and self.log_path is not None
+        if self.pid is not None:  # what was sent to the source goes to the new process, should it take over
+            self.lineage = {*self.lineage, self.pid}
+        env = dict(self.launch_env or os.environ)
+        env["CUDA_VISIBLE_DEVICES"] = gpu_uuid or ""  # the only GPU it sees, or none
+        with open(self.log_path, "ab", buffering=0) as out:
+            out.write(f"--- jupyter-gpumigrate: a transplant's new process, on {gpu_uuid or 'the CPU'} ---\n".encode())
+            self._transplant = launch_kernel(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                             independent=True, cwd=getattr(self, "cwd", None) or os.getcwd())
+        return self._transplant.pid
+
+    def transplant_adopt(self) -> None:
+        new = self._transplant
+        assert new is not None
+        self.process, self.pid = new, new.pid
+        self.pgid = os.getpgid(new.pid)
+        self.started = proctree.start_time(new.pid)
+        self.write_record()
+
+    def transplant_abandon(self) -> None:
+        new, self._transplant = self._transplant, None
+        if new is None:
+            return
+        try:
+            os.killpg(new.pid, signal.SIGKILL)  # its own session (launched independent)
+        except OSError:
+            pass
+        try:
+            new.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.log.warning("gpumigrate: the transplant's new process %s of kernel %s did not end", new.pid,
+                             self.kernel_id)
+        if self.process is new:  # it had been adopted: the source comes back by the dump's undo
+            self.process = self.pid = self.pgid = self.started = None
+
     # -- launching -----------------------------------------------------------------------------------
 
     def client_identities(self) -> list[tuple[str, bytes]]:
@@ -446,6 +515,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         elif self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
+        self.launch_cmd, self.launch_env = list(cmd), dict(env)
         if revival is not None:  # the kernel an earlier server left: nothing is launched
             self.cwd = kwargs.get("cwd", Path.cwd())
             return self._revive(revival)

@@ -133,6 +133,8 @@ def directory_size(path: Path) -> int:
 MEMORY, DISK, AUTO = "memory", "disk", "auto"
 #: A folder being moved from memory to disk (to_disk), until it is complete there.
 MOVING = ".moving-"
+#: the prefix of a transplant's folder (:meth:`ImageStore.scratch`)
+TRANSPLANT = ".transplant-"
 
 
 class ImageStore:
@@ -236,10 +238,41 @@ class ImageStore:
         _remove(source)
         return target
 
+    def scratch(self, name: str, nbytes: int) -> Path:
+        """A new private folder for ``name``'s transplant (its objects on their way to a new process), in
+        memory where the tmpfs has room for ``nbytes`` and 10 % more and the host keeps a quarter of its
+        memory available, on disk otherwise; an old one is replaced. :meth:`tidy` removes what a server that
+        stopped left. :class:`ImageError` if neither has room."""
+        self.path_for(name)  # a valid name
+        total, available = host_memory()
+        for base in (self._memory(), self.root):
+            if base is None:
+                continue
+            if base == self.memory_root and (memory_free(base) < nbytes * 1.1
+                                             or available - nbytes < KEEP_AVAILABLE * total):
+                continue
+            if memory_free(base) < nbytes * 1.1:
+                raise ImageError(f"No room for the kernel's objects ({nbytes / 1e9:.1f} GB) in memory nor in "
+                                 f"{base} ({memory_free(base) / 1e9:.1f} GB free): free space there, then try again. "
+                                 "The kernel runs on, unchanged.")
+            path = base / f"{TRANSPLANT}{name}"
+            try:
+                self._ensure_root(base)
+                _remove(path)
+                path.mkdir(mode=0o700)
+            except OSError as exc:
+                raise ImageError(f"Cannot create {path} for the kernel's objects: {exc}. The kernel runs on.") from exc
+            return path
+        raise ImageError("No folder for the kernel's objects")  # the root is always a candidate
+
     def tidy(self) -> list[str]:
         """At start: finish what a server stopped during :meth:`to_disk` left (a partial copy is removed; a
-        memory folder whose disk copy is complete is removed). The names it acted on."""
+        memory folder whose disk copy is complete is removed), and remove the folders of transplants it left
+        (:meth:`scratch`). The names it acted on."""
         done = []
+        for root in (self.root, self._memory()):
+            for folder in root.glob(f"{TRANSPLANT}*") if root is not None and root.is_dir() else []:
+                _remove(folder)
         for partial in self.root.glob(f"{MOVING}*") if self.root.is_dir() else []:
             _remove(partial)
             done.append(partial.name[len(MOVING):])

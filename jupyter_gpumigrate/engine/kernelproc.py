@@ -61,6 +61,24 @@ class KernelProcess(Protocol):
         """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
         RuntimeError naming ``StashDamaged`` if a file does not hold what was written."""
 
+    def transplant_survey(self, timeout: float) -> dict:
+        """The dry run of a transplant (kernel/transplant.py's survey): what carries, what not and why.
+        :class:`~.errors.MigrateError` where the kernel cannot be transplanted (not an IPython kernel with
+        this package); TimeoutError, RuntimeError or ConnectionError as ``host_stash``."""
+
+    def transplant_export(self, folder: str, timeout: float) -> dict:
+        """Have the kernel write its objects into ``folder`` (which exists): what it wrote."""
+
+    def transplant_start(self, folder: str, gpu_uuid: str | None) -> int:
+        """Start the new process of a transplant, on GPU ``gpu_uuid`` (the only one it sees) or none: it reads
+        the objects in ``folder``, writes ready.json there and waits for SIGUSR1. Its PID."""
+
+    def transplant_adopt(self) -> None:
+        """The new process is the kernel from now on (it is about to take the kernel's ports)."""
+
+    def transplant_abandon(self) -> None:
+        """Kill the new process, if any, and collect it; the kernel is what it was before."""
+
     def adopt_remote(self, link: object, where: dict) -> None:
         """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""
 

@@ -8,6 +8,8 @@
                       (there) -> adopt                                                plans/host_move.py
     come back home:   prepare -> dump (there) -> transfer -> restore -> [remap ->
                       unlock] -> adopt                                                plans/host_move.py
+    transplant:       prepare -> export -> load -> [lock -> checkpoint] -> dump
+                      -> switch                                                       plans/transplant.py
 
 A kernel is a process tree. To suspend it we write the tree to an image directory with CRIU, which
 kills it; to resume it CRIU recreates the tree from the images with the same PIDs, and the kernel
@@ -34,7 +36,7 @@ from .gpus import GpuInfo
 from .images import ImageStore
 from .kernelproc import (BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED, KernelProcess, kernel_listens,
                          public_connection_info)
-from .plans import gpu_move, host_move, resume, suspend
+from .plans import gpu_move, host_move, resume, suspend, transplant
 from .plans.common import FastPath, Outcome, Tools
 from .plans.host_move import HostLink
 from .saga import ProgressCallback
@@ -80,3 +82,7 @@ class Migration:
 
     def return_home(self, link: HostLink, to_gpu: int | None = None) -> Outcome:
         return host_move.return_home(self.kernel, self.tools, link, to_gpu, self.progress)
+
+    def transplant(self, to_gpu: int | None) -> Outcome:
+        """Carry the kernel's objects into a new process on GPU ``to_gpu`` (any model), or the CPU (None)."""
+        return transplant.run(self.kernel, self.tools, to_gpu, self.progress)

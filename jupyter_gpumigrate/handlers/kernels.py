@@ -1,4 +1,4 @@
-"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate."""
+"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate|transplant."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from ..engine.errors import MigrateError
 from .base import OWN_KERNEL, READ, BaseHandler, kernel_credential
 
 #: Each action's request body, a definition of the API's schema (contract/api.schema.json).
-ACTION_BODIES = {"suspend": "SuspendRequest", "resume": "ResumeRequest", "migrate": "MigrateRequest"}
+ACTION_BODIES = {"suspend": "SuspendRequest", "resume": "ResumeRequest", "migrate": "MigrateRequest",
+                 "transplant": "TransplantRequest"}
 
 
 class KernelListHandler(BaseHandler):
@@ -47,6 +48,12 @@ class KernelActionHandler(BaseHandler):
             self.send_error_message(
                 400, "'fast_path' is one of auto, off (got 'caller'); 'caller' is for a kernel's own %migrate."
             )
+            return
+        if action == "transplant" and body.get("dry_run"):
+            try:
+                self.send_json(await self.operations.survey(kernel_id, body.get("to_gpu")))
+            except MigrateError as exc:
+                self.send_migrate_error(exc)
             return
         try:
             op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"), to_host=body.get("to_host"),

@@ -80,6 +80,8 @@ class Outcome:
     #: the host stash of a suspend or resume: what the kernel wrote or read ({"stashed": bytes, "seconds"...},
     #: {"unstashed": ...}), or why it stepped aside ({"aside": reason}); None where it does not apply
     stash: dict | None = None
+    #: a transplant: where to ("gpu" or "cpu"), the names carried, those left (name, type, reason), notes
+    transplant: dict | None = None
 
 
 class KernelContext(Context):

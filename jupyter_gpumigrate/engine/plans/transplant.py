@@ -1,0 +1,198 @@
+"""A transplant: where the driver cannot go (another GPU model, the CPU), the notebook's objects go.
+
+    prepare     the target checked (GPU or CPU), the dry run (what      undo: remove the folder
+                carries), a folder for the objects, one for the images
+    export      the kernel writes its objects into the folder           (removed with the folder)
+    load        a new kernel process for the target reads them, then    undo: kill it
+                waits, its kernel's ports not yet taken
+    lock        the source's CUDA calls wait (GPU only)                 undo: unlock
+    checkpoint  the source's GPU memory into its host memory            undo: back onto its GPU
+    dump        CRIU writes the source into images and kills it: the    undo: restore it from the images
+                kernel's ports are free
+    switch      the new process takes the ports and answers: it is the  undo: kill it (the source comes back
+                kernel now, under the same kernel id                    by the dump's undo)
+    always      the objects' folder goes; on success, the source's images too
+
+The source runs on, untouched, until the new process holds every object (load). What would be lost is
+said before anything starts (the dry run, kernel/transplant.py's survey), and is refused outright when
+nothing carries. A failure at any phase brings the source back as it was; the server holds what the
+notebook sends meanwhile, and delivers it to whichever process is the kernel at the end (autoresume.py).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+from pathlib import Path
+
+from .. import placement, proctree
+from ..errors import GpuError, ImageError, InvalidState, MigrateError
+from ..images import host_memory
+from ..kernelproc import KernelProcess
+from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
+from .common import KernelContext, Outcome, Tools, checkpoint, dump, forget_images, gpu_use, lock, new_images, \
+    running_pid
+
+#: How long the kernel and the new process get to write and read the objects: this, plus a second per
+#: RATE bytes.
+WAIT = 60.0
+RATE = 2 * 10**8
+#: A transplant onto a GPU leaves this much of it free beside the objects (CUDA context, allocator).
+GPU_HEADROOM = 2 * 10**9
+
+
+def saga() -> Saga[TransplantContext]:
+    return Saga(
+        "transplant",
+        [
+            Step("prepare", prepare),
+            Step("export", export),
+            Step("load", load),
+            Step("lock", lock, when=KernelContext.on_gpu),
+            Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
+            Step("dump", dump),
+            Step("switch", switch),
+            Step("forget the source", forget_images, kind=ON_SUCCESS),
+            Step("remove the objects", remove_folder, kind=ALWAYS),
+        ],
+        start_from=("running",),
+        success="running",
+        refuse=lambda state: f"The kernel is {state}, not running: it cannot be transplanted.",
+    )
+
+
+class TransplantContext(KernelContext):
+    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | None) -> None:
+        super().__init__(kernel, tools)
+        #: the target: a GPU's index, or None for the CPU
+        self.to_gpu = to_gpu
+        self.target_uuid: str | None = None
+        self.target_index: int | None = None
+        self.from_gpu: int | None = None
+        #: the dry run's answer (kernel/transplant.py's survey)
+        self.survey: dict = {}
+        self.folder: Path | None = None
+        self.exported: dict = {}
+        self.loaded: dict = {}
+        #: the new process, once started
+        self.new_pid: int | None = None
+
+    def wait(self) -> float:
+        return WAIT + int(self.survey.get("bytes", 0)) / RATE
+
+
+def prepare(ctx: TransplantContext) -> None:
+    pid = running_pid(ctx)
+    _, held, gpus = gpu_use(ctx, pid)
+    if len(held) > 1:
+        placement.source_gpu(gpus, held)  # raises: one GPU only
+    ctx.from_gpu = int(held[0]["index"]) if held else None
+    target = None
+    if ctx.to_gpu is not None:
+        target = placement.gpu_by_index(gpus, ctx.to_gpu)
+        if target.mig_enabled:
+            raise GpuError(f"GPU {target.index} is split into MIG instances: a transplant needs a whole GPU.")
+    try:
+        ctx.survey = ctx.kernel.transplant_survey(WAIT)
+    except TimeoutError as exc:
+        raise MigrateError(f"The kernel did not say within {WAIT:.0f} s what of it would carry (a cell that runs "
+                           "long?): try again once it is idle. It runs on, unchanged.") from exc
+    except RuntimeError as exc:
+        raise MigrateError(f"The kernel could not say what of it would carry ({exc}); it runs on, "
+                           "unchanged.") from exc
+    if not ctx.survey.get("carries"):
+        left = ", ".join(r["name"] for r in ctx.survey.get("left", [])) or "none"
+        raise InvalidState(f"Nothing of the kernel's would carry (its own names that cannot: {left}): restart it on "
+                           "the target instead.")
+    nbytes = int(ctx.survey.get("bytes", 0))
+    if target is not None:
+        ctx.target_uuid, ctx.target_index = target.uuid, target.index
+        room = placement.free(target) + (int(held[0]["memory_used"]) if held and held[0]["uuid"] == target.uuid else 0)
+        if room < nbytes + GPU_HEADROOM:
+            raise GpuError(f"GPU {target.index} has {room / 1e9:.1f} GB free; the kernel's objects need "
+                           f"{nbytes / 1e9:.1f} GB and {GPU_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
+                           "pick another target. The kernel runs on, unchanged.")
+    else:
+        total, available = host_memory()
+        if total and available < 2 * nbytes:  # the objects' folder, and the new process's copy
+            raise MigrateError(f"The host has {available / 1e9:.1f} GB of memory available; a transplant to the "
+                               f"CPU of {nbytes / 1e9:.1f} GB of objects needs twice that. Free memory, then try "
+                               "again. The kernel runs on, unchanged.")
+    ctx.folder = ctx.tools.store.scratch(ctx.kernel.kernel_id, nbytes)
+    ctx.undo(lambda: remove_folder(ctx))
+    new_images(ctx, pid, ctx.tools.images)
+
+
+def export(ctx: TransplantContext) -> None:
+    assert ctx.folder is not None
+    try:
+        ctx.exported = ctx.kernel.transplant_export(str(ctx.folder), ctx.wait())
+    except TimeoutError as exc:
+        raise MigrateError(f"The kernel did not write its objects within {ctx.wait():.0f} s (a cell that runs "
+                           "long?): the transplant is given up; the kernel runs on.") from exc
+    except RuntimeError as exc:
+        if "No space left" in str(exc):
+            raise ImageError(f"The disk of {ctx.folder.parent} is full: the kernel's objects could not be "
+                             "written there. Free space on it, then try again. The kernel runs on, "
+                             "unchanged.") from exc
+        raise MigrateError(f"The kernel could not write its objects ({exc}); it runs on, unchanged.") from exc
+    except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
+        raise InvalidState(f"The kernel stopped answering while it wrote its objects ({exc}).") from exc
+
+
+def load(ctx: TransplantContext) -> None:
+    """The new process starts, reads the objects (onto its GPU, or into host memory), says it is ready,
+    and waits: the source has the kernel's ports until it is dumped."""
+    assert ctx.folder is not None
+    ctx.new_pid = ctx.kernel.transplant_start(str(ctx.folder), ctx.target_uuid)
+    ctx.undo(lambda: ctx.kernel.transplant_abandon())
+    deadline = time.monotonic() + ctx.wait()
+    ready, failed = ctx.folder / "ready.json", ctx.folder / "failed.json"
+    while not ready.exists():
+        if failed.exists():
+            raise MigrateError(f"The new kernel process could not take the objects: "
+                               f"{json.loads(failed.read_text()).get('error')}. The kernel runs on, unchanged.")
+        if not proctree.is_alive(ctx.new_pid):
+            raise MigrateError("The new kernel process ended before it had read the objects (its log, beside the "
+                               "kernel's, says why). The kernel runs on, unchanged.")
+        if time.monotonic() > deadline:
+            raise MigrateError(f"The new kernel process did not read the objects within {ctx.wait():.0f} s. The "
+                               "kernel runs on, unchanged.")
+        time.sleep(0.05)
+    ctx.loaded = json.loads(ready.read_text())
+
+
+def switch(ctx: TransplantContext) -> None:
+    """The new process takes the kernel's ports, which the dump freed, and answers on them."""
+    assert ctx.new_pid is not None
+    if not proctree.is_alive(ctx.new_pid):
+        raise MigrateError("The new kernel process ended while the source was being saved: the source is brought "
+                           "back.")
+    ctx.kernel.transplant_adopt()
+    # Undone first, before the source is restored: the new process may hold the ports by then.
+    ctx.undo(lambda: ctx.kernel.transplant_abandon())
+    os.kill(ctx.new_pid, signal.SIGUSR1)
+    if not ctx.kernel.wait_ready(max(ctx.tools.reconnect_timeout, 30.0)):
+        raise MigrateError("The new kernel process did not answer on the kernel's ports (its log, beside the "
+                           "kernel's, says why): the source is brought back.")
+
+
+def remove_folder(ctx: TransplantContext) -> None:
+    if ctx.folder is not None:
+        shutil.rmtree(ctx.folder, ignore_errors=True)
+
+
+def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, progress: ProgressCallback | None = None) -> Outcome:
+    """Carry the running kernel's objects into a new process on GPU ``to_gpu``, or on the CPU (None)."""
+    ctx = TransplantContext(kernel, tools, to_gpu)
+    result = saga().run(ctx, progress)
+    survey = ctx.survey
+    transplant = {"to": "cpu" if to_gpu is None else "gpu", "carried": [r["name"] for r in survey.get("carries", [])],
+                  "left": survey.get("left", []), "notes": survey.get("notes", []),
+                  "outputs": survey.get("outputs"), "seconds": {"export": ctx.exported.get("seconds"),
+                                                                "load": ctx.loaded.get("seconds")}}
+    return Outcome(result, bytes=int(ctx.exported.get("bytes", 0)), from_gpu=ctx.from_gpu, to_gpu=ctx.target_index,
+                   transplant=transplant)

@@ -1,0 +1,484 @@
+"""A transplant: the notebook's objects, carried into a new kernel process where the driver cannot go.
+
+The CUDA driver restores a process only onto a GPU of the model it was checkpointed on; to another model
+or to the CPU, what can go is the notebook's objects, not its process. This module is both ends of that:
+
+In the source kernel, evaluated between cells by the server (kernelwire.evaluate_silently):
+
+    survey()        the dry run: which names carry, and which do not (name, type, why), as JSON
+    export(folder)  writes what carries into ``folder``: ``objects.pkl`` (cloudpickle, protocol 5) and
+                    ``data.bin``, the raw bytes of every PyTorch storage (CUDA ones through host memory)
+                    and of every out-of-band buffer (NumPy arrays' among them), so that no tensor is pickled
+                    by value; with the history, execution count, RNG states, working folder, environment
+                    and sys.path. ``folder`` must exist: an export that runs after its transplant was given
+                    up (it waited behind a long cell) writes nothing.
+
+In the target process, ``python -m jupyter_gpumigrate.kernel.transplant FOLDER <ipykernel arguments>``:
+it reads the objects first (CUDA storages onto its GPU, the only one it sees, or into host memory when
+it has none), writes ``ready.json`` (or ``failed.json``, and exits), then waits for SIGUSR1: the server's
+word that the source kernel has let go of the kernel's ports. Then it starts the IPython kernel on those
+ports, with the objects as its namespace, and sets its history, execution count and RNG states last.
+While it waits, it exits if the server that started it goes: the source is then what the next server finds.
+
+What carries: anything cloudpickle can carry (functions and classes defined in the notebook by value,
+modules by name), tensors, modules, optimizers, AMP scalers, NumPy and pandas objects. What does not:
+generators, threads, locks, sockets, open files, CUDA streams and events, and anything holding one; the
+survey names each with the reason. Gradients (``.grad``) do not carry, as with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import io
+import json
+import os
+import pickle
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+OBJECTS, DATA, READY, FAILED = "objects.pkl", "data.bin", "ready.json", "failed.json"
+
+#: IPython's own names, rebuilt in the target from the carried history rather than carried as names.
+_CACHE_NAME = re.compile(r"^(_i\d*|_ii|_iii|_\d+|_|__|___)$")
+#: The exit code of a target that could not load the objects (failed.json says why).
+LOAD_FAILED = 3
+
+
+# -- the source ---------------------------------------------------------------------------------------
+
+
+def _shell() -> Any:
+    from IPython import get_ipython
+
+    shell = get_ipython()
+    if shell is None:
+        raise RuntimeError("not in an IPython kernel")
+    return shell
+
+
+def _user_names(shell: Any) -> dict[str, Any]:
+    """The notebook's own names: not IPython's, not its caches (rebuilt from the history)."""
+    hidden = shell.user_ns_hidden
+    return {name: value for name, value in shell.user_ns.items()
+            if name not in hidden and not _CACHE_NAME.match(name)
+            and not (name.startswith("__") and name.endswith("__"))}
+
+
+class _Sink:
+    """Where the raw bytes go: ``data.bin`` (or nowhere, for the survey), and the table to find them again."""
+
+    def __init__(self, file: Any | None) -> None:
+        self.file = file
+        self.offset = 0
+        #: one row per blob: (offset, bytes, kind, device type)
+        self.blobs: list[tuple[int, int, str, str]] = []
+        self._storages: dict[int, int] = {}  # untyped storage (its C address) -> blob index
+        self._keep: list[Any] = []  # what a key's address stays valid with, until the export ends
+
+    def _write(self, address: int, nbytes: int, kind: str, device: str) -> int:
+        if self.file is not None and nbytes:
+            self.file.write(memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
+        self.blobs.append((self.offset, nbytes, kind, device))
+        self.offset += nbytes
+        return len(self.blobs) - 1
+
+    def storage(self, untyped: Any) -> int:
+        key = untyped._cdata
+        if key not in self._storages:
+            self._keep.append(untyped)
+            nbytes = untyped.nbytes()
+            device = untyped.device.type
+            if self.file is None:  # the survey: counted, not copied
+                index = self._write(0, nbytes, "storage", device)
+            else:
+                host = untyped if device == "cpu" else untyped.cpu()
+                index = self._write(host.data_ptr(), nbytes, "storage", device)
+            self._storages[key] = index
+        return self._storages[key]
+
+    def buffer(self, buffer: pickle.PickleBuffer) -> bool:
+        """Protocol 5's out-of-band buffers (NumPy arrays...): their bytes go to the data file, not the pickle."""
+        try:
+            raw = buffer.raw()
+        except BufferError:  # not contiguous: pickled in band
+            return True
+        if self.file is not None:
+            self.file.write(raw)
+        self.blobs.append((self.offset, raw.nbytes, "buffer", "cpu"))
+        self.offset += raw.nbytes
+        return False
+
+    @property
+    def nbytes(self) -> int:
+        return self.offset
+
+
+def _pickler_class() -> type:
+    import cloudpickle
+
+    class Pickler(cloudpickle.Pickler):
+        """cloudpickle, with PyTorch storages and the notebook's namespace carried by reference."""
+
+        def __init__(self, file: Any, sink: _Sink, shell: Any) -> None:
+            super().__init__(file, protocol=5, buffer_callback=sink.buffer)
+            self.sink = sink
+            self.shell = shell
+            self.user_ns = shell.user_ns
+            self.torch = sys.modules.get("torch")
+            # IPython's objects (get_ipython, exit, In...): what refers to them gets the target's own.
+            self.hidden = {id(v): k for k, v in shell.user_ns_hidden.items()
+                           if not isinstance(v, (str, bytes, int, float, bool, tuple, type(None)))}
+
+        def persistent_id(self, obj: Any) -> Any:  # noqa: C901  one branch per kind of reference
+            if obj is self.shell:
+                return ("hidden", "get_ipython")
+            torch = self.torch
+            if torch is not None:
+                if isinstance(obj, torch.storage.TypedStorage):
+                    return ("storage", self.sink.storage(obj._untyped_storage), obj.dtype)
+                if isinstance(obj, torch.UntypedStorage):
+                    return ("storage", self.sink.storage(obj), None)
+            if type(obj) is dict and obj is self.globals_ref.get(id(self.user_ns)):
+                return ("user_ns",)  # the globals of the notebook's functions: the target's namespace
+            name = self.hidden.get(id(obj))
+            if name is not None:
+                return ("hidden", name)
+            return None
+
+        def reducer_override(self, obj: Any) -> Any:
+            if isinstance(obj, io.IOBase) and not isinstance(obj, (io.BytesIO, io.StringIO)):
+                # cloudpickle would carry a file open for reading as a copy of what is left to read
+                raise TypeError(f"an open file ({getattr(obj, 'name', type(obj).__name__)}): open it again after "
+                                "the transplant")
+            torch = self.torch
+            if torch is not None and isinstance(obj, torch.Generator):
+                return _rebuild_generator, (obj.device.type, obj.get_state())
+            return super().reducer_override(obj)
+
+    return Pickler
+
+
+def _rebuild_generator(device: str, state: Any) -> Any:
+    import torch
+
+    where = "cuda" if device == "cuda" and torch.cuda.is_available() else "cpu"
+    generator = torch.Generator(where)
+    if where == device:
+        generator.set_state(state)
+    return generator
+
+
+class _Null(io.RawIOBase):
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        return memoryview(data).nbytes
+
+
+def _why(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return text.splitlines()[0][:300]
+
+
+def _try(shell: Any, value: Any) -> tuple[int, str | None]:
+    """Whether ``value`` carries on its own: (its bytes, None), or (0, why not)."""
+    sink = _Sink(None)
+    try:
+        _pickler_class()(_Null(), sink, shell).dump(value)
+    except Exception as exc:  # noqa: BLE001  whatever the pickler says is the reason
+        return 0, _why(exc)
+    except RecursionError as exc:
+        return 0, _why(exc)
+    return sink.nbytes, None
+
+
+def _type_name(value: Any) -> str:
+    kind = type(value)
+    return kind.__name__ if kind.__module__ in ("builtins", "__main__") else f"{kind.__module__}.{kind.__qualname__}"
+
+
+def _notes(names: dict[str, Any]) -> list[dict[str, str]]:
+    """What carries but may not work as before on the target: names of a CUDA device, say."""
+    torch = sys.modules.get("torch")
+    notes = []
+    if torch is not None:
+        for name, value in names.items():
+            if isinstance(value, torch.device) and value.type == "cuda":
+                notes.append({"name": name, "note": f"is {value}: on the CPU, code that uses it fails; on "
+                              "another GPU it names that GPU (the only one the kernel sees)"})
+    return notes
+
+
+def survey() -> str:
+    """The dry run: JSON of ``carries`` (name, type, bytes), ``left`` (name, type, reason), ``notes``,
+    ``outputs`` (how many of Out carry, of how many) and ``bytes`` (the raw bytes to write)."""
+    shell = _shell()
+    carries, left = [], []
+    for name, value in _user_names(shell).items():
+        nbytes, why = _try(shell, value)
+        row = {"name": name, "type": _type_name(value)}
+        if why is None:
+            carries.append({**row, "bytes": nbytes})
+        else:
+            left.append({**row, "reason": why})
+    outputs = shell.history_manager.output_hist
+    carried_out = sum(1 for v in outputs.values() if _try(shell, v)[1] is None)
+    return json.dumps({"carries": carries, "left": left, "notes": _notes(_user_names(shell)),
+                       "outputs": {"carried": carried_out, "of": len(outputs)},
+                       "bytes": sum(r["bytes"] for r in carries), "execution_count": shell.execution_count})
+
+
+def _rng_states() -> dict[str, Any]:
+    import random
+
+    states: dict[str, Any] = {"random": random.getstate()}
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        states["numpy"] = numpy.random.get_state()
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        states["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            states["torch_cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
+    return states
+
+
+def export(folder: str) -> str:
+    """Write what carries into ``folder`` (which must exist); JSON of what was written."""
+    shell = _shell()
+    where = Path(folder)
+    if not where.is_dir():
+        raise FileNotFoundError(f"{folder} is gone: the transplant was given up")
+    started = time.perf_counter()
+    names, outputs = {}, {}
+    for name, value in _user_names(shell).items():
+        if _try(shell, value)[1] is None:
+            names[name] = value
+    for number, value in shell.history_manager.output_hist.items():
+        if _try(shell, value)[1] is None:
+            outputs[number] = value
+    hm = shell.history_manager
+    payload = {
+        "names": names,
+        "outputs": outputs,
+        "last": {k: shell.user_ns[k] for k in ("_", "__", "___") if k in shell.user_ns
+                 and _try(shell, shell.user_ns[k])[1] is None},
+        "input_parsed": list(hm.input_hist_parsed),
+        "input_raw": list(hm.input_hist_raw),
+        "execution_count": shell.execution_count,
+        "rng": _rng_states(),
+        "cwd": os.getcwd(),
+        "environ": dict(os.environ),
+        "sys_path": list(sys.path),
+    }
+    with open(where / DATA, "xb") as data, open(where / (OBJECTS + ".part"), "xb") as out:
+        sink = _Sink(data)
+        _pickler_class()(out, sink, shell).dump(payload)
+        table = json.dumps(sink.blobs).encode()
+        out.write(table)
+        out.write(len(table).to_bytes(8, "little"))
+        data.flush()
+        os.fsync(data.fileno())
+        out.flush()
+        os.fsync(out.fileno())
+    os.rename(where / (OBJECTS + ".part"), where / OBJECTS)
+    return json.dumps({"names": len(names), "bytes": sink.nbytes, "outputs": len(outputs),
+                       "seconds": round(time.perf_counter() - started, 4)})
+
+
+# -- the target ---------------------------------------------------------------------------------------
+
+
+class _Later:
+    """An IPython object of the source (get_ipython, exit...), until the target's own replaces it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __repr__(self) -> str:
+        return f"<{self.name} of the kernel this one was transplanted from>"
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file: Any, buffers: Any, data: Any, blobs: list, namespace: dict, device: str) -> None:
+        super().__init__(file, buffers=buffers)
+        self.data = data
+        self.blobs = blobs
+        self.namespace = namespace
+        self.device = device
+        self.storages: dict[int, Any] = {}
+
+    def _storage(self, index: int) -> Any:
+        if index not in self.storages:
+            import torch
+
+            offset, nbytes, _, device = self.blobs[index]
+            host = torch.UntypedStorage(nbytes)
+            if nbytes:
+                self.data.seek(offset)
+                view = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B")
+                if self.data.readinto(view) != nbytes:
+                    raise EOFError(f"{DATA} is shorter than its table says")
+            self.storages[index] = host.cuda() if device == "cuda" and self.device == "cuda" else host
+        return self.storages[index]
+
+    def persistent_load(self, pid: Any) -> Any:
+        kind = pid[0]
+        if kind == "user_ns":
+            return self.namespace
+        if kind == "hidden":
+            return _Later(pid[1])
+        if kind == "storage":
+            import torch
+
+            untyped = self._storage(pid[1])
+            if pid[2] is None:
+                return untyped
+            return torch.storage.TypedStorage(wrap_storage=untyped, dtype=pid[2], _internal=True)
+        raise pickle.UnpicklingError(f"unknown reference {kind!r}")
+
+
+def load(folder: Path, namespace: dict) -> dict:
+    """Read the objects in ``folder`` into ``namespace``; the rest of the payload (history, RNG...)."""
+    with open(folder / OBJECTS, "rb") as out, open(folder / DATA, "rb") as data:
+        out.seek(-8, os.SEEK_END)
+        end = out.tell()
+        size = int.from_bytes(out.read(8), "little")
+        out.seek(end - size)
+        blobs = json.loads(out.read(size))
+        buffers = []
+        for offset, nbytes, kind, _ in blobs:
+            if kind == "buffer":
+                data.seek(offset)
+                chunk = bytearray(nbytes)
+                if data.readinto(chunk) != nbytes:
+                    raise EOFError(f"{DATA} is shorter than its table says")
+                buffers.append(chunk)
+        out.seek(0)
+        device = "cuda" if _has_cuda() else "cpu"
+        payload = _Unpickler(io.BytesIO(out.read(end - size)), buffers, data, blobs, namespace, device).load()
+    namespace.update(payload.pop("names"))
+    return payload
+
+
+def _has_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def _set_rng(states: dict[str, Any]) -> None:
+    import random
+
+    random.setstate(states["random"])
+    if "numpy" in states:
+        import numpy
+
+        numpy.random.set_state(states["numpy"])
+    if "torch" in states:
+        import torch
+
+        torch.set_rng_state(states["torch"])
+        if "torch_cuda" in states and torch.cuda.is_available():
+            torch.cuda.set_rng_state(states["torch_cuda"])
+
+
+def _settle(shell: Any, payload: dict) -> None:
+    """The history, execution count, caches, working folder, environment and RNG states of the source."""
+    hm = shell.history_manager
+    hm.input_hist_parsed[:] = payload["input_parsed"]
+    hm.input_hist_raw[:] = payload["input_raw"]
+    hm.output_hist.update(payload["outputs"])
+    ns = shell.user_ns
+    for number, text in enumerate(payload["input_parsed"]):
+        if number:
+            ns[f"_i{number}"] = text
+    for key, value in zip(("_i", "_ii", "_iii"), reversed(payload["input_parsed"][-3:])):
+        ns[key] = value
+    for number, value in payload["outputs"].items():
+        ns[f"_{number}"] = value
+    ns.update(payload["last"])
+    shell.execution_count = payload["execution_count"]
+    keep = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "JPY_PARENT_PID") if k in os.environ}
+    os.environ.clear()
+    os.environ.update(payload["environ"])
+    os.environ.update(keep)
+    if "CUDA_VISIBLE_DEVICES" not in keep:
+        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    sys.path[:] = payload["sys_path"]
+    try:
+        os.chdir(payload["cwd"])
+    except OSError:
+        pass  # the folder is gone: the kernel stays where it started
+
+
+def _rng_at_first_cell(kernel: Any, states: dict[str, Any]) -> None:
+    """Set the RNG states as the first execute request comes, not before: the kernel's own start draws
+    from Python's (pyzmq binds its internal sockets to random ports)."""
+    handlers = kernel.shell_handlers
+    execute = handlers["execute_request"]
+
+    async def first(*args: Any, **kwargs: Any) -> Any:
+        handlers["execute_request"] = execute
+        _set_rng(states)
+        return await execute(*args, **kwargs)
+
+    handlers["execute_request"] = first
+
+
+def _write_json(path: Path, data: dict) -> None:
+    part = path.with_suffix(".part")
+    part.write_text(json.dumps(data))
+    os.rename(part, path)
+
+
+def _wait_for_go(parent: int) -> bool:
+    """Wait for SIGUSR1 (True); False if the server that started us went first."""
+    while True:
+        if signal.sigtimedwait([signal.SIGUSR1], 1.0) is not None:
+            return True
+        if os.getppid() != parent:
+            return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    folder, kernel_args = Path(args[0]), args[1:]
+    parent = os.getppid()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
+    started = time.perf_counter()
+    namespace: dict = {}
+    try:
+        payload = load(folder, namespace)
+    except BaseException as exc:  # noqa: BLE001  every failure is said, then the process ends
+        import traceback
+
+        traceback.print_exc()
+        _write_json(folder / FAILED, {"error": f"{type(exc).__name__}: {_why(exc)}"})
+        return LOAD_FAILED
+    _write_json(folder / READY, {"names": len(namespace), "seconds": round(time.perf_counter() - started, 4),
+                                 "device": "cuda" if _has_cuda() else "cpu"})
+    if not _wait_for_go(parent):
+        print("jupyter-gpumigrate: the server that started this transplant is gone; exiting", file=sys.stderr)
+        return LOAD_FAILED
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
+
+    from ipykernel.kernelapp import IPKernelApp
+
+    app = IPKernelApp.instance(user_ns=namespace)
+    app.initialize(kernel_args)
+    _settle(app.shell, payload)
+    _rng_at_first_cell(app.kernel, payload["rng"])
+    app.start()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

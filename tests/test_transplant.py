@@ -1,0 +1,223 @@
+"""Transplants (engine/plans/transplant.py, kernel/transplant.py) on CPU kernels of a real server: the
+notebook's objects carried into a new kernel process, the same kernel id; the dry run; refusals; and a
+failure at each phase, for real, leaving the source running with its state.
+
+The GPU suite covers CUDA kernels (tests/test_gpu.py): to the CPU and back, and between two GPUs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from helpers import KernelSession, api, operate, small_tmpfs, start_kernel, wait_operation
+
+from jupyter_gpumigrate.engine import gpus
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+torch = pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
+
+#: A notebook's state: a model trained a few steps, its optimizer, tensors and a view sharing storage,
+#: NumPy, a function and a class of the notebook's own, RNG streams; and what cannot carry.
+BUILD = """
+import random, socket, threading
+import numpy as np
+import torch
+torch.manual_seed(1); np.random.seed(2); random.seed(3)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.Adam(model.parameters(), lr=0.01)
+data, target = torch.randn(64, 8), torch.randn(64, 1)
+def step():
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(model(data), target)
+    loss.backward()
+    opt.step()
+    return round(loss.item(), 6)
+losses = [step() for _ in range(5)]
+window = data[10:20]
+table = np.arange(12.0).reshape(3, 4)
+scale = 3
+def scaled(x):
+    return x * scale
+class Point:
+    def __init__(self, x):
+        self.x = x
+    def grown(self):
+        return Point(scaled(self.x))
+p = Point(2)
+gen = (i for i in range(10)); next(gen)
+worker = threading.Thread(target=lambda: None)
+sock = socket.socket()
+notes = open(__file__ if "__file__" in dir() else "/etc/hostname")
+"""
+
+#: What the source would print next, and the transplanted kernel must print the same.
+CHECK = """
+print([step() for _ in range(3)])
+print(torch.rand(2).tolist(), np.random.rand(), random.random())
+print(window.data_ptr() - data.data_ptr() == 10 * 8 * 4, opt.state_dict()["state"][0]["step"].item())
+print(table.sum(), scaled(2), p.grown().x, isinstance(p.grown(), Point))
+"""
+
+
+async def _expected(kernel) -> str:
+    """What CHECK prints in the source, without changing it (the state is saved and put back)."""
+    out = await kernel.run(
+        "import copy as _c, pickle as _p\n"
+        "_saved = _p.dumps((model.state_dict(), opt.state_dict(), torch.get_rng_state(), np.random.get_state(), "
+        "random.getstate()))\n" + CHECK +
+        "_m, _o, _t, _n, _r = _p.loads(_saved); model.load_state_dict(_m); opt.load_state_dict(_o); "
+        "torch.set_rng_state(_t); np.random.set_state(_n); random.setstate(_r)\n")
+    return out
+
+
+async def test_a_cpu_kernel_transplanted_keeps_its_objects_and_goes_on_as_the_same_kernel(jp_fetch, jp_serverapp,
+                                                                                          kernel):
+    await kernel.run(BUILD)
+    expected = await _expected(kernel)
+    count = (await kernel.execute("1")).reply["execution_count"]
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    assert {r["name"] for r in survey["left"]} == {"gen", "worker", "sock", "notes"}, survey
+    reasons = {r["name"]: r["reason"] for r in survey["left"]}
+    assert "generator" in reasons["gen"] and "socket" in reasons["sock"] and "open file" in reasons["notes"]
+    assert {"model", "opt", "data", "window", "table", "scaled", "Point", "p", "losses"} <= \
+        {r["name"] for r in survey["carries"]}
+    assert survey["to"] == "cpu" and survey["bytes"] >= 64 * 8 * 4 and survey["same_model"] is False
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid, "the dry run changes nothing"
+
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "export", "load", "dump", "switch"], op
+    assert op["transplant"]["to"] == "cpu" and {r["name"] for r in op["transplant"]["left"]} == \
+        {"gen", "worker", "sock", "notes"}
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] != pid and not Path(f"/proc/{pid}").exists()
+
+    # The same client, whose channels were never closed, goes on, in the new process.
+    assert await kernel.run(CHECK) == expected
+    result = await kernel.execute("print(In[1].split()[1], 'gen' in dir(), len(Out))")
+    assert result.reply["execution_count"] == count + 2, "the execution count goes on (CHECK ran in between)"
+    assert result.out.split() == ["random,", "False", "1"], result.out
+    images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
+    assert not images.path_for(kernel.id).exists() and images.names() == [], "no images nor folders left"
+    assert not list(images.root.glob(".transplant-*"))
+
+
+# -- refusals: before anything is done ------------------------------------------------------------------
+
+
+async def test_what_cannot_be_transplanted_is_refused_saying_why_and_nothing_changes(jp_fetch, jp_serverapp, kernel):
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    await kernel.run("gen = (i for i in range(3))")
+    error = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True}, expect=202)
+    op = await wait_operation(jp_fetch, error)
+    assert op["status"] == "failed" and op["failed_phase"] == "prepare", op
+    assert "Nothing of the kernel's would carry (its own names that cannot: gen)" in op["error"], op
+    for body, says in (({}, "needs to_gpu or to_cpu"), ({"to_gpu": 0, "to_cpu": True}, "needs to_gpu or to_cpu"),
+                       ({"to_cpu": True, "what": 1}, "what"), ({"to_gpu": -1}, "to_gpu")):
+        answer = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body=body, expect=400)
+        assert says in answer["message"], (body, answer)
+    if not gpus.snapshot():
+        answer = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_gpu": 0},
+                           expect=409)
+        assert "GPU 0" in answer["message"], answer
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid
+    assert await kernel.run("print(sum(1 for _ in gen))") == "3\n", "the generator is untouched"
+
+
+async def test_a_kernel_that_is_not_ipython_is_refused_with_the_reason(jp_fetch, jp_serverapp):
+    kernel_id = await start_kernel(jp_fetch, "echo")
+    session = KernelSession(jp_serverapp, kernel_id)
+    await session.ready()
+    try:
+        answer = await api(jp_fetch, "kernels", kernel_id, "transplant", method="POST",
+                           body={"to_cpu": True, "dry_run": True}, expect=409)
+        assert "cannot be transplanted: the kernel is not an IPython kernel" in answer["message"], answer
+    finally:
+        session.close()
+
+
+# -- a failure at each phase, for real: the source runs on with its state -----------------------------
+
+
+async def _source_runs_on(jp_fetch, kernel, pid: int, op: dict, phase: str, says: str) -> None:
+    assert op["status"] == "failed" and op["failed_phase"] == phase, op
+    assert says in op["error"], op
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid, view
+    assert "5 3" in await kernel.run("print(len(losses), scale)")
+    assert not _transplant_processes(), "no new process is left"
+
+
+def _transplant_processes() -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"jupyter_gpumigrate.kernel.transplant" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+async def test_a_full_disk_while_the_kernel_writes_its_objects_leaves_it_running(jp_fetch, jp_serverapp, kernel,
+                                                                                 tmp_path):
+    await kernel.run(BUILD)
+    # Pickled in band (a list of floats): the dry run counts no raw bytes for it, so the room check passes.
+    await kernel.run("floats = [float(i) for i in range(4_000_000)]")
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    with small_tmpfs(tmp_path / "small", "24m") as small:
+        provisioner.state_dir, provisioner.memory_dir = str(small), ""
+        op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+        await _source_runs_on(jp_fetch, kernel, pid, op, "export", "is full: the kernel's objects could not be written")
+        assert list(small.glob("images/.transplant-*")) == [] and list(small.glob("images/*")) == []
+
+
+async def test_objects_the_new_process_cannot_take_leave_the_source_running(jp_fetch, jp_serverapp, kernel):
+    await kernel.run(BUILD)
+    await kernel.run("""
+import os
+SOURCE = os.getpid()
+class Fussy:
+    def __setstate__(self, state):
+        if os.getpid() != SOURCE:
+            raise RuntimeError("only in the source")
+        self.__dict__.update(state)
+fussy = Fussy()
+fussy.kept = 1
+""")
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    await _source_runs_on(jp_fetch, kernel, pid, op, "load",
+                          "The new kernel process could not take the objects: RuntimeError: only in the source")
+
+
+async def test_a_new_process_killed_before_the_switch_brings_the_source_back_from_its_images(jp_fetch, jp_serverapp,
+                                                                                            kernel):
+    await kernel.run(BUILD)
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
+                        expect=202)
+    images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
+    deadline = time.monotonic() + 60
+    while not list(images.root.glob(".transplant-*/ready.json")) + list(
+            images.memory_root.glob(".transplant-*/ready.json") if images.memory_root else []):
+        assert time.monotonic() < deadline, "the new process never got ready"
+        await asyncio.sleep(0.01)
+    for new in _transplant_processes():
+        os.kill(new, signal.SIGKILL)
+    op = await wait_operation(jp_fetch, started)
+    await _source_runs_on(jp_fetch, kernel, pid, op, "switch", "The new kernel process ended")
+    assert op["timings"].keys() >= {"export", "load", "dump"}, "the source had been dumped, and was restored"
+    assert not images.path_for(kernel.id).exists(), "its images went once it ran again"
