@@ -170,7 +170,8 @@ class Client:
         return self.get("operations", timeout)
 
     def act(self, kernel_id: str, action: str, body: dict | None = None) -> dict:
-        """Start ``suspend``, ``resume`` or ``migrate`` of a kernel; the operation (202)."""
+        """Start ``suspend``, ``resume``, ``migrate`` or ``transplant`` of a kernel: the operation (202); a
+        transplant with ``dry_run`` answers what would carry (200)."""
         return self.post(kernel_path(kernel_id, action), body or {})
 
     def drain(self, gpu: int, body: dict | None = None) -> dict:

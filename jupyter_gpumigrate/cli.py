@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, discard, drain.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, transplant, discard, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token, through apiclient.Client (the standard
@@ -20,7 +20,7 @@ from . import __version__
 from .apiclient import ApiError, Client, NotFinished, Unreachable, quote
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
-from .opformat import DrainProgress, PhaseProgress, drain_report, report, size
+from .opformat import DrainProgress, PhaseProgress, drain_report, report, size, survey_report
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_NO_SERVER = 0, 1, 2, 3
 #: A reader closed our stdout (`... | head`): what a shell reports for a process killed by SIGPIPE.
@@ -43,6 +43,7 @@ Examples
     jupyter gpumigrate suspend 3f2a --images disk  # a kernel (id or unique prefix) to disk
     jupyter gpumigrate resume 3f2a --to-gpu 1
     jupyter gpumigrate migrate 3f2a --to-gpu 1     # a running kernel to another GPU
+    jupyter gpumigrate transplant 3f2a --to-cpu    # its objects into a new kernel without a GPU (asks first)
     jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
     jupyter gpumigrate list --json --url http://host:8888/ --token TOKEN
 
@@ -279,6 +280,39 @@ def cmd_action(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_transplant(args: argparse.Namespace) -> int:
+    """Say what would carry; with --yes (or a yes at the prompt) carry it into a new process on the target."""
+    if (args.to_gpu is None) == (not args.to_cpu):
+        print("transplant needs --to-gpu N or --to-cpu (one of them).", file=sys.stderr)
+        return EXIT_USAGE
+    server, kernel = find_kernel(find_servers(args), args.kernel_id)
+    body: dict[str, Any] = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {"to_cpu": True}
+    survey = server.call(lambda c: c.act(kernel["id"], "transplant", {**body, "dry_run": True}))
+    if args.dry_run:
+        print(json.dumps(survey, indent=1) if args.json else survey_report(survey, kernel["id"]))
+        return EXIT_OK
+    if not args.json:
+        print(survey_report(survey, kernel["id"]), file=sys.stderr)
+    if not args.yes:
+        if not sys.stdin.isatty():
+            raise CliError("A transplant loses what is not carried: run it with --yes once you have read the list "
+                           "above (or --dry-run to see it alone).", EXIT_USAGE)
+        if input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("Nothing was done.", file=sys.stderr)
+            return EXIT_FAILED
+    op = server.call(lambda c: c.act(kernel["id"], "transplant", body))
+    op = follow(server, op, quiet=args.json, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(op, indent=1))
+    elif op["status"] == "succeeded":
+        print(report(op, kernel["id"]))
+    if op["status"] != "succeeded":
+        if not args.json:
+            print(report(op, kernel["id"]), file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
 def cmd_drain(args: argparse.Namespace) -> int:
     servers = find_servers(args)
     if len(servers) > 1 and not args.url:
@@ -371,6 +405,16 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-fast-path", action="store_true", help="let the CUDA driver copy all GPU memory (no stash "
                    "of tensors on the target GPU; docs/performance.md)")
     m.set_defaults(func=cmd_action)
+    t = sub.add_parser("transplant", parents=[common, remote],
+                       help="where the driver cannot go (another GPU model, the CPU): carry a running kernel's "
+                       "objects into a new process there, saying first what would not carry")
+    t.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    t.add_argument("--to-gpu", type=int, help="index of the GPU (any model) to carry the objects to")
+    t.add_argument("--to-cpu", action="store_true", help="carry the objects into a kernel without a GPU")
+    t.add_argument("--dry-run", action="store_true", help="only say what would carry and what not")
+    t.add_argument("--yes", "-y", action="store_true", help="do not ask before transplanting (what would not "
+                   "carry is still printed, to stderr)")
+    t.set_defaults(func=cmd_transplant)
     dc = sub.add_parser("discard", parents=[common, remote],
                         help="shut a suspended kernel down for good and delete its images")
     dc.add_argument("kernel_id", help="kernel id, or a unique prefix of it")

@@ -131,6 +131,13 @@ def report(op: dict, kernel_id: str | None = None) -> str:
                f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
         return (f"{kernel} moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')} {took} "
                 f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
+    if action == "transplant":
+        plant = op.get("transplant") or {}
+        where = "the CPU" if op.get("to_gpu") is None else f"GPU {op['to_gpu']}"
+        left = [r["name"] for r in plant.get("left", [])]
+        lost = f"; not carried: {', '.join(left)}" if left else "; nothing was left behind"
+        return (f"{kernel} transplanted to {where} {took}: {len(plant.get('carried', []))} objects carried into a new "
+                f"process ({size(op.get('bytes'))} of tensors and arrays){lost}.")
     done = {"suspend": "suspended", "resume": "resumed"}.get(action, f"{action} done")
     where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
     if action == "suspend" and op.get("images") in ("memory", "disk"):
@@ -139,6 +146,28 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     carried = stash.get("stashed") or stash.get("unstashed")
     how = f", {size(carried)} of it by the kernel's own threads" if carried else ""
     return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images{how}; slowest phase: {slow})."
+
+
+def survey_report(survey: dict, kernel_id: str) -> str:
+    """What a transplant would carry and what not (its dry run), for people: a few lines."""
+    where = "the CPU" if survey.get("to") == "cpu" else f"GPU {survey.get('to_gpu')}"
+    carries = survey.get("carries", [])
+    names = ", ".join(r["name"] for r in carries[:12]) + (f" and {len(carries) - 12} more" if len(carries) > 12 else "")
+    lines = [f"A transplant of kernel {kernel_id} to {where} starts a new kernel process and carries the notebook's "
+             "objects into it; the process itself (threads, open files, sockets, the C state of libraries) does "
+             "not go.",
+             f"  carries: {len(carries)} names ({size(survey.get('bytes'))} of tensors and arrays): {names or 'none'}"]
+    outputs = survey.get("outputs") or {}
+    if outputs.get("of"):
+        lines.append(f"  outputs (Out): {outputs['carried']} of {outputs['of']}")
+    for row in survey.get("left", []):
+        lines.append(f"  NOT carried: {row['name']} ({row['type']}): {row['reason']}")
+    for row in survey.get("notes", []):
+        lines.append(f"  note: {row['name']} {row['note']}")
+    if survey.get("same_model"):
+        lines.append(f"  {where} is of the kernel's own model: `migrate --to-gpu` moves the whole process instead, "
+                     "losing nothing.")
+    return "\n".join(lines)
 
 
 def drain_report(op: dict) -> str:

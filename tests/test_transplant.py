@@ -8,13 +8,15 @@ The GPU suite covers CUDA kernels (tests/test_gpu.py): to the CPU and back, and 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import re
 import signal
 import time
 from pathlib import Path
 
 import pytest
-from helpers import KernelSession, api, operate, small_tmpfs, start_kernel, wait_operation
+from helpers import KernelSession, api, cli, operate, remote, small_tmpfs, start_kernel, wait_operation
 
 from jupyter_gpumigrate.engine import gpus
 
@@ -221,3 +223,28 @@ async def test_a_new_process_killed_before_the_switch_brings_the_source_back_fro
     await _source_runs_on(jp_fetch, kernel, pid, op, "switch", "The new kernel process ended")
     assert op["timings"].keys() >= {"export", "load", "dump"}, "the source had been dumped, and was restored"
     assert not images.path_for(kernel.id).exists(), "its images went once it ran again"
+
+
+async def test_the_cli_says_what_would_not_carry_asks_and_then_transplants(jp_fetch, jp_serverapp, kernel):
+    await kernel.run(BUILD)
+    where = remote(jp_serverapp)
+    code, out, err = await cli("transplant", kernel.id[:8], "--to-cpu", "--dry-run", *where)
+    assert code == 0, err
+    assert "NOT carried: gen (generator): cannot pickle 'generator' object" in out, out
+    assert "NOT carried: notes (_io.TextIOWrapper): an open file" in out and "model" in out
+    code, out, err = await cli("transplant", kernel.id[:8], "--to-cpu", "--dry-run", "--json", *where)
+    assert code == 0 and {r["name"] for r in json.loads(out)["left"]} == {"gen", "worker", "sock", "notes"}
+    code, out, err = await cli("transplant", kernel.id, *where)
+    assert code == 2 and "needs --to-gpu N or --to-cpu" in err, err
+    # Not asked on a terminal: nothing is done without --yes.
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    code, out, err = await cli("transplant", kernel.id, "--to-cpu", *where)
+    assert code == 2 and "run it with --yes" in err and "NOT carried: gen" in err, err
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid
+    code, out, err = await cli("transplant", kernel.id, "--to-cpu", "--yes", *where)
+    assert code == 0, err
+    assert re.match(rf"Kernel {kernel.id} transplanted to the CPU in [\d.]+ s: \d+ objects carried into a new process "
+                    r"\([\d.]+ [KMG]?B of tensors and arrays\); not carried: gen, worker, sock, notes\.", out), out
+    assert "phase switch" in err or "switch" in err, err
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] != pid
+    assert "5 3" in await kernel.run("print(len(losses), scale)")

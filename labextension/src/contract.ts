@@ -17,15 +17,18 @@ export type Phase =
   | 'stash'
   | 'unstash'
   | 'verify'
-  | 'transfer';
+  | 'transfer'
+  | 'export'
+  | 'load'
+  | 'switch';
 /**
  * A kernel's state as its provisioner keeps it; broken: an undo failed, and broken_reason says what to do.
  */
 export type KernelState = 'running' | 'migrating' | 'suspended' | 'stopped' | 'broken';
 /**
- * What an operation does; discard: a suspended kernel's images deleted by the server's retention (a finished operation, never started through the API).
+ * What an operation does; transplant: the kernel's objects carried into a new process where the driver cannot go (another GPU model, the CPU); discard: a suspended kernel's images deleted by the server's retention (a finished operation, never started through the API).
  */
-export type Action = 'suspend' | 'resume' | 'migrate' | 'drain' | 'discard';
+export type Action = 'suspend' | 'resume' | 'migrate' | 'transplant' | 'drain' | 'discard';
 export type OperationStatus = 'pending' | 'running' | 'succeeded' | 'failed';
 /**
  * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
@@ -58,6 +61,19 @@ export type MigrateRequest1 =
   | {
       to_host: string;
     };
+/**
+ * POST /kernels/{id}/transplant: to_gpu (a GPU of any model) or to_cpu; dry_run only says what would carry.
+ */
+export type TransplantRequest = TransplantRequest1 & TransplantRequest2;
+export type TransplantRequest1 =
+  | {
+      to_gpu: number;
+      to_cpu?: false;
+    }
+  | {
+      to_cpu: true;
+      to_gpu?: null;
+    };
 
 export interface ApiContract {
   Phase: Phase;
@@ -78,6 +94,11 @@ export interface ApiContract {
   HostStash: HostStash;
   Stager: Stager;
   Operation: Operation;
+  LeftObject: LeftObject;
+  TransplantNote: TransplantNote;
+  TransplantOutputs: TransplantOutputs;
+  TransplantSurvey: TransplantSurvey;
+  Transplant: Transplant;
   RefusedRecord: RefusedRecord;
   RefusedList: RefusedList;
   OperationList: OperationList;
@@ -85,6 +106,7 @@ export interface ApiContract {
   SuspendRequest: SuspendRequest;
   ResumeRequest: ResumeRequest;
   MigrateRequest: MigrateRequest;
+  TransplantRequest: TransplantRequest;
   DrainRequest: DrainRequest;
   Requirements: Requirements;
   PeerCheckRequest: PeerCheckRequest;
@@ -299,7 +321,7 @@ export interface Stager {
   token: string;
 }
 /**
- * GET /operations/{id}, and the 202 answer of every action: one suspend, resume, move or drain (or a discard by the retention).
+ * GET /operations/{id}, and the 202 answer of every action: one suspend, resume, move, transplant or drain (or a discard by the retention).
  */
 export interface Operation {
   id: string;
@@ -378,7 +400,80 @@ export interface Operation {
    * cell: a resume started by a cell run on the suspended kernel; retention: a discard of a kernel suspended longer than c.GPUMigrateApp.retention.
    */
   trigger: 'api' | 'cell' | 'retention';
+  /**
+   * A transplant: what it carries and what it leaves, once the dry run has said (then the seconds of its export and load).
+   */
+  transplant: Transplant | null;
   stager?: Stager;
+}
+/**
+ * A transplant: where to, the names carried, those left (and why), notes, and the seconds of its export and load.
+ */
+export interface Transplant {
+  to: 'gpu' | 'cpu';
+  carried: string[];
+  left: LeftObject[];
+  notes: TransplantNote[];
+  outputs?: TransplantOutputs | null;
+  seconds?: {
+    export?: number | null;
+    load?: number | null;
+  };
+}
+/**
+ * A name of the notebook's that a transplant cannot carry, and why.
+ */
+export interface LeftObject {
+  name: string;
+  /**
+   * The object's type.
+   */
+  type: string;
+  /**
+   * Why it cannot be carried (a generator, a thread, a socket, an open file...).
+   */
+  reason: string;
+}
+/**
+ * A name that carries but may not work as before on the target (a torch.device of a GPU, on the CPU).
+ */
+export interface TransplantNote {
+  name: string;
+  note: string;
+}
+/**
+ * How many of the notebook's outputs (Out) carry, of how many.
+ */
+export interface TransplantOutputs {
+  carried: number;
+  of: number;
+}
+/**
+ * POST /kernels/{id}/transplant with dry_run: what would carry and what not, before anything is done.
+ */
+export interface TransplantSurvey {
+  /**
+   * The names that carry, with the raw bytes of their tensors and arrays.
+   */
+  carries: {
+    name: string;
+    type: string;
+    bytes: Bytes;
+  }[];
+  left: LeftObject[];
+  notes: TransplantNote[];
+  outputs: TransplantOutputs;
+  bytes: Bytes;
+  execution_count: number;
+  /**
+   * Where it would go.
+   */
+  to: 'gpu' | 'cpu';
+  to_gpu: number | null;
+  /**
+   * The target GPU is of the kernel's own model: a move (POST .../migrate) would keep everything.
+   */
+  same_model: boolean;
 }
 /**
  * A kernel's record that this server did not take back as it started (revive.py): left on disk, never deleted.
@@ -445,6 +540,20 @@ export interface MigrateRequest2 {
    * how a move to another GPU may use the fast path; auto lets the server invite an idle kernel, off lets the driver move everything, caller is for a kernel's own %migrate
    */
   fast_path?: 'auto' | 'off' | 'caller';
+}
+export interface TransplantRequest2 {
+  /**
+   * the index of the GPU to carry the objects to
+   */
+  to_gpu?: number | null;
+  /**
+   * carry the objects into a kernel process without a GPU
+   */
+  to_cpu?: boolean;
+  /**
+   * do nothing; answer what would carry and what not (200, a TransplantSurvey)
+   */
+  dry_run?: boolean;
 }
 /**
  * POST /gpus/{index}/drain.

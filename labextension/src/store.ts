@@ -330,6 +330,13 @@ export function describe(op: IOperation): string {
       const why = op.trigger === 'cell' ? ' (a cell was run)' : '';
       return `resumed${onto} in ${seconds}${why}.`;
     }
+    case 'transplant': {
+      // Honestly labelled: the objects went to a new process, and what could not go is named.
+      const where = op.to_gpu === null || op.to_gpu === undefined ? 'the CPU' : `GPU ${op.to_gpu}`;
+      const left = op.transplant?.left ?? [];
+      const lost = left.length ? `; not carried: ${left.map(l => l.name).join(', ')}` : '';
+      return `transplanted to ${where} in ${seconds}: ${op.transplant?.carried.length ?? 0} objects carried${lost}.`;
+    }
     case 'discard':
       return `discarded: suspended longer than the server keeps kernels, ${humanBytes(op.bytes)} of images deleted.`;
     default:
@@ -349,6 +356,10 @@ export function doing(op: IOperation, kernel?: IKernel): string {
         return op.to_host === kernel?.home ? 'bringing home' : `moving to host ${op.to_host}`;
       }
       return `moving to GPU ${op.to_gpu}`;
+    case 'transplant':
+      return op.to_gpu === null || op.to_gpu === undefined
+        ? 'transplanting to the CPU'
+        : `transplanting to GPU ${op.to_gpu}`;
     default:
       return op.action;
   }
