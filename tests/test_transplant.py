@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import KernelSession, api, cli, operate, remote, small_tmpfs, start_kernel, wait_operation
+from helpers import KernelSession, api, cli, notebook, operate, remote, small_tmpfs, start_kernel, wait_operation
 
 from jupyter_gpumigrate.engine import gpus
 
@@ -248,3 +248,23 @@ async def test_the_cli_says_what_would_not_carry_asks_and_then_transplants(jp_fe
     assert "phase switch" in err or "switch" in err, err
     assert (await api(jp_fetch, "kernels", kernel.id))["pid"] != pid
     assert "5 3" in await kernel.run("print(len(losses), scale)")
+
+
+async def test_migrate_to_cpu_in_a_cell_asks_first_and_the_next_cell_runs_in_the_new_process(jp_fetch, jp_ws_fetch,
+                                                                                            jp_serverapp):
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
+    try:
+        await tab.run(BUILD)
+        pid = (await api(jp_fetch, "kernels", kernel_id))["pid"]
+        out = await tab.run("%migrate --to-cpu --yes")
+        assert "NOT carried: gen (generator)" in out and "starts as this cell ends" in out, out
+        # Sent at once, while the transplant runs: the server holds it, then it runs in the new process.
+        out = await tab.run("import os; print(len(losses), scale, os.getpid())", timeout=120)
+        losses, scale, new_pid = out.split()
+        view = await api(jp_fetch, "kernels", kernel_id)
+        assert (losses, scale) == ("5", "3") and int(new_pid) == view["pid"] != pid, (out, view)
+        ops = [op for op in await api(jp_fetch, "operations") if op["action"] == "transplant"]
+        assert [op["status"] for op in ops] == ["succeeded"], ops
+        assert "--to-cpu" in await tab.run("%migrate --help")
+    finally:
+        tab.ws.close()

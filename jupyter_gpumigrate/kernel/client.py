@@ -87,6 +87,10 @@ class ServerClient:
             body["fast_path"] = fast_path
         return self.api.act(self.kernel_id, "migrate", body)
 
+    def transplant(self, to_gpu: int | None) -> dict:
+        """Start a transplant of this kernel to GPU ``to_gpu`` (any model) or the CPU (None)."""
+        return self.api.act(self.kernel_id, "transplant", {"to_gpu": to_gpu} if to_gpu is not None else {"to_cpu": True})
+
     def suspend(self, images: str | None = None) -> dict:
         return self.api.act(self.kernel_id, "suspend", {"images": images} if images else None)
 

@@ -66,6 +66,11 @@ class MigrateMagics(Magics):
               "finishes once the kernel is resumed (panel, CLI, or by running a cell)")
     @argument("--images", choices=("auto", "memory", "disk"), help="with --suspend: where the images go (memory: "
               "fast, holds host memory; disk; auto: memory where there is room); default: the server's")
+    @argument("--to-cpu", action="store_true", help="transplant this kernel's objects into a new kernel without "
+              "a GPU (says first what would not carry, and asks)")
+    @argument("--transplant", action="store_true", help="with --to-gpu: carry the objects into a new process on "
+              "that GPU, of any model, instead of moving the process (says first what would not carry, and asks)")
+    @argument("--yes", action="store_true", help="with a transplant: do not ask")
     @argument("--list", action="store_true", help="print the GPUs, their memory and kernels")
     @argument("--help", action="store_true", help="show this help")
     @line_magic
@@ -77,6 +82,11 @@ class MigrateMagics(Magics):
         %migrate --to-host B  move this kernel to the peer server B (add --to-gpu N for its GPU N);
                               the notebook stays where it is; --to-host with the home server's name
                               brings the kernel back
+        %migrate --to-cpu     where the driver cannot go: this kernel's objects are carried into a new
+        %migrate --to-gpu N --transplant   kernel process on the CPU, or on GPU N of another model;
+                              what would not carry (generators, threads, sockets, open files...)
+                              is listed first, and you are asked (--yes: not asked). It starts
+                              once this cell ends; cells run meanwhile wait and then run there
         %migrate --list       the GPUs and the kernels on them (this one marked *), and the hosts
         %migrate --suspend    write this kernel to memory or disk and free its GPU (on disk, its
                               memory too); the cell waits, and once the kernel is resumed (panel, jupyter gpumigrate resume,
@@ -94,9 +104,14 @@ class MigrateMagics(Magics):
             print(self.migrate.__doc__.lstrip().removeprefix("::").lstrip("\n"))
             return
         to_host = _host_name(args.to_host)
-        target = args.to_gpu is not None or to_host is not None
-        if sum((args.list, args.suspend, target)) > 1:
-            raise UsageError("%migrate: give one of --list, --suspend or a target (--to-gpu N, --to-host NAME).")
+        target = args.to_gpu is not None or to_host is not None or args.to_cpu
+        if sum((args.list, args.suspend, target)) > 1 or (args.to_cpu and (args.to_gpu is not None or to_host)):
+            raise UsageError("%migrate: give one of --list, --suspend or a target (--to-gpu N, --to-host NAME, "
+                             "--to-cpu).")
+        if args.transplant and args.to_gpu is None:
+            raise UsageError("%migrate: --transplant goes with --to-gpu N (--to-cpu is always a transplant).")
+        if (args.transplant or args.to_cpu) and to_host:
+            raise UsageError("%migrate: a transplant stays on this host: drop --to-host.")
         if args.images and not args.suspend:
             raise UsageError("%migrate: --images goes with --suspend (where the suspended kernel's images go).")
         if args.to_gpu is not None and args.to_gpu < 0:
@@ -107,6 +122,8 @@ class MigrateMagics(Magics):
                 print(gpu_table(client.gpus(), client.kernels(), client.kernel_id))
             elif args.suspend:
                 print(self._suspend(client, args.images))
+            elif args.to_cpu or args.transplant:
+                self._transplant(client, args.to_gpu, args.yes)
             elif target:
                 release_torch_cache()
                 op = client.migrate(args.to_gpu, to_host, fast_path=None if to_host else "caller")
@@ -129,6 +146,28 @@ class MigrateMagics(Magics):
             # The server delivers an interrupt only once a move is over (a half-moved kernel is never
             # interrupted): only the waiting here was cut short.
             raise MigrateFailed("Interrupted while waiting; %migrate --list shows where the kernel is now.") from None
+
+    @staticmethod
+    def _transplant(client: ServerClient, to_gpu: int | None, yes: bool) -> None:
+        """Say what would carry (this cell is the kernel's only code running: the survey runs here), ask, and
+        start the transplant; it goes on once this cell ends (the server's requests wait behind it)."""
+        import json
+
+        from ..opformat import survey_report
+        from .transplant import survey
+
+        said = {**json.loads(survey()), "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu}
+        print(survey_report(said, client.kernel_id))
+        if not said["carries"]:
+            raise MigrateFailed("Nothing of this kernel's would carry: restart it on the target instead.")
+        if not yes and input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("Nothing was done.")
+            return
+        op = client.transplant(to_gpu)
+        where = "the CPU" if to_gpu is None else f"GPU {to_gpu}"
+        print(f"The transplant to {where} starts as this cell ends (operation {op['id'][:8]}): the kernel goes on "
+              "in a new process, its id unchanged. Cells run meanwhile wait, then run there; should it fail, they "
+              "run here, as before.")
 
     @staticmethod
     def _suspend(client: ServerClient, images: str | None = None) -> str:
