@@ -472,3 +472,56 @@ async def test_a_tensor_sharing_memory_without_its_storage_makes_the_host_stash_
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     out = await kernel.run("kept = state_digest() == before; alias[0] = 7.0; print(kept, float(big[0]) == 7.0)")
     assert out.split() == ["True", "True"], "every value kept, and the alias still writes into big's memory"
+
+
+# -- transplants (engine/plans/transplant.py): one GPU is enough ----------------------------------------
+
+#: What five more training steps give, in the source, without changing it: its state is saved and put back.
+REFERENCE = """
+import copy
+_saved = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), gen.get_state(),
+          torch.get_rng_state(), torch.cuda.get_rng_state())
+reference = train(model, opt, gen, 5)
+model.load_state_dict(_saved[0]); opt.load_state_dict(_saved[1]); gen.set_state(_saved[2])
+torch.set_rng_state(_saved[3]); torch.cuda.set_rng_state(_saved[4])
+print(state_digest() == before)
+"""
+
+
+async def test_a_transplant_onto_a_gpu_keeps_every_value_and_the_losses_continue_identically(jp_fetch, kernel):
+    pid = await build(kernel, gib=1, gpus=1)
+    assert (await kernel.run(REFERENCE, timeout=120)).split() == ["True"]
+    reference = await kernel.run("print(reference)")
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_gpu": 0})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "export", "load", "lock", "checkpoint", "dump", "switch"], op
+    assert op["from_gpu"] == 0 and op["to_gpu"] == 0 and op["bytes"] >= GIB
+    new = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert new != pid and where(new) == {0} and not Path(f"/proc/{pid}").exists()
+    out = await kernel.run("print(state_digest() == before, big.device, next(model.parameters()).device)")
+    assert out.split() == ["True", "cuda:0", "cuda:0"], out
+    assert await kernel.run("print(train(model, opt, gen, 5))", timeout=120) == reference, \
+        "the losses go on as they would have in the source"
+
+
+async def test_a_gpu_kernel_transplanted_to_the_cpu_and_back_keeps_every_value(jp_fetch, kernel):
+    pid = await build(kernel, gib=1, gpus=1)
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    assert any(n["name"] == "gen" and "CUDA random generator" in n["note"] for n in survey["notes"]), survey
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded" and op["from_gpu"] == 0 and op["to_gpu"] is None, op
+    on_cpu = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert where(on_cpu) == set() and where(pid) == set(), "no process of the kernel holds a GPU"
+    out = await kernel.run("print(state_digest() == before, big.device, torch.cuda.is_available())", timeout=120)
+    assert out.split() == ["True", "cpu", "False"], out
+
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_gpu": 0})
+    assert op["status"] == "succeeded" and op["from_gpu"] is None and op["to_gpu"] == 0, op
+    back = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert where(back) == {0}
+    # What came from a GPU goes back onto one; training goes on (a new generator: a CPU one cannot draw there).
+    out = await kernel.run("print(state_digest() == before, big.device, next(model.parameters()).device)\n"
+                           "gen = torch.Generator(device='cuda').manual_seed(1)\n"
+                           "print(len(train(model, opt, gen, 3)))", timeout=120)
+    assert out.split() == ["True", "cuda:0", "cuda:0", "3"], out

@@ -31,6 +31,7 @@ import random, socket, threading
 import numpy as np
 import torch
 torch.manual_seed(1); np.random.seed(2); random.seed(3)
+torch.use_deterministic_algorithms(True)
 model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
 opt = torch.optim.Adam(model.parameters(), lr=0.01)
 data, target = torch.randn(64, 8), torch.randn(64, 1)
@@ -63,7 +64,7 @@ CHECK = """
 print([step() for _ in range(3)])
 print(torch.rand(2).tolist(), np.random.rand(), random.random())
 print(window.data_ptr() - data.data_ptr() == 10 * 8 * 4, opt.state_dict()["state"][0]["step"].item())
-print(table.sum(), scaled(2), p.grown().x, isinstance(p.grown(), Point))
+print(table.sum(), scaled(2), p.grown().x, isinstance(p.grown(), Point), torch.are_deterministic_algorithms_enabled())
 """
 
 

@@ -37,10 +37,14 @@ import re
 import signal
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
 OBJECTS, DATA, READY, FAILED = "objects.pkl", "data.bin", "ready.json", "failed.json"
+
+#: In a kernel a transplant made on the CPU: the storages that were on a GPU in its source.
+_FROM_GPU: weakref.WeakSet = weakref.WeakSet()
 
 #: IPython's own names, rebuilt in the target from the carried history rather than carried as names.
 _CACHE_NAME = re.compile(r"^(_i\d*|_ii|_iii|_\d+|_|__|___)$")
@@ -91,11 +95,14 @@ class _Sink:
         if key not in self._storages:
             self._keep.append(untyped)
             nbytes = untyped.nbytes()
-            device = untyped.device.type
+            on_cpu = untyped.device.type == "cpu"
+            # A storage that a transplant brought from a GPU onto the CPU goes back onto a GPU, if the next
+            # target has one: a kernel can go to the CPU and back.
+            device = "cuda" if not on_cpu or untyped in _FROM_GPU else "cpu"
             if self.file is None:  # the survey: counted, not copied
                 index = self._write(0, nbytes, "storage", device)
             else:
-                host = untyped if device == "cpu" else untyped.cpu()
+                host = untyped if on_cpu else untyped.cpu()
                 index = self._write(host.data_ptr(), nbytes, "storage", device)
             self._storages[key] = index
         return self._storages[key]
@@ -211,6 +218,9 @@ def _notes(names: dict[str, Any]) -> list[dict[str, str]]:
             if isinstance(value, torch.device) and value.type == "cuda":
                 notes.append({"name": name, "note": f"is {value}: on the CPU, code that uses it fails; on "
                               "another GPU it names that GPU (the only one the kernel sees)"})
+            elif isinstance(value, torch.Generator) and value.device.type == "cuda":
+                notes.append({"name": name, "note": "is a CUDA random generator: on the CPU it becomes a new CPU "
+                              "generator, its stream not carried"})
     return notes
 
 
@@ -248,6 +258,31 @@ def _rng_states() -> dict[str, Any]:
     return states
 
 
+def _torch_settings() -> dict[str, Any]:
+    """PyTorch's process-wide settings that change results: carried, as the RNG states are."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return {}
+    return {"deterministic": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "default_dtype": torch.get_default_dtype(), "grad": torch.is_grad_enabled(),
+            "matmul_precision": torch.get_float32_matmul_precision(),
+            "cudnn_benchmark": torch.backends.cudnn.benchmark, "cudnn_deterministic": torch.backends.cudnn.deterministic}
+
+
+def _set_torch(settings: dict[str, Any]) -> None:
+    if not settings:
+        return
+    import torch
+
+    torch.use_deterministic_algorithms(settings["deterministic"], warn_only=settings["deterministic_warn_only"])
+    torch.set_default_dtype(settings["default_dtype"])
+    torch.set_grad_enabled(settings["grad"])
+    torch.set_float32_matmul_precision(settings["matmul_precision"])
+    torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
+    torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+
+
 def export(folder: str) -> str:
     """Write what carries into ``folder`` (which must exist); JSON of what was written."""
     shell = _shell()
@@ -272,6 +307,7 @@ def export(folder: str) -> str:
         "input_raw": list(hm.input_hist_raw),
         "execution_count": shell.execution_count,
         "rng": _rng_states(),
+        "torch": _torch_settings(),
         "cwd": os.getcwd(),
         "environ": dict(os.environ),
         "sys_path": list(sys.path),
@@ -324,7 +360,11 @@ class _Unpickler(pickle.Unpickler):
                 view = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B")
                 if self.data.readinto(view) != nbytes:
                     raise EOFError(f"{DATA} is shorter than its table says")
-            self.storages[index] = host.cuda() if device == "cuda" and self.device == "cuda" else host
+            if device == "cuda" and self.device == "cuda":
+                host = host.cuda()
+            elif device == "cuda":
+                _FROM_GPU.add(host)
+            self.storages[index] = host
         return self.storages[index]
 
     def persistent_load(self, pid: Any) -> Any:
@@ -360,15 +400,17 @@ def load(folder: Path, namespace: dict) -> dict:
                     raise EOFError(f"{DATA} is shorter than its table says")
                 buffers.append(chunk)
         out.seek(0)
-        device = "cuda" if _has_cuda() else "cpu"
+        device = "cuda" if any(kind == "storage" for _, _, kind, _ in blobs) and _has_cuda() else "cpu"
         payload = _Unpickler(io.BytesIO(out.read(end - size)), buffers, data, blobs, namespace, device).load()
     namespace.update(payload.pop("names"))
     return payload
 
 
 def _has_cuda() -> bool:
-    torch = sys.modules.get("torch")
-    if torch is None:
+    """Whether this process sees a GPU through PyTorch (imported for it, if installed)."""
+    try:
+        import torch
+    except ImportError:
         return False
     return bool(torch.cuda.is_available())
 
@@ -412,6 +454,7 @@ def _settle(shell: Any, payload: dict) -> None:
     if "CUDA_VISIBLE_DEVICES" not in keep:
         os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     sys.path[:] = payload["sys_path"]
+    _set_torch(payload.get("torch", {}))
     try:
         os.chdir(payload["cwd"])
     except OSError:

@@ -110,7 +110,7 @@ def prepare(ctx: TransplantContext) -> None:
     nbytes = int(ctx.survey.get("bytes", 0))
     if target is not None:
         ctx.target_uuid, ctx.target_index = target.uuid, target.index
-        room = placement.free(target) + (int(held[0]["memory_used"]) if held and held[0]["uuid"] == target.uuid else 0)
+        room = placement.free(target)  # the source, if on it, still holds its memory while the objects load
         if room < nbytes + GPU_HEADROOM:
             raise GpuError(f"GPU {target.index} has {room / 1e9:.1f} GB free; the kernel's objects need "
                            f"{nbytes / 1e9:.1f} GB and {GPU_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
