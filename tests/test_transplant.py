@@ -113,6 +113,13 @@ async def test_a_cpu_kernel_transplanted_keeps_its_objects_and_goes_on_as_the_sa
     assert not images.path_for(kernel.id).exists() and images.names() == [], "no images nor folders left"
     assert not list(images.root.glob(".transplant-*"))
 
+    # A transplanted kernel is a kernel like any other: it can be transplanted again.
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    assert {"model", "opt", "Point", "p"} <= {r["name"] for r in survey["carries"]}, survey
+    assert (await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
+    assert "5 3" in await kernel.run("print(len(losses), scale)")
+
 
 # -- refusals: before anything is done ------------------------------------------------------------------
 
@@ -269,3 +276,48 @@ async def test_migrate_to_cpu_in_a_cell_asks_first_and_the_next_cell_runs_in_the
         assert "--to-cpu" in await tab.run("%migrate --help")
     finally:
         tab.ws.close()
+
+
+# -- the server killed mid-transplant ------------------------------------------------------------------
+
+
+async def test_a_server_killed_while_the_new_process_waits_loses_nothing_and_leaves_no_process(tmp_path):
+    from servers import LocalServer
+    from test_hibernation import notebook_running, tab_on, taken_back
+
+    server = LocalServer(tmp_path / "server")
+    try:
+        server.start()
+        _, kernel_id, out = await notebook_running(server, "x = 41\ndef f():\n    return x + 1\nprint(f())")
+        assert out == "42"
+        pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_cpu": True}, expect=202)
+        deadline = time.monotonic() + 60
+        while not any((f / "ready.json").exists() for f in _scratch_folders(server, kernel_id)):
+            # until the new process holds the objects, and waits
+            assert time.monotonic() < deadline, server.server_log()
+            await asyncio.sleep(0.01)
+        server.stop(signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while _transplant_processes():
+            assert time.monotonic() < deadline, "the new process must end once its server is gone"
+            await asyncio.sleep(0.1)
+
+        server.start()
+        view = taken_back(server, kernel_id)
+        # The source: still running (killed before its dump), or suspended with complete images (during it).
+        assert view["state"] in ("running", "suspended"), view
+        tab = await tab_on(server, kernel_id)
+        assert (await tab.run("print(f(), x)", timeout=120)).split() == ["42", "41"]
+        tab.ws.close()
+        assert server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"] == pid, "the source, not a copy"
+        assert not _scratch_folders(server, kernel_id), "the next server removed the transplant's folder"
+        assert not _transplant_processes()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
+def _scratch_folders(server, kernel_id: str) -> list[Path]:
+    folders = [server.state / "images", *Path("/dev/shm").glob("jupyter-gpumigrate-*")]
+    return [f for folder in folders for f in folder.glob(f".transplant-{kernel_id}")]

@@ -431,8 +431,10 @@ def _set_rng(states: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(states["torch_cuda"])
 
 
-def _settle(shell: Any, payload: dict) -> None:
-    """The history, execution count, caches, working folder, environment and RNG states of the source."""
+def _settle(shell: Any, payload: dict, carried: set[str]) -> None:
+    """The history, execution count, caches, working folder, environment and settings of the source."""
+    for name in carried:  # IPython hides what its namespace held as it started (hide_initial_ns): not these
+        shell.user_ns_hidden.pop(name, None)
     hm = shell.history_manager
     hm.input_hist_parsed[:] = payload["input_parsed"]
     hm.input_hist_raw[:] = payload["input_raw"]
@@ -505,6 +507,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         _write_json(folder / FAILED, {"error": f"{type(exc).__name__}: {_why(exc)}"})
         return LOAD_FAILED
+    carried = set(namespace)
     _write_json(folder / READY, {"names": len(namespace), "seconds": round(time.perf_counter() - started, 4),
                                  "device": "cuda" if _has_cuda() else "cpu"})
     if not _wait_for_go(parent):
@@ -517,7 +520,7 @@ def main(argv: list[str] | None = None) -> int:
 
     app = IPKernelApp.instance(user_ns=namespace)
     app.initialize(kernel_args)
-    _settle(app.shell, payload)
+    _settle(app.shell, payload, carried)
     _rng_at_first_cell(app.kernel, payload["rng"])
     app.start()
     return 0
