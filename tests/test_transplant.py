@@ -321,3 +321,13 @@ async def test_a_server_killed_while_the_new_process_waits_loses_nothing_and_lea
 def _scratch_folders(server, kernel_id: str) -> list[Path]:
     folders = [server.state / "images", *Path("/dev/shm").glob("jupyter-gpumigrate-*")]
     return [f for folder in folders for f in folder.glob(f".transplant-{kernel_id}")]
+
+
+async def test_tensors_that_came_from_a_gpu_are_marked_to_go_back_onto_one(jp_fetch, kernel, tmp_path):
+    # Without a GPU here, the mark itself: a transplanted kernel's storages that its source had on a GPU.
+    await kernel.run("import torch\nt = torch.arange(4.0)\nu = torch.ones(2)")
+    await kernel.run("import jupyter_gpumigrate.kernel.transplant as _t\n_t._FROM_GPU.add(t.untyped_storage())")
+    assert (await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
+    out = await kernel.run("import jupyter_gpumigrate.kernel.transplant as _t\n"
+                           "print(t.untyped_storage() in _t._FROM_GPU, u.untyped_storage() in _t._FROM_GPU, t.sum().item())")
+    assert out.split() == ["True", "False", "6.0"], out

@@ -527,4 +527,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Run as the package's module, not as __main__: its state (_FROM_GPU) and the functions the objects
+    # refer to must be the ones a later export imports; and in a kernel, __main__ is the notebook's namespace.
+    from jupyter_gpumigrate.kernel import transplant
+
+    sys.exit(transplant.main())
