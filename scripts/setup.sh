@@ -68,12 +68,12 @@ if [ -n "${NEED_INSTALL:-}" ]; then
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/jupyter labextension develop --overwrite . >/dev/null
   touch "$stamp"
 fi
-# PyTorch and NumPy for the transplant tests (tests/test_transplant.py), which carry a model, its optimizer
+# PyTorch, NumPy and pandas for the transplant tests (tests/test_transplant.py), which carry a model, its optimizer
 # and tensors between kernels: a CPU build. GPUMIGRATE_TORCH names another requirement (a plain "torch"
 # is a CUDA build of several GB); "none" installs none, and those tests then skip, saying so.
 torch_req="${GPUMIGRATE_TORCH:-torch==2.13.0}"
-if [ "$torch_req" != none ] && ! .venv/bin/python -c 'import torch, numpy' 2>/dev/null; then
-  log "installing $torch_req and numpy into .venv (the transplant tests)"
-  .venv/bin/python -m pip install -q --disable-pip-version-check "$torch_req" numpy
+if [ "$torch_req" != none ] && ! .venv/bin/python -c 'import torch, numpy, pandas' 2>/dev/null; then
+  log "installing $torch_req, numpy and pandas into .venv (the transplant tests)"
+  .venv/bin/python -m pip install -q --disable-pip-version-check "$torch_req" numpy pandas
 fi
 log "ready: $(.venv/bin/python --version), $(.venv/bin/jupyter server --version 2>/dev/null | head -n1 | sed 's/^/jupyter_server /')"

@@ -44,6 +44,9 @@ def step():
 losses = [step() for _ in range(5)]
 window = data[10:20]
 table = np.arange(12.0).reshape(3, 4)
+import pandas as pd
+frame = pd.DataFrame({"a": np.arange(5), "b": list("vwxyz")})
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
 scale = 3
 def scaled(x):
     return x * scale
@@ -65,6 +68,7 @@ print([step() for _ in range(3)])
 print(torch.rand(2).tolist(), np.random.rand(), random.random())
 print(window.data_ptr() - data.data_ptr() == 10 * 8 * 4, opt.state_dict()["state"][0]["step"].item())
 print(table.sum(), scaled(2), p.grown().x, isinstance(p.grown(), Point), torch.are_deterministic_algorithms_enabled())
+print(frame["a"].sum(), "".join(frame["b"]), scaler.get_scale())
 """
 
 
@@ -91,7 +95,7 @@ async def test_a_cpu_kernel_transplanted_keeps_its_objects_and_goes_on_as_the_sa
     assert {r["name"] for r in survey["left"]} == {"gen", "worker", "sock", "notes"}, survey
     reasons = {r["name"]: r["reason"] for r in survey["left"]}
     assert "generator" in reasons["gen"] and "socket" in reasons["sock"] and "open file" in reasons["notes"]
-    assert {"model", "opt", "data", "window", "table", "scaled", "Point", "p", "losses"} <= \
+    assert {"model", "opt", "data", "window", "table", "frame", "scaler", "scaled", "Point", "p", "losses"} <= \
         {r["name"] for r in survey["carries"]}
     assert survey["to"] == "cpu" and survey["bytes"] >= 64 * 8 * 4 and survey["same_model"] is False
     assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid, "the dry run changes nothing"

@@ -117,7 +117,9 @@ def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_ma
     if source is not None and target.name != source.name:
         raise GpuError(
             f"GPU {target.index} is an {target.name}, the kernel's GPU {source.index} an {source.name}: CUDA "
-            "moves a process only between GPUs of the same model. Pick a GPU of the same model."
+            "moves a process only between GPUs of the same model. Pick a GPU of the same model, or transplant "
+            "the kernel's objects there (%migrate --to-gpu N --transplant, jupyter gpumigrate transplant: it "
+            "says first what would not carry)."
         )
     if source is not None and (driver_major is None or driver_major < MIN_DRIVER_FOR_REMAP):
         raise GpuError(
