@@ -102,7 +102,7 @@ async def test_a_cpu_kernel_transplanted_keeps_its_objects_and_goes_on_as_the_sa
 
     op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "export", "load", "dump", "switch"], op
+    assert list(op["timings"]) == ["prepare", "start", "export", "load", "dump", "switch"], op
     assert op["transplant"]["to"] == "cpu" and {r["name"] for r in op["transplant"]["left"]} == \
         {"gen", "worker", "sock", "notes"}
     view = await api(jp_fetch, "kernels", kernel.id)

@@ -13,8 +13,9 @@ In the source kernel, evaluated between cells by the server (kernelwire.evaluate
                     and sys.path. ``folder`` must exist: an export that runs after its transplant was given
                     up (it waited behind a long cell) writes nothing.
 
-In the target process, ``python -m jupyter_gpumigrate.kernel.transplant FOLDER <ipykernel arguments>``:
-it reads the objects first (CUDA storages onto its GPU, the only one it sees, or into host memory when
+In the target process, ``python -m jupyter_gpumigrate.kernel.transplant FOLDER <ipykernel arguments>``,
+started while the source writes: it imports what it needs and sets up CUDA meanwhile, then reads the
+objects (CUDA storages onto its GPU, the only one it sees, or into host memory when
 it has none), writes ``ready.json`` (or ``failed.json``, and exits), then waits for SIGUSR1: the server's
 word that the source kernel has let go of the kernel's ports. Then it starts the IPython kernel on those
 ports, with the objects as its namespace, and sets its history, execution count and RNG states last.
@@ -85,7 +86,7 @@ class _Sink:
 
     def _write(self, address: int, nbytes: int, kind: str, device: str) -> int:
         if self.file is not None and nbytes:
-            self.file.write(memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
+            _write_all(self.file, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
         self.blobs.append((self.offset, nbytes, kind, device))
         self.offset += nbytes
         return len(self.blobs) - 1
@@ -114,7 +115,7 @@ class _Sink:
         except BufferError:  # not contiguous: pickled in band
             return True
         if self.file is not None:
-            self.file.write(raw)
+            _write_all(self.file, raw.cast("B") if raw.format != "B" else raw)
         self.blobs.append((self.offset, raw.nbytes, "buffer", "cpu"))
         self.offset += raw.nbytes
         return False
@@ -122,6 +123,27 @@ class _Sink:
     @property
     def nbytes(self) -> int:
         return self.offset
+
+
+#: The most one system call moves (Linux moves at most about 2 GiB per read or write).
+_SLICE = 256 << 20
+
+
+def _write_all(file: Any, view: memoryview) -> None:
+    """Write all of ``view`` to an unbuffered file (a buffered one copies large writes slowly)."""
+    done = 0
+    while done < view.nbytes:
+        done += file.write(view[done:done + _SLICE])
+
+
+def _read_all(file: Any, view: memoryview) -> None:
+    """Fill ``view`` from an unbuffered file; EOFError if it ends first."""
+    done = 0
+    while done < view.nbytes:
+        got = file.readinto(view[done:done + _SLICE])
+        if not got:
+            raise EOFError(f"{DATA} is shorter than its table says")
+        done += got
 
 
 def _pickler_class() -> type:
@@ -312,7 +334,7 @@ def export(folder: str) -> str:
         "environ": dict(os.environ),
         "sys_path": list(sys.path),
     }
-    with open(where / DATA, "xb") as data, open(where / (OBJECTS + ".part"), "xb") as out:
+    with open(where / DATA, "xb", buffering=0) as data, open(where / (OBJECTS + ".part"), "xb") as out:
         sink = _Sink(data)
         _pickler_class()(out, sink, shell).dump(payload)
         table = json.dumps(sink.blobs).encode()
@@ -357,9 +379,7 @@ class _Unpickler(pickle.Unpickler):
             host = torch.UntypedStorage(nbytes)
             if nbytes:
                 self.data.seek(offset)
-                view = memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B")
-                if self.data.readinto(view) != nbytes:
-                    raise EOFError(f"{DATA} is shorter than its table says")
+                _read_all(self.data, memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B"))
             if device == "cuda" and self.device == "cuda":
                 host = host.cuda()
             elif device == "cuda":
@@ -385,7 +405,7 @@ class _Unpickler(pickle.Unpickler):
 
 def load(folder: Path, namespace: dict) -> dict:
     """Read the objects in ``folder`` into ``namespace``; the rest of the payload (history, RNG...)."""
-    with open(folder / OBJECTS, "rb") as out, open(folder / DATA, "rb") as data:
+    with open(folder / OBJECTS, "rb") as out, open(folder / DATA, "rb", buffering=0) as data:
         out.seek(-8, os.SEEK_END)
         end = out.tell()
         size = int.from_bytes(out.read(8), "little")
@@ -396,8 +416,7 @@ def load(folder: Path, namespace: dict) -> dict:
             if kind == "buffer":
                 data.seek(offset)
                 chunk = bytearray(nbytes)
-                if data.readinto(chunk) != nbytes:
-                    raise EOFError(f"{DATA} is shorter than its table says")
+                _read_all(data, memoryview(chunk))
                 buffers.append(chunk)
         out.seek(0)
         device = "cuda" if any(kind == "storage" for _, _, kind, _ in blobs) and _has_cuda() else "cpu"
@@ -483,6 +502,23 @@ def _write_json(path: Path, data: dict) -> None:
     os.rename(part, path)
 
 
+def _prepare_while_exporting(folder: Path, parent: int) -> bool:
+    """Start as the source writes its objects: import what the kernel and the objects need, and set up CUDA
+    if a GPU is visible, then wait for the objects (written last, by rename). False if the folder went
+    (the transplant was given up) or the server did."""
+    if _has_cuda():
+        import torch
+
+        torch.cuda.init()
+    import ipykernel.kernelapp  # noqa: F401  imported now rather than after the switch
+
+    while not (folder / OBJECTS).exists():
+        if not folder.is_dir() or os.getppid() != parent:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _wait_for_go(parent: int) -> bool:
     """Wait for SIGUSR1 (True); False if the server that started us went first."""
     while True:
@@ -497,9 +533,11 @@ def main(argv: list[str] | None = None) -> int:
     folder, kernel_args = Path(args[0]), args[1:]
     parent = os.getppid()
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
-    started = time.perf_counter()
     namespace: dict = {}
     try:
+        if not _prepare_while_exporting(folder, parent):
+            return LOAD_FAILED
+        started = time.perf_counter()
         payload = load(folder, namespace)
     except BaseException as exc:  # noqa: BLE001  every failure is said, then the process ends
         import traceback

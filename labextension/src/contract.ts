@@ -18,6 +18,7 @@ export type Phase =
   | 'unstash'
   | 'verify'
   | 'transfer'
+  | 'start'
   | 'export'
   | 'load'
   | 'switch';

@@ -2,9 +2,11 @@
 
     prepare     the target checked (GPU or CPU), the dry run (what      undo: remove the folder
                 carries), a folder for the objects, one for the images
+    start       a new kernel process starts for the target: it imports  undo: kill it
+                and sets up CUDA while the objects are written
     export      the kernel writes its objects into the folder           (removed with the folder)
-    load        a new kernel process for the target reads them, then    undo: kill it
-                waits, its kernel's ports not yet taken
+    load        the new process reads them (onto its GPU, or into host  (killing it undoes it)
+                memory), then waits, the kernel's ports not yet taken
     lock        the source's CUDA calls wait (GPU only)                 undo: unlock
     checkpoint  the source's GPU memory into its host memory            undo: back onto its GPU
     dump        CRIU writes the source into images and kills it: the    undo: restore it from the images
@@ -49,6 +51,7 @@ def saga() -> Saga[TransplantContext]:
         "transplant",
         [
             Step("prepare", prepare),
+            Step("start", start),
             Step("export", export),
             Step("load", load),
             Step("lock", lock, when=KernelContext.on_gpu),
@@ -143,12 +146,17 @@ def export(ctx: TransplantContext) -> None:
         raise InvalidState(f"The kernel stopped answering while it wrote its objects ({exc}).") from exc
 
 
-def load(ctx: TransplantContext) -> None:
-    """The new process starts, reads the objects (onto its GPU, or into host memory), says it is ready,
-    and waits: the source has the kernel's ports until it is dumped."""
+def start(ctx: TransplantContext) -> None:
+    """The new process starts now, so that its imports and CUDA set-up overlap the export."""
     assert ctx.folder is not None
     ctx.new_pid = ctx.kernel.transplant_start(str(ctx.folder), ctx.target_uuid)
     ctx.undo(lambda: ctx.kernel.transplant_abandon())
+
+
+def load(ctx: TransplantContext) -> None:
+    """The new process reads the objects (onto its GPU, or into host memory), says it is ready, and
+    waits: the source has the kernel's ports until it is dumped."""
+    assert ctx.folder is not None and ctx.new_pid is not None
     deadline = time.monotonic() + ctx.wait()
     ready, failed = ctx.folder / "ready.json", ctx.folder / "failed.json"
     while not ready.exists():
@@ -163,6 +171,9 @@ def load(ctx: TransplantContext) -> None:
                                "kernel runs on, unchanged.")
         time.sleep(0.05)
     ctx.loaded = json.loads(ready.read_text())
+    # The new process holds the objects: their files would only hold memory (a tmpfs) while the source is saved.
+    for name in ("data.bin", "objects.pkl"):
+        (ctx.folder / name).unlink(missing_ok=True)
 
 
 def switch(ctx: TransplantContext) -> None:
