@@ -335,3 +335,51 @@ async def test_tensors_that_came_from_a_gpu_are_marked_to_go_back_onto_one(jp_fe
     out = await kernel.run("import jupyter_gpumigrate.kernel.transplant as _t\n"
                            "print(t.untyped_storage() in _t._FROM_GPU, u.untyped_storage() in _t._FROM_GPU, t.sum().item())")
     assert out.split() == ["True", "False", "6.0"], out
+
+
+#: Large buffers (the host stash takes bytearrays and PyTorch storages) and their checksum.
+BIG = """
+import hashlib, os
+blobs = [bytearray(os.urandom(1 << 20) * 48) for _ in range(3)]
+weights = torch.arange(12 * 2**20, dtype=torch.float32)
+def big_digest():
+    return hashlib.sha256(b"".join(bytes(b) for b in blobs) + weights.clone().numpy().tobytes()).hexdigest()
+print(big_digest())
+"""
+
+
+async def test_a_large_source_stashes_its_buffers_before_its_dump_and_takes_them_back_on_a_rollback(
+        jp_fetch, jp_serverapp, kernel):
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    provisioner.host_stash_min = 10**8  # these 192 MB of bytearrays and 48 MB tensor are worth it
+    await kernel.run(BUILD)
+    digest = await kernel.run(BIG)
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+
+    # The new process dies once it holds the objects: the source, dumped small, comes back and reads its
+    # buffers back from the stash.
+    started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
+                        expect=202)
+    images = provisioner.images
+    deadline = time.monotonic() + 60
+    while not [f for f in _scratch_folders_of(images) if (f / "ready.json").exists()]:
+        assert time.monotonic() < deadline, "the new process never got ready"
+        await asyncio.sleep(0.01)
+    for new in _transplant_processes():
+        os.kill(new, signal.SIGKILL)
+    op = await wait_operation(jp_fetch, started)
+    await _source_runs_on(jp_fetch, kernel, pid, op, "switch", "The new kernel process ended")
+    assert "stash" in op["timings"], op
+    assert await kernel.run("print(big_digest())") == digest, "the source took its buffers back, unchanged"
+
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "start", "export", "load", "stash", "dump", "switch"], op
+    assert op["stash"]["stashed"] >= 3 * 48 * 2**20 + 48 * 2**20, op["stash"]
+    assert await kernel.run("print(big_digest())") == digest, "the new process has them all"
+    assert not images.path_for(kernel.id).exists()
+
+
+def _scratch_folders_of(images) -> list[Path]:
+    roots = [images.root, *([images.memory_root] if images.memory_root else [])]
+    return [f for root in roots if root.is_dir() for f in root.glob(".transplant-*")]

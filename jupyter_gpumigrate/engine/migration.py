@@ -8,7 +8,7 @@
                       (there) -> adopt                                                plans/host_move.py
     come back home:   prepare -> dump (there) -> transfer -> restore -> [remap ->
                       unlock] -> adopt                                                plans/host_move.py
-    transplant:       prepare -> start -> export -> load -> [lock -> checkpoint] -> dump
+    transplant:       prepare -> start -> export -> load -> [stash] -> [lock -> checkpoint] -> dump
                       -> switch                                                       plans/transplant.py
 
 A kernel is a process tree. To suspend it we write the tree to an image directory with CRIU, which

@@ -7,6 +7,9 @@
     export      the kernel writes its objects into the folder           (removed with the folder)
     load        the new process reads them (onto its GPU, or into host  (killing it undoes it)
                 memory), then waits, the kernel's ports not yet taken
+    stash       the source writes its large buffers into its images     undo: it reads them back
+                and frees them (the suspend's host stash: the dump
+                that keeps it for a rollback is then small)
     lock        the source's CUDA calls wait (GPU only)                 undo: unlock
     checkpoint  the source's GPU memory into its host memory            undo: back onto its GPU
     dump        CRIU writes the source into images and kills it: the    undo: restore it from the images
@@ -35,6 +38,7 @@ from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..images import host_memory
 from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
+from . import suspend
 from .common import KernelContext, Outcome, Tools, checkpoint, dump, forget_images, gpu_use, lock, new_images, \
     running_pid
 
@@ -54,6 +58,7 @@ def saga() -> Saga[TransplantContext]:
             Step("start", start),
             Step("export", export),
             Step("load", load),
+            Step("stash", suspend.stash, when=suspend.worth_asking),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
@@ -206,4 +211,4 @@ def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, progress: Progr
                   "outputs": survey.get("outputs"), "seconds": {"export": ctx.exported.get("seconds"),
                                                                 "load": ctx.loaded.get("seconds")}}
     return Outcome(result, bytes=int(ctx.exported.get("bytes", 0)), from_gpu=ctx.from_gpu, to_gpu=ctx.target_index,
-                   transplant=transplant)
+                   transplant=transplant, stash=ctx.stash or None)
