@@ -226,8 +226,20 @@ async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
     assert op["phases"] == list(PHASES["resume"])
     assert (await walk.follow(op))["status"] == "succeeded"
     assert (await kernel.run("print(kept)")).strip() == "here"
+    # A transplant: its dry run (200, what would carry), then the real one (202), to the CPU.
+    survey = await walk.call("POST", "/kernels/{kernel_id}/transplant", kernel_id=kid,
+                             body={"to_cpu": True, "dry_run": True}, expect=200)
+    assert [r["name"] for r in survey["carries"]] == ["kept"] and survey["to"] == "cpu", survey
+    op = await walk.call("POST", "/kernels/{kernel_id}/transplant", kernel_id=kid, body={"to_cpu": True}, expect=202)
+    assert op["phases"] == list(PHASES["transplant"]) and op["transplant"] is None
+    op = await walk.follow(op)
+    assert op["status"] == "succeeded" and op["transplant"]["carried"] == ["kept"], op
+    assert (await kernel.run("print(kept)")).strip() == "here"
+    error = await walk.call("POST", "/kernels/{kernel_id}/transplant", kernel_id=kid, raw='{"to_gpu": 0, "to_cpu": true}',
+                            expect=400)
+    assert "needs to_gpu or to_cpu" in error["message"], error
     ops = await walk.call("GET", "/operations", expect=200)
-    assert [o["action"] for o in ops] == ["suspend", "resume"]
+    assert [o["action"] for o in ops] == ["suspend", "resume", "transplant"]
 
     # Refusals are error bodies: a move with no GPU here, a drain, bad bodies, unknown ids.
     if NO_GPU:
