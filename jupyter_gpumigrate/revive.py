@@ -39,6 +39,7 @@ from .engine import proctree
 from .engine.errors import MigrateError
 from .engine.criu import dump_finished
 from .engine.images import MANIFEST, ImageStore, Manifest
+from .engine.plans.transplant import SWITCHED
 from .provisioner import HOST_TAKE_BACK_CALL, RECORDS, MigratableProvisioner, Revival
 
 log = logging.getLogger(__name__)
@@ -266,7 +267,7 @@ async def revive_all(serverapp: Any) -> list[Found]:
                     "begun as it stopped", name)
     found: list[Found] = []
     for name in store.names():
-        if name in km:
+        if name in km or _transplanted(store, name):
             continue
         try:
             found.append(await take_back_images(serverapp, store, name))
@@ -275,6 +276,42 @@ async def revive_all(serverapp: Any) -> list[Found]:
             found.append(refused(name, store.path_for(name), str(exc) or type(exc).__name__))
     found += await _adopt_running(serverapp, Path(defaults.state_dir) / RECORDS)
     return found
+
+
+#: How long a transplant's new process, found running at start, gets to answer on the kernel's ports.
+TAKEN_OVER_WAIT = 10.0
+
+
+def _transplanted(store: ImageStore, name: str) -> bool:
+    """The images are a transplant's source, whose new process was told to take over (engine/plans/
+    transplant.py) before its server died: if that process runs, it is the kernel (adopted from its record),
+    and the images go; if not, the marker goes, and the source is taken back from them."""
+    marker = store.path_for(name) / SWITCHED
+    try:
+        said = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        said = {}
+    pid, started = said.get("pid"), said.get("started")
+    if isinstance(pid, int) and proctree.is_alive(pid) and proctree.start_time(pid) == started:
+        try:
+            info = _connection(store, name, store.read_manifest(name))
+        except MigrateError:
+            info = None
+        # It took over only if it answers on the kernel's ports; one still waiting for its server's word
+        # never will: it is stopped, and the source comes back from its images.
+        if info is not None and kernel_answers(info, TAKEN_OVER_WAIT):
+            store.remove(name)
+            log.warning("gpumigrate: kernel %s had been transplanted into process %s when its server stopped: "
+                        "that process is the kernel; the source's images are removed", name, pid)
+            return True
+        proctree.kill_tree(pid)
+        proctree.wait_gone(pid, timeout=10)
+    marker.unlink(missing_ok=True)
+    log.warning("gpumigrate: kernel %s was being transplanted when its server stopped, and its new process is "
+                "gone: the source is taken back from its images", name)
+    return False
 
 
 def _connection(store: ImageStore, name: str, manifest: Manifest) -> dict:

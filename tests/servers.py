@@ -105,7 +105,8 @@ class LocalServer:
             except OSError:
                 continue
             process = proctree.info(int(proc_dir.name))
-            if process is not None and b"ipykernel_launcher" in cmdline and str(self.root).encode() in cmdline:
+            kernel = b"ipykernel_launcher" in cmdline or b"jupyter_gpumigrate.kernel.transplant" in cmdline
+            if process is not None and kernel and str(self.root).encode() in cmdline:
                 found[int(proc_dir.name)] = process.state
         return found
 

@@ -383,3 +383,37 @@ async def test_a_large_source_stashes_its_buffers_before_its_dump_and_takes_them
 def _scratch_folders_of(images) -> list[Path]:
     roots = [images.root, *([images.memory_root] if images.memory_root else [])]
     return [f for root in roots if root.is_dir() for f in root.glob(".transplant-*")]
+
+
+async def test_a_server_killed_as_the_new_process_takes_over_leaves_one_kernel_with_its_state(tmp_path):
+    from servers import LocalServer
+    from test_hibernation import notebook_running, tab_on, taken_back
+
+    server = LocalServer(tmp_path / "server")
+    try:
+        server.start()
+        _, kernel_id, out = await notebook_running(server, "x = 41\ndef f():\n    return x + 1\nprint(f())")
+        source = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_cpu": True}, expect=202)
+        marker = server.state / "images" / kernel_id / "transplanted.json"
+        deadline = time.monotonic() + 60
+        while not marker.exists():  # the source is dumped, and the new process told to take the ports
+            assert time.monotonic() < deadline, server.server_log()
+            await asyncio.sleep(0.005)
+        server.stop(signal.SIGKILL)
+
+        server.start()
+        view = taken_back(server, kernel_id, timeout=60)
+        assert view["state"] in ("running", "suspended"), view
+        tab = await tab_on(server, kernel_id)
+        assert (await tab.run("print(f(), x)", timeout=120)).split() == ["42", "41"]
+        tab.ws.close()
+        pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        others = [p for p in _transplant_processes() if p != pid]
+        assert others == [], "one process is the kernel, no other is left"
+        assert pid == source or not Path(f"/proc/{source}").exists()
+        assert not (server.state / "images" / kernel_id).exists(), "no images are left of a kernel that runs"
+        assert "transplanted into process" in server.server_log() or pid == source, server.server_log()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .. import placement, proctree
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
-from ..images import host_memory
+from ..images import host_memory, write_durably
 from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
 from . import suspend
@@ -46,6 +46,8 @@ from .common import KernelContext, Outcome, Tools, checkpoint, dump, forget_imag
 #: RATE bytes.
 WAIT = 60.0
 RATE = 2 * 10**8
+#: In the source's images once the new process is told to take the kernel's ports: its PID and start time.
+SWITCHED = "transplanted.json"
 #: A transplant onto a GPU leaves this much of it free beside the objects (CUDA context, allocator).
 GPU_HEADROOM = 2 * 10**9
 
@@ -190,6 +192,11 @@ def switch(ctx: TransplantContext) -> None:
     ctx.kernel.transplant_adopt()
     # Undone first, before the source is restored: the new process may hold the ports by then.
     ctx.undo(lambda: ctx.kernel.transplant_abandon())
+    # Should this server die from here on, the next one must take the new process, not the source's images
+    # (revive.py): said in the images, durably, before the new process takes the ports.
+    marker = ctx.images / SWITCHED
+    ctx.undo(lambda: marker.unlink(missing_ok=True))
+    write_durably(marker, json.dumps({"pid": ctx.new_pid, "started": proctree.start_time(ctx.new_pid)}))
     os.kill(ctx.new_pid, signal.SIGUSR1)
     if not ctx.kernel.wait_ready(max(ctx.tools.reconnect_timeout, 30.0)):
         raise MigrateError("The new kernel process did not answer on the kernel's ports (its log, beside the "
