@@ -69,7 +69,7 @@ HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlis
 #: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
 TRANSPLANT_MODULE = "jupyter_gpumigrate.kernel.transplant"
 TRANSPLANT_SURVEY_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['survey']).survey()"
-TRANSPLANT_EXPORT_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['export']).export({{folder!r}})"
+TRANSPLANT_EXPORT_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['export']).export({{folder!r}}, {{names!r}})"
 STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
 
 
@@ -222,6 +222,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     launch_env: dict[str, str] = {}
     #: the new process of a transplant under way (engine/plans/transplant.py), until it is the kernel
     _transplant: subprocess.Popen | None = None
+    _transplanted: subprocess.Popen | None = None
     #: earlier processes of this kernel that a transplant replaced: what was sent to them goes to this one
     lineage: set[int] = set()
 
@@ -414,9 +415,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             raise InvalidState(f"Kernel {self.kernel_id} cannot be transplanted: {why}.")
         return json.loads(evaluate_silently(self.connection_info, TRANSPLANT_SURVEY_CALL, timeout, alive=self._is_ours))
 
-    def transplant_export(self, folder: str, timeout: float) -> dict:
-        return json.loads(evaluate_silently(self.connection_info, TRANSPLANT_EXPORT_CALL.format(folder=folder), timeout,
-                                            alive=self._is_ours))
+    def transplant_export(self, folder: str, names: list[str], timeout: float) -> dict:
+        call = TRANSPLANT_EXPORT_CALL.format(folder=folder, names=list(names))
+        return json.loads(evaluate_silently(self.connection_info, call, timeout, alive=self._is_ours))
 
     def transplant_start(self, folder: str, gpu_uuid: str | None) -> int:
         cmd = self._transplant_cmd(folder)
@@ -432,15 +433,17 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return self._transplant.pid
 
     def transplant_adopt(self) -> None:
-        new = self._transplant
+        new, self._transplant = self._transplant, None
         assert new is not None
+        self._transplanted = new  # until the plan ends: its undo may have to stop it again
         self.process, self.pid = new, new.pid
         self.pgid = os.getpgid(new.pid)
         self.started = proctree.start_time(new.pid)
         self.write_record()
 
     def transplant_abandon(self) -> None:
-        new, self._transplant = self._transplant, None
+        new = self._transplant or self._transplanted
+        self._transplant = self._transplanted = None
         if new is None:
             return
         try:
@@ -448,12 +451,16 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         except OSError:
             pass
         try:
-            new.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.log.warning("gpumigrate: the transplant's new process %s of kernel %s did not end", new.pid,
-                             self.kernel_id)
+            new.wait(timeout=60)  # gone, its ports free, before the source is restored onto them
+        except subprocess.TimeoutExpired as exc:
+            raise MigrateError(f"The transplant's new process {new.pid} did not end within 60 s of SIGKILL (a GPU "
+                               "that does not let it go?): the source cannot take its ports back. Its images are "
+                               "kept; restart the server once that process is gone.") from exc
         if self.process is new:  # it had been adopted: the source comes back by the dump's undo
             self.process = self.pid = self.pgid = self.started = None
+
+    def transplant_finish(self) -> None:
+        self._transplant = self._transplanted = None
 
     # -- launching -----------------------------------------------------------------------------------
 
@@ -516,6 +523,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
         self.launch_cmd, self.launch_env = list(cmd), dict(env)
+        self.lineage = set()  # a new process, or a restart: what was sent to earlier ones is not for it
         if revival is not None:  # the kernel an earlier server left: nothing is launched
             self.cwd = kwargs.get("cwd", Path.cwd())
             return self._revive(revival)

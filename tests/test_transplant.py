@@ -324,7 +324,7 @@ async def test_a_server_killed_while_the_new_process_waits_loses_nothing_and_lea
 
 def _scratch_folders(server, kernel_id: str) -> list[Path]:
     folders = [server.state / "images", *Path("/dev/shm").glob("jupyter-gpumigrate-*")]
-    return [f for folder in folders for f in folder.glob(f".transplant-{kernel_id}")]
+    return [f for folder in folders for f in folder.glob(f".transplant-{kernel_id}-*")]
 
 
 async def test_tensors_that_came_from_a_gpu_are_marked_to_go_back_onto_one(jp_fetch, kernel, tmp_path):
@@ -417,3 +417,31 @@ async def test_a_server_killed_as_the_new_process_takes_over_leaves_one_kernel_w
     finally:
         server.stop(signal.SIGKILL)
         server.kill_kernels()
+
+
+async def test_the_notebooks_own_imports_folder_and_ipython_references_carry(jp_fetch, kernel, tmp_path):
+    package = tmp_path / "src"
+    package.mkdir()
+    (package / "mymodels.py").write_text("class Net:\n    def __init__(self, size):\n        self.size = size\n")
+    await kernel.run(f"""
+import os, sys, torch
+sys.path.append({str(package)!r})
+os.chdir({str(tmp_path)!r})
+os.environ["MY_SETTING"] = "on"
+from mymodels import Net
+net = Net(3)
+ip = get_ipython()
+def count():
+    return get_ipython().execution_count
+exit = "mine now"
+ghost = torch.empty(4, device="meta")
+""")
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    carries = {r["name"] for r in survey["carries"]}
+    assert {"net", "Net", "ip", "count", "exit", "ghost"} <= carries and survey["left"] == [], survey
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded", op
+    out = await kernel.run("print(net.size, type(net).__module__, os.getcwd(), os.environ['MY_SETTING'], "
+                           "ip is get_ipython(), count() == get_ipython().execution_count, ghost.device, exit)")
+    assert out.split() == ["3", "mymodels", str(tmp_path), "on", "True", "True", "meta", "mine", "now"], out

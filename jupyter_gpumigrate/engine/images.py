@@ -238,27 +238,29 @@ class ImageStore:
         _remove(source)
         return target
 
-    def scratch(self, name: str, nbytes: int) -> Path:
+    def scratch(self, name: str, nbytes: int, pid: int | None = None) -> Path:
         """A new private folder for ``name``'s transplant (its objects on their way to a new process), in
-        memory where the tmpfs has room for ``nbytes`` and 10 % more and the host keeps a quarter of its
-        memory available, on disk otherwise; an old one is replaced. :meth:`tidy` removes what a server that
-        stopped left. :class:`ImageError` if neither has room."""
+        memory where the tmpfs has room for ``nbytes`` and 10 % more, the host keeps a quarter of its
+        memory available, and the memory cgroup of ``pid`` (who writes them, and is charged for them) has
+        room; on disk otherwise. Its name is new each time. :meth:`tidy` removes what a server that stopped
+        left. :class:`ImageError` if neither has room."""
         self.path_for(name)  # a valid name
         total, available = host_memory()
+        left = cgroup_room(pid) if pid is not None else None
         for base in (self._memory(), self.root):
             if base is None:
                 continue
             if base == self.memory_root and (memory_free(base) < nbytes * 1.1
-                                             or available - nbytes < KEEP_AVAILABLE * total):
+                                             or available - nbytes < KEEP_AVAILABLE * total
+                                             or (left is not None and left < nbytes * 1.1)):
                 continue
             if memory_free(base) < nbytes * 1.1:
                 raise ImageError(f"No room for the kernel's objects ({nbytes / 1e9:.1f} GB) in memory nor in "
                                  f"{base} ({memory_free(base) / 1e9:.1f} GB free): free space there, then try again. "
                                  "The kernel runs on, unchanged.")
-            path = base / f"{TRANSPLANT}{name}"
+            path = base / f"{TRANSPLANT}{name}-{os.urandom(4).hex()}"
             try:
                 self._ensure_root(base)
-                _remove(path)
                 path.mkdir(mode=0o700)
             except OSError as exc:
                 raise ImageError(f"Cannot create {path} for the kernel's objects: {exc}. The kernel runs on.") from exc

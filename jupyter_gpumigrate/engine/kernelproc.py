@@ -66,8 +66,8 @@ class KernelProcess(Protocol):
         :class:`~.errors.MigrateError` where the kernel cannot be transplanted (not an IPython kernel with
         this package); TimeoutError, RuntimeError or ConnectionError as ``host_stash``."""
 
-    def transplant_export(self, folder: str, timeout: float) -> dict:
-        """Have the kernel write its objects into ``folder`` (which exists): what it wrote."""
+    def transplant_export(self, folder: str, names: list[str], timeout: float) -> dict:
+        """Have the kernel write its objects ``names`` into ``folder`` (which exists): what it wrote."""
 
     def transplant_start(self, folder: str, gpu_uuid: str | None) -> int:
         """Start the new process of a transplant, on GPU ``gpu_uuid`` (the only one it sees) or none: it reads
@@ -78,6 +78,9 @@ class KernelProcess(Protocol):
 
     def transplant_abandon(self) -> None:
         """Kill the new process, if any, and collect it; the kernel is what it was before."""
+
+    def transplant_finish(self) -> None:
+        """The transplant is over, done or undone: forget its new process (the kernel, or gone)."""
 
     def adopt_remote(self, link: object, where: dict) -> None:
         """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""

@@ -38,11 +38,12 @@ import re
 import signal
 import sys
 import time
+import types
 import weakref
 from pathlib import Path
 from typing import Any
 
-OBJECTS, DATA, READY, FAILED = "objects.pkl", "data.bin", "ready.json", "failed.json"
+OBJECTS, DATA, READY, FAILED, PRELUDE = "objects.pkl", "data.bin", "ready.json", "failed.json", "prelude.json"
 
 #: In a kernel a transplant made on the CPU: the storages that were on a GPU in its source.
 _FROM_GPU: weakref.WeakSet = weakref.WeakSet()
@@ -67,9 +68,10 @@ def _shell() -> Any:
 
 def _user_names(shell: Any) -> dict[str, Any]:
     """The notebook's own names: not IPython's, not its caches (rebuilt from the history)."""
-    hidden = shell.user_ns_hidden
+    hidden, absent = shell.user_ns_hidden, object()
+    # As %who: a name IPython set is the notebook's once it holds another object.
     return {name: value for name, value in shell.user_ns.items()
-            if name not in hidden and not _CACHE_NAME.match(name)
+            if value is not hidden.get(name, absent) and not _CACHE_NAME.match(name)
             and not (name.startswith("__") and name.endswith("__"))}
 
 
@@ -95,6 +97,9 @@ class _Sink:
         key = untyped._cdata
         if key not in self._storages:
             self._keep.append(untyped)
+            if untyped.device.type not in ("cpu", "cuda"):
+                raise TypeError(f"a tensor on the {untyped.device.type} device: its data cannot be carried "
+                                "(move it to the CPU or a GPU first)")
             nbytes = untyped.nbytes()
             on_cpu = untyped.device.type == "cpu"
             # A storage that a transplant brought from a GPU onto the CPU goes back onto a GPU, if the next
@@ -159,12 +164,14 @@ def _pickler_class() -> type:
             self.user_ns = shell.user_ns
             self.torch = sys.modules.get("torch")
             # IPython's objects (get_ipython, exit, In...): what refers to them gets the target's own.
+            # IPython's own objects (get_ipython, exit, In...): what refers to them gets the target's. Modules
+            # and plain values go as themselves (by name, or by value).
             self.hidden = {id(v): k for k, v in shell.user_ns_hidden.items()
-                           if not isinstance(v, (str, bytes, int, float, bool, tuple, type(None)))}
+                           if not isinstance(v, (str, bytes, int, float, bool, tuple, type(None), types.ModuleType))}
 
         def persistent_id(self, obj: Any) -> Any:  # noqa: C901  one branch per kind of reference
             if obj is self.shell:
-                return ("hidden", "get_ipython")
+                return ("hidden", _SHELL)
             torch = self.torch
             if torch is not None:
                 if isinstance(obj, torch.storage.TypedStorage):
@@ -275,7 +282,7 @@ def _rng_states() -> dict[str, Any]:
     torch = sys.modules.get("torch")
     if torch is not None:
         states["torch"] = torch.get_rng_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        if torch.cuda.is_initialized():  # never asked first: that would set CUDA up in a kernel on the CPU
             states["torch_cuda"] = torch.cuda.get_rng_state(torch.cuda.current_device())
     return states
 
@@ -305,8 +312,9 @@ def _set_torch(settings: dict[str, Any]) -> None:
     torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
 
 
-def export(folder: str) -> str:
-    """Write what carries into ``folder`` (which must exist); JSON of what was written."""
+def export(folder: str, carries: list[str] | None = None) -> str:
+    """Write what carries into ``folder`` (which must exist): the names ``carries`` (the survey's, just
+    before) or, if None, those that carry now; JSON of what was written."""
     shell = _shell()
     where = Path(folder)
     if not where.is_dir():
@@ -314,7 +322,7 @@ def export(folder: str) -> str:
     started = time.perf_counter()
     names, outputs = {}, {}
     for name, value in _user_names(shell).items():
-        if _try(shell, value)[1] is None:
+        if (name in carries) if carries is not None else _try(shell, value)[1] is None:
             names[name] = value
     for number, value in shell.history_manager.output_hist.items():
         if _try(shell, value)[1] is None:
@@ -334,6 +342,9 @@ def export(folder: str) -> str:
         "environ": dict(os.environ),
         "sys_path": list(sys.path),
     }
+    # What the new process needs before it reads anything: where to import from, and the environment
+    # (read by libraries as they import, PyTorch's CUDA allocator among them).
+    _write_json(where / PRELUDE, {k: payload[k] for k in ("cwd", "environ", "sys_path")})
     with open(where / DATA, "xb", buffering=0) as data, open(where / (OBJECTS + ".part"), "xb") as out:
         sink = _Sink(data)
         _pickler_class()(out, sink, shell).dump(payload)
@@ -350,6 +361,10 @@ def export(folder: str) -> str:
 
 
 # -- the target ---------------------------------------------------------------------------------------
+
+
+#: How the IPython shell itself is referred to (get_ipython() is the shell; get_ipython the method).
+_SHELL = "<the shell>"
 
 
 class _Later:
@@ -421,6 +436,7 @@ def load(folder: Path, namespace: dict) -> dict:
         out.seek(0)
         device = "cuda" if any(kind == "storage" for _, _, kind, _ in blobs) and _has_cuda() else "cpu"
         payload = _Unpickler(io.BytesIO(out.read(end - size)), buffers, data, blobs, namespace, device).load()
+    payload["carried"] = dict(payload["names"])
     namespace.update(payload.pop("names"))
     return payload
 
@@ -450,10 +466,13 @@ def _set_rng(states: dict[str, Any]) -> None:
             torch.cuda.set_rng_state(states["torch_cuda"])
 
 
-def _settle(shell: Any, payload: dict, carried: set[str]) -> None:
-    """The history, execution count, caches, working folder, environment and settings of the source."""
-    for name in carried:  # IPython hides what its namespace held as it started (hide_initial_ns): not these
+def _settle(shell: Any, payload: dict, carried: dict[str, Any]) -> None:
+    """The notebook's names over IPython's, then the history, execution count, caches and settings."""
+    for name, value in carried.items():
+        # IPython hides what its namespace held as it started (hide_initial_ns), and sets its own names
+        # (exit, In...) over it: a notebook's name of the same kind is the notebook's.
         shell.user_ns_hidden.pop(name, None)
+        shell.user_ns[name] = value
     hm = shell.history_manager
     hm.input_hist_parsed[:] = payload["input_parsed"]
     hm.input_hist_raw[:] = payload["input_raw"]
@@ -468,18 +487,11 @@ def _settle(shell: Any, payload: dict, carried: set[str]) -> None:
         ns[f"_{number}"] = value
     ns.update(payload["last"])
     shell.execution_count = payload["execution_count"]
-    keep = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "JPY_PARENT_PID") if k in os.environ}
-    os.environ.clear()
-    os.environ.update(payload["environ"])
-    os.environ.update(keep)
-    if "CUDA_VISIBLE_DEVICES" not in keep:
-        os.environ.pop("CUDA_VISIBLE_DEVICES", None)
-    sys.path[:] = payload["sys_path"]
     _set_torch(payload.get("torch", {}))
-    try:
-        os.chdir(payload["cwd"])
-    except OSError:
-        pass  # the folder is gone: the kernel stays where it started
+    # What referred to the source's IPython objects (get_ipython, In...) gets this kernel's, by name.
+    for name, value in list(ns.items()):
+        if isinstance(value, _Later):
+            ns[name] = shell if value.name == _SHELL else shell.user_ns_hidden.get(value.name, value)
 
 
 def _rng_at_first_cell(kernel: Any, states: dict[str, Any]) -> None:
@@ -502,21 +514,43 @@ def _write_json(path: Path, data: dict) -> None:
     os.rename(part, path)
 
 
+def _wait_for(path: Path, folder: Path, parent: int) -> bool:
+    while not path.exists():
+        if not folder.is_dir() or os.getppid() != parent:
+            return False
+        time.sleep(0.005)
+    return True
+
+
 def _prepare_while_exporting(folder: Path, parent: int) -> bool:
-    """Start as the source writes its objects: import what the kernel and the objects need, and set up CUDA
-    if a GPU is visible, then wait for the objects (written last, by rename). False if the folder went
-    (the transplant was given up) or the server did."""
+    """Start as the source writes its objects: take its working folder, environment and sys.path (its
+    prelude, written first), import what the kernel and the objects need, set up CUDA if a GPU is
+    visible, then wait for the objects (written last, by rename). False if the folder went (the
+    transplant was given up) or the server did."""
+    if not _wait_for(folder / PRELUDE, folder, parent):
+        return False
+    _take_prelude(json.loads((folder / PRELUDE).read_text()))
     if _has_cuda():
         import torch
 
         torch.cuda.init()
     import ipykernel.kernelapp  # noqa: F401  imported now rather than after the switch
 
-    while not (folder / OBJECTS).exists():
-        if not folder.is_dir() or os.getppid() != parent:
-            return False
-        time.sleep(0.005)
-    return True
+    return _wait_for(folder / OBJECTS, folder, parent)
+
+
+def _take_prelude(prelude: dict) -> None:
+    """The source's environment (but the GPU this process sees), sys.path and working folder."""
+    keep = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "JPY_PARENT_PID") if k in os.environ}
+    os.environ.clear()
+    os.environ.update(prelude["environ"])
+    os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+    os.environ.update(keep)
+    sys.path[:] = prelude["sys_path"]
+    try:
+        os.chdir(prelude["cwd"])
+    except OSError:
+        pass  # the folder is gone: the kernel stays where it started
 
 
 def _wait_for_go(parent: int) -> bool:
@@ -545,13 +579,13 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         _write_json(folder / FAILED, {"error": f"{type(exc).__name__}: {_why(exc)}"})
         return LOAD_FAILED
-    carried = set(namespace)
-    _write_json(folder / READY, {"names": len(namespace), "seconds": round(time.perf_counter() - started, 4),
-                                 "device": "cuda" if _has_cuda() else "cpu"})
+    carried = payload.pop("carried")
+    _write_json(folder / READY, {"names": len(carried), "seconds": round(time.perf_counter() - started, 4),
+                                 "device": "cuda" if _has_cuda() else "cpu", "off_gpu": len(_FROM_GPU)})
     if not _wait_for_go(parent):
         print("jupyter-gpumigrate: the server that started this transplant is gone; exiting", file=sys.stderr)
         return LOAD_FAILED
-    signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
     from ipykernel.kernelapp import IPKernelApp

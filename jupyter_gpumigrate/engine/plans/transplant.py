@@ -1,12 +1,13 @@
 """A transplant: where the driver cannot go (another GPU model, the CPU), the notebook's objects go.
 
     prepare     the target checked (GPU or CPU), the dry run (what      undo: remove the folder
-                carries), a folder for the objects, one for the images
+                carries), a folder for the objects
     start       a new kernel process starts for the target: it imports  undo: kill it
                 and sets up CUDA while the objects are written
     export      the kernel writes its objects into the folder           (removed with the folder)
-    load        the new process reads them (onto its GPU, or into host  (killing it undoes it)
-                memory), then waits, the kernel's ports not yet taken
+    load        the new process reads them (onto its GPU, or into host  (killing it undoes it);
+                memory), then waits, the kernel's ports not yet taken;  undo: remove the images' folder
+                the source's image folder, placed now
     stash       the source writes its large buffers into its images     undo: it reads them back
                 and frees them (the suspend's host stash: the dump
                 that keeps it for a rollback is then small)
@@ -35,7 +36,7 @@ from pathlib import Path
 
 from .. import placement, proctree
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
-from ..images import host_memory, write_durably
+from ..images import cgroup_room, host_memory, write_durably
 from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
 from . import suspend
@@ -67,6 +68,7 @@ def saga() -> Saga[TransplantContext]:
             Step("switch", switch),
             Step("forget the source", forget_images, kind=ON_SUCCESS),
             Step("remove the objects", remove_folder, kind=ALWAYS),
+            Step("forget the new process", lambda ctx: ctx.kernel.transplant_finish(), kind=ALWAYS),
         ],
         start_from=("running",),
         success="running",
@@ -131,15 +133,21 @@ def prepare(ctx: TransplantContext) -> None:
             raise MigrateError(f"The host has {available / 1e9:.1f} GB of memory available; a transplant to the "
                                f"CPU of {nbytes / 1e9:.1f} GB of objects needs twice that. Free memory, then try "
                                "again. The kernel runs on, unchanged.")
-    ctx.folder = ctx.tools.store.scratch(ctx.kernel.kernel_id, nbytes)
+        left = cgroup_room(pid)
+        if left is not None and left < 2 * nbytes:
+            raise MigrateError(f"The kernel's memory cgroup has room for {left / 1e9:.1f} GB more; a transplant to "
+                               f"the CPU of {nbytes / 1e9:.1f} GB of objects needs twice that within it (its limit, "
+                               "memory.max, counts the objects' files and the new process). The kernel runs on, "
+                               "unchanged.")
+    ctx.folder = ctx.tools.store.scratch(ctx.kernel.kernel_id, nbytes, pid)
     ctx.undo(lambda: remove_folder(ctx))
-    new_images(ctx, pid, ctx.tools.images)
 
 
 def export(ctx: TransplantContext) -> None:
     assert ctx.folder is not None
     try:
-        ctx.exported = ctx.kernel.transplant_export(str(ctx.folder), ctx.wait())
+        carries = [r["name"] for r in ctx.survey["carries"]]
+        ctx.exported = ctx.kernel.transplant_export(str(ctx.folder), carries, ctx.wait())
     except TimeoutError as exc:
         raise MigrateError(f"The kernel did not write its objects within {ctx.wait():.0f} s (a cell that runs "
                            "long?): the transplant is given up; the kernel runs on.") from exc
@@ -178,9 +186,16 @@ def load(ctx: TransplantContext) -> None:
                                "kernel runs on, unchanged.")
         time.sleep(0.05)
     ctx.loaded = json.loads(ready.read_text())
+    if ctx.to_gpu is not None and ctx.loaded.get("off_gpu"):
+        raise GpuError(f"The new kernel process does not see GPU {ctx.to_gpu} through PyTorch (torch.cuda is not "
+                       f"available there), so {ctx.loaded['off_gpu']} GPU tensors would land in host memory. Check "
+                       "that the kernel's PyTorch is a CUDA build matching the driver. The kernel runs on, "
+                       "unchanged.")
     # The new process holds the objects: their files would only hold memory (a tmpfs) while the source is saved.
     for name in ("data.bin", "objects.pkl"):
         (ctx.folder / name).unlink(missing_ok=True)
+    # The source's images, where they fit now that the new process holds the objects.
+    new_images(ctx, ctx.pid or running_pid(ctx), ctx.tools.images)
 
 
 def switch(ctx: TransplantContext) -> None:
@@ -198,9 +213,11 @@ def switch(ctx: TransplantContext) -> None:
     ctx.undo(lambda: marker.unlink(missing_ok=True))
     write_durably(marker, json.dumps({"pid": ctx.new_pid, "started": proctree.start_time(ctx.new_pid)}))
     os.kill(ctx.new_pid, signal.SIGUSR1)
-    if not ctx.kernel.wait_ready(max(ctx.tools.reconnect_timeout, 30.0)):
-        raise MigrateError("The new kernel process did not answer on the kernel's ports (its log, beside the "
-                           "kernel's, says why): the source is brought back.")
+    deadline = time.monotonic() + max(ctx.tools.reconnect_timeout, 30.0)
+    while not ctx.kernel.wait_ready(1.0):
+        if not proctree.is_alive(ctx.new_pid) or time.monotonic() > deadline:
+            raise MigrateError("The new kernel process did not answer on the kernel's ports (the kernel's log says "
+                               "why): the source is brought back.")
 
 
 def remove_folder(ctx: TransplantContext) -> None:
