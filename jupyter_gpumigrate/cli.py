@@ -291,7 +291,7 @@ def cmd_transplant(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(survey, indent=1) if args.json else survey_report(survey, kernel["id"]))
         return EXIT_OK
-    if not args.json:
+    if not args.json or not args.yes:  # what would be lost is always said before it is asked
         print(survey_report(survey, kernel["id"]), file=sys.stderr)
     if not args.yes:
         if not sys.stdin.isatty():
@@ -300,7 +300,8 @@ def cmd_transplant(args: argparse.Namespace) -> int:
         if input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
             print("Nothing was done.", file=sys.stderr)
             return EXIT_FAILED
-    op = server.call(lambda c: c.act(kernel["id"], "transplant", body))
+    accepted = [r["name"] for r in survey.get("left", [])]
+    op = server.call(lambda c: c.act(kernel["id"], "transplant", {**body, "accept_left": accepted}))
     op = follow(server, op, quiet=args.json, timeout=args.timeout)
     if args.json:
         print(json.dumps(op, indent=1))

@@ -164,7 +164,7 @@ class OperationManager:
             raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
 
     def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
-              fast_path: str = "auto", images: str | None = None) -> Operation:
+              fast_path: str = "auto", images: str | None = None, accept_left: list[str] | None = None) -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.discarding:
@@ -181,7 +181,7 @@ class OperationManager:
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
         if action == "transplant":
-            return self._start_transplant(kernel_id, provisioner, to_gpu)
+            return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left)
         if provisioner.state == BROKEN:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
@@ -253,7 +253,8 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id} could not say what of it would carry: {exc}") from exc
         return {**said, "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "same_model": same_model}
 
-    def _start_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> Operation:
+    def _start_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None,
+                          accept_left: list[str] | None) -> Operation:
         self._check_transplant(kernel_id, provisioner, to_gpu)
         held = placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()) if provisioner.pid else []
         if held:
@@ -261,7 +262,7 @@ class OperationManager:
         op = Operation(kernel_id=kernel_id, action="transplant", to_gpu=to_gpu,
                        from_gpu=int(held[0]["index"]) if held else None, phases=list(PHASES["transplant"]))
         self.active[kernel_id] = op
-        return self._launch(op, self._run(op, provisioner, self._criu(provisioner)))
+        return self._launch(op, self._run(op, provisioner, self._criu(provisioner), accept_left=accept_left))
 
     def resume_for_cell(self, kernel_id: str) -> Operation:
         """A cell was run on suspended kernel ``kernel_id`` (autoresume.py): resume it where it is best
@@ -436,7 +437,8 @@ class OperationManager:
                 return
 
     async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None,
-                   link: PeerLink | None = None, stash: Stash | None = None, invite: bool = True) -> None:
+                   link: PeerLink | None = None, stash: Stash | None = None, invite: bool = True,
+                   accept_left: list[str] | None = None) -> None:
         loop = asyncio.get_running_loop()
 
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
@@ -451,7 +453,7 @@ class OperationManager:
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),
             "migrate": lambda: migration.move_to_gpu(op.to_gpu, stash=stash, invite=invite),
-            "transplant": lambda: migration.transplant(op.to_gpu),
+            "transplant": lambda: migration.transplant(op.to_gpu, accept_left),
         }
         if link is not None and op.to_host == self.host_name:
             steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)

@@ -143,6 +143,14 @@ async def test_what_cannot_be_transplanted_is_refused_saying_why_and_nothing_cha
         answer = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_gpu": 0},
                            expect=409)
         assert "GPU 0" in answer["message"], answer
+    # What was confirmed binds: more left behind than accepted is refused.
+    await kernel.run("kept = 1\nimport threading, time\nbusy = threading.Thread(target=time.sleep, args=(30,), "
+                     "name='worker', daemon=True)\nbusy.start()")
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    assert any(n["name"] == "thread 'worker'" and "does not go on" in n["note"] for n in survey["notes"]), survey
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True, "accept_left": ["busy"]})
+    assert op["status"] == "failed" and "Now gen would not carry, which was not in what you accepted" in op["error"]
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid
     assert await kernel.run("print(sum(1 for _ in gen))") == "3\n", "the generator is untouched"
@@ -184,18 +192,42 @@ def _transplant_processes() -> list[int]:
     return found
 
 
-async def test_a_full_disk_while_the_kernel_writes_its_objects_leaves_it_running(jp_fetch, jp_serverapp, kernel,
-                                                                                 tmp_path):
+async def test_no_room_is_refused_and_a_disk_filled_during_the_export_leaves_the_kernel_running(
+        jp_fetch, jp_serverapp, kernel, tmp_path):
     await kernel.run(BUILD)
-    # Pickled in band (a list of floats): the dry run counts no raw bytes for it, so the room check passes.
-    await kernel.run("floats = [float(i) for i in range(4_000_000)]")
     pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
     provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
     with small_tmpfs(tmp_path / "small", "24m") as small:
         provisioner.state_dir, provisioner.memory_dir = str(small), ""
+        # Too much for the disk, pickled in band (a list of floats) as raw: refused before anything is done.
+        await kernel.run("floats = [float(i) for i in range(4_000_000)]")
         op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+        await _source_runs_on(jp_fetch, kernel, pid, op, "prepare", "No room for the kernel's objects")
+
+        # Room enough as it starts, but the disk fills as the kernel writes (another writer, for real).
+        await kernel.run("floats = [float(i) for i in range(1_200_000)]")
+        filled = asyncio.get_running_loop().run_in_executor(None, _fill_once_the_export_starts, small)
+        op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+        assert await filled, "the disk was filled as the export began"
         await _source_runs_on(jp_fetch, kernel, pid, op, "export", "is full: the kernel's objects could not be written")
+        (small / "filler.bin").unlink()
         assert list(small.glob("images/.transplant-*")) == [] and list(small.glob("images/*")) == []
+
+
+def _fill_once_the_export_starts(small: Path) -> bool:
+    """Fill the small disk as soon as the export's first file (its prelude) is there."""
+    deadline = time.monotonic() + 60
+    while not list(small.glob("images/.transplant-*/prelude.json")):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.0005)
+    with open(small / "filler.bin", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * (1 << 20))
+        except OSError:
+            pass
+    return True
 
 
 async def test_objects_the_new_process_cannot_take_leave_the_source_running(jp_fetch, jp_serverapp, kernel):

@@ -83,6 +83,6 @@ class Migration:
     def return_home(self, link: HostLink, to_gpu: int | None = None) -> Outcome:
         return host_move.return_home(self.kernel, self.tools, link, to_gpu, self.progress)
 
-    def transplant(self, to_gpu: int | None) -> Outcome:
+    def transplant(self, to_gpu: int | None, accept_left: list[str] | None = None) -> Outcome:
         """Carry the kernel's objects into a new process on GPU ``to_gpu`` (any model), or the CPU (None)."""
-        return transplant.run(self.kernel, self.tools, to_gpu, self.progress)
+        return transplant.run(self.kernel, self.tools, to_gpu, accept_left, self.progress)

@@ -57,7 +57,8 @@ class KernelActionHandler(BaseHandler):
             return
         try:
             op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"), to_host=body.get("to_host"),
-                                       fast_path=fast_path, images=body.get("images"))
+                                       fast_path=fast_path, images=body.get("images"),
+                                       accept_left=body.get("accept_left"))
         except MigrateError as exc:
             self.send_migrate_error(exc)
             return

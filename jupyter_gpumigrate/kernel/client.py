@@ -87,9 +87,11 @@ class ServerClient:
             body["fast_path"] = fast_path
         return self.api.act(self.kernel_id, "migrate", body)
 
-    def transplant(self, to_gpu: int | None) -> dict:
-        """Start a transplant of this kernel to GPU ``to_gpu`` (any model) or the CPU (None)."""
-        return self.api.act(self.kernel_id, "transplant", {"to_gpu": to_gpu} if to_gpu is not None else {"to_cpu": True})
+    def transplant(self, to_gpu: int | None, accept_left: list[str]) -> dict:
+        """Start a transplant of this kernel to GPU ``to_gpu`` (any model) or the CPU (None), leaving behind
+        no more than ``accept_left``."""
+        body: dict = {"to_gpu": to_gpu} if to_gpu is not None else {"to_cpu": True}
+        return self.api.act(self.kernel_id, "transplant", {**body, "accept_left": accept_left})
 
     def suspend(self, images: str | None = None) -> dict:
         return self.api.act(self.kernel_id, "suspend", {"images": images} if images else None)

@@ -163,7 +163,7 @@ class MigrateMagics(Magics):
         if not yes and input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
             print("Nothing was done.")
             return
-        op = client.transplant(to_gpu)
+        op = client.transplant(to_gpu, [r["name"] for r in said["left"]])
         where = "the CPU" if to_gpu is None else f"GPU {to_gpu}"
         print(f"The transplant to {where} starts as this cell ends (operation {op['id'][:8]}): the kernel goes on "
               "in a new process, its id unchanged. Cells run meanwhile wait, then run there; should it fail, they "

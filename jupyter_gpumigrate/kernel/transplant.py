@@ -37,6 +37,7 @@ import pickle
 import re
 import signal
 import sys
+import threading
 import time
 import types
 import weakref
@@ -84,6 +85,8 @@ class _Sink:
         #: one row per blob: (offset, bytes, kind, device type)
         self.blobs: list[tuple[int, int, str, str]] = []
         self._storages: dict[int, int] = {}  # untyped storage (its C address) -> blob index
+        #: raw bytes of storages by where they go ("cuda": onto the target's GPU, if it has one)
+        self.by_device: dict[str, int] = {}
         self._keep: list[Any] = []  # what a key's address stays valid with, until the export ends
 
     def _write(self, address: int, nbytes: int, kind: str, device: str) -> int:
@@ -105,6 +108,7 @@ class _Sink:
             # A storage that a transplant brought from a GPU onto the CPU goes back onto a GPU, if the next
             # target has one: a kernel can go to the CPU and back.
             device = "cuda" if not on_cpu or untyped in _FROM_GPU else "cpu"
+            self.by_device[device] = self.by_device.get(device, 0) + nbytes
             if self.file is None:  # the survey: counted, not copied
                 index = self._write(0, nbytes, "storage", device)
             else:
@@ -209,11 +213,17 @@ def _rebuild_generator(device: str, state: Any) -> Any:
 
 
 class _Null(io.RawIOBase):
+    """Where the survey's pickles go: nowhere, counted."""
+
+    written = 0
+
     def writable(self) -> bool:
         return True
 
     def write(self, data: Any) -> int:
-        return memoryview(data).nbytes
+        n = memoryview(data).nbytes
+        self.written += n
+        return n
 
 
 def _why(exc: BaseException) -> str:
@@ -221,16 +231,18 @@ def _why(exc: BaseException) -> str:
     return text.splitlines()[0][:300]
 
 
-def _try(shell: Any, value: Any) -> tuple[int, str | None]:
-    """Whether ``value`` carries on its own: (its bytes, None), or (0, why not)."""
-    sink = _Sink(None)
+def _try(shell: Any, value: Any, sink: _Sink | None = None) -> tuple[int, str | None]:
+    """Whether ``value`` carries on its own: (its bytes, raw and pickled, None), or (0, why not). With
+    ``sink``, its raw bytes are counted there too (a storage shared by two names, once)."""
+    own = _Sink(None)
+    null = _Null()
     try:
-        _pickler_class()(_Null(), sink, shell).dump(value)
+        _pickler_class()(null, own, shell).dump(value)
+        if sink is not None:
+            _pickler_class()(_Null(), sink, shell).dump(value)
     except Exception as exc:  # noqa: BLE001  whatever the pickler says is the reason
         return 0, _why(exc)
-    except RecursionError as exc:
-        return 0, _why(exc)
-    return sink.nbytes, None
+    return own.nbytes + null.written, None
 
 
 def _type_name(value: Any) -> str:
@@ -239,9 +251,19 @@ def _type_name(value: Any) -> str:
 
 
 def _notes(names: dict[str, Any]) -> list[dict[str, str]]:
-    """What carries but may not work as before on the target: names of a CUDA device, say."""
+    """What carries but may not work as before on the target: names of a CUDA device, say, and the
+    notebook's own threads, which do not go on there."""
+    from .stager import QUIET_THREADS, _parked, _thread_module
+
     torch = sys.modules.get("torch")
     notes = []
+    for thread in threading.enumerate():
+        module = _thread_module(thread)
+        if (thread is threading.main_thread() or not thread.is_alive() or _parked(thread)
+                or any(module == q or module.startswith(q + ".") for q in QUIET_THREADS)):
+            continue
+        notes.append({"name": f"thread {thread.name!r}", "note": "runs in the kernel now: it does not go on in the "
+                      "new process, and what it changes during the transplant may be carried half done"})
     if torch is not None:
         for name, value in names.items():
             if isinstance(value, torch.device) and value.type == "cuda":
@@ -258,8 +280,9 @@ def survey() -> str:
     ``outputs`` (how many of Out carry, of how many) and ``bytes`` (the raw bytes to write)."""
     shell = _shell()
     carries, left = [], []
+    together = _Sink(None)  # every raw byte once, whichever names share it
     for name, value in _user_names(shell).items():
-        nbytes, why = _try(shell, value)
+        nbytes, why = _try(shell, value, together)
         row = {"name": name, "type": _type_name(value)}
         if why is None:
             carries.append({**row, "bytes": nbytes})
@@ -267,9 +290,11 @@ def survey() -> str:
             left.append({**row, "reason": why})
     outputs = shell.history_manager.output_hist
     carried_out = sum(1 for v in outputs.values() if _try(shell, v)[1] is None)
+    pickled = sum(r["bytes"] for r in carries) - sum(together.by_device.values())
     return json.dumps({"carries": carries, "left": left, "notes": _notes(_user_names(shell)),
                        "outputs": {"carried": carried_out, "of": len(outputs)},
-                       "bytes": sum(r["bytes"] for r in carries), "execution_count": shell.execution_count})
+                       "bytes": together.nbytes + max(0, pickled),
+                       "gpu_bytes": together.by_device.get("cuda", 0), "execution_count": shell.execution_count})
 
 
 def _rng_states() -> dict[str, Any]:

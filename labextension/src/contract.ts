@@ -44,6 +44,10 @@ export type GpuIndex = number;
  */
 export type KernelList = Kernel[];
 /**
+ * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
+ */
+export type Bytes1 = number;
+/**
  * GET /refused: the records not taken back at the server's start that are still on disk.
  */
 export type RefusedList = RefusedRecord[];
@@ -465,6 +469,7 @@ export interface TransplantSurvey {
   notes: TransplantNote[];
   outputs: TransplantOutputs;
   bytes: Bytes;
+  gpu_bytes: Bytes1;
   execution_count: number;
   /**
    * Where it would go.
@@ -555,6 +560,10 @@ export interface TransplantRequest2 {
    * do nothing; answer what would carry and what not (200, a TransplantSurvey)
    */
   dry_run?: boolean;
+  /**
+   * the names the dry run said would not carry, as shown to whoever confirmed: the transplant is refused if more would be left behind
+   */
+  accept_left?: string[];
 }
 /**
  * POST /gpus/{index}/drain.

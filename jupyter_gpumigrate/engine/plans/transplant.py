@@ -77,8 +77,11 @@ def saga() -> Saga[TransplantContext]:
 
 
 class TransplantContext(KernelContext):
-    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | None) -> None:
+    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | None,
+                 accept_left: list[str] | None = None) -> None:
         super().__init__(kernel, tools)
+        #: the names the caller was shown would not carry, and accepted (None: not asked)
+        self.accept_left = accept_left
         #: the target: a GPU's index, or None for the CPU
         self.to_gpu = to_gpu
         self.target_uuid: str | None = None
@@ -119,13 +122,19 @@ def prepare(ctx: TransplantContext) -> None:
         left = ", ".join(r["name"] for r in ctx.survey.get("left", [])) or "none"
         raise InvalidState(f"Nothing of the kernel's would carry (its own names that cannot: {left}): restart it on "
                            "the target instead.")
+    left = sorted(r["name"] for r in ctx.survey.get("left", []))
+    if ctx.accept_left is not None and set(left) - set(ctx.accept_left):
+        unseen = ", ".join(sorted(set(left) - set(ctx.accept_left)))
+        raise InvalidState(f"Now {unseen} would not carry, which was not in what you accepted (the kernel ran "
+                           "meanwhile?): look at the dry run again, then confirm. The kernel runs on, unchanged.")
     nbytes = int(ctx.survey.get("bytes", 0))
     if target is not None:
         ctx.target_uuid, ctx.target_index = target.uuid, target.index
+        on_gpu = int(ctx.survey.get("gpu_bytes", nbytes))
         room = placement.free(target)  # the source, if on it, still holds its memory while the objects load
-        if room < nbytes + GPU_HEADROOM:
-            raise GpuError(f"GPU {target.index} has {room / 1e9:.1f} GB free; the kernel's objects need "
-                           f"{nbytes / 1e9:.1f} GB and {GPU_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
+        if room < on_gpu + GPU_HEADROOM:
+            raise GpuError(f"GPU {target.index} has {room / 1e9:.1f} GB free; the kernel's GPU tensors need "
+                           f"{on_gpu / 1e9:.1f} GB and {GPU_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
                            "pick another target. The kernel runs on, unchanged.")
     else:
         total, available = host_memory()
@@ -225,9 +234,11 @@ def remove_folder(ctx: TransplantContext) -> None:
         shutil.rmtree(ctx.folder, ignore_errors=True)
 
 
-def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, progress: ProgressCallback | None = None) -> Outcome:
-    """Carry the running kernel's objects into a new process on GPU ``to_gpu``, or on the CPU (None)."""
-    ctx = TransplantContext(kernel, tools, to_gpu)
+def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, accept_left: list[str] | None = None,
+        progress: ProgressCallback | None = None) -> Outcome:
+    """Carry the running kernel's objects into a new process on GPU ``to_gpu``, or on the CPU (None);
+    refused if more would be left behind than ``accept_left`` names (when given)."""
+    ctx = TransplantContext(kernel, tools, to_gpu, accept_left)
     result = saga().run(ctx, progress)
     survey = ctx.survey
     transplant = {"to": "cpu" if to_gpu is None else "gpu", "carried": [r["name"] for r in survey.get("carries", [])],
