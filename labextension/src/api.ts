@@ -20,7 +20,9 @@ import type {
   OperationStatus,
   ResumeRequest,
   SuspendRequest,
-  Target
+  Target,
+  TransplantRequest,
+  TransplantSurvey
 } from './contract';
 
 export type { Phase } from './contract';
@@ -90,7 +92,15 @@ export const api = {
     start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_gpu: toGpu }),
   moveToHost: (kernelId: string, toHost: string) =>
     start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_host: toHost }),
-  drain: (index: number) => start<DrainRequest>(`gpus/${index}/drain`, {})
+  drain: (index: number) => start<DrainRequest>(`gpus/${index}/drain`, {}),
+  /** What a transplant would carry and what not (its dry run: nothing is done). */
+  transplantSurvey: (kernelId: string, body: TransplantRequest) =>
+    request<TransplantSurvey>(`kernels/${kernelId}/transplant`, {
+      method: 'POST',
+      body: JSON.stringify({ ...body, dry_run: true })
+    }),
+  transplant: (kernelId: string, body: TransplantRequest) =>
+    start<TransplantRequest>(`kernels/${kernelId}/transplant`, body)
 };
 
 /** Powers of 1000, largest first. */

@@ -2,7 +2,7 @@
 // on other hosts; the actions (move, suspend, resume, bring home, drain) and the progress of operations
 // in flight. React renders it, so an update changes only what changed: an open menu stays open and focus
 // stays where it is.
-import { Dialog, showDialog } from '@jupyterlab/apputils';
+import { Dialog, Notification, showDialog } from '@jupyterlab/apputils';
 import { PathExt } from '@jupyterlab/coreutils';
 import { ReactWidget, refreshIcon, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
@@ -204,6 +204,66 @@ async function confirmDrain(store: GpuMigrateStore, gpu: IGpu, kernels: IKernel[
   }
 }
 
+/**
+ * A transplant to the CPU, honestly labelled: what would not carry is listed (the server's dry run)
+ * before anything is done, and what was shown is what is accepted.
+ */
+async function confirmTransplant(
+  store: GpuMigrateStore,
+  kernel: IKernel,
+  name: string
+): Promise<void> {
+  let survey;
+  try {
+    survey = await api.transplantSurvey(kernel.id, { to_cpu: true });
+  } catch (error) {
+    Notification.error(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
+      autoClose: false
+    });
+    return;
+  }
+  const left = survey.left.map(r => r.name);
+  const body = (
+    <div className="jp-gpumigrate-transplant-survey">
+      <p>
+        A new kernel process starts without a GPU, and the notebook’s objects are carried into it:
+        not the process (threads, open files, sockets and the state of libraries stay behind).
+      </p>
+      <p>
+        Carries {survey.carries.length} names ({humanBytes(survey.bytes)} of tensors and arrays).
+      </p>
+      {survey.left.length > 0 && (
+        <ul className="jp-gpumigrate-left">
+          {survey.left.map(r => (
+            <li key={r.name}>
+              Not carried: <code>{r.name}</code> ({r.type}): {r.reason}
+            </li>
+          ))}
+        </ul>
+      )}
+      {survey.notes.length > 0 && (
+        <ul className="jp-gpumigrate-notes">
+          {survey.notes.map(r => (
+            <li key={r.name}>
+              <code>{r.name}</code> {r.note}
+            </li>
+          ))}
+        </ul>
+      )}
+    </div>
+  );
+  const result = await showDialog({
+    title: `Transplant ${name} to the CPU?`,
+    body,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Transplant' })]
+  });
+  if (result.button.accept) {
+    await store.start(kernel.id, 'Transplanting…', () =>
+      api.transplant(kernel.id, { to_cpu: true, accept_left: left })
+    );
+  }
+}
+
 function DrainProgress(props: IStoreProps & { gpu: IGpu; op: IOperation }): React.ReactElement {
   const results = props.op.results ?? [];
   const seen = new Set(results.map(r => r.kernel_id));
@@ -349,6 +409,18 @@ function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.
             ariaLabel={`Suspend ${name}`}
             begin={() => api.suspend(id)}
           />
+          {kernel.gpus.length > 0 && (
+            <button
+              type="button"
+              className="jp-gpumigrate-button jp-gpumigrate-to-cpu"
+              aria-label={`Transplant ${name} to the CPU`}
+              title="Carry the notebook's objects into a new kernel without a GPU (asks first)"
+              disabled={pending}
+              onClick={() => void confirmTransplant(store, kernel, name)}
+            >
+              To CPU…
+            </button>
+          )}
         </div>
         {kernel.gpus.length > 0 && !ok.length && (
           <div className="jp-gpumigrate-muted jp-gpumigrate-why">

@@ -340,6 +340,41 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
   await expect(dialog).toHaveCount(0);
   expect(drains).toHaveLength(0);
 
+  // To CPU: what would not carry is listed (the real kernel's dry run) before anything is done. Cancelled,
+  // nothing starts; confirmed, the real kernel is transplanted, and its notebook goes on in the new process.
+  await page.notebook.setCell(
+    0,
+    'code',
+    "kept = 'across'; gen = (i for i in range(3)); print('set')"
+  );
+  await page.notebook.runCell(0);
+  const transplants: Request[] = [];
+  page.on('request', request => {
+    if (request.method() === 'POST' && request.url().includes('/transplant')) {
+      transplants.push(request);
+    }
+  });
+  const toCpu = row.getByRole('button', { name: 'Transplant train.ipynb to the CPU' });
+  await toCpu.click();
+  await expect(dialog).toContainText('Transplant train.ipynb to the CPU?');
+  await expect(dialog).toContainText(
+    "Not carried: gen (generator): cannot pickle 'generator' object"
+  );
+  await dialog.getByRole('button', { name: 'Cancel' }).click();
+  await expect(dialog).toHaveCount(0);
+  expect(transplants.map(r => r.postDataJSON().dry_run)).toEqual([true]);
+  await toCpu.click();
+  await dialog.getByRole('button', { name: 'Transplant' }).click();
+  await expect.poll(() => transplants.length).toBe(3);
+  expect(transplants[2].postDataJSON()).toEqual({ to_cpu: true, accept_left: ['gen'] });
+  await page.notebook.setCell(1, 'code', "print(kept, 'gen' in dir())");
+  await page.notebook.runCell(1);
+  await expect
+    .poll(async () => (await page.notebook.getCellTextOutput(1))?.join('').trim(), {
+      timeout: 60_000
+    })
+    .toBe('across False');
+
   // Updates happen in place: the focused menu is the same element, still focused, after new data.
   await moveTo.focus();
   await moveTo.evaluate(el => ((el as HTMLElement).dataset.marked = 'yes'));
