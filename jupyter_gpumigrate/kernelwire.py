@@ -123,6 +123,9 @@ def evaluate_silently(connection_info: dict, expression: str, timeout: float,
             reply = session.deserialize(frames)
             if reply["parent_header"].get("msg_id") != msg_id:
                 continue
+            if reply["content"].get("status") == "aborted":
+                raise RuntimeError("Aborted: a cell queued before this request failed, and the kernel dropped what "
+                                   "was queued after it; try again")
             result = (reply["content"].get("user_expressions") or {}).get("r") or {}
             if result.get("status") == "ok":
                 value = (result.get("data") or {}).get("text/plain", "")

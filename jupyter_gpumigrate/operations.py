@@ -251,6 +251,9 @@ class OperationManager:
                                "runs long?): ask again once it is idle.") from exc
         except (RuntimeError, ConnectionError) as exc:
             raise InvalidState(f"Kernel {kernel_id} could not say what of it would carry: {exc}") from exc
+        except ValueError as exc:  # not the survey's JSON
+            raise InvalidState(f"Kernel {kernel_id}'s answer was not understood ({exc}): install the same version "
+                               "of jupyter-gpumigrate in the kernel's environment as in the server's.") from exc
         return {**said, "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "same_model": same_model}
 
     def _start_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None,

@@ -477,3 +477,16 @@ ghost = torch.empty(4, device="meta")
     out = await kernel.run("print(net.size, type(net).__module__, os.getcwd(), os.environ['MY_SETTING'], "
                            "ip is get_ipython(), count() == get_ipython().execution_count, ghost.device, exit)")
     assert out.split() == ["3", "mymodels", str(tmp_path), "on", "True", "True", "meta", "mine", "now"], out
+
+
+async def test_a_dry_run_queued_behind_a_failing_cell_says_so(jp_fetch, kernel):
+    kernel.client.execute("import time; time.sleep(1); 1 / 0")  # the kernel drops what is queued behind an error
+    await asyncio.sleep(0.2)
+    answer = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True}, expect=409)
+    assert "Aborted: a cell queued before this request failed" in answer["message"] and "try again" in \
+        answer["message"], answer
+    await asyncio.sleep(0.5)
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_cpu": True, "dry_run": True})
+    assert survey["to"] == "cpu"

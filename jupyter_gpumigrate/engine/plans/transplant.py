@@ -118,6 +118,12 @@ def prepare(ctx: TransplantContext) -> None:
     except RuntimeError as exc:
         raise MigrateError(f"The kernel could not say what of it would carry ({exc}); it runs on, "
                            "unchanged.") from exc
+    except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
+        raise InvalidState(f"The kernel stopped answering as it was asked what of it would carry ({exc}): "
+                           "restart it.") from exc
+    except ValueError as exc:  # not the survey's JSON: another version of this package in the kernel?
+        raise MigrateError(f"The kernel's answer was not understood ({exc}): install the same version of "
+                           "jupyter-gpumigrate in the kernel's environment as in the server's.") from exc
     if not ctx.survey.get("carries"):
         left = ", ".join(r["name"] for r in ctx.survey.get("left", [])) or "none"
         raise InvalidState(f"Nothing of the kernel's would carry (its own names that cannot: {left}): restart it on "
