@@ -98,14 +98,21 @@ def floors(disk_dir: Path) -> dict:
             out[what] = 16 * per / (time.perf_counter() - t0) / GB
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    code = ("import torch,time\nd=torch.empty(4<<30,dtype=torch.uint8,device='cuda');h=torch.empty(4<<30,"
+    out.update(pinned_floors(4 << 30))
+    return {k: round(v, 2) for k, v in out.items()}
+
+
+def pinned_floors(nbytes: int) -> dict:
+    """Pinned host <-> GPU 0 copies of ``nbytes``, GB/s (the second of two rounds); empty without a GPU."""
+    code = (f"import torch,time\nn={nbytes}\nd=torch.empty(n,dtype=torch.uint8,device='cuda');h=torch.empty(n,"
             "dtype=torch.uint8,pin_memory=True)\nfor w in (0,1):\n t=time.perf_counter();h.copy_(d);"
             "torch.cuda.synchronize();a=time.perf_counter()-t\n t=time.perf_counter();d.copy_(h);"
-            "torch.cuda.synchronize();b=time.perf_counter()-t\nprint((4<<30)/a/1e9,(4<<30)/b/1e9)")
+            "torch.cuda.synchronize();b=time.perf_counter()-t\nprint(n/a/1e9,n/b/1e9)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if done.returncode == 0:
-        out["pinned_d2h"], out["pinned_h2d"] = map(float, done.stdout.split())
-    return {k: round(v, 2) for k, v in out.items()}
+    if done.returncode != 0:
+        return {}
+    d2h, h2d = map(float, done.stdout.split())
+    return {"pinned_d2h": d2h, "pinned_h2d": h2d}
 
 
 def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> None:

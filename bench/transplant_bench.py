@@ -7,7 +7,8 @@ one rebuilt from its seed (torch.equal: exact) on the device it landed on.
 
 Floors, measured in the same run just before each transplant, as the export and load do their work (one
 thread, one file, on the tmpfs): a fresh Python process writing as many bytes of its own memory to
-/dev/shm and reading them into new memory; with a GPU, pinned host <-> GPU copies. Writes ``<out-dir>/<date>-<tag>-transplant.json``; the table comes last.
+/dev/shm and reading them into new memory; with a GPU, pinned host <-> GPU copies. Writes
+``<out-dir>/<date>-<tag>-transplant.json``; the table comes last.
 
     python3 bench/transplant_bench.py [--sizes 1,4] [--device cpu] [--to cpu] [--tag dev]
 """
@@ -28,6 +29,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_bench import Server  # noqa: E402
 from report import text_table  # noqa: E402
+from suspend_bench import pinned_floors  # noqa: E402
 
 GB = 10**9
 
@@ -87,13 +89,7 @@ def floors(size: float) -> dict:
     if done.returncode != 0:
         raise RuntimeError(f"the floor could not be measured: {done.stderr.strip()}")
     out["tmpfs_write"], out["tmpfs_read"] = map(float, done.stdout.split())
-    code = ("import torch,time\nd=torch.empty(2<<30,dtype=torch.uint8,device='cuda');h=torch.empty(2<<30,"
-            "dtype=torch.uint8,pin_memory=True)\nfor w in (0,1):\n t=time.perf_counter();h.copy_(d);"
-            "torch.cuda.synchronize();a=time.perf_counter()-t\n t=time.perf_counter();d.copy_(h);"
-            "torch.cuda.synchronize();b=time.perf_counter()-t\nprint((2<<30)/a/1e9,(2<<30)/b/1e9)")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    if done.returncode == 0:
-        out["pinned_d2h"], out["pinned_h2d"] = map(float, done.stdout.split())
+    out.update(pinned_floors(2 << 30))
     return {k: round(v, 2) for k, v in out.items()}
 
 

@@ -268,16 +268,7 @@ def cmd_action(args: argparse.Namespace) -> int:
         print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
         return EXIT_USAGE
     op = server.call(lambda c: c.act(kernel["id"], args.command, body))
-    op = follow(server, op, quiet=args.json, timeout=args.timeout)
-    if args.json:
-        print(json.dumps(op, indent=1))
-    elif op["status"] == "succeeded":
-        print(report(op, kernel["id"]))
-    if op["status"] != "succeeded":
-        if not args.json:
-            print(report(op, kernel["id"]), file=sys.stderr)
-        return EXIT_FAILED
-    return EXIT_OK
+    return finish(server, op, kernel["id"], args)
 
 
 def cmd_transplant(args: argparse.Namespace) -> int:
@@ -302,14 +293,19 @@ def cmd_transplant(args: argparse.Namespace) -> int:
             return EXIT_FAILED
     accepted = [r["name"] for r in survey.get("left", [])]
     op = server.call(lambda c: c.act(kernel["id"], "transplant", {**body, "accept_left": accepted}))
+    return finish(server, op, kernel["id"], args)
+
+
+def finish(server: Server, op: dict, kernel_id: str, args: argparse.Namespace) -> int:
+    """Follow a kernel's operation to its end and say how it went (JSON, or a line); its exit status."""
     op = follow(server, op, quiet=args.json, timeout=args.timeout)
     if args.json:
         print(json.dumps(op, indent=1))
     elif op["status"] == "succeeded":
-        print(report(op, kernel["id"]))
+        print(report(op, kernel_id))
     if op["status"] != "succeeded":
         if not args.json:
-            print(report(op, kernel["id"]), file=sys.stderr)
+            print(report(op, kernel_id), file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 

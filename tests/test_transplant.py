@@ -256,14 +256,7 @@ async def test_a_new_process_killed_before_the_switch_brings_the_source_back_fro
     started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
                         expect=202)
     images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
-    deadline = time.monotonic() + 60
-    while not list(images.root.glob(".transplant-*/ready.json")) + list(
-            images.memory_root.glob(".transplant-*/ready.json") if images.memory_root else []):
-        assert time.monotonic() < deadline, "the new process never got ready"
-        await asyncio.sleep(0.01)
-    for new in _transplant_processes():
-        os.kill(new, signal.SIGKILL)
-    op = await wait_operation(jp_fetch, started)
+    op = await _kill_the_new_process_once_ready(jp_fetch, images, started)
     await _source_runs_on(jp_fetch, kernel, pid, op, "switch", "The new kernel process ended")
     assert op["timings"].keys() >= {"export", "load", "dump"}, "the source had been dumped, and was restored"
     assert not images.path_for(kernel.id).exists(), "its images went once it ran again"
@@ -393,13 +386,7 @@ async def test_a_large_source_stashes_its_buffers_before_its_dump_and_takes_them
     started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
                         expect=202)
     images = provisioner.images
-    deadline = time.monotonic() + 60
-    while not [f for f in _scratch_folders_of(images) if (f / "ready.json").exists()]:
-        assert time.monotonic() < deadline, "the new process never got ready"
-        await asyncio.sleep(0.01)
-    for new in _transplant_processes():
-        os.kill(new, signal.SIGKILL)
-    op = await wait_operation(jp_fetch, started)
+    op = await _kill_the_new_process_once_ready(jp_fetch, images, started)
     await _source_runs_on(jp_fetch, kernel, pid, op, "switch", "The new kernel process ended")
     assert "stash" in op["timings"], op
     assert await kernel.run("print(big_digest())") == digest, "the source took its buffers back, unchanged"
@@ -410,6 +397,17 @@ async def test_a_large_source_stashes_its_buffers_before_its_dump_and_takes_them
     assert op["stash"]["stashed"] >= 3 * 48 * 2**20 + 48 * 2**20, op["stash"]
     assert await kernel.run("print(big_digest())") == digest, "the new process has them all"
     assert not images.path_for(kernel.id).exists()
+
+
+async def _kill_the_new_process_once_ready(jp_fetch, images, started: dict) -> dict:
+    """SIGKILL the transplant's new process as soon as it holds the objects; the operation, once over."""
+    deadline = time.monotonic() + 60
+    while not [f for f in _scratch_folders_of(images) if (f / "ready.json").exists()]:
+        assert time.monotonic() < deadline, "the new process never got ready"
+        await asyncio.sleep(0.01)
+    for new in _transplant_processes():
+        os.kill(new, signal.SIGKILL)
+    return await wait_operation(jp_fetch, started)
 
 
 def _scratch_folders_of(images) -> list[Path]:
