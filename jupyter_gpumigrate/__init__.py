@@ -40,5 +40,7 @@ def load_ipython_extension(ipython: Any) -> None:
     """``%load_ext jupyter_gpumigrate``: the ``%migrate`` magic (loaded by itself in kernels that a server
     with the extension starts)."""
     from .kernel.magics import MigrateMagics
+    from .kernel.safepoint import install
 
     ipython.register_magics(MigrateMagics)
+    install()  # where the server gave the kernel a safe-point folder

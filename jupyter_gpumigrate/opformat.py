@@ -69,6 +69,12 @@ def progress(op: dict) -> tuple[int, int]:
     return (phases.index(phase) if phase in phases else 0), len(phases)
 
 
+def _mid_cell(seconds: dict | None) -> str:
+    """Where the kernel was busy: the running cell's safe point, reached after ``seconds["safe_point"]``."""
+    reached = seconds.get("safe_point") if isinstance(seconds, dict) else None
+    return f", at the running cell's safe point (reached in {reached:.2f} s)" if reached is not None else ""
+
+
 def _fast_path(op: dict) -> dict[str, Any]:
     return op.get("fast_path") or {}
 
@@ -87,7 +93,7 @@ def describe(op: dict) -> str:
                 f"reaches it through {op.get('from_host')} if that is its home; everything in memory came along.")
     fast = _fast_path(op)
     if fast.get("stashed"):
-        how = f" ({size(fast['stashed'])} of tensors by the fast path)"
+        how = f" ({size(fast['stashed'])} of tensors by the fast path{_mid_cell(fast.get('seconds'))})"
     elif fast.get("reason"):
         how = f" (by the driver alone: {fast['reason']})"
     else:
@@ -127,7 +133,7 @@ def report(op: dict, kernel_id: str | None = None) -> str:
                 f"({size(op.get('bytes'))} sent; slowest phase: {slow}).")
     if action == "migrate":
         fast = _fast_path(op)
-        how = (f", {size(fast['stashed'])} of it by the fast path" if fast.get("stashed") else
+        how = (f", {size(fast['stashed'])} of it by the fast path{_mid_cell(fast.get('seconds'))}" if fast.get("stashed") else
                f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
         return (f"{kernel} moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')} {took} "
                 f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
@@ -144,7 +150,7 @@ def report(op: dict, kernel_id: str | None = None) -> str:
         where = f" to {op['images']}"
     stash = op.get("stash") or {}
     carried = stash.get("stashed") or stash.get("unstashed")
-    how = f", {size(carried)} of it by the kernel's own threads" if carried else ""
+    how = f", {size(carried)} of it by the kernel's own threads{_mid_cell(stash)}" if carried else ""
     return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images{how}; slowest phase: {slow})."
 
 

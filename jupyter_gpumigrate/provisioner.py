@@ -50,6 +50,7 @@ from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
 from .engine.errors import InvalidState, MigrateError
+from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
 
@@ -119,6 +120,8 @@ class Revival:
 #: How long a stopping server's shutdown of a kernel still waits for its migration, in seconds.
 STOPPING_WAIT = 5.0
 
+#: Each kernel's safe-point folder (``<state_dir>/safepoints/<id>``, 0700: engine/safepoint.py).
+SAFE_POINTS = "safepoints"
 #: The record of each running kernel (``<state_dir>/kernels/<id>.json``, 0600), kept up to date while it
 #: runs, so that a server started after a crash can adopt the kernels the dead one left running.
 RECORDS = "kernels"
@@ -182,6 +185,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         "CRIU and the CUDA driver alone for large kernels (docs/performance.md). None: never.",
     ).tag(config=True)
 
+    safe_point_timeout = Float(
+        5.0, help="How long a kernel busy with a cell gets to reach a safe point (the next bytecode of its main "
+        "thread: a long call into C, such as a CUDA synchronize, delays it) where it serves the fast path of a GPU "
+        "move or the host stash of a suspend while the cell waits. Past it, the CUDA driver and CRIU carry "
+        "everything, and the operation says why. 0: never ask a busy kernel.",
+    ).tag(config=True)
+
     cache_release_timeout = Float(
         10.0, help="How long to wait for an idle kernel to release PyTorch's cached GPU memory before a move."
     ).tag(config=True)
@@ -225,6 +235,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     _transplanted: subprocess.Popen | None = None
     #: earlier processes of this kernel that a transplant replaced: what was sent to them goes to this one
     lineage: set[int] = set()
+    #: why the last safe point asked for was not reached
+    safe_point_reason: str | None = None
 
     # -- what a migration needs (engine.kernelproc.KernelProcess) -----------------------------------
 
@@ -359,16 +371,39 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         run_silently(self.connection_info, RELEASE_TORCH_CACHE, timeout=self.cache_release_timeout)
 
     def invite_stager(self, path: str, token: str) -> str | None:
-        """Have an idle IPython kernel serve the fast path of a GPU move (engine/stash.py) on the socket at
-        ``path``: a silent request, whose reply nobody waits for (the socket says what happens). None
-        if invited, else why not."""
+        """Have an IPython kernel serve the fast path of a GPU move (engine/stash.py) on the socket at
+        ``path``: idle, by a silent request whose reply nobody waits for (the socket says what happens);
+        busy with a cell, at its next safe point. None if invited, else why not."""
         why = self._cannot_serve("the fast path")
         if why:
             return why
+        if self._busy():
+            claim = self._safe_point("stager", {"path": path, "token": token})
+            return None if claim is not None else self.safe_point_reason
         if getattr(self.parent, "execution_state", None) != "idle":
-            return "the kernel is busy with a cell (the fast path runs between cells, or from %migrate)"
+            return "the kernel is not idle (the fast path runs between cells, at a safe point, or from %migrate)"
         send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
         return None
+
+    # -- a busy kernel's safe point (engine/safepoint.py, kernel/safepoint.py) ---------------------------
+
+    @property
+    def safe_point_dir(self) -> Path:
+        return Path(self.state_dir) / SAFE_POINTS / self.kernel_id
+
+    def _busy(self) -> bool:
+        return getattr(self.parent, "execution_state", None) == "busy"
+
+    def _safe_point(self, name: str, args: dict) -> Claim | None:
+        """Ask the busy kernel to run ``name`` at its next safe point: the claim, or None
+        (:attr:`safe_point_reason` says why: the cell did not get there in time, say)."""
+        if self.pid is None or self.safe_point_timeout <= 0:
+            self.safe_point_reason = "the kernel is busy with a cell (c.MigratableProvisioner.safe_point_timeout is 0)"
+            return None
+        point = SafePoint(self.safe_point_dir, self.pid, alive=self._is_ours)
+        claim = point.call(name, args, self.safe_point_timeout)
+        self.safe_point_reason = None if claim else f"busy with a cell: {point.reason}"
+        return claim
 
     def _cannot_serve(self, what: str) -> str | None:
         """Why this kernel cannot run this package's code for ``what``, or None."""
@@ -385,8 +420,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         why = self._cannot_serve("the host stash")
         if why:
             return {"aside": why}
+        if self._busy():
+            claim = self._safe_point("hoststash", {"folder": folder, "min_total": int(min_total)})
+            if claim is None:
+                return {"aside": self.safe_point_reason}
+            return {**claim.reply(timeout), "safe_point": round(claim.seconds, 4)}
         if getattr(self.parent, "execution_state", None) != "idle":
-            return {"aside": "the kernel is busy with a cell"}
+            return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
                                             min_total=int(min_total)), timeout, alive=self._is_ours))
 
@@ -394,6 +434,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back
         from ``folder``, checking them (kernel/hoststash.py)."""
         root = pid if pid is not None else self.pid
+        if root is not None and SafePoint(self.safe_point_dir, root).waiting():
+            # It stashed at a safe point, and its cell waits there for the buffers.
+            return SafePoint(self.safe_point_dir, root, alive=lambda: proctree.is_alive(root)).release(
+                {"folder": folder}, timeout)
         return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
                                             timeout, alive=lambda: root is not None and proctree.is_alive(root)))
 
@@ -507,6 +551,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         revival = self.reviving.pop(self.kernel_id, None)
         env = dict(kwargs.pop("env", None) or os.environ)
         env["JPY_PARENT_PID"] = "0"
+        env[SAFE_POINT_ENV] = str(self.safe_point_dir)  # the kernel arms it as the extension loads
         self.client_identities()  # start recording the server's clients of this kernel
         credentials = self._credentials()
         if credentials is not None:
@@ -718,6 +763,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if not restart and not self._kept:
             if self.log_path is not None:
                 self.log_path.unlink(missing_ok=True)
+            shutil.rmtree(self.safe_point_dir, ignore_errors=True)
             try:
                 self.images.remove_logs(self.kernel_id)  # failed dumps' logs go with their kernel
             except (OSError, MigrateError) as exc:

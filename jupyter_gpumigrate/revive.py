@@ -39,8 +39,9 @@ from .engine import proctree
 from .engine.errors import MigrateError
 from .engine.criu import dump_finished
 from .engine.images import MANIFEST, ImageStore, Manifest
+from .engine.safepoint import SafePoint
 from .engine.plans.transplant import SWITCHED
-from .provisioner import HOST_TAKE_BACK_CALL, RECORDS, MigratableProvisioner, Revival
+from .provisioner import HOST_TAKE_BACK_CALL, RECORDS, SAFE_POINTS, MigratableProvisioner, Revival
 
 log = logging.getLogger(__name__)
 
@@ -323,10 +324,15 @@ def _connection(store: ImageStore, name: str, manifest: Manifest) -> dict:
     return {**manifest.connection_info, **key}
 
 
-def _give_back_stash(connection_info: dict, folder: Path, pid: int) -> str | None:
+def _give_back_stash(connection_info: dict, folder: Path, pid: int, safe_points: Path) -> str | None:
     """Have the running kernel ``pid`` read back the buffers it wrote into ``folder``'s host stash
-    (kernel/hoststash.py; nothing if it holds none away): None once it has, else why not."""
+    (kernel/hoststash.py; nothing if it holds none away): None once it has, else why not. A kernel that
+    stashed at a safe point of a busy cell waits there (``safe_points``, its safe-point folder)."""
+    point = SafePoint(safe_points, pid, alive=lambda: proctree.is_alive(pid))
     try:
+        if point.waiting():
+            point.release({"folder": str(folder)}, STASH_WAIT_AT_START)
+            return None
         evaluate_silently(connection_info, HOST_TAKE_BACK_CALL.format(folder=str(folder)), STASH_WAIT_AT_START,
                           alive=lambda: proctree.is_alive(pid))
     except (OSError, RuntimeError, TimeoutError) as exc:
@@ -338,7 +344,7 @@ def _give_back_stash(connection_info: dict, folder: Path, pid: int) -> str | Non
 STASH_WAIT_AT_START = 600.0
 
 
-async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
+async def _stash_left_in(store: ImageStore, name: str, safe_points: Path) -> Found | None:
     """A folder with no manifest but a host stash: its server died after the kernel wrote its large buffers
     there and before the dump. The kernel runs on without them: it reads them back before anything is
     removed (its CUDA processes, if its server left them locked, run again first). None when that is done
@@ -353,7 +359,7 @@ async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
     if pid is None:
         return None  # the kernel is gone, its buffers with it: an unfinished dump
     await asyncio.to_thread(_let_cuda_run, name, pid)
-    error = await asyncio.to_thread(_give_back_stash, _connection(store, name, pending), folder, pid)
+    error = await asyncio.to_thread(_give_back_stash, _connection(store, name, pending), folder, pid, safe_points)
     if error is None:
         log.warning("gpumigrate: kernel %s read back the buffers it had written to %s before its server "
                     "stopped", name, folder)
@@ -369,9 +375,10 @@ async def _stash_left_in(store: ImageStore, name: str) -> Found | None:
 async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
     """One folder of images: taken back, removed (an unfinished dump) or refused."""
     folder = store.path_for(name)
-    records = Path(MigratableProvisioner(config=serverapp.config).state_dir) / RECORDS
+    state_dir = Path(MigratableProvisioner(config=serverapp.config).state_dir)
+    records, safe_points = state_dir / RECORDS, state_dir / SAFE_POINTS / name
     if not (folder / MANIFEST).exists() and not folder.is_symlink():
-        stash_left = await _stash_left_in(store, name)
+        stash_left = await _stash_left_in(store, name, safe_points)
         if stash_left is not None:
             return stash_left
         unfinished = _unfinished_dump(store, name, records)
@@ -396,7 +403,7 @@ async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Foun
     if running is not None and manifest.stash:
         # Its server died during the resume's unstash: the kernel finishes reading (or has); if it cannot,
         # its images, never changed, are the copy to trust.
-        error = await asyncio.to_thread(_give_back_stash, connection_info, folder, running)
+        error = await asyncio.to_thread(_give_back_stash, connection_info, folder, running, safe_points)
         if error is not None:
             log.warning("gpumigrate: kernel %s runs (PID %d) but could not read its buffers back (%s): killed; it "
                         "comes back from its images", name, running, error)

@@ -7,8 +7,12 @@ The GPU suite covers CUDA storages (tests/test_gpu.py); the file format and its 
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
+import logging.handlers
 import os
+import queue
 import signal
 import threading
 import time
@@ -61,6 +65,13 @@ def _images(serverapp: Any, kernel_id: str) -> Path:
 
 
 # -- the format, in this process ---------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _no_garbage() -> None:
+    """The stash takes every large buffer of the process it runs in: here, that of pytest, where an earlier
+    test's frames (a failure's, or pytest.raises') may still hold some, until the collector runs."""
+    gc.collect()
 
 
 def test_the_format_round_trips_and_refuses_what_does_not_match(tmp_path: Path) -> None:
@@ -147,6 +158,39 @@ def test_a_thread_of_the_user_makes_it_step_aside(tmp_path: Path) -> None:
         stop.set()
         worker.join()
     assert "users-loop" in said["aside"] and len(blob) == 32 << 20 and not list(tmp_path.iterdir())
+
+
+def test_a_thread_that_touches_only_what_it_is_handed_runs_on_and_keeps_it(tmp_path: Path) -> None:
+    """A logging QueueListener (one of stager.HANDED_THREADS), busy writing a record whose arguments hold a
+    bytearray and a tensor: the stash goes ahead beside it, and leaves those two where they are."""
+    torch = pytest.importorskip("torch")
+    # A namespace holds them (one with a list in it, as a kernel's: CPython does not track a dict of bytes alone).
+    ns = {"handed": bytearray(b"h" * (32 << 20)), "free": bytearray(b"f" * (32 << 20)), "In": []}
+    handed_blob, free_blob = ns["handed"], ns["free"]
+    handed_tensor, free_tensor = torch.full((8 << 20,), 1.5), torch.full((8 << 20,), 2.5)  # 32 MiB each
+    writing, done = threading.Event(), threading.Event()
+
+    class SlowHandler(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            writing.set()
+            done.wait(30)
+
+    records: queue.Queue = queue.Queue()
+    listener = logging.handlers.QueueListener(records, SlowHandler())
+    listener.start()
+    records.put(logging.LogRecord("x", logging.INFO, __file__, 1, "%s %s", (handed_blob, handed_tensor), None))
+    try:
+        assert writing.wait(10)
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+        assert said.get("stashed") == 64 << 20 and said["buffers"] == 2, said
+        assert len(free_blob) == 0 and free_tensor.untyped_storage().nbytes() == 0, "the others went"
+        assert len(handed_blob) == 32 << 20 and handed_tensor.untyped_storage().nbytes() == 32 << 20, \
+            "what the thread holds stayed"
+        json.loads(hoststash.take_back(str(tmp_path)))
+    finally:
+        done.set()
+        listener.stop()
+    assert free_blob == bytearray(b"f" * (32 << 20)) and bool((free_tensor == 2.5).all())
 
 
 # -- through a real server and kernel -----------------------------------------------------------------

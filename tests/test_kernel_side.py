@@ -320,7 +320,8 @@ async def test_drain_without_a_gpu(jp_fetch, jp_serverapp, kernel):
 async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(jp_fetch, jp_serverapp, kernel):
     """The server's end of the fast path (engine/stash.py) and the kernel's (kernel/stager.py) over the
     real socket: an idle kernel without torch's CUDA comes, gives the session's token and steps aside,
-    changing nothing; a stranger without the token is turned away; a busy kernel is not asked."""
+    changing nothing; a stranger without the token is turned away; a busy kernel is not asked when its safe
+    point is turned off."""
     manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
     provisioner = manager.provisioner
     for _ in range(600):  # the server hears the kernel's last "idle" a moment after the client does
@@ -366,7 +367,12 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
         await asyncio.sleep(0.05)
     later = Stash()
     try:
-        assert "busy with a cell" in provisioner.invite_stager(later.path, later.token)
+        # A busy kernel is asked at its safe point (tests/test_safepoint.py), unless that is turned off.
+        provisioner.safe_point_timeout = 0
+        try:
+            assert "busy with a cell" in provisioner.invite_stager(later.path, later.token)
+        finally:
+            provisioner.safe_point_timeout = 5.0
         # A kernel whose interpreter lacks this package (a kernelspec of another environment) is not
         # asked either: it could not come, and the move would wait 10 s for it. Debian's own python3,
         # without this test's PYTHONPATH, is such an interpreter here.

@@ -44,6 +44,9 @@ def test_a_move_to_another_gpu_in_both_voices():
                             "slowest phase stash 0.31 s. torch still calls it cuda:0.")
     assert report(op) == (f"Kernel {KID} moved from GPU 0 to GPU 1 in 1.38 s (8.6 GB of GPU memory, 8.0 GB of it "
                           "by the fast path; slowest phase: stash).")
+    busy = op | {"fast_path": {"stashed": 8_000_000_000, "reason": None, "seconds": {"safe_point": 0.031}}}
+    assert "(8.0 GB of tensors by the fast path, at the running cell's safe point (reached in 0.03 s))" in describe(busy)
+    assert "8.0 GB of it by the fast path, at the running cell's safe point (reached in 0.03 s);" in report(busy)
     aside = op | {"fast_path": {"stashed": 0, "reason": "the kernel is busy"}}
     assert "(by the driver alone: the kernel is busy);" in describe(aside)
     assert "(8.6 GB of GPU memory; by the driver alone: the kernel is busy; slowest phase: stash)" in report(aside)
@@ -66,6 +69,9 @@ def test_suspend_resume_and_failures_in_the_clis_voice():
                      timings={"stash": 3.65, "dump": 0.92}, stash={"stashed": 32_000_000_000, "buffers": 16})
     assert report(stashed, "k") == ("Kernel k suspended to memory in 5.07 s (33.0 GB of images, 32.0 GB of it by "
                                     "the kernel's own threads; slowest phase: stash).")
+    mid_cell = stashed | {"stash": {"stashed": 32_000_000_000, "safe_point": 0.012}}
+    assert "32.0 GB of it by the kernel's own threads, at the running cell's safe point (reached in 0.01 s);" in \
+        report(mid_cell, "k")
     failed = record(action="resume", status="failed", phase="restore", failed_phase="restore",
                     error="CRIU could not restore.")
     assert report(failed) == "resume failed in phase restore: CRIU could not restore."

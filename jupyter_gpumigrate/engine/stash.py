@@ -17,7 +17,8 @@ nothing, when it cannot be sure (kernel/stager.py lists when). The server's side
 much goes into the stash: what the target GPU has free beyond what the move itself needs there.
 
 Protocol, JSON lines over a Unix socket in a private (0700) folder; the kernel connects:
-    kernel -> {"token", "pid", "storages": [bytes, ...] (largest first), "aside": reason | null}
+    kernel -> {"token", "pid", "storages": [bytes, ...] (largest first), "aside": reason | null,
+               "safe_point": true if a busy cell waits for the session (kernel/safepoint.py)}
     server -> {"op": "stash", "handle": hex, "take": [i, ...], "offsets": [o, ...]}
               kernel -> {"stashed": bytes, "seconds": s}   or {"aside": reason}: nothing changed
     server -> {"op": "unstash"}
@@ -90,6 +91,8 @@ class Offer:
     pid: int
     storages: list[int] = field(default_factory=list)
     aside: str | None = None
+    #: served at the safe point of a busy cell
+    safe_point: bool = False
 
 
 def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
@@ -220,7 +223,8 @@ class Stash:
             self.reason = "the kernel's side of the fast path did not give the session's token"
             self._hang_up()
             return None
-        self.offer = Offer(int(hello.get("pid", 0)), [int(n) for n in hello.get("storages", [])], hello.get("aside"))
+        self.offer = Offer(int(hello.get("pid", 0)), [int(n) for n in hello.get("storages", [])], hello.get("aside"),
+                           bool(hello.get("safe_point")))
         if self.offer.aside:
             self.reason = self.offer.aside
         return self.offer

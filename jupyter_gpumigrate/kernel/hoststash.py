@@ -10,8 +10,8 @@ its checksum. A buffer keeps its identity (``Storage.resize_`` to 0 and back; a 
 in place), so every tensor, view, parameter, gradient and optimizer state sharing it sees the same values.
 
 What it takes: PyTorch storages (CUDA or CPU) that can be resized, and ``bytearray`` objects held by a
-namespace, an object's attributes or a list (no view of them held), each of :data:`MIN_BYTES` or more. It steps aside, changing nothing, when a thread that is not Jupyter's runs (it
-could touch a buffer while it is away), when a CUDA graph is alive or a library that holds CUDA memory by
+namespace, an object's attributes or a list (no view of them held), each of :data:`MIN_BYTES` or more. It steps aside, changing nothing, when a thread runs that could touch a buffer while
+it is away (kernel/stager.py's ``threads`` says which run on, and the buffers those reach stay), when a CUDA graph is alive or a library that holds CUDA memory by
 address is loaded (kernel/stager.py: the same rules as the fast path of a GPU move), and when there is
 too little to gain (``min_total``).
 
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .stager import unsafe as _unsafe
+from .stager import StepAside, reach as _reach, threads as _threads, unsafe as _unsafe
 
 FORMAT = 1
 INDEX = "stash-index.json"
@@ -54,10 +54,6 @@ CHUNK = 32 << 20
 #: Writer and reader threads: one file each (tmpfs serialises writes to one file on its inode).
 THREADS = 16
 _TMPFS_MAGIC = "tmpfs"
-
-
-class StepAside(Exception):
-    """The host stash does not apply; nothing was changed."""
 
 
 class StashDamaged(Exception):
@@ -105,14 +101,16 @@ def _resize_bytearray(obj: bytearray, size: int) -> None:
 
 def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
     """Every distinct buffer of ``min_bytes`` or more that can be freed and given back in place, largest
-    first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of."""
+    first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of;
+    none that a thread which runs on reaches (kernel/stager.py's ``threads`` and ``reach``)."""
     found: dict[tuple[str, int], Buffer] = {}
+    spared = _reach(_threads()[1], torch)  # what a thread that runs on may touch stays
     tracked = gc.get_objects()
     # bytearrays hold no references, so the collector does not track them: look in what holds them.
     holders = [o for o in tracked if type(o) in (dict, list)]
     for obj in gc.get_referents(*holders):
         if type(obj) is bytearray and len(obj) >= min_bytes and ("bytearray", id(obj)) not in found \
-                and _exports(obj) == 0:
+                and ("bytearray", id(obj)) not in spared and _exports(obj) == 0:
             found[("bytearray", id(obj))] = Buffer("bytearray", obj, len(obj))
     del holders
     # is_pinned() would start CUDA in a kernel that never used it; without CUDA nothing is pinned.
@@ -133,7 +131,7 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
             if not storage.resizable():
                 fixed.append((obj.device.type, pointer, pointer + size))  # IPC, DLPack, from_blob, numpy: stays
                 continue
-            if size < min_bytes:
+            if size < min_bytes or ("storage", pointer) in spared:
                 continue
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # sparse, nested, wrapper subclasses: they stay
@@ -417,7 +415,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         _away[:] = buffers
         _chunks[:] = chunks
         _session = session
-        with _no_interrupt():
+        with no_interrupt():
             for b in buffers:
                 try:
                     b.release()
@@ -439,7 +437,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
                                  "free": round(done - written, 4)}})
 
 
-class _no_interrupt:
+class no_interrupt:
     """SIGINT held back (delivered after) in this thread, so that an interrupt cannot stop a loop halfway."""
 
     def __enter__(self) -> None:
@@ -500,7 +498,7 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     chunks = [c for c in _chunks if buffers[c.buffer].away]
     parts = 1 + max((c.part for c in _chunks), default=0)
     torch = sys.modules.get("torch")
-    with _no_interrupt():
+    with no_interrupt():
         for b in buffers:
             if b.away:
                 b.reallocate()

@@ -1,7 +1,8 @@
 """Inside the kernel: the kernel's side of the fast path of a GPU move (engine/stash.py tells the story).
 
 :func:`run` is called in the kernel's main thread, by a silent request of the server while the kernel
-is idle, or by ``%migrate`` in its own cell: never beside user code. It connects to the server's
+is idle, at the safe point of a busy cell (kernel/safepoint.py: the cell waits until the move is over),
+or by ``%migrate`` in its own cell: never beside user code. It connects to the server's
 socket, offers the kernel's large PyTorch storages, copies those the server takes into the stash on
 the target GPU and frees them, and later copies them back. A storage keeps its identity (its size goes
 to 0 and back, ``Storage.resize_``), so every tensor, view, parameter, gradient and optimizer state
@@ -13,8 +14,9 @@ It steps aside, changing nothing (the driver then moves everything), when:
   graphs replay fixed addresses;
 - a CUDA library that holds memory by address outside torch is loaded (cupy, jax, numba.cuda,
   tensorflow, pycuda): it may share a storage through DLPack;
-- a thread not started by Jupyter, IPython, ZMQ or this package is alive: it could touch a tensor
-  while its storage is away;
+- a thread runs that could touch a tensor while its storage is away (:func:`threads` says which run on:
+  Jupyter's, progress bars, TensorBoard's writers; a DataLoader's pin-memory thread, a multiprocessing
+  queue's feeder and a logging QueueListener, whose tensors at hand stay);
 - the GPUs have no peer access between them (opening the stash fails before anything is copied).
 A storage that cannot be resized (memory shared by CUDA IPC, ``from_blob``) or is smaller than
 :data:`MIN_BYTES` simply stays and goes with the driver.
@@ -26,6 +28,7 @@ other GPU, and a kernel's environment need not have cuda-python.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import gc
 import json
@@ -34,20 +37,29 @@ import socket
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 #: Storages smaller than this stay where they are (the driver moves them with the context).
 MIN_BYTES = 1 << 20
 #: Modules that hold CUDA memory by address, outside torch's sight.
 FOREIGN_CUDA = ("cupy", "jax", "numba.cuda", "tensorflow", "pycuda")
-#: Threads whose code comes from these modules are known not to touch tensors.
+#: Threads whose code comes from these modules touch no tensor: Jupyter's own, progress bars, TensorBoard's
+#: event writers (they get protocol buffers, made in the main thread).
 QUIET_THREADS = ("ipykernel", "IPython", "zmq", "jupyter_client", "jupyter_core", "tornado", "asyncio", "anyio",
-                 "comm", "ipywidgets", "debugpy", "traitlets", "tqdm", "jupyter_gpumigrate")
+                 "comm", "ipywidgets", "debugpy", "traitlets", "tqdm", "jupyter_gpumigrate", "tensorboard",
+                 "tensorboardX", "torch.utils.tensorboard")
+#: Threads whose code comes from these modules touch only what they are handed: a DataLoader's batch to pin,
+#: an object a multiprocessing queue sends, a log record a QueueListener writes. They run on; what their
+#: frames reach (:func:`reach`) stays where it is.
+HANDED_THREADS = ("torch.utils.data._utils.pin_memory", "multiprocessing.queues", "logging.handlers")
+#: How many objects :func:`reach` looks at before it gives up (the buffers then stay: it steps aside).
+REACH_LIMIT = 200_000
 _LAZY_ENABLE_PEER_ACCESS = 1
 
 
 class StepAside(Exception):
-    """The fast path does not apply; nothing was changed."""
+    """The fast path (or the host stash of a suspend) does not apply; nothing was changed."""
 
 
 def _thread_module(thread: threading.Thread) -> str:
@@ -55,6 +67,77 @@ def _thread_module(thread: threading.Thread) -> str:
         return type(thread).__module__
     target = getattr(thread, "_target", None)
     return getattr(target, "__module__", None) or "?"
+
+
+def _from(module: str, packages: tuple[str, ...]) -> bool:
+    return any(module == p or module.startswith(p + ".") for p in packages)
+
+
+def threads() -> tuple[str | None, list[threading.Thread]]:
+    """The rule for the other threads of this process while buffers are away: (why they may not be taken
+    away, or None; the threads whose reach must stay). Jupyter's threads and the others of
+    :data:`QUIET_THREADS` touch no tensor; those of :data:`HANDED_THREADS` only what they are handed; a
+    pool worker waiting for work runs nothing. Any other thread that runs (a user's, a library's we do not
+    know) could touch any tensor: the fast path and the host stash step aside, naming it."""
+    me, handed = threading.current_thread(), []
+    for thread in threading.enumerate():
+        if thread is me or thread is threading.main_thread() or not thread.is_alive():
+            continue
+        module = _thread_module(thread)
+        if _from(module, QUIET_THREADS) or _parked(thread):
+            continue
+        if _from(module, HANDED_THREADS):
+            handed.append(thread)
+            continue
+        return f"thread {thread.name!r} ({module}) is running and could touch a tensor", []
+    return None, handed
+
+
+def reach(handed: list[threading.Thread], torch: Any, limit: int = REACH_LIMIT) -> set[tuple[str, int]]:
+    """``("storage", data_ptr)`` of every storage of a tensor, and ``("bytearray", id)`` of every bytearray,
+    that the frames of ``handed`` threads reach through their
+    local variables, containers and objects' attributes (not through functions, modules or classes: what
+    these threads run touches only what it was handed). Raises :class:`StepAside` past ``limit`` objects."""
+    frames = sys._current_frames()
+    todo: list[Any] = []
+    for thread in handed:
+        frame = frames.get(thread.ident or -1)
+        while frame is not None:
+            todo.extend(frame.f_locals.values())
+            frame = frame.f_back
+    seen: set[int] = set()
+    found: set[tuple[str, int]] = set()
+    containers = (dict, list, tuple, set, frozenset, collections.deque)
+    skip = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType, types.CodeType, types.FrameType)
+    tensor = torch.Tensor if torch is not None else ()
+    while todo:
+        obj = todo.pop()
+        if id(obj) in seen or isinstance(obj, skip) or isinstance(obj, (str, bytes, int, float, memoryview)):
+            continue
+        seen.add(id(obj))
+        if len(seen) > limit:
+            names = ", ".join(repr(t.name) for t in handed)
+            raise StepAside(f"thread {names} reaches more than {limit} objects: what it may touch cannot be told")
+        if isinstance(obj, bytearray):
+            found.add(("bytearray", id(obj)))
+            continue
+        if tensor and isinstance(obj, tensor):
+            try:
+                found.add(("storage", obj.untyped_storage().data_ptr()))
+            except (RuntimeError, NotImplementedError, TypeError):
+                pass
+            continue
+        if isinstance(obj, dict):
+            todo.extend(obj.values())
+        elif isinstance(obj, containers):
+            todo.extend(obj)
+        elif isinstance(obj, types.MethodType):
+            todo.append(obj.__self__)
+        else:
+            attributes = getattr(obj, "__dict__", None)
+            if isinstance(attributes, dict):
+                todo.extend(attributes.values())
+    return found
 
 
 def why_not(torch: Any) -> str | None:
@@ -65,9 +148,9 @@ def why_not(torch: Any) -> str | None:
 
 
 def unsafe(torch: Any) -> str | None:
-    """Why this process's buffers may not be taken away between two cells (by the fast path, or the host
-    stash of a suspend, kernel/hoststash.py), or None: a library that holds CUDA memory by address, a
-    live CUDA graph, or a thread that could touch them."""
+    """Why this process's buffers may not be taken away between two cells or at a safe point (by the fast
+    path, or the host stash of a suspend, kernel/hoststash.py), or None: a library that holds CUDA memory
+    by address, a live CUDA graph, or a thread that could touch them (:func:`threads`)."""
     loaded = [name for name in FOREIGN_CUDA if name in sys.modules]
     if loaded:
         return f"{', '.join(loaded)} is loaded and may hold GPU memory by address"
@@ -75,14 +158,7 @@ def unsafe(torch: Any) -> str | None:
     # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
     if graph is not None and any(issubclass(type(o), graph) for o in gc.get_objects()):
         return "a CUDA graph is alive (graphs replay fixed addresses)"
-    me = threading.current_thread()
-    for thread in threading.enumerate():
-        if thread is me or thread is threading.main_thread() or not thread.is_alive():
-            continue
-        module = _thread_module(thread)
-        if not any(module == q or module.startswith(q + ".") for q in QUIET_THREADS) and not _parked(thread):
-            return f"thread {thread.name!r} ({module}) is running and could touch a tensor"
-    return None
+    return threads()[0]
 
 
 def _parked(thread: threading.Thread) -> bool:
@@ -97,8 +173,10 @@ def _parked(thread: threading.Thread) -> bool:
 
 
 def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
-    """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more,
-    largest first. Raises :class:`StepAside` if a storage that cannot be resized aliases one of them."""
+    """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more, largest
+    first, less those a handed thread reaches (:func:`threads`). Raises :class:`StepAside` if a storage
+    that cannot be resized aliases one of them."""
+    spared = reach(threads()[1], torch)
     found: dict[int, Any] = {}
     fixed: dict[int, int] = {}
     tensor = torch.Tensor
@@ -116,7 +194,7 @@ def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
             continue
         if not storage.resizable():
             fixed[pointer] = size  # memory someone else owns (IPC, DLPack, from_blob): it stays
-        elif size >= min_bytes:
+        elif size >= min_bytes and ("storage", pointer) not in spared:
             found[pointer] = storage
     taken = sorted((p, p + s.nbytes()) for p, s in found.items())
     for pointer, size in fixed.items():
@@ -223,8 +301,9 @@ def _send(out: Any, message: dict) -> None:
     out.flush()
 
 
-def run(path: str, token: str) -> dict:
-    """The kernel's side of one fast-path session with the server at ``path`` (see engine/stash.py).
+def run(path: str, token: str, safe_point: bool = False) -> dict:
+    """The kernel's side of one fast-path session with the server at ``path`` (see engine/stash.py);
+    ``safe_point``: served at the safe point of a busy cell (kernel/safepoint.py), which waits meanwhile.
     Never raises: what happened is said to the server, and returned."""
     torch = sys.modules.get("torch")
     result: dict = {}
@@ -247,7 +326,7 @@ def run(path: str, token: str) -> dict:
         sizes = [s.nbytes() for s in stager.storages] if stager else []
         result = {"aside": aside} if aside else {}
         try:
-            _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside})
+            _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside, "safe_point": safe_point})
             conn.settimeout(None)  # the move in between may take as long as the driver needs
             for line in io:
                 message = json.loads(line)

@@ -279,7 +279,13 @@ export interface FastPath {
    * Why it stepped aside, or null.
    */
   reason: string | null;
-  seconds: Seconds;
+  seconds: Seconds1;
+}
+/**
+ * Seconds each step took, by step name.
+ */
+export interface Seconds1 {
+  [k: string]: number;
 }
 /**
  * What became of one kernel of a drained GPU.
@@ -313,6 +319,10 @@ export interface HostStash {
   files?: number;
   seconds?: number;
   split?: Seconds;
+  /**
+   * The kernel was busy with a cell: seconds until its main thread reached a safe point, where the cell waited until its buffers were back (after the resume, or the suspend's undo), then went on.
+   */
+  safe_point?: number;
   /**
    * Why it stepped aside.
    */

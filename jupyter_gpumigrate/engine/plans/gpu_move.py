@@ -11,9 +11,11 @@
     verify      NVML shows the kernel on the target alone          (last)
     always      the stash is closed (a kernel left locked keeps it until it runs)
 
-The fast path (stash.py): when the kernel can (an idle IPython kernel with PyTorch, or one whose own
-%migrate serves it), its large tensors go to the target over the GPUs' peer link first, and the driver
-moves only the rest. Where it steps aside, it says why, and the driver moves it all.
+The fast path (stash.py): when the kernel can (an IPython kernel with PyTorch, idle, busy with a cell
+that reaches a safe point in time (kernel/safepoint.py: the cell waits there until the move is over,
+then goes on, on the target), or one whose own %migrate serves it), its large tensors go to the target
+over the GPUs' peer link first, and the driver moves only the rest. Where it steps aside, it says why,
+and the driver moves it all.
 """
 
 from __future__ import annotations
@@ -91,11 +93,14 @@ def stash_tensors(ctx: MoveContext) -> None:
                         f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
         return
     try:
+        invited = time.perf_counter()
         if ctx.invite:
             stash.reason = ctx.kernel.invite_stager(stash.path, stash.token)
             if stash.reason:
                 return
         offer = stash.accept(timeout=10.0 if ctx.invite else 30.0)
+        if offer is not None and offer.safe_point:  # a busy cell waits at its safe point from now on
+            stash.seconds["safe_point"] = time.perf_counter() - invited
         if offer is None or offer.aside:
             return
         target = next(g for g in ctx.tools.inventory() if g.uuid == move.target.uuid)

@@ -1,0 +1,177 @@
+"""A safe point in a busy kernel: its main thread runs one of this package's calls between two bytecodes of
+the running cell, and the cell then goes on where it left off.
+
+The server writes a request into the kernel's safe-point folder and signals the kernel's main thread
+(:data:`SIGNAL`, a real-time signal, sent with tgkill so that no other thread takes it). Python runs the
+kernel's handler (kernel/safepoint.py) in the main thread at the next bytecode boundary of the cell, or
+inside a blocking call that checks for signals (sleep, a lock, a socket or pipe wait), exactly where Ctrl-C
+would raise KeyboardInterrupt. A long call into C (a CUDA synchronize, a big matmul on the CPU) delays it.
+
+Claim and withdrawal: the handler claims the request by renaming it; the server withdraws an unclaimed
+request by removing it. Only one of the two can succeed, so a request is served or withdrawn, never both;
+a signal that comes late finds nothing and the cell goes on untouched.
+
+A call may keep the kernel at its safe point after it replied (the host stash: the cell cannot go on
+until its buffers are back): the kernel then waits there for :meth:`SafePoint.release`, across a CRIU
+dump and restore, and says so in a ``waiting`` file.
+
+Files in the folder (0700, one per kernel id; a transplant's two processes share it, hence the PIDs),
+each written whole (a temporary file, then a rename):
+    armed-PID.json        {"signal"}: the process PID has its handler installed (written at start)
+    request-PID.json      {"id", "call", "args"}: the server's request      claimed: renamed to claimed-PID.json
+    reply-ID.json         the call's result, or {"error": sentence}         the kernel
+    waiting-PID.json      {"id", "call"}: PID waits at its safe point       the kernel; removed when it goes on
+    release-PID.json      {"id", "args"}: go on (after what args say)       the server; the kernel replies in
+                                                                            reply-ID.json
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import platform
+import secrets
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+#: The environment variable that gives a kernel its safe-point folder.
+FOLDER_ENV = "GPUMIGRATE_SAFE_POINT"
+#: SIGRTMIN + 6 under glibc: a real-time signal (queued, never merged) that no library we know uses. The
+#: kernel says which one it armed (``armed-PID.json``); this is what it arms.
+SIGNAL = 40
+#: tgkill(2)'s number, to signal the main thread itself (elsewhere the process: Linux prefers its main thread).
+_TGKILL = {"x86_64": 234, "aarch64": 131}
+
+
+def write_whole(path: Path, data: dict) -> None:
+    """Write ``data`` as JSON at ``path`` whole: readers see the old file, no file, or all of the new one."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8", opener=lambda p, f: os.open(p, f, 0o600)) as out:
+        json.dump(data, out)
+    os.replace(tmp, path)
+
+
+def read(path: Path) -> dict | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _caught(pid: int, signum: int) -> bool:
+    """Whether process ``pid`` has a handler for ``signum`` (else the signal's default would end it)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    for line in status.splitlines():
+        if line.startswith("SigCgt:"):
+            return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
+    return False
+
+
+def signal_main_thread(pid: int, signum: int) -> None:
+    number = _TGKILL.get(platform.machine())
+    if number is None:
+        os.kill(pid, signum)
+        return
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(number, pid, pid, signum) != 0:
+        error = ctypes.get_errno()
+        raise OSError(error, os.strerror(error))
+
+
+@dataclass
+class Claim:
+    """A request the kernel claimed: it is at its safe point, serving it."""
+
+    point: SafePoint
+    id: str
+    #: seconds from the signal to the claim
+    seconds: float
+
+    def reply(self, timeout: float) -> dict:
+        """What the call returned. Raises TimeoutError, ConnectionError (the process ended) or RuntimeError
+        (the call raised: its sentence)."""
+        answer = self.point.wait_for(self.point.folder / f"reply-{self.id}.json", timeout)
+        if "error" in answer:
+            raise RuntimeError(str(answer["error"]))
+        return answer
+
+
+class SafePoint:
+    """The server's side of the safe points of one kernel process ``pid``, through ``folder``."""
+
+    def __init__(self, folder: str | os.PathLike[str], pid: int, alive: Callable[[], bool] | None = None) -> None:
+        self.folder = Path(folder)
+        self.pid = pid
+        self.alive = alive or (lambda: os.path.exists(f"/proc/{pid}"))
+        #: why the last :meth:`call` was not claimed
+        self.reason: str | None = None
+
+    def why_not(self) -> str | None:
+        """Why this process cannot be asked for a safe point, or None."""
+        armed = read(self.folder / f"armed-{self.pid}.json")
+        if armed is None:
+            return "the kernel has no safe point (started before this version, or not an IPython kernel)"
+        if int(armed.get("signal", 0)) != SIGNAL or not _caught(self.pid, SIGNAL):
+            return "the kernel's safe point is not armed (its signal handler was replaced)"
+        return None
+
+    def waiting(self) -> dict | None:
+        """What this process waits for at its safe point (``{"id", "call"}``), or None."""
+        return read(self.folder / f"waiting-{self.pid}.json")
+
+    def call(self, name: str, args: dict, timeout: float) -> Claim | None:
+        """Ask the process to run ``name`` (kernel/safepoint.py's CALLS) with ``args`` at its next safe point,
+        waiting ``timeout`` seconds for it to get there. None if it did not (the request is withdrawn: it
+        will not run), or cannot be asked; :attr:`reason` says why."""
+        self.reason = self.why_not()
+        if self.reason:
+            return None
+        request = self.folder / f"request-{self.pid}.json"
+        rid = secrets.token_hex(8)
+        (self.folder / f"reply-{rid}.json").unlink(missing_ok=True)
+        write_whole(request, {"id": rid, "call": name, "args": args})
+        started = time.monotonic()
+        try:
+            signal_main_thread(self.pid, SIGNAL)
+        except OSError as exc:
+            request.unlink(missing_ok=True)
+            self.reason = f"the kernel could not be signalled ({exc.strerror or exc})"
+            return None
+        while time.monotonic() - started < timeout and self.alive():
+            if not request.exists():
+                return Claim(self, rid, time.monotonic() - started)
+            time.sleep(0.005)
+        try:
+            request.unlink()
+        except FileNotFoundError:  # claimed as the time ran out: it runs
+            return Claim(self, rid, time.monotonic() - started)
+        self.reason = (f"the kernel did not reach a safe point within {timeout:g} s (a long call into C, such as a "
+                       "CUDA synchronize, or a blocked data loader)" if self.alive() else "the kernel's process ended")
+        return None
+
+    def release(self, args: dict, timeout: float) -> dict:
+        """Let the process waiting at its safe point go on, after what ``args`` ask; its reply (raises as
+        :meth:`Claim.reply`). The kernel stays there if the reply is an error: ask again."""
+        rid = secrets.token_hex(8)
+        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "args": args})
+        return Claim(self, rid, 0.0).reply(timeout)
+
+    def wait_for(self, path: Path, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while True:
+            answer = read(path)
+            if answer is not None:
+                path.unlink(missing_ok=True)
+                return answer
+            if not self.alive():
+                raise ConnectionError("the kernel's process ended")
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s")
+            time.sleep(0.01)

@@ -1,0 +1,222 @@
+"""A busy kernel's safe point (engine/safepoint.py, kernel/safepoint.py), on CPU kernels: a cell in the middle
+of a loop serves the host stash of a suspend between two of its bytecodes, waits there across the dump and
+the restore, and goes on whole; a cell that cannot get there in time is carried by CRIU alone, and the
+signal that reaches it late changes nothing; the fast path's session is served at a safe point too; a server
+killed while the cell waits there loses nothing.
+
+The GPU suite covers CUDA storages (tests/test_gpu.py): the calls are the same code.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from helpers import OPEN_IO_URING, operate, wait_suspended
+from servers import LocalServer
+from test_hibernation import cut_dump, notebook_session, tab_on, taken_back
+
+from jupyter_gpumigrate.engine.safepoint import SIGNAL, SafePoint
+from jupyter_gpumigrate.engine.stash import Stash
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+#: three buffers of 96 MiB, each of its own known bytes, so that the test can compute what the loop makes
+MAKE = """
+import hashlib, time
+blobs = [bytearray((bytes(range(k, 256)) + bytes(range(k))) * (96 * 4096)) for k in range(3)]
+print(len(blobs[2]))
+"""
+#: a cell that changes the buffers as it goes, and says what they hold at its end
+LOOP = """
+for i in range({steps}):
+    blobs[i % 3][i * 7919 % len(blobs[0])] ^= 0x5A
+    time.sleep(0.05)
+result = hashlib.sha256(b"".join(blobs)).hexdigest() + " " + str(i)
+{end}
+"""
+
+
+def expected(steps: int) -> str:
+    """What the loop of ``steps`` prints (0: the digest of the buffers as made)."""
+    blobs = [bytearray((bytes(range(k, 256)) + bytes(range(k))) * (96 * 4096)) for k in range(3)]
+    for i in range(steps):
+        blobs[i % 3][i * 7919 % len(blobs[0])] ^= 0x5A
+    return hashlib.sha256(b"".join(blobs)).hexdigest() + f" {steps - 1}"
+
+
+def _config(state_dir: Path, **provisioner: Any) -> dict[str, Any]:
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
+        "MigratableProvisioner": {"state_dir": str(state_dir), "host_stash_min": 10**8, "suspend_to": "disk",
+                                  **provisioner},
+    }
+
+
+@pytest.fixture
+def jp_server_config(tmp_path: Path) -> dict[str, Any]:
+    return _config(tmp_path / "gpumigrate", safe_point_timeout=2.0)
+
+
+async def _busy(serverapp: Any, kernel: Any, code: str) -> asyncio.Task:
+    """Start ``code`` in the kernel and return once the server sees the kernel busy with it."""
+    task = asyncio.get_running_loop().create_task(kernel.execute(code, timeout=180))
+    manager = serverapp.kernel_manager.get_kernel(kernel.id)
+    deadline = time.monotonic() + 30
+    while manager.execution_state != "busy":
+        assert time.monotonic() < deadline and not task.done(), "the cell did not start"
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)  # well inside its loop
+    return task
+
+
+async def test_a_busy_cell_is_suspended_at_a_safe_point_and_goes_on_whole(jp_fetch, jp_serverapp, kernel):
+    assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+    cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=120, end="print(result)"))
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert op["stash"]["stashed"] == 3 * 96 << 20 and op["stash"]["safe_point"] < 2.0, op["stash"]
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    folder = provisioner.images.path_for(kernel.id)
+    assert json.loads((folder / "manifest.json").read_text())["stash"]["buffers"] == 3
+    assert not cell.done(), "the cell waits, suspended, at its safe point"
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded" and op["stash"]["unstashed"] == 3 * 96 << 20, op
+    result = await cell
+    assert result.status == "ok", result.errors
+    assert result.out.strip() == expected(120), "every step ran once, on buffers that came back whole"
+    assert not list(provisioner.safe_point_dir.glob("waiting-*")), "the kernel no longer waits"
+    assert (await kernel.run("print(len(blobs[0]))")).strip() == str(96 << 20)
+
+
+async def test_a_failed_suspend_gives_the_buffers_back_to_the_busy_cell(jp_fetch, jp_serverapp, kernel):
+    assert (await kernel.run(OPEN_IO_URING + MAKE)).strip() == str(96 << 20)  # CRIU cannot dump an io_uring
+    cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=80, end="print(result)"))
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+    assert "stash" in op["timings"], "the dump failed after the stash, whose undo gave the buffers back"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == expected(80), result.errors
+
+
+async def test_the_fast_paths_session_is_served_at_a_safe_point(jp_serverapp, kernel):
+    """A GPU move's stager, asked while a cell runs: on this CPU kernel it says why it steps aside, from
+    inside the cell, which goes on."""
+    await kernel.run("import time")
+    cell = await _busy(jp_serverapp, kernel, "for i in range(60):\n    time.sleep(0.05)\nprint(i)")
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    stash = Stash()
+    try:
+        assert await asyncio.to_thread(provisioner.invite_stager, stash.path, stash.token) is None
+        offer = await asyncio.to_thread(stash.accept, 10.0)
+        assert offer is not None and offer.pid == provisioner.pid, stash.reason
+        assert offer.aside == "the kernel does not use CUDA through PyTorch"
+        assert not cell.done(), "the cell waits while the session lasts"
+    finally:
+        await asyncio.to_thread(stash.close)
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "59"
+
+
+async def test_migrate_suspend_writes_the_notebooks_buffers_at_its_own_safe_point(jp_fetch, jp_serverapp, kernel):
+    """%migrate --suspend: the cell that asks is busy waiting for its own suspend, so the host stash is served
+    at its safe point; once resumed, the cell says how it went and every buffer is back."""
+    assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+    cell = asyncio.ensure_future(kernel.execute("%migrate --suspend\nafter = 'went on'", timeout=180))
+    await wait_suspended(jp_fetch, kernel.id, cell, 120)
+    folder = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images.path_for(kernel.id)
+    stash = json.loads((folder / "manifest.json").read_text())["stash"]
+    assert stash["stashed"] == 3 * 96 << 20 and stash["buffers"] == 3, stash
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    result = await cell
+    assert result.status == "ok" and "Everything in memory is as it was." in result.out, result.errors
+    assert (await kernel.run("print(after, hashlib.sha256(b''.join(blobs)).hexdigest())")).split() == \
+        ["went", "on", expected(0).split()[0]]
+
+
+class TestNoSafePointInTime:
+    @pytest.fixture
+    def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:
+        return _config(tmp_path / "gpumigrate", safe_point_timeout=1.0)
+
+    async def test_a_cell_that_cannot_reach_one_is_carried_by_criu_alone(self, jp_fetch, jp_serverapp, kernel):
+        """The cell holds the safe point's signal back (as a long call into C would delay it): the request
+        is withdrawn after the bound, CRIU carries the buffers, and the signal, delivered once the cell lets
+        it through after the resume, finds nothing to do."""
+        assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+        hold = (f"import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{{SIGNAL}}})\n"
+                + LOOP.format(steps=100, end=f"signal.pthread_sigmask(signal.SIG_UNBLOCK, {{{SIGNAL}}})\nprint(result)"))
+        cell = await _busy(jp_serverapp, kernel, hold)
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "succeeded", op
+        assert "did not reach a safe point within 1 s" in op["stash"]["aside"], op["stash"]
+        provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+        assert not list(provisioner.safe_point_dir.glob("request-*")), "the request was withdrawn"
+        folder = provisioner.images.path_for(kernel.id)
+        assert "stash" not in json.loads((folder / "manifest.json").read_text()) or \
+            not json.loads((folder / "manifest.json").read_text())["stash"]
+        assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+        result = await cell
+        assert result.status == "ok" and result.out.strip() == expected(100), result.errors
+        assert (await kernel.run("print(sum(len(b) for b in blobs))")).strip() == str(3 * 96 << 20)
+
+
+def test_a_kernel_without_its_handler_is_not_signalled(tmp_path: Path) -> None:
+    """No armed file, or a process that does not catch the signal (its default would end it): not asked."""
+    point = SafePoint(tmp_path, 1)
+    assert point.call("hoststash", {}, 0.1) is None and "no safe point" in point.reason
+    (tmp_path / "armed-1.json").write_text(json.dumps({"signal": SIGNAL}))  # PID 1 catches no such signal
+    assert point.call("hoststash", {}, 0.1) is None and "not armed" in point.reason
+    assert not list(tmp_path.glob("request-*"))
+
+
+# -- a server killed while the cell waits at its safe point --------------------------------------------------
+
+
+@pytest.fixture
+def process_server(tmp_path: Path):
+    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"host_stash_min": 10**8}})
+    yield srv
+    srv.stop(signal.SIGKILL)
+    srv.kill_kernels()
+
+
+async def test_a_server_killed_while_the_cell_waits_at_its_safe_point_loses_nothing(process_server, tmp_path):
+    server = process_server
+    server.start()
+    _, kernel_id = notebook_session(server)
+    tab = await tab_on(server, kernel_id)
+    # Its buffers go to the stash; 1.5 GB more that CRIU dumps itself, so that the dump can be cut.
+    assert (await tab.run(MAKE + "ballast = bytes(range(256)) * 6_000_000")).strip() == str(96 << 20)
+    out = tmp_path / "result.txt"
+    tab.send("execute_request", {"code": LOOP.format(steps=100, end=f"open({str(out)!r}, 'w').write(result)"),
+                                 "silent": False, "store_history": True, "user_expressions": {}, "allow_stdin": False})
+    deadline = time.monotonic() + 30
+    while server.api("GET", f"api/kernels/{kernel_id}")["execution_state"] != "busy":
+        assert time.monotonic() < deadline, "the cell did not start"
+        time.sleep(0.05)
+    pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    points = server.state / "safepoints" / kernel_id
+
+    def waits() -> None:
+        assert (points / f"waiting-{pid}.json").is_file(), "the cell waits at its safe point, its buffers away"
+
+    cut_dump(server, kernel_id, pid, waits)
+    tab.ws.close()
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] == "running" and view["pid"] == pid, view
+    assert "read back the buffers it had written" in server.server_log()
+    deadline = time.monotonic() + 60
+    while not out.exists():
+        assert time.monotonic() < deadline, "the cell did not go on"
+        time.sleep(0.1)
+    time.sleep(0.2)
+    assert out.read_text() == expected(100)
+    assert not (points / f"waiting-{pid}.json").exists()
