@@ -237,6 +237,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     lineage: set[int] = set()
     #: why the last safe point asked for was not reached
     safe_point_reason: str | None = None
+    _stash_claim: Claim | None = None
 
     # -- what a migration needs (engine.kernelproc.KernelProcess) -----------------------------------
 
@@ -424,7 +425,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             claim = self._safe_point("hoststash", {"folder": folder, "min_total": int(min_total)})
             if claim is None:
                 return {"aside": self.safe_point_reason}
-            return {**claim.reply(timeout), "safe_point": round(claim.seconds, 4)}
+            self._stash_claim = claim  # until its reply is read: a take back waits for it
+            said = claim.reply(timeout)
+            self._stash_claim = None
+            return {**said, "safe_point": round(claim.seconds, 4)}
         if getattr(self.parent, "execution_state", None) != "idle":
             return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
@@ -434,10 +438,19 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back
         from ``folder``, checking them (kernel/hoststash.py)."""
         root = pid if pid is not None else self.pid
-        if root is not None and SafePoint(self.safe_point_dir, root).waiting():
-            # It stashed at a safe point, and its cell waits there for the buffers.
-            return SafePoint(self.safe_point_dir, root, alive=lambda: proctree.is_alive(root)).release(
-                {"folder": folder}, timeout)
+        claim, self._stash_claim = self._stash_claim, None
+        if claim is not None:  # the stash at a safe point did not answer in time: it may still be under way
+            try:
+                claim.reply(timeout)
+            except (OSError, RuntimeError, TimeoutError):
+                pass
+        point = SafePoint(self.safe_point_dir, root or 0, alive=lambda: root is not None and proctree.is_alive(root))
+        if root is not None and point.waiting():
+            return point.release({"folder": folder}, timeout)  # its cell waits at its safe point for the buffers
+        if self._busy():
+            # Its cell ran before the suspend (the server holds new ones meanwhile): the stash, asked at its
+            # safe point, took nothing away, or the kernel would wait there.
+            return {"unstashed": 0, "seconds": 0.0}
         return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
                                             timeout, alive=lambda: root is not None and proctree.is_alive(root)))
 

@@ -439,8 +439,9 @@ async def test_a_gpu_suspend_writes_the_tensors_itself_and_the_resume_keeps_ever
     assert out.split() == ["True", "True"]
 
 
-#: A training epoch over a DataLoader with worker processes and pinned memory (its pin-memory thread runs
-#: beside the cell); the same batches in the same order every time.
+#: A training epoch over a DataLoader with pinned memory; the same batches in the same order every time.
+#: No worker processes: a child forked after CUDA started maps the GPU without a CUDA context of its own,
+#: and CRIU cannot dump it (docs/internals.md); a suspend then fails and the kernel runs on.
 LOADER = """
 from torch.utils.data import DataLoader, TensorDataset
 _g = torch.Generator().manual_seed(7)
@@ -448,7 +449,7 @@ data = TensorDataset(torch.randn(4096, 512, generator=_g), torch.randint(0, 10, 
 
 def epoch(model, opt, pause=0.0):
     losses = []
-    for x, y in DataLoader(data, batch_size=256, num_workers=2, pin_memory=True):
+    for x, y in DataLoader(data, batch_size=256, pin_memory=True):
         x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
@@ -461,8 +462,8 @@ def epoch(model, opt, pause=0.0):
 
 
 async def test_a_training_loop_with_a_data_loader_is_suspended_mid_cell_and_its_losses_match(jp_fetch, kernel):
-    """The cell serves the host stash at its safe point (the DataLoader's pin-memory thread runs on), waits
-    there while suspended, and goes on after the resume: its losses are those of an unmoved run."""
+    """The cell serves the host stash at its safe point, waits there while suspended, and goes on after the
+    resume: its losses are those of an unmoved run."""
     pid = await build(kernel, gib=4, gpus=1)
     await kernel.run(LOADER)
     ref = await kernel.run("m, o, _ = make(1); reference = [v for _ in range(8) for v in epoch(m, o)]; "
@@ -476,8 +477,8 @@ async def test_a_training_loop_with_a_data_loader_is_suspended_mid_cell_and_its_
         await asyncio.sleep(0.05)
     await asyncio.sleep(1.0)
     op = await operate(jp_fetch, kernel.id, "suspend")
+    print("suspend mid-cell:", op["status"], op["error"], op["total"], op["timings"], op["stash"])
     assert op["status"] == "succeeded", op
-    print("suspend mid-cell:", op["total"], op["timings"], op["stash"])
     assert op["stash"].get("stashed", 0) >= 4 * GIB and "safe_point" in op["stash"], op["stash"]
     assert where(pid) == set() and not cell.done()
     op = await operate(jp_fetch, kernel.id, "resume")

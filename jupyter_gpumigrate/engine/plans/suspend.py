@@ -94,7 +94,10 @@ def stash(ctx: KernelContext) -> None:
 def take_back(ctx: KernelContext, timeout: float) -> None:
     """Undo of the stash: the kernel reads its buffers back. Until it has, the files are all there is of
     them: kept, whatever else is undone. Its request waits behind the stash if that still runs (the kernel
-    serves requests in order): it gets the stash's time again, and as long again to read."""
+    serves requests in order): it gets the stash's time again, and as long again to read. A stash that
+    stepped aside took nothing away: nothing to ask (a busy kernel would answer only after its cell)."""
+    if "aside" in ctx.stash:
+        return
     keep, ctx.keep_images = ctx.keep_images, True
     try:
         ctx.kernel.host_take_back(str(ctx.images), 3 * timeout)
