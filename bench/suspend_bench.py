@@ -8,6 +8,8 @@ Ways, ``<how>-<where>``:
   stash-*   the host stash (kernel/hoststash.py): the kernel writes its tensors itself, then the driver
             and CRIU carry the rest
   criu-*    the stash off (c.MigratableProvisioner.host_stash_min = None): the CUDA driver and CRIU alone
+  busy-*    the host stash, the kernel busy in a cell (a loop of 10 ms sleeps) all along: served at the
+            cell's safe point (kernel/safepoint.py), where the cell waits until its tensors are back
   *-memory  images in memory (c.MigratableProvisioner.suspend_to = "memory": a folder on /dev/shm)
   *-disk    images on disk (suspend_to = "disk": the state folder, on ``--disk-dir``)
 
@@ -52,6 +54,12 @@ while left > 0:
 tensors = [part(i, n) for i, n in enumerate(sizes)]
 torch.cuda.synchronize()
 print(sum(t.numel() for t in tensors))
+"""
+BUSY = """
+import os, time
+while not os.path.exists({flag!r}):
+    time.sleep(0.01)
+print("done")
 """
 CHECK = """
 ok = all(torch.equal(t, part(i, t.numel())) for i, t in enumerate(tensors))
@@ -121,16 +129,31 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> N
     state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir=disk_dir))
     config = {"MigratableProvisioner": {"state_dir": str(state), "suspend_to": where,
                                         "host_stash_min": None if how == "criu" else 10**9}}
+    if how == "busy":
+        config["MigratableProvisioner"]["safe_point_timeout"] = 10.0
     server = Server(root, config)
     try:
         for size in sizes:
             kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
             server.run(kernel_id, BUILD.format(size=size))
             server.run(kernel_id, "torch.cuda.empty_cache()")
+            cell = None
+            if how == "busy":  # a cell that runs until the flag exists, through its own websocket
+                flag = root / f"go-{size}"
+                cell = threading.Thread(target=server.run, args=(kernel_id, BUSY.format(flag=str(flag))))
+                cell.start()
+                while server.api("GET", f"api/kernels/{kernel_id}")["execution_state"] != "busy":
+                    time.sleep(0.05)
+                time.sleep(0.5)
             suspended = server.operate(kernel_id, "suspend")
             if suspended.get("images") != where:
                 raise RuntimeError(f"{way}: the images went to {suspended.get('images')}, not {where}")
             resumed = server.operate(kernel_id, "resume")
+            if cell is not None:
+                if not (suspended.get("stash") or {}).get("safe_point"):
+                    raise RuntimeError(f"{way}: the stash was not served at the cell's safe point: {suspended['stash']}")
+                flag.touch()
+                cell.join(120)
             check = server.run(kernel_id, CHECK).split()
             if check[0] != "True":
                 raise RuntimeError(f"{way}, {size} GB: the tensors changed: {check}")
