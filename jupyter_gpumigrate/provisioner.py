@@ -425,9 +425,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             claim = self._safe_point("hoststash", {"folder": folder, "min_total": int(min_total)})
             if claim is None:
                 return {"aside": self.safe_point_reason}
-            self._stash_claim = claim  # until its reply is read: a take back waits for it
+            self._stash_claim = claim  # a take back waits for its reply, and then asks only a kernel that waits
             said = claim.reply(timeout)
-            self._stash_claim = None
             return {**said, "safe_point": round(claim.seconds, 4)}
         if getattr(self.parent, "execution_state", None) != "idle":
             return {"aside": "the kernel is not idle"}
@@ -439,17 +438,17 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         from ``folder``, checking them (kernel/hoststash.py)."""
         root = pid if pid is not None else self.pid
         claim, self._stash_claim = self._stash_claim, None
-        if claim is not None:  # the stash at a safe point did not answer in time: it may still be under way
-            try:
+        if claim is not None and claim.point.pid == root:
+            try:  # the stash at a safe point may still be under way: its answer first
                 claim.reply(timeout)
             except (OSError, RuntimeError, TimeoutError):
                 pass
         point = SafePoint(self.safe_point_dir, root or 0, alive=lambda: root is not None and proctree.is_alive(root))
         if root is not None and point.waiting():
             return point.release({"folder": folder}, timeout)  # its cell waits at its safe point for the buffers
-        if self._busy():
-            # Its cell ran before the suspend (the server holds new ones meanwhile): the stash, asked at its
-            # safe point, took nothing away, or the kernel would wait there.
+        if claim is not None and claim.point.pid == root:
+            # Stashed at a safe point (the cell running), yet the kernel does not wait there: it took nothing
+            # away. A silent request would only be answered once the cell ends.
             return {"unstashed": 0, "seconds": 0.0}
         return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
                                             timeout, alive=lambda: root is not None and proctree.is_alive(root)))

@@ -93,11 +93,15 @@ class Claim:
     id: str
     #: seconds from the signal to the claim
     seconds: float
+    #: the reply, once read
+    answer: dict | None = None
 
     def reply(self, timeout: float) -> dict:
-        """What the call returned. Raises TimeoutError, ConnectionError (the process ended) or RuntimeError
-        (the call raised: its sentence)."""
-        answer = self.point.wait_for(self.point.folder / f"reply-{self.id}.json", timeout)
+        """What the call returned (read once, then kept). Raises TimeoutError, ConnectionError (the process
+        ended) or RuntimeError (the call raised: its sentence)."""
+        if self.answer is None:
+            self.answer = self.point.wait_for(self.point.folder / f"reply-{self.id}.json", timeout)
+        answer = self.answer
         if "error" in answer:
             raise RuntimeError(str(answer["error"]))
         return answer
