@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import OPEN_IO_URING, operate, wait_suspended
+from helpers import OPEN_IO_URING, operate, small_tmpfs, wait_suspended
 from servers import LocalServer
 from test_hibernation import cut_dump, notebook_session, tab_on, taken_back
 
@@ -105,6 +105,23 @@ async def test_a_failed_suspend_gives_the_buffers_back_to_the_busy_cell(jp_fetch
     assert result.status == "ok" and result.out.strip() == expected(80), result.errors
 
 
+async def test_a_cell_holding_a_lock_of_the_threading_module_is_served_once_it_lets_go(jp_fetch, jp_serverapp,
+                                                                                        kernel):
+    """The stash lists and starts threads: stopped where the cell holds threading's own lock, it would wait
+    for itself forever. The handler lets those signals pass; the server's next one, once the lock is free,
+    is served."""
+    assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+    hold = "import threading\nwith threading._shutdown_locks_lock:\n    time.sleep(1.0)\n" + \
+        LOOP.format(steps=60, end="print(result)")
+    cell = await _busy(jp_serverapp, kernel, hold)
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded" and op["stash"].get("stashed") == 3 * 96 << 20, op
+    assert op["stash"]["safe_point"] > 0.3, "served only once the lock was let go"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == expected(60), result.errors
+
+
 async def test_the_fast_paths_session_is_served_at_a_safe_point(jp_serverapp, kernel):
     """A GPU move's stager, asked while a cell runs: on this CPU kernel it says why it steps aside, from
     inside the cell, which goes on."""
@@ -138,6 +155,32 @@ async def test_migrate_suspend_writes_the_notebooks_buffers_at_its_own_safe_poin
     assert result.status == "ok" and "Everything in memory is as it was." in result.out, result.errors
     assert (await kernel.run("print(after, hashlib.sha256(b''.join(blobs)).hexdigest())")).split() == \
         ["went", "on", expected(0).split()[0]]
+
+
+class TestFullDisk:
+    """A 200 MB tmpfs: room for the kernel's CRIU images, not for its 288 MB of buffers."""
+
+    @pytest.fixture
+    def small_disk(self, tmp_path: Path):
+        with small_tmpfs(tmp_path / "small", "200m") as folder:
+            yield folder
+
+    @pytest.fixture
+    def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
+        return _config(small_disk / "gpumigrate")
+
+    async def test_a_disk_that_fills_during_the_stash_at_a_safe_point_leaves_the_cell_going_on_whole(
+            self, jp_fetch, jp_serverapp, kernel, small_disk):
+        assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+        cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=60, end="print(result)"))
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "failed" and op["failed_phase"] == "stash", op
+        assert "full" in op["error"] and "runs on, unchanged" in op["error"], op["error"]
+        result = await cell
+        assert result.status == "ok" and result.out.strip() == expected(60), result.errors
+        provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+        assert not provisioner.images.path_for(kernel.id).exists(), "the partial files are removed"
+        assert not list(provisioner.safe_point_dir.glob("waiting-*"))
 
 
 class TestNoSafePointInTime:

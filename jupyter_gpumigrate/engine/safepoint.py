@@ -7,6 +7,9 @@ kernel's handler (kernel/safepoint.py) in the main thread at the next bytecode b
 inside a blocking call that checks for signals (sleep, a lock, a socket or pipe wait), exactly where Ctrl-C
 would raise KeyboardInterrupt. A long call into C (a CUDA synchronize, a big matmul on the CPU) delays it.
 
+The handler lets a signal pass where the main thread may hold a lock that the call needs (the threading
+module's own, taken to list or start threads): the server sends it again every :data:`RESEND` seconds.
+
 Claim and withdrawal: the handler claims the request by renaming it; the server withdraws an unclaimed
 request by removing it. Only one of the two can succeed, so a request is served or withdrawn, never both;
 a signal that comes late finds nothing and the cell goes on untouched.
@@ -20,9 +23,10 @@ each written whole (a temporary file, then a rename):
     armed-PID.json        {"signal"}: the process PID has its handler installed (written at start)
     request-PID.json      {"id", "call", "args"}: the server's request      claimed: renamed to claimed-PID.json
     reply-ID.json         the call's result, or {"error": sentence}         the kernel
-    waiting-PID.json      {"id", "call"}: PID waits at its safe point       the kernel; removed when it goes on
-    release-PID.json      {"id", "args"}: go on (after what args say)       the server; the kernel replies in
-                                                                            reply-ID.json
+    waiting-PID.json      {"id", "call"}: PID waits (or may: written        the kernel; removed when it goes on
+                          before its call) at its safe point
+    release-PID.json      {"id", "for", "args"}: go on (after what args      the server; the kernel replies in
+                          say), for the wait "for" (its request's id)       reply-ID.json
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ FOLDER_ENV = "GPUMIGRATE_SAFE_POINT"
 #: SIGRTMIN + 6 under glibc: a real-time signal (queued, never merged) that no library we know uses. The
 #: kernel says which one it armed (``armed-PID.json``); this is what it arms.
 SIGNAL = 40
+#: The signal is sent again this often until the request is claimed: a handler that found a lock of the
+#: threading module held (perhaps by the code it stopped) lets it pass.
+RESEND = 0.1
 #: tgkill(2)'s number, to signal the main thread itself (elsewhere the process: Linux prefers its main thread).
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
@@ -148,9 +155,16 @@ class SafePoint:
             request.unlink(missing_ok=True)
             self.reason = f"the kernel could not be signalled ({exc.strerror or exc})"
             return None
+        signalled = started
         while time.monotonic() - started < timeout and self.alive():
             if not request.exists():
                 return Claim(self, rid, time.monotonic() - started)
+            if time.monotonic() - signalled >= RESEND:  # the handler may have let one pass (a lock held)
+                signalled = time.monotonic()
+                try:
+                    signal_main_thread(self.pid, SIGNAL)
+                except OSError:
+                    pass
             time.sleep(0.005)
         try:
             request.unlink()
@@ -163,17 +177,29 @@ class SafePoint:
     def release(self, args: dict, timeout: float) -> dict:
         """Let the process waiting at its safe point go on, after what ``args`` ask; its reply (raises as
         :meth:`Claim.reply`). The kernel stays there if the reply is an error: ask again."""
+        waits = self.waiting() or {}
         rid = secrets.token_hex(8)
-        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "args": args})
-        return Claim(self, rid, 0.0).reply(timeout)
+        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "for": waits.get("id"), "args": args})
+        reply = self.folder / f"reply-{rid}.json"
+        # A kernel whose call (still under way when asked) took nothing away goes on without an answer.
+        answer = self.wait_for(reply, timeout, went_on=lambda: self.waiting() is None)
+        if "error" in answer:
+            raise RuntimeError(str(answer["error"]))
+        return answer
 
-    def wait_for(self, path: Path, timeout: float) -> dict:
+    def wait_for(self, path: Path, timeout: float, went_on: Callable[[], bool] | None = None) -> dict:
+        """The JSON at ``path`` once written (then removed); ``{"unstashed": 0}`` if ``went_on()`` says the
+        kernel goes on without writing it."""
         deadline = time.monotonic() + timeout
         while True:
             answer = read(path)
             if answer is not None:
                 path.unlink(missing_ok=True)
                 return answer
+            if went_on is not None and went_on():
+                answer = read(path)  # the kernel answers before it goes on: look once more
+                path.unlink(missing_ok=True)
+                return answer if answer is not None else {"unstashed": 0, "seconds": 0.0}
             if not self.alive():
                 raise ConnectionError("the kernel's process ended")
             if time.monotonic() >= deadline:

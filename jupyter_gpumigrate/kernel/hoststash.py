@@ -334,7 +334,7 @@ def _run_parts(work: Any, parts: int) -> None:
 def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES) -> str:
     """Write the kernel's large buffers into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
-    changed). Raises OSError (a full disk, say) with nothing freed; the server removes the files."""
+    changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed."""
     global _session
     if _away:
         return json.dumps({"aside": "buffers of an earlier stash are still away"})
@@ -426,6 +426,12 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
             with torch.cuda.device(device):
                 torch.cuda.empty_cache()  # give the freed blocks back, or the driver would checkpoint them anyway
                 torch.cuda.synchronize(device)
+    except BaseException:
+        if not _away:  # nothing was freed: the parts written so far are of no use, and take the room (a full
+            for part in range(len(fds)):  # disk) that the answer needs
+                (root / PART.format(part)).unlink(missing_ok=True)
+            (root / INDEX).unlink(missing_ok=True)
+        raise
     finally:
         for fd in fds:
             os.close(fd)

@@ -38,10 +38,10 @@ def _host_stash(folder: str, min_total: int) -> tuple[dict, bool]:
 
 
 #: name -> (function of the request's args returning (reply, whether to wait for a release), whether the
-#: server reads a reply: the stager's session is its own answer)
-CALLS: dict[str, tuple[Callable[..., tuple[dict, bool]], bool]] = {
-    "stager": (_stager, False),
-    "hoststash": (_host_stash, True),
+#: server reads a reply (the stager's session is its own answer), whether it may take buffers away)
+CALLS: dict[str, tuple[Callable[..., tuple[dict, bool]], bool, bool]] = {
+    "stager": (_stager, False, False),
+    "hoststash": (_host_stash, True, True),
 }
 
 
@@ -74,12 +74,30 @@ def _disarm(path: Path, pid: int) -> None:
         path.unlink(missing_ok=True)
 
 
+#: Locks of the threading module that the calls take (to list and to start threads) and that are not
+#: reentrant (an RLock held by the stopped code is taken again without harm): the main thread may hold one
+#: where the signal stops it.
+_THREADING_LOCKS = tuple(lock for lock in (getattr(threading, name, None) for name in ("_active_limbo_lock",
+                                                                                     "_shutdown_locks_lock"))
+                         if lock is not None and callable(getattr(lock, "locked", None)))
+
+
 def _handler(signum: int, frame: Any) -> None:
-    """Claim the request for this process, if one is there, and serve it."""
+    """Claim the request for this process, if one is there, and serve it. Never raises: it runs inside the
+    notebook's cell, which must go on as if nothing happened."""
+    try:
+        _handle()
+    except Exception:  # noqa: BLE001  nothing may reach the cell; the server sees no reply and gives up
+        pass
+
+
+def _handle() -> None:
     global _serving
     root, me = _folder, os.getpid()
     if root is None or _serving:
         return  # a signal while serving: the server withdraws that request
+    if any(lock.locked() for lock in _THREADING_LOCKS):
+        return  # perhaps held by the code stopped here: wait for the server's next signal (it resends)
     claimed = root / f"claimed-{me}.json"
     try:
         os.rename(root / f"request-{me}.json", claimed)
@@ -99,28 +117,33 @@ def _handler(signum: int, frame: Any) -> None:
 def _serve(root: Path, me: int, request: dict) -> None:
     rid = str(request.get("id", ""))
     name = str(request.get("call", ""))
-    call, replies = CALLS.get(name, (None, True))
+    call, replies, may_hold = CALLS.get(name, (None, True, False))
+    waiting = root / f"waiting-{me}.json"
     hold = False
-    if call is None:
-        answer: dict = {"error": f"no call {name!r} at the safe point (another version of jupyter-gpumigrate?)"}
-    else:
-        try:
-            answer, hold = call(**(request.get("args") or {}))
-        except Exception as exc:  # said to the server
-            answer = {"error": f"{type(exc).__name__}: {exc}"}
-    if hold:
-        write_whole(root / f"waiting-{me}.json", {"id": rid, "call": name})
-    if replies:
-        write_whole(root / f"reply-{rid}.json", answer)
-    if hold:
-        try:
-            _wait_for_release(root, me)
-        finally:
-            (root / f"waiting-{me}.json").unlink(missing_ok=True)
+    try:
+        if call is None:
+            raise LookupError(f"no call {name!r} at the safe point (another version of jupyter-gpumigrate?)")
+        if may_hold:  # said before anything is freed: whatever happens next, the server asks for them back
+            write_whole(waiting, {"id": rid, "call": name})
+        answer, hold = call(**(request.get("args") or {}))
+    except Exception as exc:  # said to the server
+        answer = {"error": f"{type(exc).__name__}: {exc}"}
+    try:
+        if not hold:
+            waiting.unlink(missing_ok=True)
+        if replies:
+            write_whole(root / f"reply-{rid}.json", answer)
+    finally:
+        if hold:  # even if the answer could not be written: the buffers are away, the cell cannot go on
+            try:
+                _wait_for_release(root, me, rid)
+            finally:
+                waiting.unlink(missing_ok=True)
 
 
-def _wait_for_release(root: Path, me: int) -> None:
-    """Wait here (the cell stays where it is) until the server says to take the buffers back, and they are."""
+def _wait_for_release(root: Path, me: int, rid: str) -> None:
+    """Wait here (the cell stays where it is) until the server says to take the buffers back (a release for
+    this wait, ``rid``: one left from an earlier wait is dropped), and they are."""
     release = root / f"release-{me}.json"
     with hoststash.no_interrupt():
         while True:
@@ -129,10 +152,15 @@ def _wait_for_release(root: Path, me: int) -> None:
                 time.sleep(0.01)
                 continue
             release.unlink(missing_ok=True)
+            if order.get("for") != rid:
+                continue
             try:
                 answer = json.loads(hoststash.take_back(**(order.get("args") or {})))
             except Exception as exc:  # said to the server; it asks again or kills this process
                 answer = {"error": f"{type(exc).__name__}: {exc}"}
-            write_whole(root / f"reply-{order.get('id', '')}.json", answer)
+            try:
+                write_whole(root / f"reply-{order.get('id', '')}.json", answer)
+            except OSError:
+                pass  # the server sees no answer; if the buffers are back, the cell goes on all the same
             if not hoststash.away():
                 return
