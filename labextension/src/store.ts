@@ -319,13 +319,18 @@ export function describe(op: IOperation): string {
   const bytes = op.bytes ? ` (${humanBytes(op.bytes)})` : '';
   const from = typeof op.from_gpu === 'number' ? ` from GPU ${op.from_gpu}` : '';
   const onto = typeof op.to_gpu === 'number' ? ` on GPU ${op.to_gpu}` : '';
+  // A busy kernel served it at its running cell's safe point: the cell waited, then went on.
+  const midCell =
+    op.stash?.safe_point !== undefined || op.fast_path?.seconds?.safe_point !== undefined
+      ? ', in the middle of a running cell'
+      : '';
   switch (op.action) {
     case 'migrate':
       return op.to_host
         ? `moved to host ${op.to_host} in ${seconds}${bytes}.`
-        : `moved${from} to GPU ${op.to_gpu} in ${seconds}${bytes}.`;
+        : `moved${from} to GPU ${op.to_gpu} in ${seconds}${bytes}${midCell}.`;
     case 'suspend':
-      return `suspended in ${seconds}${bytes}.`;
+      return `suspended in ${seconds}${bytes}${midCell}.`;
     case 'resume': {
       const why = op.trigger === 'cell' ? ' (a cell was run)' : '';
       return `resumed${onto} in ${seconds}${why}.`;
