@@ -51,6 +51,7 @@ from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
 from .engine.errors import InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
+from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
 from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
 
@@ -125,6 +126,38 @@ SAFE_POINTS = "safepoints"
 #: The record of each running kernel (``<state_dir>/kernels/<id>.json``, 0600), kept up to date while it
 #: runs, so that a server started after a crash can adopt the kernels the dead one left running.
 RECORDS = "kernels"
+
+
+def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_info: dict, timeout: float,
+                    asked_at_safe_point: bool = False) -> dict:
+    """Have the kernel process ``pid`` read back the buffers it stashed into ``folder`` (kernel/hoststash.py),
+    whoever asks: the resume, the suspend's undo, a server started after a crash (revive.py). Raises as
+    :func:`~.kernelwire.evaluate_silently` does.
+
+    A kernel that stashed at the safe point of a busy cell waits there (engine/safepoint.py): released, through
+    ``safe_points`` (this host's folder of the kernel) or, restored on another host, the folder the stash's index
+    names, where it watches. Its cell would answer a silent request only once it ends; so where the kernel was
+    asked at a safe point (``asked_at_safe_point``) or its index says it stashed at one, and it waits no more, it
+    has its buffers (it took nothing, or read them back): nothing to ask."""
+    alive = (lambda: pid is not None and proctree.is_alive(pid))
+    local = SafePoint(safe_points, pid or 0, alive=alive)
+    if pid is not None and local.waiting():
+        return local.release({"folder": folder}, timeout)
+    try:
+        index = read_stash_index(folder)
+    except StashDamaged:
+        index = {}
+    at = index.get("safe_point") if index.get("pid") == pid else None
+    if isinstance(at, dict) and Path(str(at.get("folder"))) != safe_points:
+        # Restored on another host: the kernel watches the folder it had where it was suspended.
+        away = Path(str(at["folder"]))
+        away.mkdir(parents=True, exist_ok=True, mode=0o700)
+        return SafePoint(away, pid or 0, alive=alive).release({"folder": folder}, timeout, wait_id=str(at.get("id")),
+                                                              went_on=False)
+    if at or asked_at_safe_point:
+        return {"unstashed": 0, "seconds": 0.0}
+    return json.loads(evaluate_silently(connection_info, HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
+                                        alive=alive))
 
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
@@ -421,12 +454,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         why = self._cannot_serve("the host stash")
         if why:
             return {"aside": why}
+        self._stash_claim = None  # one left by an earlier suspend (its stash took nothing) is not this one's
         if self._busy():
             claim = self._safe_point("hoststash", {"folder": folder, "min_total": int(min_total)})
             if claim is None:
                 return {"aside": self.safe_point_reason}
-            self._stash_claim = claim  # a take back waits for its reply, and then asks only a kernel that waits
+            self._stash_claim = claim  # until a take back: it waits for the reply, if it did not come in time
             said = claim.reply(timeout)
+            if "stashed" not in said:
+                self._stash_claim = None  # nothing away: nothing to take back
             return {**said, "safe_point": round(claim.seconds, 4)}
         if getattr(self.parent, "execution_state", None) != "idle":
             return {"aside": "the kernel is not idle"}
@@ -438,20 +474,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         from ``folder``, checking them (kernel/hoststash.py)."""
         root = pid if pid is not None else self.pid
         claim, self._stash_claim = self._stash_claim, None
-        if claim is not None and claim.point.pid == root:
+        if claim is None or claim.point.pid != root:
+            claim = None
+        elif claim.answer is None:
             try:  # the stash at a safe point may still be under way: its answer first
                 claim.reply(timeout)
             except (OSError, RuntimeError, TimeoutError):
                 pass
-        point = SafePoint(self.safe_point_dir, root or 0, alive=lambda: root is not None and proctree.is_alive(root))
-        if root is not None and point.waiting():
-            return point.release({"folder": folder}, timeout)  # its cell waits at its safe point for the buffers
-        if claim is not None and claim.point.pid == root:
-            # Stashed at a safe point (the cell running), yet the kernel does not wait there: it took nothing
-            # away. A silent request would only be answered once the cell ends.
-            return {"unstashed": 0, "seconds": 0.0}
-        return json.loads(evaluate_silently(self.connection_info, HOST_TAKE_BACK_CALL.format(folder=folder),
-                                            timeout, alive=lambda: root is not None and proctree.is_alive(root)))
+        return give_back_stash(folder, root, self.safe_point_dir, self.connection_info, timeout,
+                               asked_at_safe_point=claim is not None)
 
     # -- a transplant (engine/plans/transplant.py, kernel/transplant.py) -------------------------------
 

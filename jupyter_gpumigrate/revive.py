@@ -34,14 +34,13 @@ from typing import Any
 
 from .credentials import ENV_KERNEL_ID
 from .kernel.hoststash import INDEX as STASH_INDEX
-from .kernelwire import evaluate_silently, kernel_answers
+from .kernelwire import kernel_answers
 from .engine import proctree
 from .engine.errors import MigrateError
 from .engine.criu import dump_finished
 from .engine.images import MANIFEST, ImageStore, Manifest
-from .engine.safepoint import SafePoint
 from .engine.plans.transplant import SWITCHED
-from .provisioner import HOST_TAKE_BACK_CALL, RECORDS, SAFE_POINTS, MigratableProvisioner, Revival
+from .provisioner import RECORDS, SAFE_POINTS, MigratableProvisioner, Revival, give_back_stash
 
 log = logging.getLogger(__name__)
 
@@ -328,13 +327,8 @@ def _give_back_stash(connection_info: dict, folder: Path, pid: int, safe_points:
     """Have the running kernel ``pid`` read back the buffers it wrote into ``folder``'s host stash
     (kernel/hoststash.py; nothing if it holds none away): None once it has, else why not. A kernel that
     stashed at a safe point of a busy cell waits there (``safe_points``, its safe-point folder)."""
-    point = SafePoint(safe_points, pid, alive=lambda: proctree.is_alive(pid))
     try:
-        if point.waiting():
-            point.release({"folder": str(folder)}, STASH_WAIT_AT_START)
-            return None
-        evaluate_silently(connection_info, HOST_TAKE_BACK_CALL.format(folder=str(folder)), STASH_WAIT_AT_START,
-                          alive=lambda: proctree.is_alive(pid))
+        give_back_stash(str(folder), pid, safe_points, connection_info, STASH_WAIT_AT_START)
     except (OSError, RuntimeError, TimeoutError) as exc:
         return str(exc) or type(exc).__name__
     return None

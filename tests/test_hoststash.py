@@ -7,6 +7,8 @@ The GPU suite covers CUDA storages (tests/test_gpu.py); the file format and its 
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import gc
 import json
 import logging
@@ -158,6 +160,34 @@ def test_a_thread_of_the_user_makes_it_step_aside(tmp_path: Path) -> None:
         stop.set()
         worker.join()
     assert "users-loop" in said["aside"] and len(blob) == 32 << 20 and not list(tmp_path.iterdir())
+
+
+def test_a_pool_task_that_waits_and_an_event_loops_thread_make_it_step_aside(tmp_path: Path) -> None:
+    """Neither runs the pool's or the loop's own code only: a task of the notebook's may wake up (its frame
+    sits between the pool's loop and the event it waits on), and a loop runs whatever is scheduled on it."""
+    ns = {"blob": bytearray(32 << 20), "In": []}
+    stop = threading.Event()
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="users-pool") as pool:
+        pool.submit(stop.wait, 30)
+        time.sleep(0.2)
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+        stop.set()
+    assert "users-pool" in said["aside"] and len(ns["blob"]) == 32 << 20, said
+    loop = asyncio.new_event_loop()
+    runner = threading.Thread(target=loop.run_forever, name="users-loop")
+    runner.start()
+    try:
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        runner.join()
+        loop.close()
+    assert "users-loop" in said["aside"] and len(ns["blob"]) == 32 << 20, said
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a worker with nothing to do runs on
+        pool.submit(int).result()
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+        assert said.get("stashed") == 32 << 20, said
+        json.loads(hoststash.take_back(str(tmp_path)))
 
 
 def test_a_thread_that_touches_only_what_it_is_handed_runs_on_and_keeps_it(tmp_path: Path) -> None:

@@ -10,9 +10,13 @@ The GPU suite covers CUDA storages (tests/test_gpu.py): the calls are the same c
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import json
+import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from servers import LocalServer
 from test_hibernation import cut_dump, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine.safepoint import SIGNAL, SafePoint
+from jupyter_gpumigrate.kernel import safepoint as kernel_safepoint
 from jupyter_gpumigrate.engine.stash import Stash
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
@@ -208,6 +213,54 @@ class TestNoSafePointInTime:
         result = await cell
         assert result.status == "ok" and result.out.strip() == expected(100), result.errors
         assert (await kernel.run("print(sum(len(b) for b in blobs))")).strip() == str(3 * 96 << 20)
+
+
+def test_an_interrupt_while_the_cell_waits_is_held_until_its_buffers_are_back(tmp_path: Path) -> None:
+    """The kernel's side, here in the main thread: an alarm whose handler raises (a time limit) fires while
+    the cell waits at its safe point with its buffers away; the wait goes on until the release, the buffers
+    come back, and only then is the alarm's exception handed to the cell."""
+
+    class Alarm(Exception):
+        pass
+
+    def ring(signum: int, frame: Any) -> None:
+        raise Alarm()
+
+    gc.collect()
+    ns = {"blob": bytearray(b"x" * (32 << 20)), "In": []}
+    blob = ns["blob"]
+    points, images = tmp_path / "points", tmp_path / "images"
+    points.mkdir()
+    images.mkdir()
+    me = os.getpid()
+
+    # The server, a process of its own (a thread here would make the stash step aside): it releases the wait
+    # a second after it began, once the alarm has gone off.
+    server = subprocess.Popen([sys.executable, "-c", f"""
+import time
+from pathlib import Path
+from jupyter_gpumigrate.engine.safepoint import write_whole
+points = Path({str(points)!r})
+while not (points / "waiting-{me}.json").exists():
+    time.sleep(0.01)
+time.sleep(1.0)
+write_whole(points / "release-{me}.json", {{"id": "back", "for": "r1", "args": {{"folder": {str(images)!r}}}}})
+"""])
+    old = signal.signal(signal.SIGALRM, ring)  # (pytest-timeout's own is put back after)
+    try:
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+        deferred = kernel_safepoint._serve(points, me, {"id": "r1", "call": "hoststash",
+                                                        "args": {"folder": str(images), "min_total": 1}})
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+        server.kill()
+        server.wait()
+    assert isinstance(deferred, Alarm), deferred
+    assert blob == bytearray(b"x" * (32 << 20)), "the buffer is back before the alarm reaches the cell"
+    assert json.loads((points / "reply-r1.json").read_text())["stashed"] == 32 << 20
+    assert json.loads((points / "reply-back.json").read_text())["unstashed"] == 32 << 20
+    assert not (points / f"waiting-{me}.json").exists()
 
 
 def test_a_kernel_without_its_handler_is_not_signalled(tmp_path: Path) -> None:

@@ -147,7 +147,11 @@ class SafePoint:
         request = self.folder / f"request-{self.pid}.json"
         rid = secrets.token_hex(8)
         (self.folder / f"reply-{rid}.json").unlink(missing_ok=True)
-        write_whole(request, {"id": rid, "call": name, "args": args})
+        try:
+            write_whole(request, {"id": rid, "call": name, "args": args})
+        except OSError as exc:
+            self.reason = f"the request could not be written in {self.folder} ({exc.strerror or exc})"
+            return None
         started = time.monotonic()
         try:
             signal_main_thread(self.pid, SIGNAL)
@@ -174,15 +178,17 @@ class SafePoint:
                        "CUDA synchronize, or a blocked data loader)" if self.alive() else "the kernel's process ended")
         return None
 
-    def release(self, args: dict, timeout: float) -> dict:
-        """Let the process waiting at its safe point go on, after what ``args`` ask; its reply (raises as
-        :meth:`Claim.reply`). The kernel stays there if the reply is an error: ask again."""
-        waits = self.waiting() or {}
+    def release(self, args: dict, timeout: float, wait_id: str | None = None, went_on: bool = True) -> dict:
+        """Let the process waiting at its safe point (the wait ``wait_id``, by default the one its waiting file
+        names) go on, after what ``args`` ask; its reply (raises as :meth:`Claim.reply`). The kernel stays
+        there if the reply is an error: ask again. With ``went_on``, a kernel whose call (still under way
+        when asked) took nothing away, and so goes on, is not waited for."""
+        if wait_id is None:
+            wait_id = (self.waiting() or {}).get("id")
         rid = secrets.token_hex(8)
-        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "for": waits.get("id"), "args": args})
+        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "for": wait_id, "args": args})
         reply = self.folder / f"reply-{rid}.json"
-        # A kernel whose call (still under way when asked) took nothing away goes on without an answer.
-        answer = self.wait_for(reply, timeout, went_on=lambda: self.waiting() is None)
+        answer = self.wait_for(reply, timeout, went_on=(lambda: self.waiting() is None) if went_on else None)
         if "error" in answer:
             raise RuntimeError(str(answer["error"]))
         return answer

@@ -22,7 +22,8 @@ A folder with parts but no index is a stash that did not finish: nothing was fre
 freed only once every part is written and synced), so the server removes it.
 
 Everything runs in the kernel's main thread, called by the server through a silent request while the
-kernel is idle: never beside a cell. The writer threads end before it returns.
+kernel is idle, or at the safe point of a busy cell (kernel/safepoint.py), which waits there until the
+buffers are back. The writer threads end before it returns.
 """
 
 from __future__ import annotations
@@ -331,10 +332,12 @@ def _run_parts(work: Any, parts: int) -> None:
         future.result()
 
 
-def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES) -> str:
+def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES,
+          safe_point: dict | None = None) -> str:
     """Write the kernel's large buffers into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
-    changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed."""
+    changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed. With
+    ``safe_point`` (kernel/safepoint.py: the cell waits at it), the index says where."""
     global _session
     if _away:
         return json.dumps({"aside": "buffers of an earlier stash are still away"})
@@ -407,6 +410,8 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         index = {"format": FORMAT, "session": session, "pid": os.getpid(),
                  "buffers": [{"kind": b.kind, "size": b.size} for b in buffers],
                  "chunks": [c.__dict__ for c in chunks], "parts": parts}
+        if safe_point:  # where the cell waits for its buffers (kernel/safepoint.py): {"folder", "pid", "id"}
+            index["safe_point"] = safe_point
         _write_index(root, index, durable)
         if any(os.fstat(fd).st_nlink == 0 for fd in fds) or not (root / INDEX).exists():
             raise OSError(f"the stash files in {root} were removed while they were written: nothing was freed")
@@ -422,6 +427,10 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
                 except BufferError:  # a view was made meanwhile: it stays, whole
                     continue
                 b.away = True
+        if not any(b.away for b in buffers):  # every one got a view meanwhile: nothing is away
+            _away.clear()
+            _chunks.clear()
+            _session = None
         if cuda is not None:
             with torch.cuda.device(device):
                 torch.cuda.empty_cache()  # give the freed blocks back, or the driver would checkpoint them anyway

@@ -46,9 +46,12 @@ MIN_BYTES = 1 << 20
 FOREIGN_CUDA = ("cupy", "jax", "numba.cuda", "tensorflow", "pycuda")
 #: Threads whose code comes from these modules touch no tensor: Jupyter's own, progress bars, TensorBoard's
 #: event writers (they get protocol buffers, made in the main thread).
-QUIET_THREADS = ("ipykernel", "IPython", "zmq", "jupyter_client", "jupyter_core", "tornado", "asyncio", "anyio",
-                 "comm", "ipywidgets", "debugpy", "traitlets", "tqdm", "jupyter_gpumigrate", "tensorboard",
-                 "tensorboardX", "torch.utils.tensorboard")
+#: By the module of the thread's class, or of its target: an event loop's thread (asyncio, tornado, anyio)
+#: runs whatever is scheduled on it, so it is not quiet, whoever started it.
+QUIET_THREADS = ("ipykernel", "IPython", "zmq", "jupyter_client", "jupyter_core", "comm", "ipywidgets", "debugpy",
+                 "traitlets", "tqdm", "jupyter_gpumigrate", "tensorboard", "tensorboardX", "torch.utils.tensorboard")
+#: ... except these, which run the notebook's code: ipykernel's subshells run cells.
+BUSY_THREADS = ("ipykernel.subshell",)
 #: Threads whose code comes from these modules touch only what they are handed: a DataLoader's batch to pin,
 #: an object a multiprocessing queue sends, a log record a QueueListener writes. They run on; what their
 #: frames reach (:func:`reach`) stays where it is.
@@ -84,7 +87,7 @@ def threads() -> tuple[str | None, list[threading.Thread]]:
         if thread is me or thread is threading.main_thread() or not thread.is_alive():
             continue
         module = _thread_module(thread)
-        if _from(module, QUIET_THREADS) or _parked(thread):
+        if (_from(module, QUIET_THREADS) and not _from(module, BUSY_THREADS)) or _parked(thread):
             continue
         if _from(module, HANDED_THREADS):
             handed.append(thread)
@@ -162,14 +165,16 @@ def unsafe(torch: Any) -> str | None:
 
 
 def _parked(thread: threading.Thread) -> bool:
-    """A pool worker (concurrent.futures) that waits for work now: it runs no user code."""
+    """A pool worker (concurrent.futures) that waits for work now, with none queued: it runs no user code.
+    Its frames, from the top: only the queue's and threading's own, then the pool's ``_worker`` loop (a
+    task of the notebook's that waits, on an event say, has its own frame between)."""
     frame = sys._current_frames().get(thread.ident or -1)
-    names = []
-    while frame is not None:
-        names.append((os.path.basename(frame.f_code.co_filename), frame.f_code.co_name))
+    while frame is not None and os.path.basename(frame.f_code.co_filename) in ("threading.py", "queue.py"):
         frame = frame.f_back
-    waiting = bool(names) and (names[0] == ("thread.py", "_worker") or names[0][0] in ("threading.py", "queue.py"))
-    return waiting and ("thread.py", "_worker") in names
+    if frame is None or (os.path.basename(frame.f_code.co_filename), frame.f_code.co_name) != ("thread.py", "_worker"):
+        return False
+    work = frame.f_locals.get("work_queue")
+    return work is None or not hasattr(work, "empty") or work.empty()
 
 
 def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:

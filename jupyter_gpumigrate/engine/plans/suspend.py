@@ -10,8 +10,10 @@
 
 The stash (kernel/hoststash.py) is what makes a large kernel fast to suspend: its own threads write the
 big PyTorch storages (CUDA through pinned buffers) and bytearrays in parallel, so the driver checkpoints
-only the CUDA context and CRIU dumps only the rest. Where it steps aside (a busy or non-IPython kernel,
-a user's thread, too little to gain), nothing changed and CRIU and the driver carry everything.
+only the CUDA context and CRIU dumps only the rest. A kernel busy with a cell serves it at the cell's safe
+point (kernel/safepoint.py), where the cell waits until its buffers are back. Where it steps aside (a
+non-IPython kernel, a cell that does not reach its safe point in time, a user's thread, too little to
+gain), nothing changed and CRIU and the driver carry everything.
 """
 
 from __future__ import annotations
