@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import gc
 import json
 import logging
@@ -19,7 +20,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import pytest
 from helpers import api, operate, small_tmpfs, wait_operation
@@ -148,46 +149,48 @@ def test_the_index_on_disk_cannot_tell_the_kernel_where_its_bytes_go(tmp_path: P
     assert said["unstashed"] == len(expect) and bytes(blob) == expect
 
 
-def test_a_thread_of_the_user_makes_it_step_aside(tmp_path: Path) -> None:
-    ns = {"blob": bytearray(32 << 20), "In": []}
-    blob = ns["blob"]
+@contextlib.contextmanager
+def _running(kind: str) -> Iterator[str]:
+    """A thread of the notebook's that runs (or may wake up at any moment): its name."""
     stop = threading.Event()
-    worker = threading.Thread(target=stop.wait, name="users-loop")
-    worker.start()
-    try:
-        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
-    finally:
+    if kind == "thread":
+        worker = threading.Thread(target=stop.wait, name="users-thread")
+        worker.start()
+        yield "users-thread"
         stop.set()
         worker.join()
-    assert "users-loop" in said["aside"] and len(blob) == 32 << 20 and not list(tmp_path.iterdir())
-
-
-def test_a_pool_task_that_waits_and_an_event_loops_thread_make_it_step_aside(tmp_path: Path) -> None:
-    """Neither runs the pool's or the loop's own code only: a task of the notebook's may wake up (its frame
-    sits between the pool's loop and the event it waits on), and a loop runs whatever is scheduled on it."""
-    ns = {"blob": bytearray(32 << 20), "In": []}
-    stop = threading.Event()
-    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="users-pool") as pool:
-        pool.submit(stop.wait, 30)
-        time.sleep(0.2)
-        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
-        stop.set()
-    assert "users-pool" in said["aside"] and len(ns["blob"]) == 32 << 20, said
-    loop = asyncio.new_event_loop()
-    runner = threading.Thread(target=loop.run_forever, name="users-loop")
-    runner.start()
-    try:
-        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
-    finally:
+    elif kind == "pool task":  # its frame sits between the pool's loop and the event it waits on
+        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="users-pool") as pool:
+            pool.submit(stop.wait, 30)
+            time.sleep(0.2)
+            yield "users-pool"
+            stop.set()
+    else:  # an event loop runs whatever is scheduled on it
+        loop = asyncio.new_event_loop()
+        runner = threading.Thread(target=loop.run_forever, name="users-loop")
+        runner.start()
+        yield "users-loop"
         loop.call_soon_threadsafe(loop.stop)
         runner.join()
         loop.close()
-    assert "users-loop" in said["aside"] and len(ns["blob"]) == 32 << 20, said
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # a worker with nothing to do runs on
+
+
+@pytest.mark.parametrize("kind", ["thread", "pool task", "event loop"])
+def test_a_running_thread_of_the_users_makes_it_step_aside(tmp_path: Path, kind: str) -> None:
+    ns = {"blob": bytearray(32 << 20), "In": []}
+    with _running(kind) as name:
+        said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
+    assert name in said["aside"] and len(ns["blob"]) == 32 << 20 and not list(tmp_path.iterdir()), said
+
+
+def test_a_pool_worker_with_nothing_to_do_runs_on(tmp_path: Path) -> None:
+    ns = {"blob": bytearray(32 << 20), "In": []}
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
         pool.submit(int).result()
         said = json.loads(hoststash.stash(str(tmp_path), min_total=1))
         assert said.get("stashed") == 32 << 20, said
         json.loads(hoststash.take_back(str(tmp_path)))
+    assert len(ns["blob"]) == 32 << 20
 
 
 def test_a_thread_that_touches_only_what_it_is_handed_runs_on_and_keeps_it(tmp_path: Path) -> None:
