@@ -154,6 +154,9 @@ on the GPU with one rebuilt from its seed (`torch.equal`). Ways:
   (checking each chunk) straight into the storages.
 - **criu**: the stash off (`c.MigratableProvisioner.host_stash_min = None`): the driver copies all GPU
   memory into the process (about 2 GB/s) and CRIU writes it (about 2 GB/s, to tmpfs too).
+- **busy**: the stash, with the kernel busy in a cell all along (a loop of 10 ms sleeps): served at the
+  cell's safe point (`jupyter_gpumigrate/kernel/safepoint.py`), where the cell waits until its tensors are
+  back. Before the safe point, a busy kernel went the **criu** way.
 - **memory**: the state folder on /dev/shm (tmpfs), as `suspend_to` `memory` (or `auto` with room) does;
   **disk**: the local disk.
 
@@ -174,7 +177,7 @@ def suspend_section(path: Path) -> str:
 
         body.append([r["way"], f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
                      phases(m["timings"])])
-    out = [SUSPEND_INTRO, f"### Run `{path.name}`", "",
+    out = [f"### Run `{path.name}`", "",
            f"{meta['date']}; {meta.get('gpus')}; {meta.get('cpus')} CPUs; disk folder {meta.get('disk_dir')}.", "",
            md_table(["way", "GB", "suspend s", "resume s", "suspend phases (s)", "resume phases (s)"], body), "",
            "Floors in this run: " + ", ".join(f"{k.replace('_', ' ')} {v} GB/s" for k, v in floors.items()) + ".",
@@ -182,8 +185,13 @@ def suspend_section(path: Path) -> str:
     by = {(r["way"], r["size_gb"]): r for r in rows}
     lines = []
     for (way, size), r in sorted(by.items()):
-        if not way.startswith("stash-"):
+        if not way.startswith(("stash-", "busy-")):
             continue
+        idle = by.get(("stash-" + way.split("-")[1], size)) if way.startswith("busy-") else None
+        if idle is not None:
+            lines.append(f"{size:g} GB in {way.split('-')[1]}, a busy kernel at its cell's safe point: suspend "
+                         f"{idle['suspend']['total'] / r['suspend']['total']:.2f}× and resume "
+                         f"{idle['resume']['total'] / r['resume']['total']:.2f}× the idle kernel's speed")
         base = by.get(("criu-" + way.split("-")[1], size))
         if base is not None:
             lines.append(f"{size:g} GB in {way.split('-')[1]}: suspend {base['suspend']['total'] / r['suspend']['total']:.1f}× "
@@ -200,6 +208,21 @@ def suspend_section(path: Path) -> str:
     return "\n".join(out)
 
 
+def newest_suspend_runs() -> list[Path]:
+    """The newest run of bench/suspend_bench.py for each set of ways it measured (the four ways of images
+    and stash, busy kernels...), oldest first."""
+    runs: dict[tuple, tuple[str, Path]] = {}
+    for path in RESULTS.glob("*-suspend.json"):
+        data = json.loads(path.read_text())
+        if "floors" not in data:
+            continue
+        ways = tuple(sorted({r["way"] for r in data["rows"] if "suspend" in r}))
+        date = data["meta"]["date"]
+        if ways not in runs or runs[ways][0] < date:
+            runs[ways] = (date, path)
+    return [path for _, path in sorted(runs.values())]
+
+
 def main(argv: list[str]) -> int:
     paths = [Path(p) for p in argv] or None
     if paths is None:
@@ -211,11 +234,10 @@ def main(argv: list[str]) -> int:
             return 1
         newest = found[-1].name[:10]
         paths = [p for p in found if p.name.startswith(newest)]
-    suspends = [p for p in RESULTS.glob("*-suspend.json") if "floors" in json.loads(p.read_text())]
-    suspends = sorted(suspends, key=lambda p: json.loads(p.read_text())["meta"]["date"])[-1:]  # the newest run
+    suspends = newest_suspend_runs()
     sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends)
     DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
-                   "".join("\n" + suspend_section(p) for p in suspends))
+                   ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 
