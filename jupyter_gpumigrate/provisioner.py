@@ -476,9 +476,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         claim, self._stash_claim = self._stash_claim, None
         if claim is None or claim.point.pid != root:
             claim = None
-        elif claim.answer is None:
-            try:  # the stash at a safe point may still be under way: its answer first
-                claim.reply(timeout)
+        elif claim.answer is None and not claim.point.waiting():
+            try:  # the stash at a safe point has not said whether it waits: its answer first (one that
+                claim.reply(timeout)  # waits is released below, once its stash is done, whatever it says)
             except (OSError, RuntimeError, TimeoutError):
                 pass
         return give_back_stash(folder, root, self.safe_point_dir, self.connection_info, timeout,
