@@ -183,6 +183,40 @@ def test_a_running_thread_of_the_users_makes_it_step_aside(tmp_path: Path, kind:
     assert name in said["aside"] and len(ns["blob"]) == 32 << 20 and not list(tmp_path.iterdir()), said
 
 
+def test_a_thread_the_notebook_marks_is_taken_at_its_word(tmp_path: Path) -> None:
+    """Unmarked, the notebook's thread makes the stash step aside, and the reason says how to mark it;
+    marked "handed", it runs on and the tensor its variables hold stays; marked "quiet", it runs on and
+    everything goes."""
+    torch = pytest.importorskip("torch")
+    ns = {"blob": bytearray(b"f" * (32 << 20)), "In": []}
+    stop = threading.Event()
+
+    def prefetch(batch: Any) -> None:  # holds its batch while it waits
+        stop.wait(30)
+
+    batch = torch.full((8 << 20,), 3.0)  # 32 MiB
+    worker = threading.Thread(target=prefetch, args=(batch,), name="prefetch")
+    worker.start()
+    try:
+        said = json.loads(hoststash.stash(str(tmp_path / "unmarked"), min_total=1))
+        assert "'prefetch'" in said["aside"] and "thread.gpumigrate = 'quiet' or 'handed'" in said["aside"], said
+        worker.gpumigrate = "handed"  # type: ignore[attr-defined]
+        (tmp_path / "handed").mkdir()
+        said = json.loads(hoststash.stash(str(tmp_path / "handed"), min_total=1))
+        assert said.get("stashed") == 32 << 20 and len(ns["blob"]) == 0, said
+        assert batch.untyped_storage().nbytes() == 32 << 20, "the thread's own batch stayed"
+        json.loads(hoststash.take_back(str(tmp_path / "handed")))
+        worker.gpumigrate = "quiet"  # type: ignore[attr-defined]
+        (tmp_path / "quiet").mkdir()
+        said = json.loads(hoststash.stash(str(tmp_path / "quiet"), min_total=1))
+        assert said.get("stashed") == 64 << 20, said
+        json.loads(hoststash.take_back(str(tmp_path / "quiet")))
+    finally:
+        stop.set()
+        worker.join()
+    assert ns["blob"] == bytearray(b"f" * (32 << 20)) and bool((batch == 3.0).all())
+
+
 def test_a_pool_worker_with_nothing_to_do_runs_on(tmp_path: Path) -> None:
     ns = {"blob": bytearray(32 << 20), "In": []}
     with concurrent.futures.ThreadPoolExecutor(1) as pool:

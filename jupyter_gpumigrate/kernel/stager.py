@@ -56,6 +56,9 @@ BUSY_THREADS = ("ipykernel.subshell",)
 #: an object a multiprocessing queue sends, a log record a QueueListener writes. They run on; what their
 #: frames reach (:func:`reach`) stays where it is.
 HANDED_THREADS = ("torch.utils.data._utils.pin_memory", "multiprocessing.queues", "logging.handlers")
+#: A notebook marks a thread of its own with this attribute: ``"quiet"`` (it touches no tensor) or
+#: ``"handed"`` (it touches only what its frames reach, which then stays where it is).
+MARK = "gpumigrate"
 #: How many objects :func:`reach` looks at before it gives up (the buffers then stay: it steps aside).
 REACH_LIMIT = 200_000
 _LAZY_ENABLE_PEER_ACCESS = 1
@@ -80,11 +83,18 @@ def threads() -> tuple[str | None, list[threading.Thread]]:
     """The rule for the other threads of this process while buffers are away: (why they may not be taken
     away, or None; the threads whose reach must stay). Jupyter's threads and the others of
     :data:`QUIET_THREADS` touch no tensor; those of :data:`HANDED_THREADS` only what they are handed; a
-    pool worker waiting for work runs nothing. Any other thread that runs (a user's, a library's we do not
+    pool worker waiting for work runs nothing; a thread the notebook marked (``thread.gpumigrate = "quiet"``
+    or ``"handed"``) is taken at its word. Any other thread that runs (a user's, a library's we do not
     know) could touch any tensor: the fast path and the host stash step aside, naming it."""
     me, handed = threading.current_thread(), []
     for thread in threading.enumerate():
         if thread is me or thread is threading.main_thread() or not thread.is_alive():
+            continue
+        declared = getattr(thread, MARK, None)  # the notebook's own word for its thread
+        if declared == "quiet":
+            continue
+        if declared == "handed":
+            handed.append(thread)
             continue
         module = _thread_module(thread)
         if (_from(module, QUIET_THREADS) and not _from(module, BUSY_THREADS)) or _parked(thread):
@@ -92,7 +102,8 @@ def threads() -> tuple[str | None, list[threading.Thread]]:
         if _from(module, HANDED_THREADS):
             handed.append(thread)
             continue
-        return f"thread {thread.name!r} ({module}) is running and could touch a tensor", []
+        return (f"thread {thread.name!r} ({module}) is running and could touch a tensor (if it touches none, or "
+                f"only what its own variables hold, say so: thread.{MARK} = 'quiet' or 'handed')"), []
     return None, handed
 
 
