@@ -6,6 +6,8 @@ it is missing: `make test` installs it first, and CI must prove suspend and resu
 
 from __future__ import annotations
 
+import signal
+
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +85,14 @@ def kernel(jp_fetch: Any, jp_serverapp: Any, jp_asyncio_loop: Any):
     session = jp_asyncio_loop.run_until_complete(start())
     yield session
     session.close()
+
+
+@pytest.fixture
+def process_server(tmp_path: Any):
+    """A server run as a process of its own (it is killed), its host stash used from 100 MB, images on disk."""
+    from servers import LocalServer
+
+    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"host_stash_min": 10**8}})
+    yield srv
+    srv.stop(signal.SIGKILL)
+    srv.kill_kernels()

@@ -123,6 +123,18 @@ async def server_sees_idle(jp_fetch: Any, kernel: Any, timeout: float = 30) -> N
         await asyncio.sleep(0.05)
 
 
+async def start_busy(jp_fetch: Any, kernel: Any, code: str, timeout: float = 600, settle: float = 0.5) -> asyncio.Task:
+    """Start ``code`` in ``kernel`` (a :class:`KernelSession`); return its task (an :class:`Execution`) once the
+    server sees the kernel busy with it, and ``settle`` seconds more (well inside the cell)."""
+    task = asyncio.get_running_loop().create_task(kernel.execute(code, timeout=timeout))
+    deadline = time.monotonic() + 30
+    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "busy":
+        assert time.monotonic() < deadline and not task.done(), "the cell did not start"
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(settle)
+    return task
+
+
 async def operate(jp_fetch: Any, kernel_id: str, action: str, body: Any = None) -> dict:
     op = await api(jp_fetch, "kernels", kernel_id, action, method="POST", body=body, expect=202)
     return await wait_operation(jp_fetch, op)

@@ -14,11 +14,10 @@ import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-from helpers import (OPEN_IO_URING, KernelSession, api, cli, operate, remote, server_sees_idle, start_kernel,
+from helpers import (OPEN_IO_URING, KernelSession, api, cli, operate, remote, server_sees_idle, start_busy, start_kernel,
                      two_gpus, wait_operation)
 
 from jupyter_gpumigrate.engine import doctor
@@ -130,20 +129,15 @@ async def test_a_running_training_loop_moves_and_its_losses_match_an_unmoved_run
     await build(kernel, gib=2)  # enough for the fast path, were the kernel not busy
     ref = await kernel.run("m, o, g = make(1); reference = train(m, o, g, 400, pause=0.005); print(len(reference))")
     assert ref.strip() == "400"
-    cell = asyncio.ensure_future(
-        kernel.run("m, o, g = make(1); moved = train(m, o, g, 400, pause=0.005); print(len(moved))", timeout=300)
-    )
-    deadline = time.monotonic() + 30
-    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "busy":
-        assert time.monotonic() < deadline, "the training cell did not start"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)
+    cell = await start_busy(jp_fetch, kernel, "m, o, g = make(1); moved = train(m, o, g, 400, pause=0.005); "
+                                              "print(len(moved))")
     op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
     assert op["status"] == "succeeded", op
     assert not cell.done(), "the move happened while the cell ran"
     fast = op["fast_path"]
     assert fast["stashed"] >= 2 * GIB and "safe_point" in fast["seconds"], "the cell served the fast path at its safe point"
-    assert (await cell).strip() == "400"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "400", result.errors
     out = await kernel.run("print(moved == reference, torch.cuda.current_device())")
     assert out.split() == ["True", "0"], "the loss sequence is identical to the unmoved run"
     assert where(kernel.manager.provisioner.pid) == {1}
@@ -469,13 +463,8 @@ async def test_a_training_loop_with_a_data_loader_is_suspended_mid_cell_and_its_
     ref = await kernel.run("m, o, _ = make(1); reference = [v for _ in range(8) for v in epoch(m, o)]; "
                            "print(len(reference))", timeout=300)
     assert ref.strip() == "128"
-    cell = asyncio.ensure_future(kernel.run("m, o, _ = make(1); moved = [v for _ in range(8) for v in epoch(m, o, "
-                                            "0.05)]; print(len(moved))", timeout=600))
-    deadline = time.monotonic() + 30
-    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "busy":
-        assert time.monotonic() < deadline, "the training cell did not start"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(1.0)
+    cell = await start_busy(jp_fetch, kernel, "m, o, _ = make(1); moved = [v for _ in range(8) for v in "
+                            "epoch(m, o, 0.05)]; print(len(moved))", settle=1.0)
     op = await operate(jp_fetch, kernel.id, "suspend")
     print("suspend mid-cell:", op["status"], op["error"], op["total"], op["timings"], op["stash"])
     assert op["status"] == "succeeded", op
@@ -484,7 +473,8 @@ async def test_a_training_loop_with_a_data_loader_is_suspended_mid_cell_and_its_
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op
     print("resume mid-cell:", op["total"], op["timings"], op["stash"])
-    assert (await cell).strip() == "128"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "128", result.errors
     out = await kernel.run("print(moved == reference, state_digest() == before)")
     assert out.split() == ["True", "True"], "the losses are those of the unmoved run; every value is kept"
 
@@ -494,13 +484,8 @@ async def test_a_cell_stuck_in_a_long_cuda_call_is_suspended_by_the_driver_and_k
     withdrawn, the driver and CRIU carry everything, and the cell goes on after the resume."""
     pid = await build(kernel, gib=4, gpus=1)
     kernel.manager.provisioner.safe_point_timeout = 1.0
-    cell = asyncio.ensure_future(kernel.run("torch.cuda._sleep(int(1e10)); torch.cuda.synchronize(); "
-                                            "print(state_digest() == before)", timeout=600))
-    deadline = time.monotonic() + 30
-    while (await api(jp_fetch, "kernels", kernel.id))["execution_state"] != "busy":
-        assert time.monotonic() < deadline, "the cell did not start"
-        await asyncio.sleep(0.05)
-    await asyncio.sleep(0.5)
+    cell = await start_busy(jp_fetch, kernel, "torch.cuda._sleep(int(1e10)); torch.cuda.synchronize(); "
+                                              "print(state_digest() == before)")
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "succeeded", op
     print("suspend of a stuck cell:", op["total"], op["timings"], op["stash"])
@@ -508,7 +493,8 @@ async def test_a_cell_stuck_in_a_long_cuda_call_is_suspended_by_the_driver_and_k
     assert where(pid) == set()
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op
-    assert (await cell).strip() == "True"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "True", result.errors
     assert not list(kernel.manager.provisioner.safe_point_dir.glob("request-*")), "the request was withdrawn"
 
 

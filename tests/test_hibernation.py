@@ -341,7 +341,7 @@ async def test_a_gpu_kernel_suspended_comes_back_after_its_server_restarts_with_
     tab.ws.close()
 
 
-def _criu_of(server_pid: int, action: bytes, timeout: float) -> int | None:
+def criu_of(server_pid: int, action: bytes, timeout: float) -> int | None:
     """The PID of the server's `criu <action>` once it runs, or None."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -365,7 +365,7 @@ def cut_dump(server: LocalServer, kernel_id: str, pid: int, meanwhile: Callable[
     """Suspend the kernel (``pid``) and SIGKILL its server once CRIU's dump runs (and ``meanwhile()`` has run):
     CRIU dies with its server, and the kernel runs on."""
     server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
-    criu = _criu_of(server.proc.pid, b"dump", 60)
+    criu = criu_of(server.proc.pid, b"dump", 60)
     assert criu is not None, "the dump did not start"
     if meanwhile is not None:
         meanwhile()
@@ -469,7 +469,7 @@ async def test_a_server_killed_during_a_restore_loses_nothing_and_leaves_no_proc
     while op["phase"] != "restore":
         assert op["status"] in ("pending", "running") and time.monotonic() < deadline, op
         op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-    criu = _criu_of(server.proc.pid, b"restore", 5)
+    criu = criu_of(server.proc.pid, b"restore", 5)
     assert criu is not None, "CRIU's restore had ended before it was seen: make the kernel bigger"
     if when == "tree half restored":
         # CRIU has made the kernel's process again (under its own PID) and is filling in its memory.

@@ -24,7 +24,6 @@ from typing import Any, Iterator
 
 import pytest
 from helpers import api, operate, small_tmpfs, wait_operation
-from servers import LocalServer
 from test_hibernation import cut_dump, notebook_running, tab_on, taken_back
 
 from jupyter_gpumigrate.kernel import hoststash
@@ -343,15 +342,6 @@ async def test_a_kernel_killed_mid_stash_leaves_no_half_image(jp_fetch, jp_serve
 
 
 # -- a server killed while the buffers are in the stash -----------------------------------------------
-
-
-@pytest.fixture
-def process_server(tmp_path: Path):
-    """A server run as a process of its own (it is killed), its host stash used from 100 MB, images on disk."""
-    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"host_stash_min": 10**8}})
-    yield srv
-    srv.stop(signal.SIGKILL)
-    srv.kill_kernels()
 
 
 async def test_a_server_killed_between_the_stash_and_the_dump_loses_nothing(process_server):

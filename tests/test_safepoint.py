@@ -1,8 +1,9 @@
 """A busy kernel's safe point (engine/safepoint.py, kernel/safepoint.py), on CPU kernels: a cell in the middle
 of a loop serves the host stash of a suspend between two of its bytecodes, waits there across the dump and
 the restore, and goes on whole; a cell that cannot get there in time is carried by CRIU alone, and the
-signal that reaches it late changes nothing; the fast path's session is served at a safe point too; a server
-killed while the cell waits there loses nothing.
+signal that reaches it late changes nothing; the fast path's session is served at a safe point too. Attacks:
+a server or CRIU SIGKILLed while the cell waits there, a full disk during the stash, a failed dump, an alarm
+during the wait, a lock held where the signal stops the cell, garbage in the request: the cell goes on whole.
 
 The GPU suite covers CUDA storages (tests/test_gpu.py): the calls are the same code.
 """
@@ -22,11 +23,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import OPEN_IO_URING, operate, small_tmpfs, wait_suspended
-from servers import LocalServer
-from test_hibernation import cut_dump, notebook_session, tab_on, taken_back
+from helpers import OPEN_IO_URING, api, operate, small_tmpfs, start_busy, wait_operation, wait_suspended
+from test_hibernation import criu_of, cut_dump, notebook_session, tab_on, taken_back
 
-from jupyter_gpumigrate.engine.safepoint import SIGNAL, SafePoint
+from jupyter_gpumigrate.engine.safepoint import SIGNAL, SafePoint, signal_main_thread
 from jupyter_gpumigrate.kernel import safepoint as kernel_safepoint
 from jupyter_gpumigrate.engine.stash import Stash
 
@@ -69,21 +69,9 @@ def jp_server_config(tmp_path: Path) -> dict[str, Any]:
     return _config(tmp_path / "gpumigrate", safe_point_timeout=2.0)
 
 
-async def _busy(serverapp: Any, kernel: Any, code: str) -> asyncio.Task:
-    """Start ``code`` in the kernel and return once the server sees the kernel busy with it."""
-    task = asyncio.get_running_loop().create_task(kernel.execute(code, timeout=180))
-    manager = serverapp.kernel_manager.get_kernel(kernel.id)
-    deadline = time.monotonic() + 30
-    while manager.execution_state != "busy":
-        assert time.monotonic() < deadline and not task.done(), "the cell did not start"
-        await asyncio.sleep(0.02)
-    await asyncio.sleep(0.3)  # well inside its loop
-    return task
-
-
 async def test_a_busy_cell_is_suspended_at_a_safe_point_and_goes_on_whole(jp_fetch, jp_serverapp, kernel):
     assert (await kernel.run(MAKE)).strip() == str(96 << 20)
-    cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=120, end="print(result)"))
+    cell = await start_busy(jp_fetch, kernel, LOOP.format(steps=120, end="print(result)"))
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "succeeded", op
     assert op["stash"]["stashed"] == 3 * 96 << 20 and op["stash"]["safe_point"] < 2.0, op["stash"]
@@ -102,7 +90,7 @@ async def test_a_busy_cell_is_suspended_at_a_safe_point_and_goes_on_whole(jp_fet
 
 async def test_a_failed_suspend_gives_the_buffers_back_to_the_busy_cell(jp_fetch, jp_serverapp, kernel):
     assert (await kernel.run(OPEN_IO_URING + MAKE)).strip() == str(96 << 20)  # CRIU cannot dump an io_uring
-    cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=80, end="print(result)"))
+    cell = await start_busy(jp_fetch, kernel, LOOP.format(steps=80, end="print(result)"))
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "failed" and op["failed_phase"] == "dump", op
     assert "stash" in op["timings"], "the dump failed after the stash, whose undo gave the buffers back"
@@ -118,7 +106,7 @@ async def test_a_cell_holding_a_lock_of_the_threading_module_is_served_once_it_l
     assert (await kernel.run(MAKE)).strip() == str(96 << 20)
     hold = "import threading\nwith threading._shutdown_locks_lock:\n    time.sleep(1.0)\n" + \
         LOOP.format(steps=60, end="print(result)")
-    cell = await _busy(jp_serverapp, kernel, hold)
+    cell = await start_busy(jp_fetch, kernel, hold)
     op = await operate(jp_fetch, kernel.id, "suspend")
     assert op["status"] == "succeeded" and op["stash"].get("stashed") == 3 * 96 << 20, op
     assert op["stash"]["safe_point"] > 0.3, "served only once the lock was let go"
@@ -127,11 +115,49 @@ async def test_a_cell_holding_a_lock_of_the_threading_module_is_served_once_it_l
     assert result.status == "ok" and result.out.strip() == expected(60), result.errors
 
 
-async def test_the_fast_paths_session_is_served_at_a_safe_point(jp_serverapp, kernel):
+async def test_criu_killed_while_the_cell_waits_at_its_safe_point_gives_the_cell_its_buffers_back(
+        jp_fetch, jp_serverapp, kernel):
+    """SIGKILL of CRIU during the dump (the cell waiting at its safe point, its buffers in the stash): the
+    suspend fails in the dump, its undo releases the cell, which reads them back and goes on whole."""
+    # 1.5 GB that CRIU dumps itself: the dump lasts long enough to be cut.
+    assert (await kernel.run(MAKE + "ballast = bytes(range(256)) * 6_000_000")).strip() == str(96 << 20)
+    cell = await start_busy(jp_fetch, kernel, LOOP.format(steps=80, end="print(result)"))
+    op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
+    criu = await asyncio.to_thread(criu_of, os.getpid(), b"dump", 60)
+    assert criu is not None, "the dump did not start"
+    os.kill(criu, signal.SIGKILL)
+    op = await wait_operation(jp_fetch, op)
+    assert op["status"] == "failed" and op["failed_phase"] == "dump" and "stash" in op["timings"], op
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == expected(80), result.errors
+    assert (await kernel.run("print(len(ballast))")).strip() == str(256 * 6_000_000)
+
+
+async def test_garbage_in_the_request_changes_nothing(jp_fetch, jp_serverapp, kernel):
+    """A request file that is not JSON, or names no call this version has: the signal costs the cell nothing,
+    and the kernel answers a real request after."""
+    await kernel.run("import time")
+    cell = await start_busy(jp_fetch, kernel, "for i in range(80):\n    time.sleep(0.05)\nprint(i)")
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    request = provisioner.safe_point_dir / f"request-{provisioner.pid}.json"
+    request.write_bytes(b"\x00{not json")
+    signal_main_thread(provisioner.pid, SIGNAL)
+    point = SafePoint(provisioner.safe_point_dir, provisioner.pid)
+    claim = await asyncio.to_thread(point.call, "no-such-call", {}, 5.0)
+    assert claim is not None, point.reason
+    with pytest.raises(RuntimeError, match="no call 'no-such-call' at the safe point"):
+        await asyncio.to_thread(claim.reply, 10.0)
+    assert not request.exists() and not list(provisioner.safe_point_dir.glob("waiting-*"))
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "79", result.errors
+
+
+async def test_the_fast_paths_session_is_served_at_a_safe_point(jp_fetch, jp_serverapp, kernel):
     """A GPU move's stager, asked while a cell runs: on this CPU kernel it says why it steps aside, from
     inside the cell, which goes on."""
     await kernel.run("import time")
-    cell = await _busy(jp_serverapp, kernel, "for i in range(60):\n    time.sleep(0.05)\nprint(i)")
+    cell = await start_busy(jp_fetch, kernel, "for i in range(60):\n    time.sleep(0.05)\nprint(i)")
     provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
     stash = Stash()
     try:
@@ -177,7 +203,7 @@ class TestFullDisk:
     async def test_a_disk_that_fills_during_the_stash_at_a_safe_point_leaves_the_cell_going_on_whole(
             self, jp_fetch, jp_serverapp, kernel, small_disk):
         assert (await kernel.run(MAKE)).strip() == str(96 << 20)
-        cell = await _busy(jp_serverapp, kernel, LOOP.format(steps=60, end="print(result)"))
+        cell = await start_busy(jp_fetch, kernel, LOOP.format(steps=60, end="print(result)"))
         op = await operate(jp_fetch, kernel.id, "suspend")
         assert op["status"] == "failed" and op["failed_phase"] == "stash", op
         assert "full" in op["error"] and "runs on, unchanged" in op["error"], op["error"]
@@ -200,7 +226,7 @@ class TestNoSafePointInTime:
         assert (await kernel.run(MAKE)).strip() == str(96 << 20)
         hold = (f"import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {{{SIGNAL}}})\n"
                 + LOOP.format(steps=100, end=f"signal.pthread_sigmask(signal.SIG_UNBLOCK, {{{SIGNAL}}})\nprint(result)"))
-        cell = await _busy(jp_serverapp, kernel, hold)
+        cell = await start_busy(jp_fetch, kernel, hold)
         op = await operate(jp_fetch, kernel.id, "suspend")
         assert op["status"] == "succeeded", op
         assert "did not reach a safe point within 1 s" in op["stash"]["aside"], op["stash"]
@@ -273,14 +299,6 @@ def test_a_kernel_without_its_handler_is_not_signalled(tmp_path: Path) -> None:
 
 
 # -- a server killed while the cell waits at its safe point --------------------------------------------------
-
-
-@pytest.fixture
-def process_server(tmp_path: Path):
-    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"host_stash_min": 10**8}})
-    yield srv
-    srv.stop(signal.SIGKILL)
-    srv.kill_kernels()
 
 
 async def test_a_server_killed_while_the_cell_waits_at_its_safe_point_loses_nothing(process_server, tmp_path):
