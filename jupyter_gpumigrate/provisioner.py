@@ -716,6 +716,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return
         if self.process is None and not self._is_ours():
             return  # a restored kernel that is gone: its PID (and group) may be someone else's now
+        if self.process is not None and self.process.poll() is not None:
+            return  # ended and reaped: its PID and group may be a new kernel's now (PIDs wrap at 32768)
         if self.pgid is not None:
             try:
                 os.killpg(self.pgid, signum)
@@ -723,7 +725,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             except OSError:
                 pass
         if self.pid is not None:
-            os.kill(self.pid, signum)
+            try:
+                os.kill(self.pid, signum)
+            except ProcessLookupError:
+                pass  # it ended meanwhile, as LocalProvisioner takes it
 
     async def kill(self, restart: bool = False) -> None:
         await self._end(signal.SIGKILL)

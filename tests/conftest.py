@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import KernelSession, start_kernel
+from helpers import ready_kernel
 
 from jupyter_gpumigrate.engine import criu as criu_mod
 
@@ -75,14 +75,7 @@ def jp_server_config(tmp_path: Any) -> dict:
 def kernel(jp_fetch: Any, jp_serverapp: Any, jp_asyncio_loop: Any):
     """A running IPython kernel started through the server's REST API, with a client connected."""
 
-    async def start() -> KernelSession:
-        kernel_id = await start_kernel(jp_fetch)
-        session = KernelSession(jp_serverapp, kernel_id)
-        await session.ready()
-        session.id = kernel_id  # type: ignore[attr-defined]
-        return session
-
-    session = jp_asyncio_loop.run_until_complete(start())
+    session = jp_asyncio_loop.run_until_complete(ready_kernel(jp_fetch, jp_serverapp))
     yield session
     session.close()
 

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -92,11 +93,36 @@ async def start_kernel(jp_fetch: Any, name: str = "python3") -> str:
     return json.loads(response.body)["id"]
 
 
+async def ready_kernel(jp_fetch: Any, serverapp: Any) -> KernelSession:
+    """A new kernel started through the REST API, ready, with a client: a test's starting point.
+
+    A kernel that dies before its first reply is started once more, with a warning that says how it ended:
+    jupyter_client picks the kernel's ports by binding port 0 and closing it, and until the kernel binds
+    them another process may take one (an outgoing connection's local port, on a machine whose PIDs and
+    ports are busy with a whole suite). Any other failure, or a second death, fails the test."""
+    for attempt in (1, 2):
+        kernel_id = await start_kernel(jp_fetch)
+        session = KernelSession(serverapp, kernel_id)
+        try:
+            await session.ready()
+        except RuntimeError as exc:
+            session.close()
+            if attempt == 2 or "died before replying" not in str(exc):
+                raise
+            process = getattr(session.manager.provisioner, "process", None)
+            code = process.poll() if process is not None else None
+            warnings.warn(f"kernel {kernel_id} died as it started (exit status {code}); started another",
+                          stacklevel=2)
+            continue
+        session.id = kernel_id  # type: ignore[attr-defined]
+        return session
+    raise AssertionError("unreachable")
+
+
 async def notebook(jp_fetch: Any, jp_ws_fetch: Any, serverapp: Any) -> tuple[str, WebSocketTab]:
     """A new kernel, ready, and a notebook tab on it (the server's WebSocket)."""
-    kernel_id = await start_kernel(jp_fetch)
-    session = KernelSession(serverapp, kernel_id)
-    await session.ready()
+    session = await ready_kernel(jp_fetch, serverapp)
+    kernel_id = session.id  # type: ignore[attr-defined]
     session.close()
     return kernel_id, WebSocketTab(await jp_ws_fetch("api", "kernels", kernel_id, "channels"))
 
