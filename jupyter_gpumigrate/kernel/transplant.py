@@ -619,8 +619,25 @@ def main(argv: list[str] | None = None) -> int:
     app.initialize(kernel_args)
     _settle(app.shell, payload, carried)
     _rng_at_first_cell(app.kernel, payload["rng"])
+    _go_on_idle(app.kernel)
     app.start()
     return 0
+
+
+def _go_on_idle(kernel: Any) -> None:
+    """The notebook's kernel goes on in this process, idle: its first status says so, not "starting". A
+    frontend that hears "starting" (JupyterLab does, when its IOPub is back in time) waits for the "idle" of
+    a first request that nobody sends: it shows "Starting" until the next cell, and a client that waits for
+    idle before it sends one waits for ever. (ipykernel's own method, wrapped once: absent, nothing done.)"""
+    publish = getattr(kernel, "_publish_status", None)
+    if publish is None:
+        return
+
+    def first(status: str, channel: str, parent: Any = None) -> None:
+        kernel._publish_status = publish
+        publish("idle" if status == "starting" else status, channel, parent)
+
+    kernel._publish_status = first
 
 
 if __name__ == "__main__":
