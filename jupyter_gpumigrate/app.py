@@ -34,7 +34,7 @@ from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .memorywatch import keep_relieving
-from .retention import discard_expired, keep_discarding
+from .retention import discard_expired, keep_discarding, keep_expiring_sources
 from .revive import lock_state, revive_all
 from .sharing import Sharing
 
@@ -365,6 +365,8 @@ class GPUMigrateApp(ExtensionApp):
         finally:
             done.set()
         self._start_retention()
+        self._sources_task = asyncio.get_running_loop().create_task(keep_expiring_sources(
+            lambda: MigratableProvisioner(config=serverapp.config).images, self.settings["gpumigrate_operations"]))
         if self.memory_low > 0:
             self._memory_task = asyncio.get_running_loop().create_task(keep_relieving(
                 serverapp.kernel_manager, self.settings["gpumigrate_operations"], self.memory_low,
@@ -390,6 +392,7 @@ class GPUMigrateApp(ExtensionApp):
     _shared: Sharing | None = None
 
     _retention_task: asyncio.Task | None = None
+    _sources_task: asyncio.Task | None = None
 
     def _start_retention(self) -> None:
         """Discard the suspended kernels older than the retention now, then every retention_interval
@@ -438,6 +441,8 @@ class GPUMigrateApp(ExtensionApp):
         self._stopping = True
         if self._retention_task is not None:
             self._retention_task.cancel()  # nothing is discarded while the server stops
+        if self._sources_task is not None:
+            self._sources_task.cancel()
         if self._memory_task is not None:
             self._memory_task.cancel()  # a move under way finishes (below: waited for)
         if self._sharing_task is not None:

@@ -1,4 +1,4 @@
-"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, transplant, discard, drain.
+"""`jupyter gpumigrate`: doctor, list, suspend, resume, migrate, transplant, back, discard, drain.
 
 The CLI talks to running Jupyter servers through their REST API, found the way `jupyter server list`
 finds them (runtime files), or named with --url and --token, through apiclient.Client (the standard
@@ -44,6 +44,7 @@ Examples
     jupyter gpumigrate resume 3f2a --to-gpu 1
     jupyter gpumigrate migrate 3f2a --to-gpu 1     # a running kernel to another GPU
     jupyter gpumigrate transplant 3f2a --to-cpu    # its objects into a new kernel without a GPU (asks first)
+    jupyter gpumigrate back 3f2a                   # after a transplant: back to the process it replaced
     jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
     jupyter gpumigrate list --json --url http://host:8888/ --token TOKEN
 
@@ -282,18 +283,43 @@ def cmd_transplant(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(json.dumps(survey, indent=1) if args.json else survey_report(survey, kernel["id"]))
         return EXIT_OK
-    if not args.json or not args.yes:  # what would be lost is always said before it is asked
-        print(survey_report(survey, kernel["id"]), file=sys.stderr)
-    if not args.yes:
-        if not sys.stdin.isatty():
-            raise CliError("A transplant loses what is not carried: run it with --yes once you have read the list "
-                           "above (or --dry-run to see it alone).", EXIT_USAGE)
-        if input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
-            print("Nothing was done.", file=sys.stderr)
-            return EXIT_FAILED
+    if not confirmed(args, survey_report(survey, kernel["id"]), "Transplant it?",
+                     "A transplant loses what is not carried: run it with --yes once you have read the list above "
+                     "(or --dry-run to see it alone)."):
+        return EXIT_FAILED
     accepted = [r["name"] for r in survey.get("left", [])]
     op = server.call(lambda c: c.act(kernel["id"], "transplant", {**body, "accept_left": accepted}))
     return finish(server, op, kernel["id"], args)
+
+
+def cmd_back(args: argparse.Namespace) -> int:
+    """Go back to the process the kernel's last transplant replaced; with --yes, or a yes at the prompt."""
+    server, kernel = find_kernel(find_servers(args), args.kernel_id)
+    if not kernel.get("back_until"):
+        raise CliError(f"Kernel {kernel['id']} has no earlier process to go back to: none is kept from a transplant "
+                       "(c.MigratableProvisioner.keep_transplant_source says for how long one is).")
+    warning = (f"Kernel {kernel['id']} goes back to the process its last transplant replaced (kept until "
+               f"{kernel['back_until']}): what it did since the transplant is lost.")
+    if not confirmed(args, warning, "Go back?", "Going back loses what the kernel did since its transplant: run it "
+                     "with --yes once you mean it."):
+        return EXIT_FAILED
+    op = server.call(lambda c: c.act(kernel["id"], "back", {}))
+    return finish(server, op, kernel["id"], args)
+
+
+def confirmed(args: argparse.Namespace, loss: str, question: str, refusal: str) -> bool:
+    """Whether to go on with what loses something: ``loss`` is always said first (on stderr, but with --json
+    --yes); then --yes, or a yes at the prompt. Without a terminal to ask on, :class:`CliError` (``refusal``)."""
+    if not args.json or not args.yes:
+        print(loss, file=sys.stderr)
+    if args.yes:
+        return True
+    if not sys.stdin.isatty():
+        raise CliError(refusal, EXIT_USAGE)
+    if input(f"{question} [y/N] ").strip().lower() in ("y", "yes"):
+        return True
+    print("Nothing was done.", file=sys.stderr)
+    return False
 
 
 def finish(server: Server, op: dict, kernel_id: str, args: argparse.Namespace) -> int:
@@ -412,6 +438,12 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--yes", "-y", action="store_true", help="do not ask before transplanting (what would not "
                    "carry is still printed, to stderr)")
     t.set_defaults(func=cmd_transplant)
+    b = sub.add_parser("back", parents=[common, remote],
+                       help="after a transplant: go back to the process it replaced (kept for a while), losing "
+                       "what the kernel did since")
+    b.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    b.add_argument("--yes", "-y", action="store_true", help="do not ask first")
+    b.set_defaults(func=cmd_back)
     dc = sub.add_parser("discard", parents=[common, remote],
                         help="shut a suspended kernel down for good and delete its images")
     dc.add_argument("kernel_id", help="kernel id, or a unique prefix of it")

@@ -50,7 +50,7 @@ def event_schema() -> dict[str, Any]:
 
 
 PENDING, RUNNING_OP, SUCCEEDED, FAILED = "pending", "running", "succeeded", "failed"
-ACTIONS = ("suspend", "resume", "migrate", "drain", "discard")
+ACTIONS = ("suspend", "resume", "migrate", "transplant", "back", "drain", "discard")
 KEEP_FINISHED = 200
 
 
@@ -182,6 +182,8 @@ class OperationManager:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
         if action == "transplant":
             return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left)
+        if action == "back":
+            return self._start_back(kernel_id, provisioner)
         if provisioner.state == BROKEN:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
@@ -266,6 +268,22 @@ class OperationManager:
                        from_gpu=int(held[0]["index"]) if held else None, phases=list(PHASES["transplant"]))
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, self._criu(provisioner), accept_left=accept_left))
+
+    def _start_back(self, kernel_id: str, provisioner: MigratableProvisioner) -> Operation:
+        if provisioner.state != RUNNING:
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}: only a running kernel can go back to the "
+                               "process its transplant replaced.")
+        if provisioner.back_until() is None:
+            raise InvalidState(f"Kernel {kernel_id} has no earlier process to go back to: none is kept from a "
+                               "transplant (c.MigratableProvisioner.keep_transplant_source says for how long one is).")
+        held = placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()) if provisioner.pid else []
+        manifest = provisioner.images.read_manifest_at(provisioner.images.kept(kernel_id)[0])
+        if held or manifest.gpus:
+            cudackpt.ensure_available()  # the current process is checkpointed, the earlier one remapped
+        op = Operation(kernel_id=kernel_id, action="back", from_gpu=int(held[0]["index"]) if held else None,
+                       phases=list(PHASES["back"]))
+        self.active[kernel_id] = op
+        return self._launch(op, self._run(op, provisioner, self._criu(provisioner)))
 
     def resume_for_cell(self, kernel_id: str) -> Operation:
         """A cell was run on suspended kernel ``kernel_id`` (autoresume.py): resume it where it is best
@@ -451,12 +469,14 @@ class OperationManager:
             provisioner.sessions = await self._sessions_of(op.kernel_id)  # kept with its images
         migration = Migration(provisioner, provisioner.images, criu, progress,
                               lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min,
-                              images=op.images or provisioner.suspend_to)
+                              images=op.images or provisioner.suspend_to,
+                              keep_source=provisioner.keep_transplant_source)
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpu),
             "migrate": lambda: migration.move_to_gpu(op.to_gpu, stash=stash, invite=invite),
             "transplant": lambda: migration.transplant(op.to_gpu, accept_left),
+            "back": migration.back,
         }
         if link is not None and op.to_host == self.host_name:
             steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)

@@ -144,6 +144,10 @@ def report(op: dict, kernel_id: str | None = None) -> str:
         lost = f"; not carried: {', '.join(left)}" if left else "; nothing was left behind"
         return (f"{kernel} transplanted to {where} {took}: {len(plant.get('carried', []))} objects carried into a new "
                 f"process ({size(op.get('bytes'))} of tensors and arrays){lost}.")
+    if action == "back":
+        where = f" on GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+        return (f"{kernel} went back to the process its transplant replaced{where} {took} ({size(op.get('bytes'))} "
+                "of images); what it did since the transplant is gone.")
     done = {"suspend": "suspended", "resume": "resumed"}.get(action, f"{action} done")
     where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
     if action == "suspend" and op.get("images") in ("memory", "disk"):

@@ -225,6 +225,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         "everything, and the operation says why. 0: never ask a busy kernel.",
     ).tag(config=True)
 
+    keep_transplant_source = Float(
+        3600.0, help="How long, in seconds, a transplant keeps the process it replaced (its images, on disk), so "
+        "that the kernel can go back to it (POST /api/gpumigrate/kernels/<id>/back, `jupyter gpumigrate back`); "
+        "what the kernel did since is then lost. 0: not kept. A kept process goes when its time is up, when the "
+        "kernel is shut down or restarted, or at the kernel's next transplant (which keeps its own).",
+    ).tag(config=True)
+
     cache_release_timeout = Float(
         10.0, help="How long to wait for an idle kernel to release PyTorch's cached GPU memory before a move."
     ).tag(config=True)
@@ -324,6 +331,24 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return self.images.read_manifest(self.kernel_id)
         except MigrateError:
             return None
+
+    def back_until(self) -> str | None:
+        """Until when the process this kernel's last transplant replaced is kept (ISO 8601), or None."""
+        try:
+            kept = self.images.kept(self.kernel_id)
+        except (OSError, MigrateError):
+            return None
+        if kept is None or kept[1] <= datetime.now(timezone.utc).timestamp():
+            return None
+        return datetime.fromtimestamp(kept[1], timezone.utc).isoformat()
+
+    def drop_back(self) -> None:
+        """The process this kernel's last transplant replaced is no longer kept (the kernel ended, or restarted)."""
+        try:
+            self.images.drop_kept(self.kernel_id)
+        except (OSError, MigrateError) as exc:
+            self.log.warning("gpumigrate: the process kernel %s was transplanted from is still kept: %s",
+                             self.kernel_id, exc)
 
     def release(self) -> None:
         # The dead root must be reaped, or its PID stays taken and the restore fails: by Popen if we
@@ -806,6 +831,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.remote_link is not None:
             await self._end_remote()
         await super().cleanup(restart=restart)
+        if not self._server_stopping():  # shut down or restarted by its user: no going back to before
+            self.drop_back()
         if not restart:
             self.drop_record()
         if not restart and not self._kept:

@@ -1,4 +1,5 @@
-"""Retention: suspended kernels older than ``c.GPUMigrateApp.retention`` are discarded.
+"""Retention: suspended kernels older than ``c.GPUMigrateApp.retention`` are discarded; the processes that
+transplants replaced are deleted once ``c.MigratableProvisioner.keep_transplant_source`` is up.
 
 A suspended kernel's age is that of its images (the manifest's ``created``: when it was suspended). A
 discard is what `jupyter gpumigrate discard KERNEL` does, through the same door: the kernel manager
@@ -18,8 +19,10 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
+from .engine.images import ImageStore
 from .engine.kernelproc import SUSPENDED
 from .operations import OperationManager
 from .opformat import size
@@ -105,3 +108,28 @@ async def keep_discarding(kernel_manager: Any, operations: OperationManager, ret
                         max(interval, 60))
         except Exception:  # noqa: BLE001  the server runs on; the next pass tries again
             log.exception("gpumigrate: the retention pass failed")
+
+
+#: How often the running server deletes the transplants' sources whose time is up, in seconds.
+SOURCES_INTERVAL = 60.0
+
+
+async def expire_sources(store: ImageStore, operations: OperationManager) -> list[str]:
+    """Delete the kept sources of transplants whose time is up (engine/images.py), but not one that a kernel
+    is going back to right now; the kernels' ids."""
+    gone = await asyncio.to_thread(store.expire_kept, None, set(operations.active))
+    for kernel_id in gone:
+        log.info("gpumigrate: kernel %s can no longer go back to the process its transplant replaced: its time is "
+                 "up, and its images are deleted", kernel_id)
+    return gone
+
+
+async def keep_expiring_sources(store: Callable[[], ImageStore], operations: OperationManager,
+                                interval: float = SOURCES_INTERVAL) -> None:
+    """:func:`expire_sources` now, then every ``interval`` seconds, until cancelled (the server stops)."""
+    while True:
+        try:
+            await expire_sources(store(), operations)
+        except Exception:  # noqa: BLE001  the server runs on; the next pass tries again
+            log.exception("gpumigrate: deleting the transplants' sources whose time is up failed")
+        await asyncio.sleep(interval)

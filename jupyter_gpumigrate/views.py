@@ -79,6 +79,7 @@ class Views:
             "suspended_on": suspended_on,
             "migratable": migratable,
             "operation": active.id if active else None,
+            "back_until": provisioner.back_until() if migratable and state == RUNNING else None,
             "targets": targets,
         }
 

@@ -238,8 +238,16 @@ async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
     error = await walk.call("POST", "/kernels/{kernel_id}/transplant", kernel_id=kid, raw='{"to_gpu": 0, "to_cpu": true}',
                             expect=400)
     assert "needs to_gpu or to_cpu" in error["message"], error
+    # Back to the process the transplant replaced (kept meanwhile): its view said until when.
+    view = await walk.call("GET", "/kernels/{kernel_id}", kernel_id=kid, expect=200)
+    assert view["back_until"], view
+    op = await walk.call("POST", "/kernels/{kernel_id}/back", kernel_id=kid, body={}, expect=202)
+    assert op["phases"] == list(PHASES["back"])
+    assert (await walk.follow(op))["status"] == "succeeded"
+    error = await walk.call("POST", "/kernels/{kernel_id}/back", kernel_id=kid, body={}, expect=409)
+    assert "no earlier process" in error["message"], error
     ops = await walk.call("GET", "/operations", expect=200)
-    assert [o["action"] for o in ops] == ["suspend", "resume", "transplant"]
+    assert [o["action"] for o in ops] == ["suspend", "resume", "transplant", "back"]
 
     # Refusals are error bodies: a move with no GPU here, a drain, bad bodies, unknown ids.
     if NO_GPU:

@@ -587,3 +587,22 @@ async def test_a_gpu_kernel_transplanted_to_the_cpu_and_back_keeps_every_value(j
                            "gen = torch.Generator(device='cuda').manual_seed(1)\n"
                            "print(len(train(model, opt, gen, 3)))", timeout=120)
     assert out.split() == ["True", "cuda:0", "cuda:0", "3"], out
+
+
+async def test_a_gpu_kernel_goes_back_from_the_cpu_to_its_own_process_on_the_gpu(jp_fetch, kernel):
+    pid = await build(kernel, gib=1, gpus=1)
+    assert (await kernel.run(REFERENCE, timeout=120)).split() == ["True"]
+    reference = await kernel.run("print(reference)")
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded", op
+    await kernel.run("after = 1")
+    assert (await api(jp_fetch, "kernels", kernel.id))["back_until"]
+
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "succeeded" and op["to_gpu"] == 0, op
+    assert {"dump", "restore", "remap", "unlock", "unstash", "adopt"} <= set(op["timings"]), op
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid and where(pid) == {0}
+    out = await kernel.run("print(state_digest() == before, big.device, 'after' in dir())", timeout=120)
+    assert out.split() == ["True", "cuda:0", "False"], out
+    # The process itself came back: its CUDA generator's stream included, so the losses are the source's.
+    assert await kernel.run("print(train(model, opt, gen, 5))", timeout=120) == reference

@@ -65,6 +65,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/kernels/{kernel_id}/resume", "ResumeRequest", {202: "Operation"}),
     Route("POST", "/kernels/{kernel_id}/migrate", "MigrateRequest", {202: "Operation"}),
     Route("POST", "/kernels/{kernel_id}/transplant", "TransplantRequest", {202: "Operation", 200: "TransplantSurvey"}),
+    Route("POST", "/kernels/{kernel_id}/back", "BackRequest", {202: "Operation"}),
     Route("GET", "/operations", None, {200: "OperationList"}),
     Route("GET", "/operations/{op_id}", None, {200: "Operation"}),  # ?after=N: once past version N
     Route("GET", "/gpus", None, {200: "GpuList"}),

@@ -135,6 +135,10 @@ MEMORY, DISK, AUTO = "memory", "disk", "auto"
 MOVING = ".moving-"
 #: the prefix of a transplant's folder (:meth:`ImageStore.scratch`)
 TRANSPLANT = ".transplant-"
+#: the prefix of a transplant's source, kept so that the kernel can go back to it (:meth:`ImageStore.keep`)
+KEPT = ".source-"
+#: in a kept source's folder: until when it is kept (``{"until": seconds since the epoch}``)
+KEPT_UNTIL = "kept.json"
 
 
 class ImageStore:
@@ -267,6 +271,51 @@ class ImageStore:
             return path
         raise ImageError("No folder for the kernel's objects")  # the root is always a candidate
 
+    def keep(self, name: str, until: float, drop: tuple[str, ...] = ()) -> Path:
+        """Keep ``name``'s images, a transplant's source, until ``until`` (seconds since the epoch), under a
+        name of their own and on disk (in memory they would hold host memory all that time); the files named
+        in ``drop`` go. Their folder. Replaces a source kept before."""
+        self.to_disk(name)
+        source, target = self.root / name, self.root / f"{KEPT}{name}"
+        for entry in drop:
+            (source / entry).unlink(missing_ok=True)
+        _remove(target)
+        os.rename(source, target)
+        write_durably(target / KEPT_UNTIL, json.dumps({"until": until}))
+        return target
+
+    def kept(self, name: str) -> tuple[Path, float] | None:
+        """The folder of ``name``'s kept source and until when it is kept, or None (none, or unreadable)."""
+        self.path_for(name)  # a valid name
+        folder = self.root / f"{KEPT}{name}"
+        try:
+            until = json.loads((folder / KEPT_UNTIL).read_text())["until"]
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+        if folder.is_symlink() or not (folder / MANIFEST).is_file() or not isinstance(until, (int, float)):
+            return None
+        return folder, float(until)
+
+    def drop_kept(self, name: str) -> None:
+        """Delete ``name``'s kept source, if any."""
+        self.path_for(name)
+        _remove(self.root / f"{KEPT}{name}")
+
+    def expire_kept(self, now: float | None = None, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Delete the kept sources whose time is up (and any that cannot be read), but those of the kernels
+        in ``skip`` (one going back to it now); the kernels' names."""
+        now = time.time() if now is None else now
+        gone = []
+        for folder in self.root.glob(f"{KEPT}*") if self.root.is_dir() else []:
+            name = folder.name[len(KEPT):]
+            if name in skip:
+                continue
+            kept = self.kept(name) if name and "/" not in name and not name.startswith(".") else None
+            if kept is None or kept[1] <= now:
+                _remove(folder)
+                gone.append(name)
+        return gone
+
     def tidy(self) -> list[str]:
         """At start: finish what a server stopped during :meth:`to_disk` left (a partial copy is removed; a
         memory folder whose disk copy is complete is removed), and remove the folders of transplants it left
@@ -338,6 +387,10 @@ class ImageStore:
         path = self.path_for(name)
         if path.is_symlink() or not path.is_dir():
             raise ImageError(f"No images for {name} in {self.root}: the kernel cannot be resumed from disk.")
+        return self.read_manifest_at(path)
+
+    def read_manifest_at(self, path: Path) -> Manifest:
+        """The manifest of the images in ``path`` (:class:`ImageError` if missing or damaged)."""
         try:
             data = json.loads((path / MANIFEST).read_text())
         except FileNotFoundError as exc:

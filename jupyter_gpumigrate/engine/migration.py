@@ -36,7 +36,7 @@ from .gpus import GpuInfo
 from .images import ImageStore
 from .kernelproc import (BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED, KernelProcess, kernel_listens,
                          public_connection_info)
-from .plans import gpu_move, host_move, resume, suspend, transplant
+from .plans import back, gpu_move, host_move, resume, suspend, transplant
 from .plans.common import FastPath, Outcome, Tools
 from .plans.host_move import HostLink
 from .saga import ProgressCallback
@@ -61,11 +61,12 @@ class Migration:
         driver_major: Callable[[], int | None] = gpus_mod.driver_major,
         host_stash_min: int | None = 10**9,
         images: str = "disk",
+        keep_source: float = 0.0,
     ) -> None:
         self.kernel = kernel
         self.progress = progress
         self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min,
-                           images)
+                           images, keep_source)
 
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)
@@ -86,3 +87,7 @@ class Migration:
     def transplant(self, to_gpu: int | None, accept_left: list[str] | None = None) -> Outcome:
         """Carry the kernel's objects into a new process on GPU ``to_gpu`` (any model), or the CPU (None)."""
         return transplant.run(self.kernel, self.tools, to_gpu, accept_left, self.progress)
+
+    def back(self) -> Outcome:
+        """Go back to the process that the kernel's last transplant replaced (kept ``keep_source`` seconds)."""
+        return back.run(self.kernel, self.tools, self.progress)

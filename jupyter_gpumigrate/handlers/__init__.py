@@ -14,7 +14,7 @@ def handlers() -> list[tuple[str, type]]:
     return [
         (rf"{API_PREFIX}/kernels/?", kernels.KernelListHandler),
         (rf"{API_PREFIX}/kernels/{KERNEL_ID}/?", kernels.KernelHandler),
-        (rf"{API_PREFIX}/kernels/{KERNEL_ID}/(?P<action>suspend|resume|migrate|transplant)/?", kernels.KernelActionHandler),
+        (rf"{API_PREFIX}/kernels/{KERNEL_ID}/(?P<action>suspend|resume|migrate|transplant|back)/?", kernels.KernelActionHandler),
         (rf"{API_PREFIX}/operations/?", operations.OperationListHandler),
         (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
         (rf"{API_PREFIX}/gpus/?", gpus.GpuListHandler),

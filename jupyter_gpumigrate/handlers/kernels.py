@@ -1,4 +1,4 @@
-"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate|transplant."""
+"""GET /kernels, GET /kernels/{id}, POST /kernels/{id}/suspend|resume|migrate|transplant|back."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from .base import OWN_KERNEL, READ, BaseHandler, kernel_credential
 
 #: Each action's request body, a definition of the API's schema (contract/api.schema.json).
 ACTION_BODIES = {"suspend": "SuspendRequest", "resume": "ResumeRequest", "migrate": "MigrateRequest",
-                 "transplant": "TransplantRequest"}
+                 "transplant": "TransplantRequest", "back": "BackRequest"}
 
 
 class KernelListHandler(BaseHandler):

@@ -22,6 +22,7 @@ import type {
   SuspendRequest,
   Target,
   TransplantRequest,
+  BackRequest,
   TransplantSurvey
 } from './contract';
 
@@ -100,7 +101,9 @@ export const api = {
       body: JSON.stringify({ ...body, dry_run: true })
     }),
   transplant: (kernelId: string, body: TransplantRequest) =>
-    start<TransplantRequest>(`kernels/${kernelId}/transplant`, body)
+    start<TransplantRequest>(`kernels/${kernelId}/transplant`, body),
+  /** Back to the process the kernel's last transplant replaced (what it did since is lost). */
+  back: (kernelId: string) => start<BackRequest>(`kernels/${kernelId}/back`, {})
 };
 
 /** Powers of 1000, largest first. */

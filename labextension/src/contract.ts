@@ -27,9 +27,9 @@ export type Phase =
  */
 export type KernelState = 'running' | 'migrating' | 'suspended' | 'stopped' | 'broken';
 /**
- * What an operation does; transplant: the kernel's objects carried into a new process where the driver cannot go (another GPU model, the CPU); discard: a suspended kernel's images deleted by the server's retention (a finished operation, never started through the API).
+ * What an operation does; transplant: the kernel's objects carried into a new process where the driver cannot go (another GPU model, the CPU); back: the kernel goes back to the process its last transplant replaced, kept for a while after it; discard: a suspended kernel's images deleted by the server's retention (a finished operation, never started through the API).
  */
-export type Action = 'suspend' | 'resume' | 'migrate' | 'transplant' | 'drain' | 'discard';
+export type Action = 'suspend' | 'resume' | 'migrate' | 'transplant' | 'back' | 'drain' | 'discard';
 export type OperationStatus = 'pending' | 'running' | 'succeeded' | 'failed';
 /**
  * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
@@ -112,6 +112,7 @@ export interface ApiContract {
   ResumeRequest: ResumeRequest;
   MigrateRequest: MigrateRequest;
   TransplantRequest: TransplantRequest;
+  BackRequest: BackRequest;
   DrainRequest: DrainRequest;
   Requirements: Requirements;
   PeerCheckRequest: PeerCheckRequest;
@@ -216,6 +217,10 @@ export interface Kernel {
    * Id of the operation in flight, or null.
    */
   operation: string | null;
+  /**
+   * Until when the process its last transplant replaced is kept, so that it can go back to it (POST /kernels/{id}/back; what it did since is then lost); null when there is none.
+   */
+  back_until: string | null;
   /**
    * One entry per GPU; empty for CPU and remote kernels, kernels being moved, or no GPUs.
    */
@@ -575,6 +580,10 @@ export interface TransplantRequest2 {
    */
   accept_left?: string[];
 }
+/**
+ * POST /kernels/{id}/back: no fields; the kernel goes back to the process its last transplant replaced, and what it did since is lost.
+ */
+export interface BackRequest {}
 /**
  * POST /gpus/{index}/drain.
  */

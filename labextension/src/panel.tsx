@@ -264,6 +264,19 @@ async function confirmTransplant(
   }
 }
 
+/** Back to the process the last transplant replaced: what the kernel did since is lost, so it asks first. */
+async function confirmBack(store: GpuMigrateStore, kernel: IKernel, name: string): Promise<void> {
+  const until = kernel.back_until ? new Date(kernel.back_until).toLocaleTimeString() : '';
+  const result = await showDialog({
+    title: `Go back to ${name}'s process before its transplant?`,
+    body: `That process is kept until ${until}. Everything the kernel did since the transplant is lost: variables, outputs held in memory, training steps.`,
+    buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Go back' })]
+  });
+  if (result.button.accept) {
+    await store.start(kernel.id, 'Going back…', () => api.back(kernel.id));
+  }
+}
+
 function DrainProgress(props: IStoreProps & { gpu: IGpu; op: IOperation }): React.ReactElement {
   const results = props.op.results ?? [];
   const seen = new Set(results.map(r => r.kernel_id));
@@ -419,6 +432,18 @@ function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.
               onClick={() => void confirmTransplant(store, kernel, name)}
             >
               To CPU…
+            </button>
+          )}
+          {kernel.back_until && (
+            <button
+              type="button"
+              className="jp-gpumigrate-button jp-gpumigrate-back"
+              aria-label={`Go back to ${name}'s process before its transplant`}
+              title="Go back to the process the transplant replaced, losing what the kernel did since (asks first)"
+              disabled={pending}
+              onClick={() => void confirmBack(store, kernel, name)}
+            >
+              Back…
             </button>
           )}
         </div>

@@ -342,6 +342,8 @@ export function describe(op: IOperation): string {
       const lost = left.length ? `; not carried: ${left.map(l => l.name).join(', ')}` : '';
       return `transplanted to ${where} in ${seconds}: ${op.transplant?.carried.length ?? 0} objects carried${lost}.`;
     }
+    case 'back':
+      return `went back to the process its transplant replaced, in ${seconds}.`;
     case 'discard':
       return `discarded: suspended longer than the server keeps kernels, ${humanBytes(op.bytes)} of images deleted.`;
     default:
@@ -365,6 +367,8 @@ export function doing(op: IOperation, kernel?: IKernel): string {
       return op.to_gpu === null || op.to_gpu === undefined
         ? 'transplanting to the CPU'
         : `transplanting to GPU ${op.to_gpu}`;
+    case 'back':
+      return 'going back to the process its transplant replaced';
     default:
       return op.action;
   }

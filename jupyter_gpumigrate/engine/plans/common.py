@@ -44,6 +44,8 @@ class Tools:
     host_stash_min: int | None = 10**9
     #: where a suspend's images go: memory, disk, or auto (images.choose)
     images: str = DISK
+    #: how long a transplant's source is kept, so that the kernel can go back to it (seconds; 0: not kept)
+    keep_source: float = 0.0
 
 
 @dataclass
@@ -184,6 +186,7 @@ def dump(ctx: KernelContext) -> None:
     # outside the images, which the rollback deletes. The manifest to be goes first: should this server
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
+    images, manifest = ctx.images, ctx.manifest  # the undo's, whatever the context holds by then (back.py)
     with disk_full_said(ctx.images.parent, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
     try:
@@ -194,7 +197,7 @@ def dump(ctx: KernelContext) -> None:
                         kernel.kernel_id)
         else:
             _dump_failed(ctx, exc)
-    ctx.undo(lambda: restore_from_images(ctx))  # the tree is dead and its images complete
+    ctx.undo(lambda: restore_from_images(ctx, images, manifest))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
     with disk_full_said(ctx.images.parent, "is brought back from its images and runs on."):
@@ -232,10 +235,10 @@ def full_disk(folder: Path, what: str) -> str:
             "c.MigratableProvisioner.state_dir to a folder on a disk with room), then try again.")
 
 
-def restore_from_images(ctx: KernelContext) -> None:
+def restore_from_images(ctx: KernelContext, images: Path, manifest: Manifest) -> None:
     """Undo of a dump: the kernel comes back as it was, from the images just written. If it cannot, the
     images are all that is left of it: they are kept (the kernel is then broken, its images named)."""
-    assert ctx.manifest is not None
+    ctx.images, ctx.manifest = images, manifest
     try:
         adopt_tree(ctx, ctx.criu.restore(ctx.images, ctx.manifest.ids))
     except BaseException:

@@ -17,7 +17,9 @@
                 kernel's ports are free
     switch      the new process takes the ports and answers: it is the  undo: kill it (the source comes back
                 kernel now, under the same kernel id                    by the dump's undo)
-    always      the objects' folder goes; on success, the source's images too
+    on success  the source's images are kept (on disk) for ``keep_source`` seconds, so that the kernel can go
+                back to them (plans/back.py); without that time, removed
+    always      the objects' folder goes
 
 The source runs on, untouched, until the new process holds every object (load). What would be lost is
 said before anything starts (the dry run, kernel/transplant.py's survey), and is refused outright when
@@ -28,6 +30,7 @@ notebook sends meanwhile, and delivers it to whichever process is the kernel at 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -42,6 +45,8 @@ from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
 from . import suspend
 from .common import KernelContext, Outcome, Tools, checkpoint, dump, forget_images, gpu_use, lock, new_images, \
     running_pid
+
+log = logging.getLogger(__name__)
 
 #: How long the kernel and the new process get to write and read the objects: this, plus a second per
 #: RATE bytes.
@@ -66,7 +71,7 @@ def saga() -> Saga[TransplantContext]:
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
             Step("switch", switch),
-            Step("forget the source", forget_images, kind=ON_SUCCESS),
+            Step("keep the source", keep_source, kind=ON_SUCCESS),
             Step("remove the objects", remove_folder, kind=ALWAYS),
             Step("forget the new process", lambda ctx: ctx.kernel.transplant_finish(), kind=ALWAYS),
         ],
@@ -233,6 +238,19 @@ def switch(ctx: TransplantContext) -> None:
         if not proctree.is_alive(ctx.new_pid) or time.monotonic() > deadline:
             raise MigrateError("The new kernel process did not answer on the kernel's ports (the kernel's log says "
                                "why): the source is brought back.")
+
+
+def keep_source(ctx: TransplantContext) -> None:
+    """The source's images: kept for a while, so that the kernel can go back to them, or removed."""
+    if ctx.tools.keep_source <= 0:
+        forget_images(ctx)
+        return
+    try:
+        ctx.tools.store.keep(ctx.kernel.kernel_id, time.time() + ctx.tools.keep_source, drop=(SWITCHED,))
+    except (OSError, ImageError) as exc:  # a full disk, say: the kernel runs in its new process; only the way back is lost
+        log.warning("kernel %s: its source could not be kept to go back to (%s): its images are removed",
+                    ctx.kernel.kernel_id, exc)
+        forget_images(ctx)
 
 
 def remove_folder(ctx: TransplantContext) -> None:

@@ -248,6 +248,8 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
     };
     return route.fulfill({ json });
   });
+  // Until when the real kernel's process before its transplant is kept (set once it is transplanted).
+  let backUntil: string | null = null;
   await page.route(/\/api\/gpumigrate\/kernels(\?.*)?$/, route => {
     if (route.request().method() !== 'GET') {
       return route.fallback();
@@ -270,6 +272,7 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
         suspended_on: [],
         migratable: true,
         operation: null,
+        back_until: backUntil,
         targets: [
           {
             index: 0,
@@ -374,6 +377,30 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
       timeout: 60_000
     })
     .toBe('across False');
+
+  // Back: to the process the transplant replaced, asking first; the notebook then has its generator again.
+  const backs: Request[] = [];
+  page.on('request', request => {
+    if (request.method() === 'POST' && request.url().includes('/back')) {
+      backs.push(request);
+    }
+  });
+  backUntil = new Date(Date.now() + 3600_000).toISOString();
+  const back = row.getByRole('button', {
+    name: "Go back to train.ipynb's process before its transplant"
+  });
+  await back.click();
+  await expect(dialog).toContainText('Everything the kernel did since the transplant is lost');
+  await dialog.getByRole('button', { name: 'Go back' }).click();
+  await expect.poll(() => backs.length).toBe(1);
+  backUntil = null;
+  await page.notebook.setCell(1, 'code', "print(kept, 'gen' in dir())");
+  await page.notebook.runCell(1);
+  await expect
+    .poll(async () => (await page.notebook.getCellTextOutput(1))?.join('').trim(), {
+      timeout: 60_000
+    })
+    .toBe('across True');
 
   // Updates happen in place: the focused menu is the same element, still focused, after new data.
   await moveTo.focus();

@@ -1,0 +1,127 @@
+"""Going back after a transplant (engine/plans/back.py): the process a transplant replaced is kept for a while,
+and the kernel can go back to it, losing what it did since. Real server, kernels and CRIU, CPU kernels; the
+failures are made for real (a PID of the source taken, its images damaged, its time up).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from helpers import api, cli, hold_pid, operate, remote
+from test_transplant import BUILD
+
+from jupyter_gpumigrate.engine.images import KEPT
+from jupyter_gpumigrate.retention import expire_sources
+
+pytestmark = pytest.mark.usefixtures("criu_binary")
+
+pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
+
+#: What the kernel shows of itself: the training's losses, what the transplant could not carry (the generator
+#: goes on where it was only in the source), and a name made after the transplant.
+LOOK = "print(len(losses), next(gen), 'after' in dir(), marker)"
+
+
+async def _transplanted(jp_fetch, kernel) -> tuple[int, dict]:
+    """A kernel built and transplanted to the CPU; then changed in its new process. (source PID, view)."""
+    await kernel.run(BUILD + "marker = 'source'")
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True})
+    assert op["status"] == "succeeded", op
+    await kernel.run("after = 1; losses.append(0.0); marker = 'new'")
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["pid"] != pid and view["back_until"], view
+    return pid, view
+
+
+async def test_a_transplanted_kernel_goes_back_to_the_process_it_replaced(jp_fetch, jp_serverapp, kernel):
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    images = provisioner.images
+    pid, view = await _transplanted(jp_fetch, kernel)
+    kept = images.root / f"{KEPT}{kernel.id}"
+    assert kept.is_dir() and not (kept / "transplanted.json").exists(), "kept on disk, without the switch's marker"
+    assert view["back_until"] > time.strftime("%Y-%m-%dT%H:%M", time.gmtime(time.time() + 3500))
+    new_pid = view["pid"]
+
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "dump", "restore", "adopt"], op
+    after = await api(jp_fetch, "kernels", kernel.id)
+    assert after["pid"] == pid and after["state"] == "running" and after["back_until"] is None, after
+    assert not Path(f"/proc/{new_pid}").exists(), "the process it went back from is gone"
+    # The same client goes on, in the source: as it was, the generator included; what came since is gone.
+    assert (await kernel.run(LOOK)).split() == ["5", "1", "False", "source"]
+    assert not kept.exists() and not images.path_for(kernel.id).exists() and images.names() == []
+
+    error = await api(jp_fetch, "kernels", kernel.id, "back", method="POST", body={}, expect=409)
+    assert "no earlier process to go back to" in error["message"], error
+    bad = await api(jp_fetch, "kernels", kernel.id, "back", method="POST", body={"to_gpu": 1}, expect=400)
+    assert "to_gpu" in bad["message"], bad
+
+
+async def test_a_pid_of_the_source_taken_refuses_and_the_kernel_runs_on(jp_fetch, jp_serverapp, kernel):
+    pid, view = await _transplanted(jp_fetch, kernel)
+    holder = hold_pid(pid)
+    try:
+        op = await operate(jp_fetch, kernel.id, "back")
+        assert op["status"] == "failed" and op["failed_phase"] == "prepare", op
+        assert f"PID {pid}" in op["error"] and "runs on, unchanged" in op["error"], op
+        assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == view["pid"]
+        assert (await kernel.run("print(marker, after)")).split() == ["new", "1"]
+    finally:
+        holder.stop()
+    assert (await operate(jp_fetch, kernel.id, "back"))["status"] == "succeeded"
+    assert (await kernel.run("print(marker)")).strip() == "source"
+
+
+async def test_damaged_source_images_bring_the_current_process_back_whole(jp_fetch, jp_serverapp, kernel):
+    images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
+    _, view = await _transplanted(jp_fetch, kernel)
+    kept = images.root / f"{KEPT}{kernel.id}"
+    for core in kept.glob("core-*.img"):  # CRIU cannot recreate the source's processes without them
+        core.write_bytes(b"\0" * 16)
+
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+    assert "dump" in op["timings"], "the current process had been dumped, and was restored from its images"
+    now = await api(jp_fetch, "kernels", kernel.id)
+    assert now["state"] == "running" and now["pid"] == view["pid"], now
+    assert (await kernel.run("print(marker, after, len(losses))")).split() == ["new", "1", "6"]
+    assert not images.path_for(kernel.id).exists(), "the current process's images went once it ran again"
+
+
+async def test_the_source_is_kept_only_for_its_time_and_goes_with_a_restart(jp_fetch, jp_serverapp, kernel):
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    images, operations = provisioner.images, jp_serverapp.web_app.settings["gpumigrate_operations"]
+    provisioner.keep_transplant_source = 1.0
+    await _transplanted(jp_fetch, kernel)
+    kept = images.root / f"{KEPT}{kernel.id}"
+    assert kept.is_dir()
+    time.sleep(1.2)
+    assert (await api(jp_fetch, "kernels", kernel.id))["back_until"] is None
+    error = await api(jp_fetch, "kernels", kernel.id, "back", method="POST", body={}, expect=409)
+    assert "keep_transplant_source" in error["message"], error
+    assert await expire_sources(images, operations) == [kernel.id] and not kept.exists()
+
+    provisioner.keep_transplant_source = 3600.0
+    assert (await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
+    assert kept.is_dir() and await expire_sources(images, operations) == [], "in its time, it stays"
+    await jp_fetch("api", "kernels", kernel.id, "restart", method="POST", body="{}")
+    assert not kept.exists(), "a restarted kernel starts afresh: nothing to go back to"
+
+
+async def test_the_cli_says_what_is_lost_and_asks_first(jp_fetch, jp_serverapp, kernel):
+    where = remote(jp_serverapp)
+    code, out, err = await cli("back", kernel.id, *where)
+    assert code == 1 and "no earlier process to go back to" in err, err
+    pid, view = await _transplanted(jp_fetch, kernel)
+    code, out, err = await cli("back", kernel.id[:8], *where)
+    assert code == 2 and "is lost" in err and "run it with --yes" in err, err
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == view["pid"], "nothing was done"
+    code, out, err = await cli("back", kernel.id[:8], "--yes", *where)
+    assert code == 0, err
+    assert f"Kernel {kernel.id} went back to the process its transplant replaced in" in out, out
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid
+    assert (await kernel.run("print(marker)")).strip() == "source"
