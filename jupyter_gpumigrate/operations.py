@@ -277,8 +277,10 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id} has no earlier process to go back to: none is kept from a "
                                "transplant (c.MigratableProvisioner.keep_transplant_source says for how long one is).")
         held = placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()) if provisioner.pid else []
-        manifest = provisioner.images.read_manifest_at(provisioner.images.kept(kernel_id)[0])
-        if held or manifest.gpus:
+        kept = provisioner.images.kept(kernel_id)
+        if kept is None:  # deleted as its time ran out, just now
+            raise InvalidState(f"Kernel {kernel_id}'s earlier process is no longer kept: its time is up.")
+        if held or provisioner.images.read_manifest_at(kept[0]).gpus:
             cudackpt.ensure_available()  # the current process is checkpointed, the earlier one remapped
         op = Operation(kernel_id=kernel_id, action="back", from_gpu=int(held[0]["index"]) if held else None,
                        phases=list(PHASES["back"]))

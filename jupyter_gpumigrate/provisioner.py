@@ -229,7 +229,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         3600.0, help="How long, in seconds, a transplant keeps the process it replaced (its images, on disk), so "
         "that the kernel can go back to it (POST /api/gpumigrate/kernels/<id>/back, `jupyter gpumigrate back`); "
         "what the kernel did since is then lost. 0: not kept. A kept process goes when its time is up, when the "
-        "kernel is shut down or restarted, or at the kernel's next transplant (which keeps its own).",
+        "kernel is shut down, or at the kernel's next transplant (which keeps its own); a restart keeps it.",
     ).tag(config=True)
 
     cache_release_timeout = Float(
@@ -741,8 +741,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return
         if self.process is None and not self._is_ours():
             return  # a restored kernel that is gone: its PID (and group) may be someone else's now
-        if self.process is not None and self.process.poll() is not None:
-            return  # ended and reaped: its PID and group may be a new kernel's now (PIDs wrap at 32768)
+        if (self.process is not None and self.process.poll() is not None and self.pgid is not None
+                and proctree.is_alive(self.pgid) and proctree.start_time(self.pgid) != self.started):
+            return  # its root ended, and its PID leads another process (group) now: PIDs wrap (at 32768 here)
         if self.pgid is not None:
             try:
                 os.killpg(self.pgid, signum)
@@ -831,7 +832,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.remote_link is not None:
             await self._end_remote()
         await super().cleanup(restart=restart)
-        if not self._server_stopping():  # shut down or restarted by its user: no going back to before
+        # Shut down: no going back to before its transplant. Restarted (by its user, or after a crash of the
+        # transplanted process), it may still go back, within its time.
+        if not restart and not self._server_stopping():
             self.drop_back()
         if not restart:
             self.drop_record()

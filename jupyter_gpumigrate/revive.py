@@ -293,6 +293,18 @@ def _transplanted(store: ImageStore, name: str) -> bool:
         return False
     except (OSError, ValueError):
         said = {}
+    if said.get("complete") is False:  # a back (engine/plans/back.py) cut short: the images are the kernel
+        since = said.get("since")
+        for pid in said.get("ids") or []:
+            started = proctree.start_time(pid) if isinstance(pid, int) else None
+            if started is not None and isinstance(since, int) and started > since:  # what its CRIU restored
+                proctree.kill_tree(pid)
+                proctree.wait_gone(pid, timeout=10)
+        marker.unlink(missing_ok=True)
+        log.warning("gpumigrate: kernel %s was going back to the process its transplant replaced when its server "
+                    "stopped: what was restored of that one is stopped, and the kernel is taken back from its "
+                    "images as it was (that process stays kept, to go back to)", name)
+        return False
     pid, started = said.get("pid"), said.get("started")
     if isinstance(pid, int) and proctree.is_alive(pid) and proctree.start_time(pid) == started:
         try:

@@ -113,6 +113,7 @@ async def ready_kernel(jp_fetch: Any, serverapp: Any) -> KernelSession:
             code = process.poll() if process is not None else None
             warnings.warn(f"kernel {kernel_id} died as it started (exit status {code}); started another",
                           stacklevel=2)
+            await jp_fetch("api", "kernels", kernel_id, method="DELETE", raise_error=False)  # not restarted
             continue
         session.id = kernel_id  # type: ignore[attr-defined]
         return session

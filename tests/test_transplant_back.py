@@ -5,13 +5,16 @@ failures are made for real (a PID of the source taken, its images damaged, its t
 
 from __future__ import annotations
 
+import signal
 import time
 from pathlib import Path
 
 import pytest
 from helpers import api, cli, hold_pid, operate, remote
+from test_hibernation import collect_exited, criu_of, notebook_running, tab_on, taken_back
 from test_transplant import BUILD
 
+from jupyter_gpumigrate.engine import proctree
 from jupyter_gpumigrate.engine.images import KEPT
 from jupyter_gpumigrate.retention import expire_sources
 
@@ -40,7 +43,7 @@ async def test_a_transplanted_kernel_goes_back_to_the_process_it_replaced(jp_fet
     provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
     images = provisioner.images
     pid, view = await _transplanted(jp_fetch, kernel)
-    kept = images.root / f"{KEPT}{kernel.id}"
+    kept = images.root / KEPT / kernel.id
     assert kept.is_dir() and not (kept / "transplanted.json").exists(), "kept on disk, without the switch's marker"
     assert view["back_until"] > time.strftime("%Y-%m-%dT%H:%M", time.gmtime(time.time() + 3500))
     new_pid = view["pid"]
@@ -79,7 +82,7 @@ async def test_a_pid_of_the_source_taken_refuses_and_the_kernel_runs_on(jp_fetch
 async def test_damaged_source_images_bring_the_current_process_back_whole(jp_fetch, jp_serverapp, kernel):
     images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
     _, view = await _transplanted(jp_fetch, kernel)
-    kept = images.root / f"{KEPT}{kernel.id}"
+    kept = images.root / KEPT / kernel.id
     for core in kept.glob("core-*.img"):  # CRIU cannot recreate the source's processes without them
         core.write_bytes(b"\0" * 16)
 
@@ -92,12 +95,12 @@ async def test_damaged_source_images_bring_the_current_process_back_whole(jp_fet
     assert not images.path_for(kernel.id).exists(), "the current process's images went once it ran again"
 
 
-async def test_the_source_is_kept_only_for_its_time_and_goes_with_a_restart(jp_fetch, jp_serverapp, kernel):
+async def test_the_source_is_kept_only_for_its_time_and_goes_with_a_shutdown(jp_fetch, jp_serverapp, kernel):
     provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
     images, operations = provisioner.images, jp_serverapp.web_app.settings["gpumigrate_operations"]
     provisioner.keep_transplant_source = 1.0
     await _transplanted(jp_fetch, kernel)
-    kept = images.root / f"{KEPT}{kernel.id}"
+    kept = images.root / KEPT / kernel.id
     assert kept.is_dir()
     time.sleep(1.2)
     assert (await api(jp_fetch, "kernels", kernel.id))["back_until"] is None
@@ -109,7 +112,9 @@ async def test_the_source_is_kept_only_for_its_time_and_goes_with_a_restart(jp_f
     assert (await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
     assert kept.is_dir() and await expire_sources(images, operations) == [], "in its time, it stays"
     await jp_fetch("api", "kernels", kernel.id, "restart", method="POST", body="{}")
-    assert not kept.exists(), "a restarted kernel starts afresh: nothing to go back to"
+    assert kept.is_dir(), "restarted (after a crash, say), the kernel may still go back"
+    await jp_fetch("api", "kernels", kernel.id, method="DELETE")
+    assert not kept.exists(), "shut down: nothing to go back to"
 
 
 async def test_the_cli_says_what_is_lost_and_asks_first(jp_fetch, jp_serverapp, kernel):
@@ -125,3 +130,63 @@ async def test_the_cli_says_what_is_lost_and_asks_first(jp_fetch, jp_serverapp, 
     assert f"Kernel {kernel.id} went back to the process its transplant replaced in" in out, out
     assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid
     assert (await kernel.run("print(marker)")).strip() == "source"
+
+
+@pytest.mark.parametrize("when", ["source half restored", "source adopted"])
+async def test_a_server_killed_while_the_kernel_goes_back_loses_nothing(process_server, when):
+    """Half restored: the next server stops what CRIU made of the source and takes the current process back
+    from its images (the source stays kept). Adopted: the next server adopts the source."""
+    server = process_server
+    assert proctree.become_subreaper()  # the init of what its servers leave (collect_exited)
+    server.start()
+    _, kernel_id, out = await notebook_running(
+        server, "x = 41\nblob = bytes(range(256)) * 1_600_000\nprint('ok')")  # some 400 MB to restore
+    assert out == "ok"
+    source = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+    assert server.operate(kernel_id, "transplant", {"to_cpu": True})["status"] == "succeeded"
+    tab = await tab_on(server, kernel_id)
+    await tab.run("x = 99")
+    tab.ws.close()
+
+    op = server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/back", {}, expect=202)
+    phase = "restore" if when == "source half restored" else "adopt"
+    deadline = time.monotonic() + 120
+    while op["phase"] != phase:
+        assert op["status"] in ("pending", "running") and time.monotonic() < deadline, op
+        op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    if phase == "restore":
+        criu = criu_of(server.proc.pid, b"restore", 5)
+        assert criu is not None, "CRIU's restore had ended before it was seen: make the kernel bigger"
+        while not proctree.is_alive(source):
+            assert proctree.is_alive(criu), "CRIU ended before the source's process was seen: make it bigger"
+            time.sleep(0.001)
+    else:  # once the mark in the current process's images says the back is complete
+        marker = server.state / "images" / kernel_id / "transplanted.json"
+        while "started" not in (marker.read_text() if marker.is_file() else ""):
+            assert time.monotonic() < deadline, "the back was never marked complete"
+            time.sleep(0.001)
+    server.stop(signal.SIGKILL)
+    collect_exited(source)
+
+    server.start()
+    view = taken_back(server, kernel_id)
+    assert view["state"] in ("running", "suspended"), view
+    if phase == "restore":
+        assert not proctree.is_alive(source), "what CRIU had made of the source is stopped"
+        left = server.kernel_processes()
+        assert view["state"] == "suspended" and left == {}, (view, left)
+        assert view["back_until"] is None  # suspended: a back starts from a running kernel
+    else:
+        assert view["pid"] == source and view["state"] == "running", view
+    tab = await tab_on(server, kernel_id)  # a cell resumes a suspended kernel
+    expected = "99" if phase == "restore" else "41"
+    assert (await tab.run("print(x, len(blob))", timeout=120)).split() == [expected, str(256 * 1_600_000)]
+    tab.ws.close()
+    if phase == "restore":  # the source stayed kept: the kernel can still go back
+        assert server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["back_until"]
+        collect_exited(source)  # what the new server killed came to this process, the subreaper
+        op = server.operate(kernel_id, "back")
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        tab = await tab_on(server, kernel_id)
+        assert (await tab.run("print(x)", timeout=120)).strip() == "41"
+        tab.ws.close()

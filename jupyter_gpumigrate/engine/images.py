@@ -135,8 +135,9 @@ MEMORY, DISK, AUTO = "memory", "disk", "auto"
 MOVING = ".moving-"
 #: the prefix of a transplant's folder (:meth:`ImageStore.scratch`)
 TRANSPLANT = ".transplant-"
-#: the prefix of a transplant's source, kept so that the kernel can go back to it (:meth:`ImageStore.keep`)
-KEPT = ".source-"
+#: the folder (in the disk root) of the transplants' sources, one per kernel id, kept so that the kernel can go
+#: back to it (:meth:`ImageStore.keep`); a plain name, as the node helper takes only those
+KEPT = "kept"
 #: in a kept source's folder: until when it is kept (``{"until": seconds since the epoch}``)
 KEPT_UNTIL = "kept.json"
 
@@ -272,48 +273,58 @@ class ImageStore:
         raise ImageError("No folder for the kernel's objects")  # the root is always a candidate
 
     def keep(self, name: str, until: float, drop: tuple[str, ...] = ()) -> Path:
-        """Keep ``name``'s images, a transplant's source, until ``until`` (seconds since the epoch), under a
-        name of their own and on disk (in memory they would hold host memory all that time); the files named
-        in ``drop`` go. Their folder. Replaces a source kept before."""
+        """Keep ``name``'s images, a transplant's source, until ``until`` (seconds since the epoch), in a folder
+        of their own (:data:`KEPT`), on disk (in memory they would hold host memory all that time); the files
+        named in ``drop`` go, once they are there. Their folder. Replaces a source kept before.
+
+        A server that dies meanwhile loses at most the way back: before the rename the images are the
+        transplant's, with its marker (revive.py); after it, no server takes them for a kernel, and a folder
+        without its time is deleted as expired."""
         self.to_disk(name)
-        source, target = self.root / name, self.root / f"{KEPT}{name}"
-        for entry in drop:
-            (source / entry).unlink(missing_ok=True)
+        source, target = self.root / name, self.root / KEPT / name
+        self._ensure_root(target.parent)
         _remove(target)
         os.rename(source, target)
+        _fsync_file(self.root)
+        for entry in drop:
+            (target / entry).unlink(missing_ok=True)
         write_durably(target / KEPT_UNTIL, json.dumps({"until": until}))
         return target
 
     def kept(self, name: str) -> tuple[Path, float] | None:
-        """The folder of ``name``'s kept source and until when it is kept, or None (none, or unreadable)."""
+        """The folder of ``name``'s kept source and until when it is kept, or None (none, or damaged)."""
         self.path_for(name)  # a valid name
-        folder = self.root / f"{KEPT}{name}"
+        folder = self.root / KEPT / name
         try:
             until = json.loads((folder / KEPT_UNTIL).read_text())["until"]
         except (OSError, ValueError, KeyError, TypeError):
             return None
-        if folder.is_symlink() or not (folder / MANIFEST).is_file() or not isinstance(until, (int, float)):
+        if folder.is_symlink() or not isinstance(until, (int, float)):
+            return None
+        try:
+            self.read_manifest_at(folder)
+        except ImageError:
             return None
         return folder, float(until)
 
     def drop_kept(self, name: str) -> None:
         """Delete ``name``'s kept source, if any."""
         self.path_for(name)
-        _remove(self.root / f"{KEPT}{name}")
+        _remove(self.root / KEPT / name)
 
     def expire_kept(self, now: float | None = None, skip: set[str] | frozenset[str] = frozenset()) -> list[str]:
         """Delete the kept sources whose time is up (and any that cannot be read), but those of the kernels
         in ``skip`` (one going back to it now); the kernels' names."""
         now = time.time() if now is None else now
         gone = []
-        for folder in self.root.glob(f"{KEPT}*") if self.root.is_dir() else []:
-            name = folder.name[len(KEPT):]
-            if name in skip:
+        folder = self.root / KEPT
+        for entry in folder.iterdir() if folder.is_dir() and not folder.is_symlink() else []:
+            if entry.name in skip:
                 continue
-            kept = self.kept(name) if name and "/" not in name and not name.startswith(".") else None
+            kept = self.kept(entry.name) if not entry.name.startswith(".") else None
             if kept is None or kept[1] <= now:
-                _remove(folder)
-                gone.append(name)
+                _remove(entry)
+                gone.append(entry.name)
         return gone
 
     def tidy(self) -> list[str]:
@@ -434,7 +445,7 @@ class ImageStore:
         for root in (self.root, self._memory()):
             if root is not None and root.is_dir():
                 found.update(p.name for p in root.iterdir()
-                             if p.is_dir() and not p.is_symlink() and not p.name.startswith("."))
+                             if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != KEPT)
         return sorted(found)
 
 

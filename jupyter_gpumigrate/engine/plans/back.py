@@ -9,12 +9,14 @@ that source's images for a while). What the kernel did since the transplant is l
     checkpoint  its GPU memory into its host memory (GPU only)        undo: back onto its GPU
     dump        CRIU writes the current process and kills it: the     undo: restore it from its images
                 kernel's ports are free
-    restore     CRIU recreates the source from its kept images; its   undo: kill it (its images stay)
-                GPU chosen (where it was, else the roomiest)
+    restore     the current images marked "going back"; CRIU          undo: kill it (its images stay),
+                recreates the source from its kept images; its GPU    remove the mark
+                chosen (where it was, else the roomiest)
     remap       the source's GPU memory onto that GPU (GPU only)      (undone with the restore)
     unlock      its CUDA calls go on (GPU only)                       undo: lock (tidiness)
     unstash     it reads back the buffers it stashed as it left       (undone with the restore)
-    adopt       the source is the kernel again, same kernel id       (last)
+    adopt       its record, the mark made complete; the source is     (last)
+                the kernel again, same kernel id
     on success  the current process's images and the kept source's folder are removed
 
 Until the source answers, the current process's images are kept: any failure brings it back from them,
@@ -28,9 +30,9 @@ import time
 from pathlib import Path
 
 from .. import proctree
-from ..errors import ImageError, InvalidState
+from ..errors import ImageError, InvalidState, PidConflict
 from ..gpustate import GpuState
-from ..images import Manifest, write_durably
+from ..images import MANIFEST, Manifest, write_durably
 from ..kernelproc import KernelProcess
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from . import resume, suspend
@@ -52,7 +54,7 @@ def saga() -> Saga[BackContext]:
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
             Step("unstash", unstash, when=lambda ctx: bool(ctx.manifest and ctx.manifest.stash)),
-            Step("adopt", adopt_restored),
+            Step("adopt", adopt),
             Step("forget", forget, kind=ON_SUCCESS),
         ],
         start_from=("running",),
@@ -65,8 +67,13 @@ def saga() -> Saga[BackContext]:
 class BackContext(KernelContext):
     def __init__(self, kernel: KernelProcess, tools: Tools) -> None:
         super().__init__(kernel, tools)
-        #: the kept source's manifest, read in prepare
+        #: the kept source's folder and manifest, read in prepare
+        self.kept: Path | None = None
         self.source: Manifest | None = None
+        #: the current process's image folder (the dump's), where the marker goes
+        self.current: Path | None = None
+        #: what the source read back of its stash (the current process's own stash stays in ``stash``)
+        self.unstashed: dict = {}
 
 
 def kept_source(ctx: KernelContext) -> tuple[Path, Manifest]:
@@ -90,9 +97,9 @@ def kept_source(ctx: KernelContext) -> tuple[Path, Manifest]:
 
 def prepare(ctx: BackContext) -> None:
     pid = running_pid(ctx)
-    _, ctx.source = kept_source(ctx)
+    ctx.kept, ctx.source = kept_source(ctx)  # its time is checked here only: a back that starts in time ends
     # Its PIDs must be free, now or once the current process is gone (which may hold some, taken since).
-    current = set(proctree.descendants(pid))
+    current = set(proctree.tree_ids(pid))
     holder = proctree.first_holder([i for i in ctx.source.ids if i not in current])
     if holder is not None:
         raise InvalidState(f"Cannot go back yet: PID {holder.pid}, which the earlier process used, is now taken by "
@@ -103,30 +110,52 @@ def prepare(ctx: BackContext) -> None:
 
 def restore_source(ctx: BackContext) -> None:
     """From here on the context is the source's: its folder, manifest and GPU (the current process's dump
-    keeps its own for its undo). Once it runs, the current process's images say so, as a transplant's
-    switch does (SWITCHED): should this server die now, the next one takes the source if it answers on the
-    kernel's ports, and the current process back from its images if not (revive.py)."""
-    assert ctx.source is not None
-    current = ctx.images
-    folder, manifest = kept_source(ctx)
-    ctx.images, ctx.gpu, ctx.pid, ctx.move = folder, GpuState(ctx.tools.lock_timeout, ctx.tools.inventory), None, None
-    place(ctx, manifest, None, "")
-    free_pids(manifest)
-    restore_tree(ctx)
-    assert ctx.pid is not None
-    marker = current / SWITCHED
+    keeps its own for its undo).
+
+    Before CRIU starts, the current process's images say that a back is under way (SWITCHED, incomplete,
+    with the source's PIDs and the time): should this server die before the source is whole and adopted,
+    the next one kills what was restored of it and takes the current process back from its images
+    (revive.py). :func:`adopt` marks it complete."""
+    assert ctx.kept is not None and ctx.source is not None
+    if not (ctx.kept / MANIFEST).is_file():
+        raise ImageError(f"The earlier process's images in {ctx.kept} are gone (deleted meanwhile?): the kernel runs "
+                         "on in the process it was in.")
+    ctx.current = ctx.images
+    ctx.images, ctx.gpu, ctx.pid, ctx.move = ctx.kept, GpuState(ctx.tools.lock_timeout, ctx.tools.inventory), None, None
+    place(ctx, ctx.source, None, "")
+    try:
+        free_pids(ctx.source)
+    except PidConflict as exc:
+        raise InvalidState(f"Cannot go back now: PID {exc.pid}, which the earlier process used, was taken meanwhile "
+                           f"by {exc.holder}. The kernel runs on in the process it was in; try again once that "
+                           "process is gone.") from exc
+    marker = ctx.current / SWITCHED
     ctx.undo(lambda: marker.unlink(missing_ok=True))
-    write_durably(marker, json.dumps({"pid": ctx.pid, "started": proctree.start_time(ctx.pid)}))
-    ctx.kernel.adopt(ctx.pid)  # its record, for a server started after a crash
+    write_durably(marker, json.dumps({"pid": ctx.source.pid, "ids": ctx.source.ids,
+                                      "since": proctree.tick_boundary(), "complete": False}))
+    restore_tree(ctx)
 
 
 def unstash(ctx: BackContext) -> None:
+    current, ctx.stash = ctx.stash, {}
     try:
         resume.unstash(ctx)
     except ImageError as exc:
         raise ImageError(f"The earlier process could not read its large buffers back ({exc.__cause__ or exc}): the "
                          "kernel runs on in the process it was in, unchanged; its earlier process stays kept. Try "
                          "again.") from exc
+    finally:
+        # The current process's stash stays what its undo looks at.
+        ctx.unstashed, ctx.stash = ctx.stash, current
+
+
+def adopt(ctx: BackContext) -> None:
+    """The source is whole: its record, then the marker says the back is complete (a server that dies now
+    is followed by one that adopts it if it answers), then it is the kernel once its clients are back."""
+    assert ctx.pid is not None and ctx.current is not None
+    ctx.kernel.adopt(ctx.pid)
+    write_durably(ctx.current / SWITCHED, json.dumps({"pid": ctx.pid, "started": proctree.start_time(ctx.pid)}))
+    adopt_restored(ctx)
 
 
 def forget(ctx: BackContext) -> None:
@@ -142,4 +171,4 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest,
-                   to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.stash or None)
+                   to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.unstashed or None)
