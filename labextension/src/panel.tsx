@@ -8,6 +8,7 @@ import { ReactWidget, refreshIcon, UseSignal } from '@jupyterlab/ui-components';
 import * as React from 'react';
 
 import { api, humanBytes, IGpu, IKernel, IOperation } from './api';
+import type { TransplantRequest } from './contract';
 import { gpuIcon } from './icon';
 import { doing, GpuMigrateStore } from './store';
 
@@ -205,17 +206,22 @@ async function confirmDrain(store: GpuMigrateStore, gpu: IGpu, kernels: IKernel[
 }
 
 /**
- * A transplant to the CPU, honestly labelled: what would not carry is listed (the server's dry run)
- * before anything is done, and what was shown is what is accepted.
+ * A transplant to the CPU, or to a GPU of another model (where the driver cannot go), honestly labelled:
+ * what would not carry is listed (the server's dry run) before anything is done, and what was shown is
+ * what is accepted.
  */
 async function confirmTransplant(
   store: GpuMigrateStore,
   kernel: IKernel,
-  name: string
+  name: string,
+  toGpu: number | null = null
 ): Promise<void> {
+  const target: TransplantRequest = toGpu === null ? { to_cpu: true } : { to_gpu: toGpu };
+  const gpu = store.gpus.find(g => g.index === toGpu);
+  const where = toGpu === null ? 'the CPU' : `GPU ${toGpu}`;
   let survey;
   try {
-    survey = await api.transplantSurvey(kernel.id, { to_cpu: true });
+    survey = await api.transplantSurvey(kernel.id, target);
   } catch (error) {
     Notification.error(`${name}: ${error instanceof Error ? error.message : String(error)}`, {
       autoClose: false
@@ -226,8 +232,11 @@ async function confirmTransplant(
   const body = (
     <div className="jp-gpumigrate-transplant-survey">
       <p>
-        A new kernel process starts without a GPU, and the notebook’s objects are carried into it:
-        not the process (threads, open files, sockets and the state of libraries stay behind).
+        {toGpu === null
+          ? 'A new kernel process starts without a GPU'
+          : `A new kernel process starts on GPU ${toGpu}${gpu ? ` (${gpu.name})` : ''}`}
+        , and the notebook’s objects are carried into it: not the process (threads, open files,
+        sockets and the state of libraries stay behind).
       </p>
       <p>
         Carries {survey.carries.length} names ({humanBytes(survey.bytes)} of tensors and arrays).
@@ -253,13 +262,13 @@ async function confirmTransplant(
     </div>
   );
   const result = await showDialog({
-    title: `Transplant ${name} to the CPU?`,
+    title: `Transplant ${name} to ${where}?`,
     body,
     buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Transplant' })]
   });
   if (result.button.accept) {
     await store.start(kernel.id, 'Transplanting…', () =>
-      api.transplant(kernel.id, { to_cpu: true, accept_left: left })
+      api.transplant(kernel.id, { ...target, accept_left: left })
     );
   }
 }
@@ -368,6 +377,7 @@ function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.
   const { store, kernel, name } = props;
   const id = kernel.id;
   const [choice, setChoice] = React.useState('');
+  const [transplantChoice, setTransplantChoice] = React.useState('');
   const common = { store, kernel };
   if (kernel.remote) {
     return (
@@ -388,6 +398,12 @@ function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.
   const refused = kernel.targets.filter(t => !t.ok && !here.has(t.index));
   const reasons = refused.map(t => `GPU ${t.index}: ${t.reason}`).join('\n');
   const pending = !!store.pending.get(id);
+  // Where only a transplant goes: the GPUs of another model than the kernel's (any GPU, for a CPU kernel).
+  const models = new Set(kernel.gpus.map(g => store.gpus.find(x => x.index === g.index)?.name));
+  const elsewhere = store.gpus.filter(g => !models.has(g.name));
+  const transplantTo = elsewhere.some(g => String(g.index) === transplantChoice)
+    ? transplantChoice
+    : String(elsewhere[0]?.index ?? '');
   if (kernel.state === 'running') {
     const value = ok.some(t => String(t.index) === choice) ? choice : String(ok[0]?.index ?? '');
     return (
@@ -433,6 +449,29 @@ function Actions(props: IStoreProps & { kernel: IKernel; name: string }): React.
             >
               To CPU…
             </button>
+          )}
+          {elsewhere.length > 0 && (
+            <>
+              <TargetSelect
+                className="jp-gpumigrate-transplant-to"
+                label={`GPU of another model to transplant ${name} to`}
+                reasons="The driver cannot move a kernel to another GPU model: its objects are carried instead"
+                value={transplantTo}
+                disabled={pending}
+                targets={elsewhere}
+                onChange={setTransplantChoice}
+              />
+              <button
+                type="button"
+                className="jp-gpumigrate-button jp-gpumigrate-to-gpu"
+                aria-label={`Transplant ${name} to the GPU of another model chosen`}
+                title="Carry the notebook's objects into a new kernel on that GPU (asks first)"
+                disabled={pending}
+                onClick={() => void confirmTransplant(store, kernel, name, Number(transplantTo))}
+              >
+                To GPU…
+              </button>
+            </>
           )}
           {kernel.back_until && (
             <button

@@ -402,6 +402,22 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
     })
     .toBe('across True');
 
+  // To GPU…: only GPUs of another model than the kernel's are offered (the driver cannot go there); the
+  // dry run goes to the server, whose refusal (no GPU on this machine) is a notification.
+  const transplantTo = row.getByRole('combobox', {
+    name: 'GPU of another model to transplant train.ipynb to'
+  });
+  await expect(transplantTo.locator('option')).toHaveText(['GPU 2']);
+  await row
+    .getByRole('button', { name: 'Transplant train.ipynb to the GPU of another model chosen' })
+    .click();
+  await expect.poll(() => transplants.length).toBe(4);
+  expect(transplants[3].postDataJSON()).toEqual({ to_gpu: 2, dry_run: true });
+  await expect(
+    page.locator('.Toastify__toast').filter({ hasText: /train\.ipynb: GPU 2 cannot be used/ })
+  ).toBeVisible();
+  await expect(dialog).toHaveCount(0);
+
   // Updates happen in place: the focused menu is the same element, still focused, after new data.
   await moveTo.focus();
   await moveTo.evaluate(el => ((el as HTMLElement).dataset.marked = 'yes'));
