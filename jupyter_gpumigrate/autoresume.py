@@ -86,8 +86,9 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
             if provisioner.state == SUSPENDED:
                 return True
             op = operations.active.get(self.kernel_id)
-            # A transplant too: what is sent meanwhile goes to whichever process is the kernel at its end.
-            return op is not None and op.action in ("suspend", "resume", "transplant")
+            # A transplant or a back too: what is sent meanwhile goes to whichever process is the kernel at
+            # its end.
+            return op is not None and op.action in ("suspend", "resume", "transplant", "back")
 
         async def prepare(self) -> None:
             if self._away():  # no kernel-info reply can come: do not wait a minute for it
@@ -173,7 +174,7 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
         def _deliver(self, provisioner: Any) -> None:
             held, self._held, self._cell = self._held or [], [], None
             cell, self._last_cell = self._last_cell, None
-            moved_on = self._kernel_pid in getattr(provisioner, "lineage", ())  # a transplant's new process
+            moved_on = self._kernel_pid in getattr(provisioner, "lineage", ())  # a transplant's or a back's
             if self._kernel_pid is not None and self._pid(provisioner) != self._kernel_pid and not moved_on:
                 # Restarted (or shut down and started afresh) meanwhile: what was sent to the old
                 # kernel must not run in the new one, as with any restart.

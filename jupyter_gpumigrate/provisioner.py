@@ -416,6 +416,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
         return kernel_answers(self.connection_info, timeout)
 
+    def carry_over(self, pid: int) -> None:
+        self.lineage = {*self.lineage, pid}
+
+    def finish_cells(self, timeout: float) -> bool:
+        # An empty silent request waits behind what the kernel was sent before (it serves them in order).
+        return run_silently(self.connection_info, "", timeout)
+
     def release_gpu_cache(self) -> None:
         """Have an idle Python kernel with torch drop the GPU blocks its allocator caches but does not use.
 
@@ -535,7 +542,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         cmd = self._transplant_cmd(folder)
         assert cmd is not None and self.log_path is not None
         if self.pid is not None:  # what was sent to the source goes to the new process, should it take over
-            self.lineage = {*self.lineage, self.pid}
+            self.carry_over(self.pid)
         env = dict(self.launch_env or os.environ)
         env["CUDA_VISIBLE_DEVICES"] = gpu_uuid or ""  # the only GPU it sees, or none
         with open(self.log_path, "ab", buffering=0) as out:

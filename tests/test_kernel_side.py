@@ -35,9 +35,10 @@ async def test_bad_arguments_are_usage_errors_without_a_traceback(kernel):
     for line, words in [
         ("%migrate --to-gpu one", "invalid int value"),
         ("%migrate --to-gpu -1", "GPU index, 0 or more"),
-        ("%migrate --list --to-gpu 1", "one of --list, --suspend or a target"),
-        ("%migrate --list --to-host b", "one of --list, --suspend or a target"),
-        ("%migrate --suspend --to-gpu 1", "one of --list, --suspend or a target"),
+        ("%migrate --list --to-gpu 1", "one of --list, --suspend, --back or a target"),
+        ("%migrate --list --to-host b", "one of --list, --suspend, --back or a target"),
+        ("%migrate --suspend --to-gpu 1", "one of --list, --suspend, --back or a target"),
+        ("%migrate --back --to-cpu", "one of --list, --suspend, --back or a target"),
         ("%migrate --frobnicate", "unrecognized arguments"),
         ('%migrate --to-host "b', "No closing quotation"),
         ('%migrate --to-host ""', "--to-host needs a server's name"),

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import api, cli, hold_pid, operate, remote
+from helpers import api, cli, hold_pid, notebook, operate, remote, start_busy
 from test_hibernation import collect_exited, criu_of, notebook_running, tab_on, taken_back
 from test_transplant import BUILD
 
@@ -62,6 +62,40 @@ async def test_a_transplanted_kernel_goes_back_to_the_process_it_replaced(jp_fet
     assert "no earlier process to go back to" in error["message"], error
     bad = await api(jp_fetch, "kernels", kernel.id, "back", method="POST", body={"to_gpu": 1}, expect=400)
     assert "to_gpu" in bad["message"], bad
+
+
+async def test_migrate_back_in_a_cell_asks_first_and_the_next_cell_runs_in_the_earlier_process(jp_fetch, jp_ws_fetch,
+                                                                                               jp_serverapp):
+    kernel_id, tab = await notebook(jp_fetch, jp_ws_fetch, jp_serverapp)
+    try:
+        out = await tab.run("try:\n    get_ipython().run_line_magic('migrate', '--back --yes')\n"
+                            "except Exception as exc:\n    print(type(exc).__name__, exc)")
+        assert "MigrateFailed" in out and "no earlier process to go back to" in out, out
+        await tab.run(BUILD + "marker = 'source'")
+        pid = (await api(jp_fetch, "kernels", kernel_id))["pid"]
+        assert (await operate(jp_fetch, kernel_id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
+        await tab.run("marker = 'new'")
+        out = await tab.run("%migrate --back --yes")
+        assert "what it did since the transplant is lost" in out and "Going back as this cell ends" in out, out
+        # Sent at once, while it goes back: the server holds it, then it runs in the earlier process.
+        out = await tab.run("import os; print(marker, next(gen), os.getpid())", timeout=120)
+        assert out.split() == ["source", "1", str(pid)], out
+        ops = [op for op in await api(jp_fetch, "operations") if op["action"] == "back"]
+        assert [op["status"] for op in ops] == ["succeeded"], ops
+    finally:
+        tab.ws.close()
+
+
+async def test_a_kernel_running_a_cell_does_not_go_back(jp_fetch, jp_serverapp, kernel):
+    _, view = await _transplanted(jp_fetch, kernel)
+    cell = await start_busy(jp_fetch, kernel, "import time\nfor step in range(600): time.sleep(0.1)\nprint('done')")
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "failed" and op["failed_phase"] == "prepare", op
+    assert "running a cell" in op["error"] and "interrupt it" in op["error"], op
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == view["pid"]
+    await jp_fetch("api", "kernels", kernel.id, "interrupt", method="POST", body="{}")
+    assert (await cell).status == "error", "interrupted, in the process it ran in"
+    assert (await kernel.run("print(marker)")).strip() == "new"
 
 
 async def test_a_pid_of_the_source_taken_refuses_and_the_kernel_runs_on(jp_fetch, jp_serverapp, kernel):

@@ -45,6 +45,13 @@ class KernelProcess(Protocol):
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the restored kernel serves its clients again; False if it did not in time."""
 
+    def carry_over(self, pid: int) -> None:
+        """What was sent to the kernel's process ``pid`` goes to its process from now on (another one)."""
+
+    def finish_cells(self, timeout: float) -> bool:
+        """Wait until the kernel has run the cells it was sent before now; False if it had not within ``timeout``
+        seconds (a long cell runs)."""
+
     def release_gpu_cache(self) -> None:
         """If the kernel is idle and can, free the GPU memory it caches but does not use (best effort)."""
 

@@ -93,6 +93,10 @@ class ServerClient:
         body: dict = {"to_gpu": to_gpu} if to_gpu is not None else {"to_cpu": True}
         return self.api.act(self.kernel_id, "transplant", {**body, "accept_left": accept_left})
 
+    def back(self) -> dict:
+        """Start going back to the process this kernel's last transplant replaced."""
+        return self.api.act(self.kernel_id, "back", {})
+
     def suspend(self, images: str | None = None) -> dict:
         return self.api.act(self.kernel_id, "suspend", {"images": images} if images else None)
 

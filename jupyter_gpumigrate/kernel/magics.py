@@ -70,7 +70,9 @@ class MigrateMagics(Magics):
               "a GPU (says first what would not carry, and asks)")
     @argument("--transplant", action="store_true", help="with --to-gpu: carry the objects into a new process on "
               "that GPU, of any model, instead of moving the process (says first what would not carry, and asks)")
-    @argument("--yes", action="store_true", help="with a transplant: do not ask")
+    @argument("--back", action="store_true", help="after a transplant: go back to the process it replaced (kept "
+              "for a while), losing what this kernel did since (asks first)")
+    @argument("--yes", action="store_true", help="with a transplant or --back: do not ask")
     @argument("--list", action="store_true", help="print the GPUs, their memory and kernels")
     @argument("--help", action="store_true", help="show this help")
     @line_magic
@@ -87,6 +89,9 @@ class MigrateMagics(Magics):
                               what would not carry (generators, threads, sockets, open files...)
                               is listed first, and you are asked (--yes: not asked). It starts
                               once this cell ends; cells run meanwhile wait and then run there
+        %migrate --back       after a transplant: go back to the process it replaced, as it was then
+                              (kept an hour by default); what this kernel did since is lost, so it
+                              asks (--yes: not asked). It starts once this cell ends
         %migrate --list       the GPUs and the kernels on them (this one marked *), and the hosts
         %migrate --suspend    write this kernel to memory or disk and free its GPU (on disk, its
                               memory too); the cell waits, and once the kernel is resumed (panel, jupyter gpumigrate resume,
@@ -105,8 +110,9 @@ class MigrateMagics(Magics):
             return
         to_host = _host_name(args.to_host)
         target = args.to_gpu is not None or to_host is not None or args.to_cpu
-        if sum((args.list, args.suspend, target)) > 1 or (args.to_cpu and (args.to_gpu is not None or to_host)):
-            raise UsageError("%migrate: give one of --list, --suspend or a target (--to-gpu N, --to-host NAME, "
+        if (sum((args.list, args.suspend, args.back, target)) > 1
+                or (args.to_cpu and (args.to_gpu is not None or to_host))):
+            raise UsageError("%migrate: give one of --list, --suspend, --back or a target (--to-gpu N, --to-host NAME, "
                              "--to-cpu).")
         if args.transplant and args.to_gpu is None:
             raise UsageError("%migrate: --transplant goes with --to-gpu N (--to-cpu is always a transplant).")
@@ -124,6 +130,8 @@ class MigrateMagics(Magics):
                 print(self._suspend(client, args.images))
             elif args.to_cpu or args.transplant:
                 self._transplant(client, args.to_gpu, args.yes)
+            elif args.back:
+                self._back(client, args.yes)
             elif target:
                 release_torch_cache()
                 op = client.migrate(args.to_gpu, to_host, fast_path=None if to_host else "caller")
@@ -168,6 +176,22 @@ class MigrateMagics(Magics):
         print(f"The transplant to {where} starts as this cell ends (operation {op['id'][:8]}): the kernel goes on "
               "in a new process, its id unchanged. Cells run meanwhile wait, then run there; should it fail, they "
               "run here, as before.")
+
+    @staticmethod
+    def _back(client: ServerClient, yes: bool) -> None:
+        """Say what is lost, ask, and start going back; it goes on once this cell ends (the server waits for it)."""
+        until = client.me().get("back_until")
+        if not until:
+            raise MigrateFailed("This kernel has no earlier process to go back to: none is kept from a transplant "
+                                "(c.MigratableProvisioner.keep_transplant_source says for how long one is).")
+        print(f"This kernel goes back to the process its last transplant replaced (kept until {until}): what it "
+              "did since the transplant is lost, variables and all.")
+        if not yes and input("Go back? [y/N] ").strip().lower() not in ("y", "yes"):
+            print("Nothing was done.")
+            return
+        op = client.back()
+        print(f"Going back as this cell ends (operation {op['id'][:8]}): the next cell runs in the earlier process, "
+              "the kernel's id unchanged; should it fail, this process runs on.")
 
     @staticmethod
     def _suspend(client: ServerClient, images: str | None = None) -> str:

@@ -2,7 +2,8 @@
 that source's images for a while). What the kernel did since the transplant is lost: the caller was told.
 
     prepare     the kept source is there and in time, its PIDs free;  undo: remove the folder (logs kept)
-                a folder for the current process's images
+                the cells sent before have run (else refused); a
+                folder for the current process's images
     stash       the current process writes its large buffers there   undo: it reads them back
                 (the suspend's host stash, when it pays)
     lock        its CUDA calls wait (GPU only)                        undo: unlock
@@ -70,7 +71,8 @@ class BackContext(KernelContext):
         #: the kept source's folder and manifest, read in prepare
         self.kept: Path | None = None
         self.source: Manifest | None = None
-        #: the current process's image folder (the dump's), where the marker goes
+        #: the current process and its image folder (the dump's), where the marker goes
+        self.current_pid: int | None = None
         self.current: Path | None = None
         #: what the source read back of its stash (the current process's own stash stays in ``stash``)
         self.unstashed: dict = {}
@@ -95,9 +97,18 @@ def kept_source(ctx: KernelContext) -> tuple[Path, Manifest]:
     return folder, manifest
 
 
+#: How long a back waits for the cells the kernel was sent before it (the one with ``%migrate --back``, say).
+CELLS_WAIT = 10.0
+
+
 def prepare(ctx: BackContext) -> None:
-    pid = running_pid(ctx)
+    pid = ctx.current_pid = running_pid(ctx)
     ctx.kept, ctx.source = kept_source(ctx)  # its time is checked here only: a back that starts in time ends
+    # The current process goes for good: a cell it runs would never answer. The one that asked ends first.
+    if not ctx.kernel.finish_cells(CELLS_WAIT):
+        raise InvalidState(f"The kernel is running a cell (still after {CELLS_WAIT:.0f} s): going back now would lose "
+                           "it, and its notebook would wait for it for ever. Wait until it ends, or interrupt it, then "
+                           "go back. It runs on, unchanged.")
     # Its PIDs must be free, now or once the current process is gone (which may hold some, taken since).
     current = set(proctree.tree_ids(pid))
     holder = proctree.first_holder([i for i in ctx.source.ids if i not in current])
@@ -152,7 +163,8 @@ def unstash(ctx: BackContext) -> None:
 def adopt(ctx: BackContext) -> None:
     """The source is whole: its record, then the marker says the back is complete (a server that dies now
     is followed by one that adopts it if it answers), then it is the kernel once its clients are back."""
-    assert ctx.pid is not None and ctx.current is not None
+    assert ctx.pid is not None and ctx.current is not None and ctx.current_pid is not None
+    ctx.kernel.carry_over(ctx.current_pid)  # what the notebook sent meanwhile runs in the source
     ctx.kernel.adopt(ctx.pid)
     write_durably(ctx.current / SWITCHED, json.dumps({"pid": ctx.pid, "started": proctree.start_time(ctx.pid)}))
     adopt_restored(ctx)
