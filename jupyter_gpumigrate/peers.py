@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import hmac
 import http.client
 import ipaddress
 import json
@@ -121,6 +122,19 @@ def digest_file(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
+class _Hashing:
+    """A file for http.client to send from, hashed as it is read."""
+
+    def __init__(self, file: Any) -> None:
+        self.file, self.hash, self.size = file, hashlib.sha256(), 0
+
+    def read(self, n: int = -1) -> bytes:
+        block = self.file.read(n)
+        self.hash.update(block)
+        self.size += len(block)
+        return block
+
+
 def image_files(images: Path) -> list[Path]:
     return sorted(p for p in images.iterdir()
                   if p.is_file() and not p.is_symlink() and _IMAGE_NAME.match(p.name) and p.name not in _NOT_SENT
@@ -191,12 +205,18 @@ class PeerClient:
             conn.close()
         return json.loads(data) if data else None
 
-    def put_file(self, path: str, file: Path, size: int, sha256: str) -> None:
+    def put_file(self, path: str, file: Path, size: int) -> str:
+        """Send ``file`` (``size`` bytes), hashing it as it goes: one read of it, not two; its SHA-256, which
+        the peer checks against its own when the images are complete (``complete``)."""
         with open(file, "rb") as f:
-            conn, response = self._send("PUT", path, body=f, headers={
-                "Content-Length": str(size), "Content-Type": "application/octet-stream", "X-Content-SHA256": sha256})
+            body = _Hashing(f)
+            conn, response = self._send("PUT", path, body=body, headers={
+                "Content-Length": str(size), "Content-Type": "application/octet-stream"})
         response.read()
         conn.close()
+        if body.size != size:
+            raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
+        return body.hash.hexdigest()
 
     def get_file(self, path: str, dest: Path, size: int, sha256: str) -> None:
         conn, response = self._send("GET", path)
@@ -250,13 +270,13 @@ class PeerLink(HostLink):
             raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
 
     def send_images(self, images: Path) -> int:
-        files = [(p, *digest_file(p)) for p in image_files(images)]
-        total = sum(size for _, size, _ in files)
+        files = [(p, p.stat().st_size) for p in image_files(images)]
+        total = sum(size for _, size in files)
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
-        for path, size, sha in files:
-            self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, sha)
-        self.client.call("POST", f"images/{self.kernel_id}/complete",
-                         {"files": [{"name": p.name, "size": s, "sha256": h} for p, s, h in files]})
+        sent = [{"name": p.name, "size": size, "sha256": self.client.put_file(f"images/{self.kernel_id}/{p.name}", p,
+                                                                                size)}
+                for p, size in files]
+        self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
 
     def restore(self, to_gpu: int | None) -> dict:
@@ -301,7 +321,11 @@ class PeerLink(HostLink):
         if clients:
             # The relay's sockets live in this process: wait for the kernel's clients to be back on them.
             expected = {int(port): int(n) for port, n in clients.items()}
-            netstate.wait_for_clients([os.getpid()], expected, timeout)
+            missing = netstate.wait_for_clients([os.getpid()], expected, timeout)
+            if missing:
+                log.info("gpumigrate: kernel %s on %s: %s client connection(s) to the relay did not come back "
+                         "(closed meanwhile?): expected %s, missing %s", self.kernel_id, self.host,
+                         sum(missing.values()), expected, missing)
 
     def detach(self) -> None:
         self._on_loop(self.detach_async())
@@ -410,6 +434,8 @@ class GuestHost:
         self.guests: dict[str, Guest] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.relays: dict[str, Any] = {}
+        #: kernel id -> image file name -> the SHA-256 of what arrived (checked when the images are complete)
+        self.received: dict[str, dict[str, str]] = {}
 
     def stop_relay(self, kernel_id: str) -> None:
         relay = self.relays.pop(kernel_id, None)
@@ -445,6 +471,7 @@ class GuestHost:
     def begin(self, kernel_id: str, size: int) -> Path:
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             raise InvalidState(f"Kernel {kernel_id} already lives here.")
+        self.received[kernel_id] = {}
         path = self.store.create(kernel_id)
         free = shutil.disk_usage(path).free
         if size > free:
@@ -460,12 +487,23 @@ class GuestHost:
             raise ImageError(f"No images are being received for kernel {kernel_id}: start with POST images/{kernel_id}.")
         return folder / name
 
+    def received_file(self, kernel_id: str, name: str, sha256: str) -> None:
+        """``name`` arrived, hashing to ``sha256``: checked against the sender's word in :meth:`complete`."""
+        self.received.setdefault(kernel_id, {})[name] = sha256
+
     def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
         folder = self.store.path_for(kernel_id)
+        received = self.received.get(kernel_id, {})
         for entry in files:
             path = self.image_path(kernel_id, str(entry["name"]))
             if not path.is_file() or path.stat().st_size != int(entry["size"]):
                 raise ImageError(f"{path.name} did not arrive whole; send the images again.")
+            got = received.get(path.name)
+            if got is not None and not hmac.compare_digest(got, str(entry.get("sha256", ""))):
+                path.unlink(missing_ok=True)
+                raise ImageError(f"{path.name} arrived damaged (its SHA-256 is not the sender's); send the images "
+                                 "again.")
+        self.received.pop(kernel_id, None)
         manifest = self.store.read_manifest(kernel_id)
         if manifest.kernel_id != kernel_id:
             raise ImageError(f"The images in {folder} belong to kernel {manifest.kernel_id}, not {kernel_id}.")

@@ -322,6 +322,17 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
                                  raw=path.read_bytes(), headers={"X-Content-SHA256": sha}, expect=201)
         assert stored["name"] == path.name
     sent = [{"name": p.name, "size": s, "sha256": h} for p, s, h in files]
+    # Sent as the peers send it: no checksum up front (they hash as they send); the list at the end is checked.
+    await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name, raw=first.read_bytes(),
+                    expect=201)
+    wrong = [{**f, "sha256": "0" * 64} if f["name"] == first.name else f for f in sent]
+    error = await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": wrong},
+                            expect=400)
+    assert f"{first.name} arrived damaged" in error["message"] and "send the images again" in error["message"]
+    await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=kid, body={"bytes": total}, expect=201)  # again
+    for path, _, _ in files:
+        await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=path.name, raw=path.read_bytes(),
+                        expect=201)
     assert (await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": sent},
                             expect=200))["kernel_id"] == kid
     listing = await walk.call("GET", "/peer/images/{kernel_id}", kernel_id=kid, expect=200)

@@ -64,14 +64,27 @@ def client_counts(pids: list[int]) -> dict[int, int]:
     return counts
 
 
-def wait_for_clients(pids: list[int], expected: dict[int, int], timeout: float) -> dict[int, int]:
-    """Wait until each port has at least its ``expected`` connections again; return what is missing."""
-    deadline = time.monotonic() + timeout
+#: A client that still lives re-dials within this many seconds of the ports being back: ZMQ retries every
+#: 0.1 s (its default reconnect interval, which jupyter_client keeps). Counts unchanged for this long mean
+#: that the connections still missing were closed meanwhile (a notebook tab closed just before), and will
+#: not come: no use waiting for them until the timeout.
+SETTLE = 1.0
+
+
+def wait_for_clients(pids: list[int], expected: dict[int, int], timeout: float,
+                     settle: float = SETTLE) -> dict[int, int]:
+    """Wait until each port has at least its ``expected`` connections again, or until the counts have not
+    changed for ``settle`` seconds (within ``timeout`` in all); return what is missing."""
+    started = time.monotonic()
+    deadline, last, changed = started + timeout, None, started
     while True:
         counts = client_counts(pids)
+        now = time.monotonic()
+        if counts != last:
+            last, changed = counts, now
         missing = {
             port: want - counts.get(port, 0) for port, want in expected.items() if counts.get(port, 0) < want
         }
-        if not missing or time.monotonic() >= deadline:
+        if not missing or now >= deadline or now - changed >= settle:
             return missing
         time.sleep(0.01)

@@ -118,8 +118,9 @@ class CompleteHandler(PeerHandler):
 
 @web.stream_request_body
 class ImageFileHandler(PeerHandler):
-    """PUT one image file, streamed to disk (0600) as it arrives and checked against its SHA-256;
-    GET it back, for the return trip."""
+    """PUT one image file, streamed to disk (0600) as it arrives and hashed: checked against the SHA-256
+    in its X-Content-SHA256 header, or, without one, against the sender's list when the images are complete
+    (the sender hashes as it sends: one read of each file); GET it back, for the return trip."""
 
     _file: Any = None
 
@@ -145,7 +146,10 @@ class ImageFileHandler(PeerHandler):
     async def put(self, kernel_id: str, name: str) -> None:
         self._file.close()
         self._file = None
-        if not hmac.compare_digest(self._hash.hexdigest(), self.request.headers.get("X-Content-SHA256", "")):
+        said = self.request.headers.get("X-Content-SHA256")
+        if said is None:  # the sender hashed as it sent: checked once all arrived (images/{id}/complete)
+            self.guests.received_file(unquote(kernel_id), unquote(name), self._hash.hexdigest())
+        elif not hmac.compare_digest(self._hash.hexdigest(), said):
             self._path.unlink(missing_ok=True)
             self.send_error_message(400, f"{name} arrived damaged (its SHA-256 differs); send it again.")
             return

@@ -1,0 +1,190 @@
+"""A CPU kernel moved to another host and back, against the link between the two hosts, in one run.
+
+Two "hosts" on this machine, as the tests make them (tests/hosts.py: network namespaces joined by a bridge
+through veth pairs, each with its own HTTPS jupyter_server and the extension; root and `ip` are needed).
+For each size a kernel on host a fills that many GB of memory, moves to b (``to_host: "b"``) and comes back
+(``to_host: "a"``) through a's REST API; a digest of its memory is checked after each trip. Phase timings
+come from the operations themselves.
+
+Floors, measured in the same run just before each size, with the same number of bytes as the kernel's
+images: the link as a plain TCP stream from a's namespace to b's, and as a TLS stream (what the transfer
+uses: HTTPS, less HTTP and the files). The last thing printed is a table; --out writes all as JSON.
+
+    .venv/bin/python bench/host_bench.py [--sizes 1,4] [--out results.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "tests"))
+from hosts import Host, Network, make_certificate  # noqa: E402
+from report import text_table  # noqa: E402
+
+GB = 10**9
+MB = 1 << 20
+FLOOR_PORT = 9999
+
+FILL = """
+import hashlib, os
+blob = bytearray(os.urandom({mb})) * {count}  # {size} GB, every page touched
+digest = hashlib.sha256(blob[::4093]).hexdigest()
+print(len(blob))
+"""
+CHECK = "print(hashlib.sha256(blob[::4093]).hexdigest() == digest, len(blob))"
+
+RECEIVE = """
+import socket, ssl, sys
+ip, port, cert, key, tls, nbytes = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5] == "1", int(sys.argv[6])
+server = socket.create_server((ip, port))
+print("ready", flush=True)
+conn, _ = server.accept()
+if tls:
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    conn = ctx.wrap_socket(conn, server_side=True)
+got, buf = 0, bytearray(1 << 20)
+while got < nbytes and (n := conn.recv_into(buf)):
+    got += n
+conn.sendall(b"ok")  # all of it is here: the sender's clock stops
+conn.close()
+print(got, flush=True)
+"""
+
+SEND = """
+import socket, ssl, sys, time
+ip, port, cert, nbytes, tls = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5] == "1"
+block = bytes(range(256)) * 4096
+started = time.perf_counter()
+conn = socket.create_connection((ip, port))
+if tls:
+    conn = ssl.create_default_context(cafile=cert).wrap_socket(conn, server_hostname=ip)
+sent = 0
+while sent < nbytes:
+    conn.sendall(block[:min(len(block), nbytes - sent)])
+    sent += min(len(block), nbytes - sent)
+assert conn.recv(2) == b"ok"
+print(time.perf_counter() - started)
+conn.close()
+"""
+
+
+def link_floor(a: Host, b: Host, nbytes: int, tls: bool) -> float:
+    """GB/s of one stream of ``nbytes`` from a's namespace to b's (TLS with the hosts' certificate, or TCP)."""
+    flag = "1" if tls else "0"
+    receiver = subprocess.Popen(["ip", "netns", "exec", b.ns, sys.executable, "-c", RECEIVE, b.ip, str(FLOOR_PORT),
+                                 str(b.cert), str(b.key), flag, str(nbytes)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert receiver.stdout is not None and receiver.stdout.readline().strip() == "ready"
+        sender = subprocess.run(["ip", "netns", "exec", a.ns, sys.executable, "-c", SEND, b.ip, str(FLOOR_PORT),
+                                 str(b.cert), str(nbytes), flag], capture_output=True, text=True, check=True)
+        got = int(receiver.stdout.readline())
+    finally:
+        receiver.wait(timeout=60)
+    assert got == nbytes, (got, nbytes)
+    return nbytes / float(sender.stdout.strip()) / GB
+
+
+def run_cell(host: Host, kernel_id: str, code: str, timeout: float = 600) -> str:
+    """Run ``code`` in the kernel through the host's /api/kernels/{id}/channels; what it printed."""
+    import asyncio
+
+    from helpers import WebSocketTab
+    from tornado.httpclient import HTTPRequest
+    from tornado.websocket import websocket_connect
+
+    async def go() -> str:
+        request = HTTPRequest(f"wss://{host.ip}:8888/api/kernels/{kernel_id}/channels",
+                              headers={"Authorization": f"token {host.token}"}, ca_certs=str(host.cert))
+        tab = WebSocketTab(await websocket_connect(request))
+        try:
+            return await tab.run(code, timeout=timeout)
+        finally:
+            tab.ws.close()
+
+    return asyncio.run(go())
+
+
+def one_size(a: Host, b: Host, size: float) -> dict:
+    kernel_id = a.api("POST", "api/kernels", {"name": "python3"})["id"]
+    try:
+        count = max(1, int(size * GB / MB))
+        run_cell(a, kernel_id, FILL.format(mb=MB, count=count, size=size))
+        nbytes = count * MB
+        floors = {"tcp": link_floor(a, b, nbytes, tls=False), "tls": link_floor(a, b, nbytes, tls=True)}
+        away = a.operate(kernel_id, "migrate", {"to_host": "b"}, timeout=1800)
+        assert away["status"] == "succeeded", away
+        assert run_cell(a, kernel_id, CHECK).split() == ["True", str(nbytes)]
+        home = a.operate(kernel_id, "migrate", {"to_host": "a"}, timeout=1800)
+        assert home["status"] == "succeeded", home
+        assert run_cell(a, kernel_id, CHECK).split() == ["True", str(nbytes)]
+    finally:
+        a.api("DELETE", f"api/kernels/{kernel_id}")
+    return {"size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
+            "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"]},
+            "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"]}}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="1,4", help="kernel sizes in GB, comma-separated")
+    parser.add_argument("--out", help="write the results as JSON here")
+    args = parser.parse_args()
+    if os.geteuid() != 0:
+        print("host_bench: needs root (network namespaces)", file=sys.stderr)
+        return 2
+    root = Path(tempfile.mkdtemp(prefix="gpumigrate-host-bench-"))
+    net = Network(200 + os.getpid() % 50).up()
+    a = b = None
+    rows = []
+    try:
+        ns_a, ip_a = net.add("a", 2)
+        ns_b, ip_b = net.add("b", 3)
+        cert, key = make_certificate(root, [ip_a, ip_b])
+        a = Host("a", ns_a, ip_a, root / "a", cert, key)
+        b = Host("b", ns_b, ip_b, root / "b", cert, key)
+        a.start({"b": b.peer_entry()})
+        b.start({"a": a.peer_entry()})
+        for size in (float(s) for s in args.sizes.split(",")):
+            rows.append(one_size(a, b, size))
+            print(json.dumps(rows[-1]), flush=True)
+    finally:
+        for host in (a, b):
+            if host is not None:
+                host.stop()
+        net.close()
+        if not os.environ.get("HOST_BENCH_KEEP"):
+            subprocess.run(["rm", "-rf", str(root)], check=False)
+        else:
+            print("kept:", root)
+    table = []
+    for r in rows:
+        tls = r["floors_gbps"]["tls"]
+        for way in ("away", "home"):
+            t = r[way]["timings"]
+            floor = r[way]["bytes"] / GB / tls
+            table.append([f"{r['size_gb']:g}", way, f"{r[way]['bytes'] / GB:.2f}", f"{r[way]['total']:.2f}",
+                          f"{t.get('dump', 0):.2f}", f"{t.get('transfer', 0):.2f}", f"{t.get('restore', 0):.2f}",
+                          f"{t.get('adopt', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}", f"{floor:.2f}",
+                          f"{t.get('transfer', 0) / floor:.2f}"])
+    print(text_table(["GB", "trip", "sent GB", "total s", "dump s", "transfer s", "restore s", "adopt s", "TCP GB/s",
+                      "TLS GB/s", "TLS floor s", "transfer / floor"], table))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"machine": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M UTC",
+                                                                                              time.gmtime()),
+                                              "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
