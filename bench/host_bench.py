@@ -28,7 +28,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-from hosts import Host, Network, make_certificate  # noqa: E402
+from hosts import Host, Network, host_pair  # noqa: E402
 from report import text_table  # noqa: E402
 
 GB = 10**9
@@ -148,11 +148,7 @@ def main() -> int:
     a = b = None
     rows = []
     try:
-        ns_a, ip_a = net.add("a", 2)
-        ns_b, ip_b = net.add("b", 3)
-        cert, key = make_certificate(root, [ip_a, ip_b])
-        a = Host("a", ns_a, ip_a, root / "a", cert, key)
-        b = Host("b", ns_b, ip_b, root / "b", cert, key)
+        a, b = host_pair(net, root)
         a.start({"b": b.peer_entry()})
         b.start({"a": a.peer_entry()})
         for size in (float(s) for s in args.sizes.split(",")):

@@ -63,6 +63,14 @@ class Network:
         subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
 
 
+def host_pair(net: Network, root: Path) -> tuple[Host, Host]:
+    """Hosts a and b on ``net`` (not started yet), with one certificate valid for both, under ``root``."""
+    ns_a, ip_a = net.add("a", 2)
+    ns_b, ip_b = net.add("b", 3)
+    cert, key = make_certificate(root, [ip_a, ip_b])
+    return Host("a", ns_a, ip_a, root / "a", cert, key), Host("b", ns_b, ip_b, root / "b", cert, key)
+
+
 def make_certificate(folder: Path, addresses: list[str]) -> tuple[Path, Path]:
     cert, key = folder / "cert.pem", folder / "key.pem"
     san = ",".join(f"IP:{a}" for a in addresses)

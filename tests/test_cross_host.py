@@ -15,7 +15,7 @@ import time
 
 import pytest
 from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, two_gpus
-from hosts import Host, Network, make_certificate
+from hosts import Host, Network, host_pair
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -30,11 +30,7 @@ def hosts(tmp_path_factory):
     net = Network(20 + os.getpid() % 200).up()
     a = b = None
     try:
-        ns_a, ip_a = net.add("a", 2)
-        ns_b, ip_b = net.add("b", 3)
-        cert, key = make_certificate(root, [ip_a, ip_b])
-        a = Host("a", ns_a, ip_a, root / "a", cert, key)
-        b = Host("b", ns_b, ip_b, root / "b", cert, key)
+        a, b = host_pair(net, root)
         # "c" is b with a wrong credential.
         a.start({"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)})
         b.start({"a": a.peer_entry()})
