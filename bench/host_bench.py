@@ -10,7 +10,7 @@ Floors, measured in the same run just before each size, with the same number of 
 images: the link as a plain TCP stream from a's namespace to b's, and as a TLS stream (what the transfer
 uses: HTTPS, less HTTP and the files). The last thing printed is a table; --out writes all as JSON.
 
-    .venv/bin/python bench/host_bench.py [--sizes 1,4] [--out results.json]
+    .venv/bin/python bench/host_bench.py [--sizes 1,4] [--images auto|disk|memory] [--out results.json]
 """
 
 from __future__ import annotations
@@ -138,6 +138,8 @@ def one_size(a: Host, b: Host, size: float) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="1,4", help="kernel sizes in GB, comma-separated")
+    parser.add_argument("--images", choices=("auto", "disk", "memory"), default="auto",
+                        help="the hosts' suspend_to, which a move's images follow (auto: memory where there is room)")
     parser.add_argument("--out", help="write the results as JSON here")
     args = parser.parse_args()
     if os.geteuid() != 0:
@@ -149,6 +151,8 @@ def main() -> int:
     rows = []
     try:
         a, b = host_pair(net, root)
+        for host in (a, b):
+            host.extra = {"MigratableProvisioner": {"suspend_to": args.images}}
         a.start({"b": b.peer_entry()})
         b.start({"a": a.peer_entry()})
         for size in (float(s) for s in args.sizes.split(",")):
@@ -176,8 +180,8 @@ def main() -> int:
     print(text_table(["GB", "trip", "sent GB", "total s", "dump s", "transfer s", "restore s", "adopt s", "TCP GB/s",
                       "TLS GB/s", "TLS floor s", "transfer / floor"], table))
     if args.out:
-        Path(args.out).write_text(json.dumps({"machine": platform.node(), "when": time.strftime("%Y-%m-%d %H:%M UTC",
-                                                                                              time.gmtime()),
+        Path(args.out).write_text(json.dumps({"machine": platform.node(), "images": args.images,
+                                              "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                               "rows": rows}, indent=1))
     return 0
 

@@ -133,9 +133,12 @@ class GPUMigrateApp(ExtensionApp):
         self._resume_on_cells(operations)
         defaults = MigratableProvisioner(config=self.serverapp.config)
         helper_socket = defaults.helper_socket or None
+        # Guests' images in memory where there is room, beside this user's (not inside: a folder there is a
+        # kernel's); through the node helper, on disk only, as the helper writes nowhere else.
+        guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not helper_socket else None
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
-                                gpus_mod.snapshot)
+                                gpus_mod.snapshot, guests_memory, defaults.suspend_to)
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()

@@ -45,7 +45,7 @@ from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import ImageError, InvalidState, MigrateError
-from .engine.images import MANIFEST, PENDING, SECRETS, ImageStore, Manifest
+from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .relay import RelayClient
 
@@ -427,8 +427,12 @@ class Guest:
 class GuestHost:
     """The kernels this server hosts for its peers, with their images under ``root`` (0700)."""
 
-    def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None) -> None:
-        self.store = ImageStore(root)
+    def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None,
+                 memory_root: Path | None = None, images: str = AUTO) -> None:
+        #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
+        #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
+        self.store = ImageStore(root, memory_root)
+        self.images = images
         self.criu = criu
         self.inventory = inventory
         self.guests: dict[str, Guest] = {}
@@ -472,11 +476,11 @@ class GuestHost:
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             raise InvalidState(f"Kernel {kernel_id} already lives here.")
         self.received[kernel_id] = {}
-        path = self.store.create(kernel_id)
+        path = self.store.create(kernel_id, choose(self.store, self.images, size)[0])
         free = shutil.disk_usage(path).free
         if size > free:
             self.store.remove(kernel_id)
-            raise ImageError(f"The kernel's images need {size} bytes and {self.store.root} has {free} free.")
+            raise ImageError(f"The kernel's images need {size} bytes and {path.parent} has {free} free.")
         return path
 
     def image_path(self, kernel_id: str, name: str) -> Path:
@@ -520,7 +524,7 @@ class GuestHost:
     # running them (blocking: call from a worker thread)
 
     def _migration(self, guest: Guest) -> Migration:
-        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0}
+        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images}
         if self.inventory is not None:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)

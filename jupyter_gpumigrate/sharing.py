@@ -124,6 +124,11 @@ class Sharing:
                 manifest = ImageStore(self.shared.images_root(candidate.host)).read_manifest(candidate.kernel_id)
                 why_not = await asyncio.to_thread(cannot_take, manifest)
             except MigrateError as exc:
+                if not candidate.folder.is_dir():  # claimed by another host since it was listed: as a lost claim
+                    winner = await asyncio.to_thread(self.shared.where, candidate.kernel_id)
+                    log.info("gpumigrate: kernel %s of host %s (stopped): %s", candidate.kernel_id, candidate.host,
+                             f"host {winner} took it first" if winner else "its images are gone from the shared folder")
+                    continue
                 why_not = str(exc)
             if why_not:
                 if self._said.get(key) != why_not:

@@ -12,6 +12,7 @@ import json
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, two_gpus
@@ -31,6 +32,8 @@ def hosts(tmp_path_factory):
     a = b = None
     try:
         a, b = host_pair(net, root)
+        for host in (a, b):  # a move's images in memory where there is room, as by default (images.choose)
+            host.extra = {"MigratableProvisioner": {"suspend_to": "auto"}}
         # "c" is b with a wrong credential.
         a.start({"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)})
         b.start({"a": a.peer_entry()})
@@ -40,6 +43,11 @@ def hosts(tmp_path_factory):
             if host is not None:
                 host.stop()
         net.close()
+
+
+def guest_images_in_memory(kernel_id: str) -> list[Path]:
+    """A guest's images in memory, on any host of this machine (their tmpfs folders are beside the users')."""
+    return list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*-guests/{kernel_id}"))
 
 
 async def open_tab(host: Host, kernel_id: str) -> WebSocketTab:
@@ -89,8 +97,9 @@ async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_exe
     assert view["host"] == "a" and not view["remote"] and view["pid"]
     assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
     assert (await tab.run("print(x + 1, next(gen), worker.is_alive(), f.tell())")).strip() == "42 7 True 18"
-    # b deleted its copy of the kernel's memory.
-    assert not (b.root / "state" / "guests" / kernel_id).exists()
+    # b deleted its copy of the kernel's memory, in memory and on disk; a, its own.
+    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 
@@ -162,7 +171,7 @@ async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(
         await asyncio.sleep(0.1)
     await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
-    assert not (b.root / "state" / "guests" / kernel_id).exists()
+    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
 
 
 @pytest.mark.gpu
@@ -190,3 +199,25 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     assert (await tab.run("print(float(t.sum()) == s0, t.device)")).strip() == "True cuda:0"
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+def test_a_guests_images_go_to_memory_where_there_is_room(tmp_path):
+    import shutil
+    import tempfile
+
+    from jupyter_gpumigrate.engine.errors import ImageError
+    from jupyter_gpumigrate.peers import GuestHost
+
+    shm = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="gpumigrate-test-"))
+    try:
+        guests = GuestHost(tmp_path / "guests", lambda: None, memory_root=shm / "guests")
+        assert guests.begin("k1", 10**6).parent == shm / "guests", "a small kernel's images: in memory"
+        with pytest.raises(ImageError, match="need"):  # no room in memory, nor on disk: refused, saying so
+            guests.begin("k2", 10**15)
+        assert not (shm / "guests" / "k2").exists() and not (tmp_path / "guests" / "k2").exists()
+        on_disk = GuestHost(tmp_path / "disk", lambda: None, memory_root=shm / "guests", images="disk")
+        assert on_disk.begin("k3", 10**6).parent == tmp_path / "disk", "the server's suspend_to says disk"
+        guests.discard("k1")
+        assert not (shm / "guests").exists(), "no litter in /dev/shm once no guest is there"
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)

@@ -145,7 +145,9 @@ def prepare_away(ctx: HostContext) -> None:
     _, held, _ = gpu_use(ctx, pid)
     ctx.link.check(hostfit.requirements_of(pid, kernel_listens(ctx.kernel.kernel_connection_info)),
                    held[0] if held else None, ctx.to_gpu)
-    new_images(ctx, pid)
+    # Images that live only until the kernel answers there: in memory where there is room (images.choose),
+    # as the server's suspend_to allows.
+    new_images(ctx, pid, ctx.tools.images)
 
 
 def send_images(ctx: HostContext) -> None:

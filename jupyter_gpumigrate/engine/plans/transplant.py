@@ -256,6 +256,11 @@ def keep_source(ctx: TransplantContext) -> None:
 def remove_folder(ctx: TransplantContext) -> None:
     if ctx.folder is not None:
         shutil.rmtree(ctx.folder, ignore_errors=True)
+        if ctx.folder.parent == ctx.tools.store.memory_root:
+            try:
+                ctx.folder.parent.rmdir()  # no litter in /dev/shm once nothing is there
+            except OSError:
+                pass
 
 
 def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, accept_left: list[str] | None = None,
