@@ -343,7 +343,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return datetime.fromtimestamp(kept[1], timezone.utc).isoformat()
 
     def drop_back(self) -> None:
-        """The process this kernel's last transplant replaced is no longer kept (the kernel ended, or restarted)."""
+        """The process this kernel's last transplant replaced is no longer kept (the kernel was shut down)."""
         try:
             self.images.drop_kept(self.kernel_id)
         except (OSError, MigrateError) as exc:

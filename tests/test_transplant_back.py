@@ -5,6 +5,7 @@ failures are made for real (a PID of the source taken, its images damaged, its t
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from pathlib import Path
@@ -12,6 +13,7 @@ from pathlib import Path
 import pytest
 from helpers import api, cli, hold_pid, notebook, operate, remote, start_busy
 from test_hibernation import collect_exited, criu_of, notebook_running, tab_on, taken_back
+from test_suspend_resume import _kill_criu_restore_once_tree_is_back
 from test_transplant import BUILD
 
 from jupyter_gpumigrate.engine import proctree
@@ -127,6 +129,29 @@ async def test_damaged_source_images_bring_the_current_process_back_whole(jp_fet
     assert now["state"] == "running" and now["pid"] == view["pid"], now
     assert (await kernel.run("print(marker, after, len(losses))")).split() == ["new", "1", "6"]
     assert not images.path_for(kernel.id).exists(), "the current process's images went once it ran again"
+
+
+async def test_criu_killed_while_it_restores_the_source_brings_the_current_process_back_whole(jp_fetch, kernel):
+    await kernel.run("blob = bytes(range(256)) * 4_000_000")  # a while for CRIU to restore, once it forked
+    source, view = await _transplanted(jp_fetch, kernel)
+    for _ in range(3):
+        killer = asyncio.get_running_loop().run_in_executor(None, _kill_criu_restore_once_tree_is_back, source, 60)
+        op = await operate(jp_fetch, kernel.id, "back")
+        if await killer and op["status"] == "failed":
+            break
+        assert op["status"] == "succeeded", op  # the restore won the race: transplant again, try again
+        assert (await operate(jp_fetch, kernel.id, "transplant", {"to_cpu": True}))["status"] == "succeeded"
+        await kernel.run("after = 1; marker = 'new'")
+        view = await api(jp_fetch, "kernels", kernel.id)
+    else:
+        pytest.skip("CRIU restored the source before it could be killed, three times")
+    assert op["failed_phase"] == "restore" and "killed by SIGKILL" in op["error"], op
+    now = await api(jp_fetch, "kernels", kernel.id)
+    assert now["state"] == "running" and now["pid"] == view["pid"] and now["back_until"], now
+    assert not Path(f"/proc/{source}").exists(), "nothing of the half-restored source is left"
+    assert (await kernel.run("print(marker, after, len(blob))")).split() == ["new", "1", str(256 * 4_000_000)]
+    assert (await operate(jp_fetch, kernel.id, "back"))["status"] == "succeeded", "it can still go back"
+    assert (await kernel.run("print(marker)")).strip() == "source"
 
 
 async def test_the_source_is_kept_only_for_its_time_and_goes_with_a_shutdown(jp_fetch, jp_serverapp, kernel):
