@@ -235,7 +235,7 @@ def driver(live: float, cached: float) -> dict:
         uuids = [g.uuid for g in gpus_mod.snapshot()]
         cuda, phases = CudaProcess(worker.pid), {}  # type: ignore[arg-type]
         for name, step in (("lock", lambda: cuda.lock(60)), ("checkpoint", cuda.checkpoint),
-                           ("remap", lambda: cuda.restore(gpu_mapping(uuids, uuids[0], uuids[1]))),
+                           ("remap", lambda: cuda.restore(gpu_mapping(uuids, {uuids[0]: uuids[1]}))),
                            ("unlock", cuda.unlock)):
             started = time.perf_counter()
             step()

@@ -256,9 +256,27 @@ def cmd_discard(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def gpu_list(text: str) -> list[int]:
+    """``--to-gpu`` of a move or resume: one GPU (``1``), or one per GPU a kernel holds (``1,0``)."""
+    try:
+        indices = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a GPU index, nor indices separated by commas (1,0)") from None
+    if any(i < 0 for i in indices):
+        raise argparse.ArgumentTypeError(f"{text!r}: GPU indices are 0 or more")
+    return indices
+
+
+def gpu_body(indices: list[int] | None) -> dict[str, Any]:
+    """The request's field for ``--to-gpu``: to_gpu for one GPU, to_gpus for several."""
+    if indices is None:
+        return {}
+    return {"to_gpu": indices[0]} if len(indices) == 1 else {"to_gpus": indices}
+
+
 def cmd_action(args: argparse.Namespace) -> int:
     server, kernel = find_kernel(find_servers(args), args.kernel_id)
-    body = {"to_gpu": args.to_gpu} if getattr(args, "to_gpu", None) is not None else {}
+    body = gpu_body(getattr(args, "to_gpu", None))
     if getattr(args, "to_host", None):
         body["to_host"] = args.to_host
     if getattr(args, "no_fast_path", False):
@@ -417,12 +435,15 @@ def parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_action)
     r = sub.add_parser("resume", parents=[common, remote], help="bring a suspended kernel back")
     r.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
-    r.add_argument("--to-gpu", type=int, help="GPU index to resume a GPU kernel on")
+    r.add_argument("--to-gpu", type=gpu_list, metavar="N[,M...]", help="GPU index to resume a GPU kernel on; for "
+                   "a kernel that held several GPUs, one per GPU in the order of their indices (1,0 swaps 0 and 1)")
     r.set_defaults(func=cmd_action)
     m = sub.add_parser("migrate", parents=[common, remote],
                        help="move a running kernel to another GPU, or to a peer host and back")
     m.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
-    m.add_argument("--to-gpu", type=int, help="index of the GPU to move it to (on --to-host, that host's)")
+    m.add_argument("--to-gpu", type=gpu_list, metavar="N[,M...]", help="index of the GPU to move it to (on "
+                   "--to-host, that host's); for a kernel on several GPUs, one per GPU it holds, in the order of "
+                   "their indices (1,0 swaps GPUs 0 and 1)")
     m.add_argument("--to-host", metavar="NAME", help="a peer server (c.GPUMigrateApp.peers); the server's own "
                    "name brings a kernel back")
     m.add_argument("--no-fast-path", action="store_true", help="let the CUDA driver copy all GPU memory (no stash "

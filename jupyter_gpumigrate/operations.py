@@ -29,6 +29,7 @@ from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
 from .engine.plans import ALL_PHASES, PHASES
+from .engine.plans import gpu_move
 from .engine.plans import transplant as transplant_plan
 from .engine.stash import Stash
 from .peers import Peer, PeerLink, UnknownPeer
@@ -74,6 +75,10 @@ class Operation:
     bytes: int = 0
     to_gpu: int | None = None
     from_gpu: int | None = None
+    #: a kernel on several GPUs: the GPU each of its GPUs goes to, and those it held, in the same order
+    #: (to_gpu and from_gpu are the first of each)
+    to_gpus: list[int] | None = None
+    from_gpus: list[int] | None = None
     #: a move between hosts: the host it goes to and the one it leaves (names, as in kernel lists)
     to_host: str | None = None
     from_host: str | None = None
@@ -164,8 +169,13 @@ class OperationManager:
             raise OperationNotFound(f"There is no operation {op_id} on this server.") from None
 
     def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
-              fast_path: str = "auto", images: str | None = None, accept_left: list[str] | None = None) -> Operation:
-        """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start."""
+              fast_path: str = "auto", images: str | None = None, accept_left: list[str] | None = None,
+              to_gpus: list[int] | None = None) -> Operation:
+        """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start.
+        ``to_gpus`` (a migrate or resume of a kernel on several GPUs): one GPU for each GPU it holds, in
+        the order of their indices; it stands for ``to_gpu``."""
+        if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
+            raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.discarding:
             raise InvalidState(f"Kernel {kernel_id} is being discarded: it was suspended longer than the server's "
@@ -180,6 +190,7 @@ class OperationManager:
             )
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
+        to: int | list[int] | None = list(to_gpus) if to_gpus is not None else to_gpu
         if action == "transplant":
             return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left)
         if action == "back":
@@ -192,30 +203,36 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
         # Refuse what cannot work now, with the reason, rather than start an operation bound to fail.
         # The plan checks again in its prepare phase, before anything is locked.
-        from_gpu: int | None = None
+        move: placement.Move | None = None
         if action == "migrate":
-            assert to_gpu is not None
+            assert to is not None
             gpus = gpus_mod.snapshot()
             held = placement.held_by_tree(provisioner.pid, gpus)
-            from_gpu = placement.plan_move(gpus, held, to_gpu, gpus_mod.driver_major()).source.index
-        elif action == "resume" and to_gpu is not None:
+            move = placement.plan_move(gpus, held, to, gpus_mod.driver_major())
+        elif action == "resume" and to is not None:
             manifest = provisioner.images.read_manifest(kernel_id)
             if not manifest.gpus:
                 raise GpuError(
                     f"Kernel {kernel_id} held no GPU when it was suspended, so it cannot be resumed onto GPU "
-                    f"{to_gpu}: resume it without to_gpu."
+                    f"{to}: resume it without to_gpu."
                 )
-            placement.plan_resume(gpus_mod.snapshot(), manifest.gpus[0], to_gpu, gpus_mod.driver_major())
+            move = placement.plan_resume(gpus_mod.snapshot(), manifest.gpus, to, gpus_mod.driver_major())
         if action == "migrate" or (action == "resume" and self._resumes_on_gpu(provisioner)):
             cudackpt.ensure_available()  # CudaUnavailable (503) says what to install
         criu = None
         if action != "migrate":
             criu = self._criu(provisioner)
         plan = {"suspend": "suspend", "resume": "resume", "migrate": "move_to_gpu"}[action]
-        op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, from_gpu=from_gpu,
-                       phases=list(PHASES[plan]), images=images if action == "suspend" else None)
+        several = move is not None and move.several
+        op = Operation(kernel_id=kernel_id, action=action, phases=list(PHASES[plan]),
+                       to_gpu=move.target.index if move is not None else to_gpu,
+                       from_gpu=move.source.index if move is not None and action == "migrate" else None,
+                       to_gpus=move.to_gpus if several else None,
+                       from_gpus=move.from_gpus if several and action == "migrate" else None,
+                       images=images if action == "suspend" else None)
+        via = self._move_via(provisioner, move, fast_path) if action == "migrate" else None
         stash = None
-        if action == "migrate" and fast_path != "off":
+        if via == gpu_move.PEER:
             try:
                 stash = Stash()  # listening before the caller hears where, so that it cannot come too early
             except OSError as exc:  # the driver moves everything
@@ -223,7 +240,21 @@ class OperationManager:
             if stash is not None and fast_path == "caller":
                 op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
-        return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller"))
+        return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller", via=via))
+
+    @staticmethod
+    def _move_via(provisioner: MigratableProvisioner, move: placement.Move | None, fast_path: str) -> str | None:
+        """Where a move's large tensors wait (engine/plans/gpu_move.py): over the GPUs' peer link, in the
+        host stash, or nowhere (the driver moves everything): c.MigratableProvisioner.move_stash, and the
+        request's fast_path ("off": nowhere; "caller": the kernel's own %migrate serves the peer link)."""
+        if fast_path == "off" or move is None or move.several:
+            return None
+        wanted = provisioner.move_stash
+        if fast_path == "caller" and wanted != gpu_move.HOST:
+            return gpu_move.PEER
+        if wanted == gpu_move.AUTO:
+            return gpu_move.PEER if gpus_mod.peer_access(move.source, move.target) is not False else gpu_move.HOST
+        return wanted
 
     def _check_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> bool:
         """Refuse a transplant that cannot start now; whether the target GPU is of the kernel's own model."""
@@ -406,9 +437,14 @@ class OperationManager:
             try:
                 gpus = gpus_mod.snapshot()
                 assert op.gpu is not None
+                # A kernel on several GPUs: the drained one goes to the target, the others stay.
+                holds = sorted(int(h["index"]) for h in placement.held_by_tree(self.provisioner(kernel_id).pid, gpus))
                 target = op.to_gpu if op.to_gpu is not None else placement.drain_target(
-                    gpus, op.gpu, kernel_id, draining=self._draining())
-                child = self.start(kernel_id, "migrate", to_gpu=target)
+                    gpus, op.gpu, kernel_id, draining={*self._draining(), *holds})
+                if len(holds) > 1:
+                    child = self.start(kernel_id, "migrate", to_gpus=[target if i == op.gpu else i for i in holds])
+                else:
+                    child = self.start(kernel_id, "migrate", to_gpu=target)
             except MigrateError as exc:
                 result.update(status=FAILED, error=str(exc))
                 self._emit(op)
@@ -461,7 +497,7 @@ class OperationManager:
 
     async def _run(self, op: Operation, provisioner: MigratableProvisioner, criu: Criu | None,
                    link: PeerLink | None = None, stash: Stash | None = None, invite: bool = True,
-                   accept_left: list[str] | None = None) -> None:
+                   accept_left: list[str] | None = None, via: str | None = None) -> None:
         loop = asyncio.get_running_loop()
 
         def progress(phase: str, event: str, timings: dict[str, float]) -> None:
@@ -475,8 +511,9 @@ class OperationManager:
                               keep_source=provisioner.keep_transplant_source)
         steps = {
             "suspend": migration.suspend,
-            "resume": lambda: migration.resume(op.to_gpu),
-            "migrate": lambda: migration.move_to_gpu(op.to_gpu, stash=stash, invite=invite),
+            "resume": lambda: migration.resume(op.to_gpus if op.to_gpus is not None else op.to_gpu),
+            "migrate": lambda: migration.move_to_gpu(op.to_gpus if op.to_gpus is not None else op.to_gpu,
+                                                     stash=stash, invite=invite, via=via),
             "transplant": lambda: migration.transplant(op.to_gpu, accept_left),
             "back": migration.back,
         }
@@ -506,6 +543,8 @@ class OperationManager:
                 op.from_gpu = outcome.from_gpu
             if outcome.to_gpu is not None or op.to_host is not None:
                 op.to_gpu = outcome.to_gpu
+            if outcome.to_gpus is not None:
+                op.to_gpus, op.from_gpus = outcome.to_gpus, outcome.from_gpus
             if outcome.transferred is not None:
                 op.bytes = outcome.transferred
             op.fast_path = outcome.fast_path.to_dict() if outcome.fast_path is not None else None
@@ -554,7 +593,7 @@ class OperationManager:
             "trigger": op.trigger,
             "phases": list(op.phases),
         }
-        for key in ("from_gpu", "to_gpu", "from_host", "to_host"):
+        for key in ("from_gpu", "to_gpu", "from_gpus", "to_gpus", "from_host", "to_host"):
             if getattr(op, key) is not None:
                 data[key] = getattr(op, key)
         if op.fast_path is not None:

@@ -79,6 +79,26 @@ def _fast_path(op: dict) -> dict[str, Any]:
     return op.get("fast_path") or {}
 
 
+def _by(fast: dict) -> str:
+    """How the large tensors went: over the peer link (the fast path) or through the host stash."""
+    return "the host stash" if fast.get("via") == "host" else "the fast path"
+
+
+def gpus_moved(op: dict) -> str:
+    """``from GPU 0 to GPU 1``, or for a kernel on several GPUs ``from GPUs 0, 1 to GPUs 1, 0``."""
+    if op.get("to_gpus") and op.get("from_gpus"):
+        return (f"from GPUs {', '.join(str(i) for i in op['from_gpus'])} to GPUs "
+                f"{', '.join(str(i) for i in op['to_gpus'])}")
+    return f"from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}"
+
+
+def gpus_onto(op: dict) -> str:
+    """`` onto GPU 1`` (or GPUs 1, 0), or nothing for an operation not onto a GPU."""
+    if op.get("to_gpus"):
+        return f" onto GPUs {', '.join(str(i) for i in op['to_gpus'])}"
+    return f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+
+
 # -- the kernel's voice: %migrate and its widget --------------------------------------------------------
 
 
@@ -93,13 +113,13 @@ def describe(op: dict) -> str:
                 f"reaches it through {op.get('from_host')} if that is its home; everything in memory came along.")
     fast = _fast_path(op)
     if fast.get("stashed"):
-        how = f" ({size(fast['stashed'])} of tensors by the fast path{_mid_cell(fast.get('seconds'))})"
+        how = f" ({size(fast['stashed'])} of tensors by {_by(fast)}{_mid_cell(fast.get('seconds'))})"
     elif fast.get("reason"):
         how = f" (by the driver alone: {fast['reason']})"
     else:
         how = ""
-    return (f"Moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')}: {moved}{how}{slow}. "
-            "torch still calls it cuda:0.")
+    same = "Each keeps its torch device number" if op.get("to_gpus") else "torch still calls it cuda:0"
+    return f"Moved {gpus_moved(op)}: {moved}{how}{slow}. {same}."
 
 
 def describe_suspension(suspended: dict, resumed: dict | None, view: dict) -> str:
@@ -133,9 +153,9 @@ def report(op: dict, kernel_id: str | None = None) -> str:
                 f"({size(op.get('bytes'))} sent; slowest phase: {slow}).")
     if action == "migrate":
         fast = _fast_path(op)
-        how = (f", {size(fast['stashed'])} of it by the fast path{_mid_cell(fast.get('seconds'))}" if fast.get("stashed") else
+        how = (f", {size(fast['stashed'])} of it by {_by(fast)}{_mid_cell(fast.get('seconds'))}" if fast.get("stashed") else
                f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
-        return (f"{kernel} moved from GPU {op.get('from_gpu')} to GPU {op.get('to_gpu')} {took} "
+        return (f"{kernel} moved {gpus_moved(op)} {took} "
                 f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
     if action == "transplant":
         plant = op.get("transplant") or {}
@@ -149,7 +169,7 @@ def report(op: dict, kernel_id: str | None = None) -> str:
         return (f"{kernel} went back to the process its transplant replaced{where} {took} ({size(op.get('bytes'))} "
                 "of images); what it did since the transplant is gone.")
     done = {"suspend": "suspended", "resume": "resumed"}.get(action, f"{action} done")
-    where = f" onto GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+    where = gpus_onto(op)
     if action == "suspend" and op.get("images") in ("memory", "disk"):
         where = f" to {op['images']}"
     stash = op.get("stash") or {}

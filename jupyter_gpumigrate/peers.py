@@ -411,7 +411,7 @@ class Guest:
     def invite_stager(self, path: str, token: str) -> str | None:
         return "a kernel hosted for a peer is not moved between GPUs here"
 
-    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
         return {"aside": "a kernel hosted for a peer is not suspended here"}
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:

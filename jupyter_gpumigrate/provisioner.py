@@ -65,7 +65,8 @@ RELEASE_TORCH_CACHE = (
 )
 
 #: Evaluated in an idle IPython kernel: the host stash of a suspend, and its way back (kernel/hoststash.py).
-HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total})"
+HOST_STASH_CALL = ("__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}, "
+                   "gpu_only={gpu_only})")
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
 #: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
@@ -216,6 +217,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         help="A suspend has the kernel write its large buffers (PyTorch storages, CUDA or CPU, and bytearrays) "
         "into the images itself, in parallel, when they add up to this many bytes or more: much faster than "
         "CRIU and the CUDA driver alone for large kernels (docs/performance.md). None: never.",
+    ).tag(config=True)
+
+    move_stash = Enum(
+        ["auto", "peer", "host"], "auto",
+        help="Where a move to another GPU puts the kernel's large CUDA tensors while the driver moves the rest: "
+        "'peer', a stash on the target GPU over the GPUs' peer link (NVLink; the fastest); 'host', files in "
+        "memory written and read through pinned buffers (for GPUs without peer access, most PCIe cards); "
+        "'auto', peer where NVML says the two GPUs have peer access, else host (docs/performance.md).",
     ).tag(config=True)
 
     safe_point_timeout = Float(
@@ -479,7 +488,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return f"the kernel's Python ({self.python}) cannot import jupyter_gpumigrate: install it there for {what}"
         return None
 
-    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
         """Have an idle IPython kernel write its large buffers into ``folder`` and free them
         (kernel/hoststash.py): what it said (``stashed``... or ``aside``). Raises what
         :func:`~.kernelwire.evaluate_silently` raises."""
@@ -488,7 +497,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return {"aside": why}
         self._stash_claim = None  # one left by an earlier suspend (its stash took nothing) is not this one's
         if self._busy():
-            claim = self._safe_point("hoststash", {"folder": folder, "min_total": int(min_total)})
+            args: dict = {"folder": folder, "min_total": int(min_total)}
+            if gpu_only:  # only then: a kernel with an older jupyter-gpumigrate still serves a suspend's stash
+                args["gpu_only"] = True
+            claim = self._safe_point("hoststash", args)
             if claim is None:
                 return {"aside": self.safe_point_reason}
             self._stash_claim = claim  # until a take back: it waits for the reply, if it did not come in time
@@ -499,7 +511,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if getattr(self.parent, "execution_state", None) != "idle":
             return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
-                                            min_total=int(min_total)), timeout, alive=self._is_ours))
+                                            min_total=int(min_total), gpu_only=bool(gpu_only)), timeout,
+                                            alive=self._is_ours))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
         """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back

@@ -145,8 +145,18 @@ def test_every_field_the_server_writes_is_described():
     assert written == described - {"stager"}, f"undescribed: {written - described}; gone: {described - written}"
     move = Operation(kernel_id="k", action="migrate", status="succeeded", phase=None, phases=list(PHASES["move_to_gpu"]),
                      timings={"prepare": 0.01, "stash": 1.2}, bytes=8_000_000_000, to_gpu=1, from_gpu=0,
-                     fast_path={"stashed": 7_000_000_000, "reason": None, "seconds": {"stash": 1.1}}, finished=2.0)
+                     fast_path={"stashed": 7_000_000_000, "reason": None, "seconds": {"stash": 1.1}, "via": "peer"},
+                     finished=2.0)
     check("Operation", move.to_dict())
+    # A kernel on two GPUs, swapped by the driver alone; and a move through the host stash.
+    swap = Operation(kernel_id="k", action="migrate", status="succeeded", phases=list(PHASES["move_to_gpu"]),
+                     to_gpu=1, from_gpu=0, to_gpus=[1, 0], from_gpus=[0, 1], finished=2.0,
+                     fast_path={"stashed": 0, "reason": "the kernel holds several GPUs", "seconds": {}, "via": None})
+    check("Operation", swap.to_dict())
+    host = Operation(kernel_id="k", action="migrate", status="succeeded", phases=list(PHASES["move_to_gpu"]),
+                     timings={"host stash": 1.2, "take back": 0.7}, to_gpu=1, from_gpu=0, finished=2.0,
+                     fast_path={"stashed": 9, "reason": None, "seconds": {"stash": 1.1, "unstash": 0.6}, "via": "host"})
+    check("Operation", host.to_dict())
     failed = Operation(kernel_id="k", action="migrate", status="failed", phase="transfer", failed_phase="transfer",
                        error="b went away.", to_host="b", from_host="a", phases=list(PHASES["move_to_host"]))
     check("Operation", failed.to_dict())
@@ -173,7 +183,12 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
         ("ResumeRequest", {"to_gpu": True}, "'to_gpu' must be a whole number >= 0"),
         ("SuspendRequest", {"to_gpu": 0}, "Unknown field(s) to_gpu; allowed fields: images."),
         ("SuspendRequest", {"images": "ram"}, "'images' is one of auto, memory, disk"),
-        ("MigrateRequest", {"to_gpu": None}, "'migrate' needs to_gpu or to_host"),
+        ("MigrateRequest", {"to_gpu": None}, "'migrate' needs to_gpu, to_gpus (a kernel on several GPUs: one GPU for "
+                                              "each) or to_host"),
+        ("MigrateRequest", {"to_gpu": 1, "to_gpus": [1, 0]}, "to_gpus goes alone"),
+        ("MigrateRequest", {"to_gpus": [1, 1]}, "'to_gpus' must be a list (got [1, 1]): GPU indices, one per GPU a "
+                                                "kernel holds, in the order of their indices; each once"),
+        ("ResumeRequest", {"to_gpu": 0, "to_gpus": [1, 0]}, "'resume' takes to_gpu (one GPU) or to_gpus"),
         ("MigrateRequest", {"to_gpu": 1, "fast_path": "warp"}, "'fast_path' is one of auto, off, caller"),
         ("PeerSignalRequest", {}, "The body needs the field 'signum'"),
         ("PeerCheckRequest", {"kernel_id": "k", "requirements": {"ids": [], "processes": {"x": 1}, "listens": [],
@@ -187,6 +202,7 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
         assert words in str(info.value), (name, body, str(info.value))
         assert info.value.http_status == 400 and info.value.definition == name
     contract.validate("MigrateRequest", {"to_gpu": None, "to_host": "b"})  # what a kernel's %migrate sends
+    contract.validate("MigrateRequest", {"to_gpus": [1, 0], "fast_path": "caller"})  # a %migrate --to-gpu 1,0
 
 
 # -- the live server -------------------------------------------------------------------------------------
@@ -256,12 +272,12 @@ async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
         error = await walk.call("POST", "/gpus/{index}/drain", index="0", body={}, expect=409)
         assert "no NVIDIA GPU" in error["message"]
     error = await walk.call("POST", "/kernels/{kernel_id}/migrate", kernel_id=kid, raw="{}", expect=400)
-    assert "needs to_gpu or to_host" in error["message"]
+    assert "needs to_gpu, to_gpus" in error["message"]
     error = await walk.call("POST", "/gpus/{index}/drain", index="0", raw='{"to_gpu": "1"}', expect=400)
     assert error["message"].startswith("'to_gpu' must be a whole number >= 0"), error
     error = await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid, raw='{"to_gpu": 0, "x": 1}',
                             expect=400)
-    assert error["message"] == "Unknown field(s) x; allowed fields: to_gpu.", error
+    assert error["message"] == "Unknown field(s) x; allowed fields: to_gpu, to_gpus.", error
     await walk.call("GET", "/kernels/{kernel_id}", kernel_id="no-such-kernel", expect=404)
     await walk.call("GET", "/operations/{op_id}", op_id="no-such-operation", expect=404)
     error = await walk.call("GET", "/operations/{op_id}", op_id=op["id"], params={"after": "x"}, expect=400)

@@ -27,12 +27,28 @@ def held(index: int, used: int) -> list[dict]:
 
 
 def test_mapping_swaps_source_and_target_and_names_every_gpu():
-    mapping = cudackpt.gpu_mapping(UUIDS, UUIDS[0], UUIDS[2])
+    mapping = cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[2]})
     bare = [u[4:] for u in UUIDS]
     assert mapping == {bare[0]: bare[2], bare[2]: bare[0], bare[1]: bare[1], bare[3]: bare[3]}
     assert sorted(mapping.values()) == sorted(bare), "each GPU is a destination exactly once"
     with pytest.raises(ValueError, match="not among"):
-        cudackpt.gpu_mapping(UUIDS[:2], UUIDS[0], UUIDS[3])
+        cudackpt.gpu_mapping(UUIDS[:2], {UUIDS[0]: UUIDS[3]})
+
+
+def test_mapping_of_a_kernel_on_several_gpus_is_a_permutation_of_every_gpu():
+    bare = [u[4:] for u in UUIDS]
+    swapped = cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[1], UUIDS[1]: UUIDS[0]})
+    assert swapped == {bare[0]: bare[1], bare[1]: bare[0], bare[2]: bare[2], bare[3]: bare[3]}
+    # 0 and 1 onto 2 and 3: the GPUs they leave take the places 2 and 3 leave.
+    away = cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[2], UUIDS[1]: UUIDS[3]})
+    assert away == {bare[0]: bare[2], bare[1]: bare[3], bare[2]: bare[0], bare[3]: bare[1]}
+    # One stays, one moves.
+    half = cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[0], UUIDS[1]: UUIDS[3]})
+    assert half == {bare[0]: bare[0], bare[1]: bare[3], bare[2]: bare[2], bare[3]: bare[1]}
+    for mapping in (swapped, away, half):
+        assert sorted(mapping.values()) == sorted(bare)
+    with pytest.raises(ValueError, match="same GPU"):
+        cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[2], UUIDS[1]: UUIDS[2]})
 
 
 def test_a_move_is_planned_between_two_gpus_of_the_same_model():
@@ -46,7 +62,18 @@ def test_a_move_is_planned_between_two_gpus_of_the_same_model():
         ([], [], 0, None, "no NVIDIA GPU"),
         ([gpu(0), gpu(1)], held(0, GIB), 2, 580, "GPU 2 does not exist: this machine has GPUs 0 to 1"),
         ([gpu(0), gpu(1)], [], 1, 580, "holds no GPU memory"),
-        ([gpu(0), gpu(1)], held(0, GIB) + held(1, GIB), 1, 580, "GPUs 0 and 1; only a kernel on a single GPU"),
+        ([gpu(0), gpu(1)], held(0, GIB) + held(1, GIB), 1, 580,
+         "The kernel holds GPUs 0 and 1: name a GPU for each, in that order (to_gpus [1, 0]; --to-gpu 1,0)"),
+        ([gpu(0), gpu(1), gpu(2)], held(0, GIB) + held(1, GIB), [2], 580, "name a GPU for each"),
+        ([gpu(0), gpu(1), gpu(2)], held(0, GIB) + held(1, GIB), [2, 1, 0], 580,
+         "3 GPUs were named, but the kernel holds 2 (GPUs 0 and 1): name one GPU for each"),
+        ([gpu(0), gpu(1), gpu(2)], held(0, GIB) + held(1, GIB), [2, 2], 580, "GPU 2 is named twice"),
+        ([gpu(0), gpu(1)], held(0, GIB) + held(1, GIB), [0, 1], 580, "already on GPUs 0 and 1, in that order"),
+        ([gpu(0), gpu(1)], held(0, GIB), [0, 1], 580, "2 GPUs were named, but the kernel holds 1 (GPU 0)"),
+        ([gpu(0), gpu(1), gpu(2, used=79 * GIB)], held(0, GIB) + held(1, 2 * GIB), [1, 2], 580,
+         "GPU 2 has 1.1 GB free and the kernel needs 2.1 GB"),
+        ([gpu(0), gpu(1), gpu(2, name="NVIDIA H100")], held(0, GIB) + held(1, GIB), [2, 0], 580, "same model"),
+        ([gpu(0), gpu(1)], held(0, GIB) + held(1, GIB), [1, 0], 570, "needs driver 580"),
         ([gpu(0), gpu(1)], held(1, GIB), 1, 580, "already on GPU 1"),
         ([gpu(0), gpu(1, name="NVIDIA H100")], held(0, GIB), 1, 580, "same model"),
         ([gpu(0), gpu(1, mig=True)], held(0, GIB), 1, 580, "MIG is enabled on GPU 1"),
@@ -73,6 +100,40 @@ def test_resume_goes_back_where_it_was_else_to_the_emptiest_gpu_of_its_model():
         placement.plan_resume(gpus, was, 3, 580)
     with pytest.raises(GpuError, match="needs driver 580"):
         placement.plan_resume(gpus, was, 1, 570)
+
+
+def test_a_kernel_on_two_gpus_swaps_them_counting_what_it_frees_on_each():
+    # 30 GB on each of two 80 GB GPUs, each 70 GB full: neither has room for the other's 30 GB until the
+    # kernel's own leaves it; the driver checkpoints every GPU before it restores any.
+    gpus = [gpu(0, used=70 * GIB), gpu(1, used=70 * GIB), gpu(2)]
+    move = placement.plan_move(gpus, held(1, 30 * GIB) + held(0, 30 * GIB), [1, 0], 580)
+    assert (move.from_gpus, move.to_gpus, move.needed, move.several) == ([0, 1], [1, 0], 60 * GIB, True)
+    assert move.assignment() == {UUIDS[0]: UUIDS[1], UUIDS[1]: UUIDS[0]}
+    assert move.describe() == "GPU 0 -> 1, GPU 1 -> 0"
+    # One GPU stays, the other goes to GPU 2.
+    assert placement.plan_move(gpus, held(0, 30 * GIB) + held(1, 30 * GIB), [0, 2], 580).to_gpus == [0, 2]
+    # GPU 2 cannot take 30 GB while it holds 60 GB of someone else's.
+    gpus[2] = gpu(2, used=60 * GIB)
+    with pytest.raises(GpuError, match="GPU 2 has 21.5 GB free"):
+        placement.plan_move(gpus, held(0, 30 * GIB) + held(1, 30 * GIB), [0, 2], 580)
+
+
+def test_a_kernel_suspended_on_two_gpus_resumes_where_it_was_else_on_the_roomiest_others():
+    was = [{"index": 1, "uuid": UUIDS[1], "name": "NVIDIA H200", "memory_used": 16 * GIB},
+           {"index": 0, "uuid": UUIDS[0], "name": "NVIDIA H200", "memory_used": 16 * GIB}]
+    gpus = [gpu(0), gpu(1), gpu(2, used=40 * GIB), gpu(3, used=10 * GIB)]
+    assert placement.plan_resume(gpus, was, None, 580).to_gpus == [0, 1]
+    assert placement.plan_resume(gpus, was, [1, 0], 580).to_gpus == [1, 0], "swapped, as asked"
+    gpus[0] = gpu(0, used=70 * GIB)  # someone took GPU 0 meanwhile: its part goes to the roomiest other
+    move = placement.plan_resume(gpus, was, None, 580)
+    assert (move.from_gpus, move.to_gpus) == ([0, 1], [3, 1])
+    with pytest.raises(GpuError, match="name a GPU for each"):
+        placement.plan_resume(gpus, was, 2, 580)
+    with pytest.raises(GpuError, match="too few of that model"):  # one H200 left here, for two
+        placement.plan_resume([gpu(0, used=70 * GIB), gpu(3, name="NVIDIA H100")], was, None, 580)
+    # The kernel list offers no single GPU to a kernel on two: each says how to name one per GPU.
+    listed = placement.targets(gpus, [], was, "suspended", 580)
+    assert listed and all(not t["ok"] and "name a GPU for each" in t["reason"] for t in listed)
 
 
 def test_without_cuda_core_or_a_driver_the_checkpoint_api_says_what_to_install():

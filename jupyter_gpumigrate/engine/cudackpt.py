@@ -60,19 +60,32 @@ def cuda_uuid(nvml_uuid: str) -> str:
     return nvml_uuid.removeprefix("GPU-")
 
 
-def gpu_mapping(all_uuids: Iterable[str], source: str, target: str) -> dict[str, str]:
-    """The restore mapping that sends ``source`` to ``target``.
+def gpu_mapping(all_uuids: Iterable[str], moves: dict[str, str]) -> dict[str, str]:
+    """The restore mapping that sends each GPU of ``moves`` (source -> target) to its target.
 
     The driver wants a pair for every GPU it sees (a single pair is refused), each GPU used once as a
-    destination: so ``source`` and ``target`` swap places and every other GPU maps to itself.
+    destination: so every other GPU maps to itself where it can, and the GPUs left without a source
+    (sources that are no one's target) take the targets left, in order. A single move swaps source and
+    target; GPUs 0 and 1 swapped is ``{0: 1, 1: 0}`` and nothing else moves.
     """
     uuids = [cuda_uuid(u) for u in all_uuids]
-    source, target = cuda_uuid(source), cuda_uuid(target)
-    missing = {source, target} - set(uuids)
+    wanted = {cuda_uuid(s): cuda_uuid(t) for s, t in moves.items()}
+    missing = (set(wanted) | set(wanted.values())) - set(uuids)
     if missing:
         raise ValueError(f"GPU {', '.join(sorted(missing))} is not among the GPUs the driver sees")
-    swap = {source: target, target: source}
-    return {uuid: swap.get(uuid, uuid) for uuid in uuids}
+    if len(set(wanted.values())) != len(wanted):
+        raise ValueError("two GPUs cannot be moved onto the same GPU")
+    mapping = dict(wanted)
+    left = [u for u in uuids if u not in set(wanted.values())]  # destinations no one takes yet
+    rest = [u for u in uuids if u not in mapping]
+    for uuid in rest:
+        if uuid in left:
+            mapping[uuid] = uuid
+            left.remove(uuid)
+    for uuid in rest:
+        if uuid not in mapping:
+            mapping[uuid] = left.pop(0)
+    return mapping
 
 
 class CudaProcess:

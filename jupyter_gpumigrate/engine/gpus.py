@@ -124,6 +124,22 @@ def snapshot() -> list[GpuInfo]:
     return gpus
 
 
+def peer_access(a: GpuInfo, b: GpuInfo) -> bool | None:
+    """Whether GPUs ``a`` and ``b`` read each other's memory directly (NVLink, or PCIe peer-to-peer), as
+    NVML says; None if it cannot tell."""
+    if not _init():
+        return None
+    try:
+        first = pynvml.nvmlDeviceGetHandleByUUID(a.uuid)
+        second = pynvml.nvmlDeviceGetHandleByUUID(b.uuid)
+        # nvidia-ml-py spells the index NVML_P2P_CAPS_INDEX_READ = 0, (a tuple): the C enum's value is 0.
+        status = pynvml.nvmlDeviceGetP2PStatus(first, second, 0)
+    except (pynvml.NVMLError, AttributeError) as exc:
+        log.info("NVML cannot say whether GPUs %s and %s have peer access: %s", a.index, b.index, exc)
+        return None
+    return int(status) == pynvml.NVML_P2P_STATUS_OK
+
+
 def held_by(pids: list[int], gpus: list[GpuInfo]) -> list[dict]:
     """The GPUs on which any of ``pids`` holds memory: index, uuid and bytes used."""
     held = []

@@ -24,14 +24,17 @@ class GpuState:
         self.pids: list[int] = []
         self.lock_timeout = lock_timeout
         self.inventory = inventory
-        self.home: str | None = None  # UUID of the GPU the kernel must be on if all is undone
+        #: UUIDs of the GPUs the kernel must be on if all is undone (its home), by index
+        self.home: list[str] = []
         self.needed = 0  # bytes of GPU memory it holds
-        self.at: dict[int, str] = {}  # per process: UUID of the GPU its checkpointed memory belongs to
+        #: per process: each home GPU -> the GPU that memory is on now (or belongs to, checkpointed)
+        self.at: dict[int, dict[str, str]] = {}
 
-    def track(self, pids: list[int], on: str | None, needed: int = 0) -> None:
-        """The kernel's CUDA processes, all on GPU ``on`` (its home, if all is undone)."""
-        self.pids, self.home, self.needed = list(pids), on, needed
-        self.at = {pid: on for pid in self.pids} if on else {}
+    def track(self, pids: list[int], on: list[str] | str | None, needed: int = 0) -> None:
+        """The kernel's CUDA processes, on the GPUs ``on`` (its home, if all is undone)."""
+        home = [on] if isinstance(on, str) else list(on or [])
+        self.pids, self.home, self.needed = list(pids), home, needed
+        self.at = {pid: {h: h for h in home} for pid in self.pids} if home else {}
 
     def holds_gpu(self, ctx: Context | None = None) -> bool:
         return bool(self.pids)
@@ -61,7 +64,7 @@ class GpuState:
 
     def checkpoint(self, ctx: Context) -> None:
         """Each process's GPU memory into its host memory. One undo for them all, registered once the
-        first is checkpointed: they go back together, onto one GPU (:meth:`restore_home`)."""
+        first is checkpointed: they go back together, onto their GPUs (:meth:`restore_home`)."""
         done: list[CudaProcess] = []
         for pid in self.pids:
             process = CudaProcess(pid)
@@ -70,32 +73,38 @@ class GpuState:
             if len(done) == 1:
                 ctx.undo(lambda: self.restore_home(done))
 
-    def restore_to(self, ctx: Context, target: str, undoable: bool = True) -> None:
-        """Put the checkpointed memory on ``target``: a remap where it was checkpointed elsewhere. With
-        ``undoable``, each process's undo takes its memory off ``target`` again (and records that it
-        belongs there, so that the checkpoint's undo maps it home from the right GPU). A restore whose
-        undo kills the tree (a resume) needs none."""
+    def restore_to(self, ctx: Context, assignment: dict[str, str], undoable: bool = True) -> None:
+        """Put the checkpointed memory of each home GPU on its GPU in ``assignment`` (home UUID -> target
+        UUID): a remap where that differs from where it was checkpointed. With ``undoable``, each
+        process's undo takes its memory off the targets again (and records that it belongs there, so that
+        the checkpoint's undo maps it home from the right GPUs). A restore whose undo kills the tree (a
+        resume) needs none."""
         for pid in self.pids:
             process = CudaProcess(pid)
-            process.restore(self._mapping(self.at[pid], target))
-            self.at[pid] = target
+            process.restore(self._mapping(self.at[pid], assignment))
+            self.at[pid] = dict(assignment)
             if undoable:
                 ctx.undo(process.checkpoint)
 
     # -- helpers -------------------------------------------------------------------------------------
 
-    def _mapping(self, source: str, target: str) -> dict[str, str] | None:
+    def _mapping(self, now: dict[str, str], wanted: dict[str, str]) -> dict[str, str] | None:
+        """The driver's mapping from where the memory of each home GPU is (``now``) to ``wanted``; None
+        where nothing moves."""
+        moves = {now[home]: target for home, target in wanted.items()}
+        if all(source == target for source, target in moves.items()):
+            return None
         # Every GPU the driver sees; one NVML cannot name is left out rather than named wrongly.
         known = [g.uuid for g in self.inventory() if not g.uuid.startswith("unknown-")]
-        return None if source == target else gpu_mapping(known, source, target)
+        return gpu_mapping(known, moves)
 
-    def _restore_all(self, processes: list[CudaProcess], target: str) -> None:
-        """All of ``processes`` onto ``target``, or none: those restored are checkpointed again if one fails."""
+    def _restore_all(self, processes: list[CudaProcess], assignment: dict[str, str]) -> None:
+        """All of ``processes`` onto ``assignment``, or none: those restored are checkpointed again if one fails."""
         restored: list[CudaProcess] = []
         try:
             for process in processes:
-                process.restore(self._mapping(self.at[process.pid], target))
-                self.at[process.pid] = target
+                process.restore(self._mapping(self.at[process.pid], assignment))
+                self.at[process.pid] = dict(assignment)
                 restored.append(process)
         except BaseException:
             for process in reversed(restored):
@@ -106,19 +115,21 @@ class GpuState:
             raise
 
     def restore_home(self, processes: list[CudaProcess]) -> None:
-        """Undo of a checkpoint: the processes back onto the GPU the kernel came from, together; if that
-        fails (it filled up meanwhile), onto another GPU of the same model with room, all of them, so that
-        the kernel runs again, on one GPU."""
-        assert self.home is not None
+        """Undo of a checkpoint: the processes back onto the GPUs the kernel came from, together; if that
+        fails for a kernel on one GPU (it filled up meanwhile), onto another GPU of the same model with
+        room, all of them, so that the kernel runs again, on one GPU."""
+        assert self.home
         try:
-            self._restore_all(processes, self.home)
+            self._restore_all(processes, {h: h for h in self.home})
             return
         except MigrateError as home_error:
+            if len(self.home) > 1:
+                raise
             inventory = self.inventory()
-            home = next((g for g in inventory if g.uuid == self.home), None)
+            home = next((g for g in inventory if g.uuid == self.home[0]), None)
             for other in placement.same_model_with_room(inventory, home, self.needed):
                 try:
-                    self._restore_all(processes, other.uuid)
+                    self._restore_all(processes, {self.home[0]: other.uuid})
                 except MigrateError:
                     continue
                 log.warning("kernel processes %s could not go back to GPU %s (%s); they run on GPU %s",

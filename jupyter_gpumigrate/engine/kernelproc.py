@@ -59,9 +59,10 @@ class KernelProcess(Protocol):
         """If the kernel is idle and can, have it connect to the fast path's socket at ``path`` (see
         stash.py) and serve it; None if invited, else why not."""
 
-    def host_stash(self, folder: str, min_total: int, timeout: float) -> dict:
-        """If the kernel is idle and can, have it write its large buffers into files in ``folder`` and free
-        them (kernel/hoststash.py): ``{"stashed": bytes, ...}``, or ``{"aside": reason}`` (nothing changed).
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
+        """If the kernel is idle and can, have it write its large buffers (``gpu_only``: its CUDA tensors
+        alone) into files in ``folder`` and free them (kernel/hoststash.py): ``{"stashed": bytes, ...}``, or
+        ``{"aside": reason}`` (nothing changed).
         Raises TimeoutError, RuntimeError (the kernel's error) or an error saying the kernel ended."""
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:

@@ -2,8 +2,8 @@
 
     suspend:          prepare -> [lock -> checkpoint] -> dump                         plans/suspend.py
     resume:           prepare -> restore -> [remap -> unlock] -> adopt                plans/resume.py
-    move to a GPU:    prepare -> [stash] -> lock -> checkpoint -> remap -> unlock
-                      -> [unstash] -> verify                                          plans/gpu_move.py
+    move to a GPU:    prepare -> [stash | host stash] -> lock -> checkpoint -> remap
+                      -> unlock -> [unstash | take back] -> verify                    plans/gpu_move.py
     move to a host:   prepare -> [lock -> checkpoint] -> dump -> transfer -> restore
                       (there) -> adopt                                                plans/host_move.py
     come back home:   prepare -> dump (there) -> transfer -> restore -> [remap ->
@@ -28,7 +28,7 @@ Nothing in the engine knows about Jupyter: the kernel is anything that fits :cla
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from . import gpus as gpus_mod
 from .criu import Criu
@@ -71,12 +71,17 @@ class Migration:
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)
 
-    def resume(self, to_gpu: int | None = None) -> Outcome:
+    def resume(self, to_gpu: int | Sequence[int] | None = None) -> Outcome:
+        """Bring the suspended kernel back: onto ``to_gpu`` (a GPU, or one per GPU it held), else where it
+        was, else where there is room."""
         return resume.run(self.kernel, self.tools, to_gpu, self.progress)
 
-    def move_to_gpu(self, to_gpu: int, verify_timeout: float = 10.0, stash: Stash | None = None,
-                    invite: bool = True) -> Outcome:
-        return gpu_move.run(self.kernel, self.tools, to_gpu, stash, invite, verify_timeout, self.progress)
+    def move_to_gpu(self, to_gpu: int | Sequence[int], verify_timeout: float = 10.0, stash: Stash | None = None,
+                    invite: bool = True, via: str | None = gpu_move.AUTO) -> Outcome:
+        """Move the running kernel onto GPU ``to_gpu`` (a kernel on several GPUs: one per GPU it holds, in
+        the order of their indices). ``via``: where its large tensors wait (gpu_move.PEER, HOST, AUTO;
+        None: the driver moves everything)."""
+        return gpu_move.run(self.kernel, self.tools, to_gpu, stash, invite, verify_timeout, self.progress, via)
 
     def move_to_host(self, link: HostLink, to_gpu: int | None = None) -> Outcome:
         return host_move.move_to_host(self.kernel, self.tools, link, to_gpu, self.progress)

@@ -8,12 +8,12 @@ and a peer host its own GPUs for a kernel coming there (peers.py).
 Every refusal is a :class:`GpuError` whose sentence says what to do. The rules (docs/internals.md,
 "What the CUDA driver can and cannot checkpoint"): the target must exist, differ from the source, be
 the same chip model, have MIG off, and have room for what the kernel holds; remapping needs driver
->= 580; a kernel must hold a single GPU.
+>= 580. A kernel on several GPUs moves them together, each to the GPU named for it (:class:`Move`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from . import gpus as gpus_mod
@@ -28,12 +28,57 @@ HEADROOM = 512 * 1024**2
 
 
 @dataclass(frozen=True)
-class Move:
-    """A decided move: from ``source`` to ``target``, ``needed`` bytes of GPU memory."""
+class Pair:
+    """One GPU of a move: what the kernel holds on ``source`` (``needed`` bytes) goes to ``target``."""
 
     source: GpuInfo
     target: GpuInfo
     needed: int
+
+
+@dataclass(frozen=True)
+class Move:
+    """A decided move of every GPU a kernel holds, in the order of the sources' indices: one pair for a
+    kernel on one GPU, one per GPU for a kernel on several."""
+
+    pairs: tuple[Pair, ...]
+
+    @classmethod
+    def single(cls, source: GpuInfo, target: GpuInfo, needed: int) -> Move:
+        return cls((Pair(source, target, needed),))
+
+    @property
+    def source(self) -> GpuInfo:
+        """The first source (the only one of a kernel on one GPU)."""
+        return self.pairs[0].source
+
+    @property
+    def target(self) -> GpuInfo:
+        return self.pairs[0].target
+
+    @property
+    def needed(self) -> int:
+        """Bytes of GPU memory the kernel holds, on all its GPUs."""
+        return sum(p.needed for p in self.pairs)
+
+    @property
+    def several(self) -> bool:
+        return len(self.pairs) > 1
+
+    @property
+    def from_gpus(self) -> list[int]:
+        return [p.source.index for p in self.pairs]
+
+    @property
+    def to_gpus(self) -> list[int]:
+        return [p.target.index for p in self.pairs]
+
+    def assignment(self) -> dict[str, str]:
+        """Source UUID -> target UUID, for every GPU the kernel holds."""
+        return {p.source.uuid: p.target.uuid for p in self.pairs}
+
+    def describe(self) -> str:
+        return ", ".join(f"GPU {p.source.index} -> {p.target.index}" for p in self.pairs)
 
 
 def gb(n: int) -> str:
@@ -84,24 +129,61 @@ def _by_uuid(gpus: list[GpuInfo], uuid: str) -> GpuInfo | None:
     return next((g for g in gpus if g.uuid == uuid), None)
 
 
-def source_gpu(gpus: list[GpuInfo], held: list[dict]) -> tuple[GpuInfo, int]:
-    """The one GPU a kernel holds (from :func:`gpus.held_by`) and the bytes it holds there."""
+def _indices(indices: list[int]) -> str:
+    words = [str(i) for i in indices]
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def sources(gpus: list[GpuInfo], held: list[dict]) -> list[tuple[GpuInfo, int]]:
+    """Each GPU a kernel holds (from :func:`gpus.held_by`) and the bytes it holds there, by index."""
     if not held:
         raise GpuError("The kernel holds no GPU memory, so there is nothing to move (CPU kernels stay put).")
-    if len(held) > 1:
-        where = " and ".join(str(h["index"]) for h in held)
+    found = []
+    for h in sorted(held, key=lambda h: int(h["index"])):
+        gpu = _by_uuid(gpus, h["uuid"])
+        if gpu is None:
+            raise GpuError(f"GPU {h['uuid']} that the kernel holds is no longer listed by NVML.")
+        found.append((gpu, int(h["memory_used"])))
+    return found
+
+
+def source_gpu(gpus: list[GpuInfo], held: list[dict]) -> tuple[GpuInfo, int]:
+    """The one GPU a kernel holds and the bytes it holds there, for what takes a kernel on one GPU only
+    (a transplant)."""
+    found = sources(gpus, held)
+    if len(found) > 1:
+        where = _indices([g.index for g, _ in found])
         raise GpuError(
-            f"The kernel holds memory on GPUs {where}; only a kernel on a single GPU can be moved. Free the "
-            "other GPUs in the kernel (delete their tensors, then torch.cuda.empty_cache()) and try again."
+            f"The kernel holds memory on GPUs {where}; a transplant takes a kernel on a single GPU. Free the "
+            "other GPUs in the kernel (delete their tensors, then torch.cuda.empty_cache()) and try again; "
+            "between GPUs of its own model the driver moves every GPU at once (--to-gpu with a GPU for each)."
         )
-    gpu = _by_uuid(gpus, held[0]["uuid"])
-    if gpu is None:
-        raise GpuError(f"GPU {held[0]['uuid']} that the kernel holds is no longer listed by NVML.")
-    return gpu, int(held[0]["memory_used"])
+    return found[0]
 
 
-def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_major: int | None) -> None:
-    """Refuse a target that cannot take a kernel of ``needed`` bytes coming from ``source``."""
+def wanted_gpus(to: int | Sequence[int], holds: list[int], gpus: list[GpuInfo]) -> list[GpuInfo]:
+    """The target of each GPU the kernel holds (``holds``, by index): ``to`` names one GPU, or one per
+    GPU held in that order. Refused when the count is wrong or a GPU is named twice."""
+    named = [to] if isinstance(to, int) else list(to)
+    targets = [gpu_by_index(gpus, i) for i in named]
+    if len(named) != len(holds):
+        where = _indices(holds)
+        example = ",".join(str(i) for i in reversed(holds))
+        if len(named) == 1:
+            raise GpuError(f"The kernel holds GPUs {where}: name a GPU for each, in that order (to_gpus "
+                           f"[{example.replace(',', ', ')}]; --to-gpu {example}), and the driver moves them together.")
+        raise GpuError(f"{len(named)} GPUs were named, but the kernel holds {len(holds)} (GPU{'s' * (len(holds) > 1)} "
+                       f"{where}): name one GPU for each, in that order.")
+    twice = next((i for i in named if named.count(i) > 1), None)
+    if twice is not None:
+        raise GpuError(f"GPU {twice} is named twice: each GPU the kernel holds needs a GPU of its own.")
+    return targets
+
+
+def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_major: int | None,
+                 freed: int = 0) -> None:
+    """Refuse a target that cannot take a kernel of ``needed`` bytes coming from ``source``; ``freed``:
+    bytes the kernel itself holds on the target now, which the move frees first (GPUs swapped)."""
     if target.error:
         raise GpuError(f"GPU {target.index} does not answer NVML ({target.error}): check it with nvidia-smi, "
                        "or pick another GPU.")
@@ -127,7 +209,7 @@ def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_ma
             f"{MIN_DRIVER_FOR_REMAP} or newer. Update the driver (suspend and resume on the same GPU work "
             "with this one)."
         )
-    room = free(target)
+    room = free(target) + freed
     if room < needed + HEADROOM:
         raise GpuError(
             f"GPU {target.index} has {gb(room)} free and the kernel needs {gb(needed)} (plus "
@@ -135,45 +217,76 @@ def check_target(source: GpuInfo | None, target: GpuInfo, needed: int, driver_ma
         )
 
 
-def plan_move(gpus: list[GpuInfo], held: list[dict], to_gpu: int, driver_major: int | None) -> Move:
-    """Check a live move of a kernel holding ``held`` to GPU ``to_gpu``."""
-    target = gpu_by_index(gpus, to_gpu)
-    source, needed = source_gpu(gpus, held)
-    check_target(source, target, needed, driver_major)
-    return Move(source, target, needed)
+def plan_move(gpus: list[GpuInfo], held: list[dict], to: int | Sequence[int], driver_major: int | None) -> Move:
+    """Check a live move of a kernel holding ``held`` to GPU ``to``, or, for a kernel on several GPUs,
+    to the GPUs ``to`` names, one for each GPU it holds, in the order of their indices."""
+    if isinstance(to, int):
+        gpu_by_index(gpus, to)
+    found = sources(gpus, held)
+    targets = wanted_gpus(to, [g.index for g, _ in found], gpus)
+    if all(g.uuid == t.uuid for (g, _), t in zip(found, targets)):
+        if len(found) == 1:
+            raise GpuError(f"The kernel is already on GPU {targets[0].index}: pick another GPU to move it to.")
+        raise GpuError(f"The kernel is already on GPUs {_indices([t.index for t in targets])}, in that order: name "
+                       "them in another order, or other GPUs.")
+    holds = {g.uuid: n for g, n in found}
+    for (source, needed), target in zip(found, targets):
+        if source.uuid != target.uuid:
+            check_target(source, target, needed, driver_major, freed=holds.get(target.uuid, 0))
+    return Move(tuple(Pair(g, t, n) for (g, n), t in zip(found, targets)))
 
 
-def plan_resume(
-    gpus: list[GpuInfo], suspended_on: dict, to_gpu: int | None, driver_major: int | None
-) -> Move:
-    """Where a suspended GPU kernel comes back: ``to_gpu``, else where it was, else the GPU with the most
-    free memory. ``suspended_on`` is the manifest's record of its GPU: index, uuid, name, memory_used."""
-    needed = int(suspended_on.get("memory_used", 0))
-    was = _by_uuid(gpus, suspended_on["uuid"])
-    if to_gpu is not None:
-        target = gpu_by_index(gpus, to_gpu)
-    elif was is not None and free(was) >= needed + HEADROOM:
-        target = was
+def plan_resume(gpus: list[GpuInfo], suspended_on: list[dict] | dict, to: int | Sequence[int] | None,
+                driver_major: int | None) -> Move:
+    """Where a suspended GPU kernel comes back: onto ``to`` (a GPU, or one per GPU it held), else where it
+    was, else onto the GPUs of its model with the most free memory. ``suspended_on`` is the manifest's
+    record of its GPUs: index, uuid, name, memory_used each."""
+    records = [suspended_on] if isinstance(suspended_on, dict) else sorted(suspended_on, key=lambda g: int(g["index"]))
+    needed = [int(r.get("memory_used", 0)) for r in records]
+    was = [_by_uuid(gpus, r["uuid"]) for r in records]
+    if to is not None:
+        targets = wanted_gpus(to, [int(r["index"]) for r in records], gpus)
     else:
-        same_model = [g for g in gpus if g.name == suspended_on.get("name") and not g.mig_enabled]
-        if not same_model:
+        targets = _resume_targets(gpus, records, was, needed)
+    pairs = []
+    for record, old, target, n in zip(records, was, targets, needed):
+        if old is not None and target.uuid == old.uuid:
+            check_target(None, target, n, driver_major)
+            pairs.append(Pair(target, target, n))
+            continue
+        # Coming back elsewhere is a remap: the same rules as a live move, from a GPU that is not ours now.
+        source = old or GpuInfo(
+            index=int(record.get("index", -1)), uuid=record["uuid"], name=record.get("name", ""),
+            memory_total=0, memory_used=0, utilization=None, persistence_mode=None, mig_enabled=False,
+        )
+        check_target(source, target, n, driver_major)
+        pairs.append(Pair(source, target, n))
+    return Move(tuple(pairs))
+
+
+def _resume_targets(gpus: list[GpuInfo], records: list[dict], was: list[GpuInfo | None],
+                    needed: list[int]) -> list[GpuInfo]:
+    """Each GPU back where it was if that has room; the others onto the roomiest GPUs of their model not
+    taken yet (if none has room, the roomiest, and check_target says so)."""
+    chosen: list[GpuInfo | None] = [g if g is not None and free(g) >= n + HEADROOM else None
+                                    for g, n in zip(was, needed)]
+    for i, record in enumerate(records):
+        if chosen[i] is not None:
+            continue
+        taken = {g.index for g in chosen if g is not None}
+        model = str(record.get("name"))
+        candidates = same_model(gpus, model, exclude=taken)
+        if not candidates:
+            if len(records) > 1 and any(g.name == model for g in gpus):
+                raise GpuError(f"The kernel held {len(records)} GPUs ({model}); this machine has too few of that "
+                               "model free of MIG to take them all: it can be resumed only on as many.")
             raise GpuError(
-                f"No GPU here is an {suspended_on.get('name')}, the model the kernel was suspended on: it "
+                f"No GPU here is an {record.get('name')}, the model the kernel was suspended on: it "
                 "can be resumed only on a GPU of that model."
             )
-        # The roomiest; if none has room, check_target below says so for the roomiest.
-        target = (same_model_with_room(gpus, str(suspended_on.get("name")), needed)
-                  or sorted(same_model, key=free, reverse=True))[0]
-    if target is was:
-        check_target(None, target, needed, driver_major)
-        return Move(target, target, needed)
-    # Coming back elsewhere is a remap: the same rules as a live move, from a GPU that is not ours now.
-    source = was or GpuInfo(
-        index=int(suspended_on.get("index", -1)), uuid=suspended_on["uuid"], name=suspended_on.get("name", ""),
-        memory_total=0, memory_used=0, utilization=None, persistence_mode=None, mig_enabled=False,
-    )
-    check_target(source, target, needed, driver_major)
-    return Move(source, target, needed)
+        with_room = [g for g in candidates if free(g) >= needed[i] + HEADROOM]
+        chosen[i] = (with_room or candidates)[0]
+    return [g for g in chosen if g is not None]
 
 
 def targets(gpus: list[GpuInfo], held: list[dict], suspended_on: list[dict], state: str,
@@ -184,7 +297,7 @@ def targets(gpus: list[GpuInfo], held: list[dict], suspended_on: list[dict], sta
     for gpu in gpus:
         try:
             if state == "suspended":
-                plan_resume(gpus, suspended_on[0], gpu.index, driver_major)
+                plan_resume(gpus, suspended_on, gpu.index, driver_major)
             elif state == "running":
                 plan_move(gpus, held, gpu.index, driver_major)
             else:

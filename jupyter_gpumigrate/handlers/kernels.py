@@ -58,7 +58,7 @@ class KernelActionHandler(BaseHandler):
         try:
             op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"), to_host=body.get("to_host"),
                                        fast_path=fast_path, images=body.get("images"),
-                                       accept_left=body.get("accept_left"))
+                                       accept_left=body.get("accept_left"), to_gpus=body.get("to_gpus"))
         except MigrateError as exc:
             self.send_migrate_error(exc)
             return

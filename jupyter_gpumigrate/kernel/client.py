@@ -79,8 +79,9 @@ class ServerClient:
     def me(self) -> dict:
         return self.api.kernel(self.kernel_id)
 
-    def migrate(self, to_gpu: int | None, to_host: str | None = None, fast_path: str | None = None) -> dict:
-        body: dict = {"to_gpu": to_gpu}
+    def migrate(self, to_gpu: int | list[int] | None, to_host: str | None = None, fast_path: str | None = None) -> dict:
+        """Start a move of this kernel: to GPU ``to_gpu`` (a list: one per GPU it holds), to ``to_host``."""
+        body: dict = {"to_gpus": to_gpu} if isinstance(to_gpu, list) else {"to_gpu": to_gpu}
         if to_host:
             body["to_host"] = to_host
         if fast_path:

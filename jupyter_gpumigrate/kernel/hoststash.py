@@ -100,15 +100,16 @@ def _resize_bytearray(obj: bytearray, size: int) -> None:
         raise MemoryError(f"cannot give a bytearray its {size} bytes back")
 
 
-def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
+def collect(torch: Any, min_bytes: int = MIN_BYTES, gpu_only: bool = False) -> list[Buffer]:
     """Every distinct buffer of ``min_bytes`` or more that can be freed and given back in place, largest
-    first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of;
-    none that a thread which runs on reaches (kernel/stager.py's ``threads`` and ``reach``)."""
+    first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of
+    (``gpu_only``: CUDA storages alone); none that a thread which runs on reaches (kernel/stager.py's
+    ``threads`` and ``reach``)."""
     found: dict[tuple[str, int], Buffer] = {}
     spared = _reach(_threads()[1], torch)  # what a thread that runs on may touch stays
     tracked = gc.get_objects()
     # bytearrays hold no references, so the collector does not track them: look in what holds them.
-    holders = [o for o in tracked if type(o) in (dict, list)]
+    holders = [] if gpu_only else [o for o in tracked if type(o) in (dict, list)]
     for obj in gc.get_referents(*holders):
         if type(obj) is bytearray and len(obj) >= min_bytes and ("bytearray", id(obj)) not in found \
                 and ("bytearray", id(obj)) not in spared and _exports(obj) == 0:
@@ -137,6 +138,8 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES) -> list[Buffer]:
         except (RuntimeError, NotImplementedError, TypeError):
             continue  # sparse, nested, wrapper subclasses: they stay
         device = obj.device.type
+        if device == "cpu" and gpu_only:
+            continue
         if device == "cpu" and cuda_on and obj.is_pinned():
             continue  # pinned host memory: freeing and taking it again costs more than CRIU's copy
         found.setdefault((device, pointer), Buffer(device, storage, size))
@@ -333,8 +336,9 @@ def _run_parts(work: Any, parts: int) -> None:
 
 
 def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES,
-          safe_point: dict | None = None) -> str:
-    """Write the kernel's large buffers into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
+          safe_point: dict | None = None, gpu_only: bool = False) -> str:
+    """Write the kernel's large buffers (``gpu_only``: its CUDA storages alone, for a move between GPUs
+    without peer access) into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
     changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed. With
     ``safe_point`` (kernel/safepoint.py: the cell waits at it), the index says where."""
@@ -347,7 +351,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         return json.dumps({"aside": reason})
     started = time.perf_counter()
     try:
-        buffers = collect(torch, min_bytes)
+        buffers = collect(torch, min_bytes, gpu_only)
     except StepAside as exc:
         return json.dumps({"aside": str(exc)})
     found = time.perf_counter()

@@ -37,6 +37,20 @@ def gpu_table(gpus: dict, kernels: list[dict], me: str) -> str:
     return "\n".join(lines)
 
 
+def _gpu_indices(text: str | None) -> list[int] | None:
+    """``--to-gpu``: one GPU index, or several separated by commas (a kernel on several GPUs)."""
+    if text is None:
+        return None
+    try:
+        indices = [int(part) for part in text.split(",")]
+    except ValueError:
+        raise UsageError(f"%migrate: --to-gpu takes a GPU index, or one per GPU the kernel holds separated by "
+                         f"commas (1,0); got {text!r}.") from None
+    if any(i < 0 for i in indices):
+        raise UsageError(f"%migrate: --to-gpu takes GPU indices, 0 or more (got {text}).")
+    return indices
+
+
 def _host_name(raw: str | None) -> str | None:
     """--to-host's value without the quotes IPython leaves around it; UsageError if empty."""
     if raw is None:
@@ -59,7 +73,8 @@ class MigrateMagics(Magics):
             raise MigrateFailed(str(exc)) from None
 
     @magic_arguments()
-    @argument("--to-gpu", type=int, metavar="N", help="move this kernel to GPU N (NVML's index) now")
+    @argument("--to-gpu", metavar="N", help="move this kernel to GPU N (NVML's index) now; a kernel on several "
+              "GPUs names one per GPU it holds, in the order of their indices (1,0 swaps GPUs 0 and 1)")
     @argument("--to-host", metavar="NAME", help="move this kernel to the peer server NAME (with --to-gpu: onto "
               "its GPU N); the name of this kernel's home server brings it back")
     @argument("--suspend", action="store_true", help="write this kernel to memory or disk (--images) and free its GPU, now; the cell "
@@ -81,6 +96,8 @@ class MigrateMagics(Magics):
 
         %migrate              a picker: each GPU, its memory and kernels, and a Migrate button
         %migrate --to-gpu N   move this kernel to GPU N; prints from, to, bytes, time, slowest phase
+        %migrate --to-gpu 1,0 a kernel on several GPUs: one target per GPU it holds, in the order of
+                              their indices (here GPUs 0 and 1 swap); the driver moves them together
         %migrate --to-host B  move this kernel to the peer server B (add --to-gpu N for its GPU N);
                               the notebook stays where it is; --to-host with the home server's name
                               brings the kernel back
@@ -109,6 +126,8 @@ class MigrateMagics(Magics):
             print(self.migrate.__doc__.lstrip().removeprefix("::").lstrip("\n"))
             return
         to_host = _host_name(args.to_host)
+        gpus = _gpu_indices(args.to_gpu)
+        args.to_gpu = gpus[0] if gpus is not None and len(gpus) == 1 else gpus
         target = args.to_gpu is not None or to_host is not None or args.to_cpu
         if (sum((args.list, args.suspend, args.back, target)) > 1
                 or (args.to_cpu and (args.to_gpu is not None or to_host))):
@@ -116,12 +135,13 @@ class MigrateMagics(Magics):
                              "--to-cpu).")
         if args.transplant and args.to_gpu is None:
             raise UsageError("%migrate: --transplant goes with --to-gpu N (--to-cpu is always a transplant).")
+        if isinstance(args.to_gpu, list) and (args.transplant or to_host):
+            raise UsageError("%migrate: several GPUs (--to-gpu N,M) go with a move on this host only: a transplant "
+                             "or a move to another host takes one GPU.")
         if (args.transplant or args.to_cpu) and to_host:
             raise UsageError("%migrate: a transplant stays on this host: drop --to-host.")
         if args.images and not args.suspend:
             raise UsageError("%migrate: --images goes with --suspend (where the suspended kernel's images go).")
-        if args.to_gpu is not None and args.to_gpu < 0:
-            raise UsageError(f"%migrate: --to-gpu takes a GPU index, 0 or more (got {args.to_gpu}).")
         client = self._client()
         try:
             if args.list:

@@ -34,8 +34,8 @@ def _stager(path: str, token: str) -> tuple[dict, bool]:
     return stager.run(path, token, safe_point=True), False
 
 
-def _host_stash(folder: str, min_total: int, at: dict | None = None) -> tuple[dict, bool]:
-    said = json.loads(hoststash.stash(folder, int(min_total), safe_point=at))
+def _host_stash(folder: str, min_total: int, at: dict | None = None, gpu_only: bool = False) -> tuple[dict, bool]:
+    said = json.loads(hoststash.stash(folder, int(min_total), safe_point=at, gpu_only=bool(gpu_only)))
     return said, hoststash.away() > 0
 
 

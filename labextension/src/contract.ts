@@ -16,6 +16,8 @@ export type Phase =
   | 'adopt'
   | 'stash'
   | 'unstash'
+  | 'host stash'
+  | 'take back'
   | 'verify'
   | 'transfer'
   | 'start'
@@ -44,6 +46,12 @@ export type GpuIndex = number;
  */
 export type KernelList = Kernel[];
 /**
+ * GPU indices, one per GPU a kernel holds, in the order of their indices; each once.
+ *
+ * @minItems 1
+ */
+export type GpuIndices = [number, ...number[]];
+/**
  * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
  */
 export type Bytes1 = number;
@@ -56,6 +64,12 @@ export type RefusedList = RefusedRecord[];
  */
 export type OperationList = Operation[];
 /**
+ * GPU indices, one per GPU a kernel holds, in the order of their indices; each once.
+ *
+ * @minItems 1
+ */
+export type GpuIndices1 = [number, ...number[]];
+/**
  * POST /kernels/{id}/migrate: to_gpu, to_host, or both.
  */
 export type MigrateRequest = MigrateRequest1 & MigrateRequest2;
@@ -64,8 +78,18 @@ export type MigrateRequest1 =
       to_gpu: number;
     }
   | {
+      to_gpu?: null;
+      to_host?: null;
+    }
+  | {
       to_host: string;
     };
+/**
+ * GPU indices, one per GPU a kernel holds, in the order of their indices; each once.
+ *
+ * @minItems 1
+ */
+export type GpuIndices2 = [number, ...number[]];
 /**
  * POST /kernels/{id}/transplant: to_gpu (a GPU of any model) or to_cpu; dry_run only says what would carry.
  */
@@ -94,6 +118,7 @@ export interface ApiContract {
   KernelList: KernelList;
   Gpu: Gpu;
   GpuList: GpuList;
+  GpuIndices: GpuIndices;
   FastPath: FastPath;
   DrainResult: DrainResult;
   HostStash: HostStash;
@@ -285,6 +310,10 @@ export interface FastPath {
    */
   reason: string | null;
   seconds: Seconds1;
+  /**
+   * Where the tensors waited: peer, a stash on the target GPU over the peer link; host, files in memory (GPUs without peer access, or c.MigratableProvisioner.move_stash); null, nowhere: the driver moved everything (a kernel on several GPUs).
+   */
+  via: 'peer' | 'host' | null;
 }
 /**
  * Seconds each step took, by step name.
@@ -375,6 +404,14 @@ export interface Operation {
   bytes: Bytes;
   to_gpu: number | null;
   from_gpu: number | null;
+  /**
+   * A kernel on several GPUs: where each of its GPUs goes, in the order of from_gpus (to_gpu is the first); null for a kernel on one GPU.
+   */
+  to_gpus: GpuIndices | null;
+  /**
+   * A move of a kernel on several GPUs: the GPUs it held, by index (from_gpu is the first); null otherwise.
+   */
+  from_gpus: GpuIndices | null;
   /**
    * A move between hosts: where it goes.
    */
@@ -547,12 +584,14 @@ export interface ResumeRequest {
    * the index of the GPU to resume onto; by default where the kernel was, or the GPU of its model with the most room
    */
   to_gpu?: number | null;
+  to_gpus?: GpuIndices1;
 }
 export interface MigrateRequest2 {
   /**
    * the index of the GPU to move to
    */
   to_gpu?: number | null;
+  to_gpus?: GpuIndices2;
   /**
    * the host to move to, this server's name or one of its peers'
    */

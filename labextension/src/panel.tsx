@@ -306,16 +306,19 @@ function KernelRow({ store, kernel }: IStoreProps & { kernel: IKernel }): React.
   const path = store.notebooks.get(kernel.id);
   const name = path ? PathExt.basename(path) : '(no notebook)';
   const op = store.operations.get(kernel.id);
-  const held = kernel.gpus[0];
-  const was = kernel.suspended_on[0];
+  // A kernel on several GPUs is listed under each; here, what it holds on each.
+  const held = kernel.gpus.map(g => `${humanBytes(g.memory_used)} on GPU ${g.index}`).join(' + ');
+  const was = kernel.suspended_on.map(g => g.index).join(' and ');
   const details = [
     kernel.name,
     kernel.id.slice(0, 8),
-    held ? `${humanBytes(held.memory_used)} on GPU ${held.index}` : null,
+    held || null,
     kernel.state === 'suspended'
       ? `${humanBytes(kernel.image_bytes)} ${kernel.images === 'memory' ? 'in memory' : 'on disk'}`
       : null,
-    kernel.state === 'suspended' && was ? `was on GPU ${was.index}` : null,
+    kernel.state === 'suspended' && was
+      ? `was on GPU${kernel.suspended_on.length > 1 ? 's' : ''} ${was}`
+      : null,
     kernel.state,
     kernel.remote ? `on host ${kernel.host}` : null
   ].filter(Boolean);

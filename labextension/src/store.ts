@@ -317,8 +317,14 @@ export function describe(op: IOperation): string {
   const total = Object.values(op.timings ?? {}).reduce((a, b) => a + b, 0);
   const seconds = `${total.toFixed(2)} s`;
   const bytes = op.bytes ? ` (${humanBytes(op.bytes)})` : '';
-  const from = typeof op.from_gpu === 'number' ? ` from GPU ${op.from_gpu}` : '';
-  const onto = typeof op.to_gpu === 'number' ? ` on GPU ${op.to_gpu}` : '';
+  // A kernel on several GPUs moves them together: each of its GPUs, and where it went.
+  const from = op.from_gpus?.length
+    ? ` from GPUs ${op.from_gpus.join(', ')}`
+    : typeof op.from_gpu === 'number'
+      ? ` from GPU ${op.from_gpu}`
+      : '';
+  const to = op.to_gpus?.length ? `GPUs ${op.to_gpus.join(', ')}` : `GPU ${op.to_gpu}`;
+  const onto = op.to_gpus?.length || typeof op.to_gpu === 'number' ? ` on ${to}` : '';
   // A busy kernel served it at its running cell's safe point: the cell waited, then went on.
   const midCell =
     op.stash?.safe_point !== undefined || op.fast_path?.seconds?.safe_point !== undefined
@@ -328,7 +334,7 @@ export function describe(op: IOperation): string {
     case 'migrate':
       return op.to_host
         ? `moved to host ${op.to_host} in ${seconds}${bytes}.`
-        : `moved${from} to GPU ${op.to_gpu} in ${seconds}${bytes}${midCell}.`;
+        : `moved${from} to ${to} in ${seconds}${bytes}${midCell}.`;
     case 'suspend':
       return `suspended in ${seconds}${bytes}${midCell}.`;
     case 'resume': {
@@ -362,7 +368,9 @@ export function doing(op: IOperation, kernel?: IKernel): string {
       if (op.to_host) {
         return op.to_host === kernel?.home ? 'bringing home' : `moving to host ${op.to_host}`;
       }
-      return `moving to GPU ${op.to_gpu}`;
+      return op.to_gpus?.length
+        ? `moving to GPUs ${op.to_gpus.join(', ')}`
+        : `moving to GPU ${op.to_gpu}`;
     case 'transplant':
       return op.to_gpu === null || op.to_gpu === undefined
         ? 'transplanting to the CPU'

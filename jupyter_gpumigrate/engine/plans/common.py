@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,18 +46,22 @@ class Tools:
     images: str = DISK
     #: how long a transplant's source is kept, so that the kernel can go back to it (seconds; 0: not kept)
     keep_source: float = 0.0
+    #: whether two GPUs reach each other's memory (the fast path's peer link); None: cannot tell
+    peer_access: Callable[[GpuInfo, GpuInfo], bool | None] = gpus_mod.peer_access
 
 
 @dataclass
 class FastPath:
-    """What the fast path of a GPU move did: bytes stashed, or why it stepped aside, and its seconds."""
+    """What the fast path of a GPU move did: bytes stashed, or why it stepped aside, its seconds, and its
+    way (``peer``: a stash on the target GPU; ``host``: files in memory; None: the driver moved it all)."""
 
     stashed: int
     reason: str | None
     seconds: dict[str, float]
+    via: str | None = "peer"
 
     def to_dict(self) -> dict:
-        return {"stashed": self.stashed, "reason": self.reason,
+        return {"stashed": self.stashed, "reason": self.reason, "via": self.via,
                 "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
 
 
@@ -71,6 +75,9 @@ class Outcome:
     manifest: Manifest | None = None
     from_gpu: int | None = None
     to_gpu: int | None = None
+    #: a kernel on several GPUs: each GPU it held and where that went, in the same order
+    from_gpus: list[int] | None = None
+    to_gpus: list[int] | None = None
     #: a move between hosts: the host it went to ("" when it came home) and the one it left
     to_host: str | None = None
     from_host: str | None = None
@@ -156,13 +163,12 @@ def new_images(ctx: KernelContext, pid: int, images: str = DISK) -> None:
     if gpu_use(ctx, pid)[0]:
         release_cache(ctx)
     cuda_pids, held, gpus = gpu_use(ctx, pid)
-    if len(held) > 1:
-        placement.source_gpu(gpus, held)  # raises: a single GPU only
     estimate = proctree.memory(pid) + sum(int(h["memory_used"]) for h in held)
     ctx.images_where, ctx.images_why = choose(store, images, estimate, pid)
     ctx.images = store.create(kernel.kernel_id, ctx.images_where)
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
-    ctx.gpu.track(cuda_pids, held[0]["uuid"] if held else None, int(held[0]["memory_used"]) if held else 0)
+    held = sorted(held, key=lambda h: int(h["index"]))
+    ctx.gpu.track(cuda_pids, [h["uuid"] for h in held], sum(int(h["memory_used"]) for h in held))
     ctx.manifest = Manifest(
         kernel_id=kernel.kernel_id,
         kernel_name=kernel.kernel_name,
@@ -278,13 +284,13 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
 # -- bringing a tree back here from its images: restore, [remap, unlock], adopt ----------------------
 
 
-def place(ctx: KernelContext, manifest: Manifest, to_gpu: int | None, no_gpu: str) -> None:
-    """Take ``manifest`` and choose its GPU (``to_gpu``, else where it was, else the roomiest);
-    ``no_gpu`` is the sentence for a ``to_gpu`` asked of a kernel that holds none."""
+def place(ctx: KernelContext, manifest: Manifest, to_gpu: int | Sequence[int] | None, no_gpu: str) -> None:
+    """Take ``manifest`` and choose its GPUs (``to_gpu``: a GPU, or one per GPU it held; else where it
+    was, else the roomiest); ``no_gpu`` is the sentence for a ``to_gpu`` asked of a kernel that holds none."""
     ctx.manifest = manifest
     if manifest.gpus:
-        ctx.move = placement.plan_resume(ctx.tools.inventory(), manifest.gpus[0], to_gpu, ctx.tools.driver_major())
-        ctx.gpu.track(manifest.cuda_pids, manifest.gpus[0]["uuid"], int(manifest.gpus[0].get("memory_used", 0)))
+        move = ctx.move = placement.plan_resume(ctx.tools.inventory(), manifest.gpus, to_gpu, ctx.tools.driver_major())
+        ctx.gpu.track(manifest.cuda_pids, [p.source.uuid for p in move.pairs], move.needed)
     elif to_gpu is not None:
         raise GpuError(no_gpu)
 
@@ -323,7 +329,7 @@ def remap_restored(ctx: KernelContext) -> None:
     """The GPU memory of a tree just restored from images onto its chosen GPU. Nothing to undo: killing
     the tree (the restore's undo) undoes it."""
     assert ctx.move is not None
-    ctx.gpu.restore_to(ctx, ctx.move.target.uuid, undoable=False)
+    ctx.gpu.restore_to(ctx, ctx.move.assignment(), undoable=False)
 
 
 def unlock(ctx: KernelContext) -> None:

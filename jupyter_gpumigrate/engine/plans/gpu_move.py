@@ -1,34 +1,50 @@
 """A live move to another GPU of the same host: the running kernel goes on, on the new GPU.
 
-    prepare     check the target, drop cached blocks, check again  (nothing to undo)
+    prepare     check the targets, drop cached blocks, check again (nothing to undo)
     stash       large tensors into a stash on the target (fast     undo: the kernel takes them back
-                path, when the kernel serves it)
+                path over the peer link, when the kernel serves it)
+    host stash  or, where the GPUs have no peer access: large      undo: the kernel reads them back
+                tensors into files in memory (kernel/hoststash.py)
     lock        CUDA calls of each CUDA process wait               undo: unlock
-    checkpoint  GPU memory into the process's host memory          undo: back onto its GPU
-    remap       GPU memory onto the target                         undo: checkpoint it again
-    unlock      CUDA calls go on, on the target                    undo: lock
+    checkpoint  GPU memory into the process's host memory          undo: back onto its GPUs
+    remap       GPU memory onto the targets                        undo: checkpoint it again
+    unlock      CUDA calls go on, on the targets                   undo: lock
     unstash     the tensors come back from the stash               (nothing to undo)
-    verify      NVML shows the kernel on the target alone          (last)
-    always      the stash is closed (a kernel left locked keeps it until it runs)
+    take back   or from the host stash's files                     (nothing to undo)
+    verify      NVML shows the kernel on the targets alone         (last)
+    always      the stash is closed (a kernel left locked keeps it until it runs); the host stash's
+                folder is removed (kept while buffers are in it)
 
 The fast path (stash.py): when the kernel can (an IPython kernel with PyTorch, idle, busy with a cell
 that reaches a safe point in time (kernel/safepoint.py: the cell waits there until the move is over,
 then goes on, on the target), or one whose own %migrate serves it), its large tensors go to the target
-over the GPUs' peer link first, and the driver moves only the rest. Where it steps aside, it says why,
-and the driver moves it all.
+over the GPUs' peer link first, and the driver moves only the rest. Where the two GPUs have no peer
+access (``via="host"``: most PCIe cards; or forced, c.MigratableProvisioner.move_stash), the kernel
+writes them instead into files in memory through pinned buffers, the suspend's host stash, and reads
+them back onto the target after the remap. Where either steps aside, it says why, and the driver moves
+it all. A kernel on several GPUs moves them all at once, each to the GPU named for it; the driver moves
+it all.
 """
 
 from __future__ import annotations
 
 import time
 
-from .. import placement
-from ..errors import GpuError
-from ..kernelproc import KernelProcess
+from collections.abc import Sequence
+
+from .. import netstate, placement, proctree
+from ..errors import GpuError, ImageError
+from ..images import MEMORY, Manifest, choose
+from ..kernelproc import KernelProcess, public_connection_info
 from ..saga import ALWAYS, ProgressCallback, Saga, Step
 from ..stash import MIN_STASH, Stash
-from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, gpu_use, lock, release_cache, running_pid, \
-    unlock
+from . import suspend
+from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, forget_new_images, gpu_use, lock, \
+    release_cache, running_pid, unlock
+
+#: Where a move's large tensors wait while the driver moves the rest: in a stash on the target GPU over
+#: the peer link, in files in memory (the host stash), or chosen by the GPUs' peer access (auto).
+PEER, HOST, AUTO = "peer", "host", "auto"
 
 
 def saga() -> Saga[MoveContext]:
@@ -36,14 +52,17 @@ def saga() -> Saga[MoveContext]:
         "move_to_gpu",
         [
             Step("prepare", prepare),
-            Step("stash", stash_tensors, when=lambda ctx: ctx.stash is not None),
+            Step("stash", stash_tensors, when=lambda ctx: ctx.stash is not None and ctx.via == PEER),
+            Step("host stash", host_stash, when=lambda ctx: ctx.via == HOST),
             Step("lock", lock),
             Step("checkpoint", checkpoint),
             Step("remap", remap),
             Step("unlock", unlock),
             Step("unstash", unstash, when=lambda ctx: ctx.stash is not None and ctx.stash.held > 0),
+            Step("take back", take_back_host, when=lambda ctx: "stashed" in ctx.stash_said),
             Step("verify", verify),
             Step("close the stash", close_stash, when=lambda ctx: ctx.stash is not None, kind=ALWAYS),
+            Step("remove the host stash", remove_host_stash, when=lambda ctx: ctx.host_folder, kind=ALWAYS),
         ],
         start_from=("running",),
         success="running",
@@ -52,15 +71,23 @@ def saga() -> Saga[MoveContext]:
 
 
 class MoveContext(KernelContext):
-    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int, stash: Stash | None, invite: bool,
-                 verify_timeout: float) -> None:
+    def __init__(self, kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Stash | None, invite: bool,
+                 verify_timeout: float, via: str = AUTO) -> None:
         super().__init__(kernel, tools)
-        self.to_gpu = to_gpu
-        #: the fast path's stash, listening; None: the driver moves everything
+        #: the target GPU, or one per GPU the kernel holds (in the order of their indices)
+        self.to = to
+        #: the fast path's stash, listening; None: no stash over the peer link
         self.stash = stash
         #: ask the kernel to serve the stash (else the caller, the kernel's own %migrate, connects)
         self.invite = invite
         self.verify_timeout = verify_timeout
+        #: peer, host or auto (decided in prepare); None: the driver moves everything
+        self.via: str | None = via
+        #: the host stash: its folder (None: not made), and what the kernel said (``stashed``..., or ``aside``)
+        self.host_folder = None
+        self.stash_said: dict = {}
+        #: why the host stash or the fast path stepped aside, set where it is decided
+        self.aside: str | None = None
 
 
 def prepare(ctx: MoveContext) -> None:
@@ -68,17 +95,74 @@ def prepare(ctx: MoveContext) -> None:
     # Refuse what cannot work before anything is touched; then drop cached blocks, and check again
     # with what the kernel really holds.
     _, held, gpus = gpu_use(ctx, pid)
-    placement.plan_move(gpus, held, ctx.to_gpu, ctx.tools.driver_major())
+    placement.plan_move(gpus, held, ctx.to, ctx.tools.driver_major())
     if ctx.invite:
         release_cache(ctx)
     cuda_pids, held, gpus = gpu_use(ctx, pid)
-    ctx.move = placement.plan_move(gpus, held, ctx.to_gpu, ctx.tools.driver_major())
-    ctx.gpu.track(cuda_pids, ctx.move.source.uuid, ctx.move.needed)
+    move = ctx.move = placement.plan_move(gpus, held, ctx.to, ctx.tools.driver_major())
+    ctx.gpu.track(cuda_pids, [p.source.uuid for p in move.pairs], move.needed)
+    if move.several:
+        ctx.via, ctx.aside = None, "the kernel holds several GPUs: the driver moves them together"
+    elif ctx.via == AUTO:
+        # No peer access: the host stash, unless the caller (%migrate in the kernel) serves the stash
+        # itself, where the kernel's side then finds it cannot open it and steps aside.
+        peer = ctx.tools.peer_access(move.source, move.target) is not False
+        ctx.via = PEER if peer or (ctx.stash is not None and not ctx.invite) else HOST
 
 
 def remap(ctx: MoveContext) -> None:
     assert ctx.move is not None
-    ctx.gpu.restore_to(ctx, ctx.move.target.uuid)
+    ctx.gpu.restore_to(ctx, ctx.move.assignment())
+
+
+def host_stash(ctx: MoveContext) -> None:
+    """The kernel writes its large CUDA tensors into files in memory and frees them (kernel/hoststash.py,
+    the suspend's own), so that the driver moves only the rest; they come back onto the target after the
+    remap. The folder is the kernel's image folder in memory, its manifest pending: should this server die
+    meanwhile, the next one has the kernel read them back (revive.py). Steps aside where memory has no room."""
+    assert ctx.move is not None and ctx.pid is not None
+    if ctx.move.needed < MIN_STASH:
+        ctx.aside = (f"the kernel holds {ctx.move.needed / 1e9:.1f} GB of GPU memory: under "
+                     f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
+        return
+    store, kernel = ctx.tools.store, ctx.kernel
+    where, why = choose(store, MEMORY, ctx.move.needed, ctx.pid)
+    if where != MEMORY:
+        ctx.aside = f"no host stash: {why}"
+        return
+    ctx.images = ctx.host_folder = store.create(kernel.kernel_id, MEMORY)
+    ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
+    ctx.manifest = Manifest(
+        kernel_id=kernel.kernel_id, kernel_name=kernel.kernel_name, pid=ctx.pid, ids=proctree.tree_ids(ctx.pid),
+        criu_version="", gpus=[{"index": p.source.index, "uuid": p.source.uuid, "name": p.source.name,
+                                "memory_used": p.needed} for p in ctx.move.pairs],
+        cuda_pids=list(ctx.gpu.pids), connection_info=public_connection_info(kernel.kernel_connection_info),
+        clients=netstate.client_counts(proctree.descendants(ctx.pid)), sessions=list(kernel.sessions),
+    )
+    ctx.stash_said = suspend.write_stash(ctx, MIN_STASH, ctx.move.needed, gpu_only=True)
+    if "stashed" not in ctx.stash_said:
+        ctx.aside = str(ctx.stash_said.get("aside") or "the kernel did not write its tensors")
+
+
+def take_back_host(ctx: MoveContext) -> None:
+    """The kernel, on the target now, reads its tensors back from the host stash, checking each chunk."""
+    timeout = suspend.STASH_WAIT + int(ctx.stash_said.get("stashed", 0)) / suspend.STASH_RATE
+    keep, ctx.keep_images = ctx.keep_images, True  # the files are all there is of them until it has
+    try:
+        said = ctx.kernel.host_take_back(str(ctx.host_folder), timeout)
+    except (OSError, RuntimeError, TimeoutError) as exc:
+        raise ImageError(f"The kernel could not read its tensors back from {ctx.host_folder} ({exc}); they are "
+                         "kept there, and the move is undone.") from exc
+    ctx.keep_images = keep
+    # The same record the host stash's undo reads: nothing is away any more.
+    ctx.stash_said.update(taken_back=True, unstashed=said.get("unstashed"), unstash_seconds=said.get("seconds"))
+
+
+def remove_host_stash(ctx: MoveContext) -> None:
+    """The host stash's folder goes, unless buffers are still in it (a kernel that could not read them
+    back keeps them there: the next server start asks it again)."""
+    if not ctx.keep_images:
+        ctx.tools.store.remove(ctx.kernel.kernel_id)
 
 
 def stash_tensors(ctx: MoveContext) -> None:
@@ -129,18 +213,20 @@ def unstash(ctx: MoveContext) -> None:
 
 
 def verify(ctx: MoveContext) -> None:
-    """NVML, read here in the server, must show the kernel's memory on the target and none left on the source."""
+    """NVML, read here in the server, must show the kernel's memory on the targets and none left elsewhere."""
     assert ctx.move is not None
     deadline = time.monotonic() + ctx.verify_timeout
+    targets = {p.target.uuid for p in ctx.move.pairs}
     while True:
         gpus = ctx.tools.inventory()
         on = {g.uuid for g in gpus for p in ctx.gpu.pids if p in g.processes}
-        if on == {ctx.move.target.uuid}:
+        if on == targets:
             return
         if time.monotonic() >= deadline:
             where = ", ".join(str(g.index) for g in gpus if g.uuid in on) or "no GPU"
-            raise GpuError(f"After the move NVML shows the kernel on {where}, not on GPU {ctx.move.target.index} "
-                           "alone; it was moved back.")
+            wanted = ", ".join(str(i) for i in ctx.move.to_gpus)
+            raise GpuError(f"After the move NVML shows the kernel on {where}, not on GPU {wanted} alone; it was "
+                           "moved back.")
         time.sleep(0.1)
 
 
@@ -149,14 +235,26 @@ def close_stash(ctx: MoveContext) -> None:
     ctx.stash.close(kernel_runs=not ctx.stash.held or ctx.gpu.runs())
 
 
-def run(kernel: KernelProcess, tools: Tools, to_gpu: int, stash: Stash | None = None, invite: bool = True,
-        verify_timeout: float = 10.0, progress: ProgressCallback | None = None) -> Outcome:
-    """Move the running kernel onto GPU ``to_gpu``. With ``stash`` (listening), its large tensors take the
-    fast path: the kernel is invited to connect to it (``invite``), or the caller, the kernel's own
-    %migrate, connects itself."""
-    ctx = MoveContext(kernel, tools, to_gpu, stash, invite, verify_timeout)
+def run(kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Stash | None = None,
+        invite: bool = True, verify_timeout: float = 10.0, progress: ProgressCallback | None = None,
+        via: str = AUTO) -> Outcome:
+    """Move the running kernel onto GPU ``to`` (or, on several GPUs, onto one GPU named per GPU it holds).
+    With ``stash`` (listening) and the GPUs' peer access (``via``), its large tensors take the fast path:
+    the kernel is invited to connect to it (``invite``), or the caller, the kernel's own %migrate, connects
+    itself. Without peer access (or ``via="host"``), they go through the host stash."""
+    ctx = MoveContext(kernel, tools, to, stash, invite, verify_timeout, via)
     result = saga().run(ctx, progress)
-    assert ctx.move is not None
-    fast_path = FastPath(stash.stashed, stash.reason, dict(stash.seconds)) if stash is not None else None
-    return Outcome(result, bytes=ctx.move.needed, from_gpu=ctx.move.source.index, to_gpu=ctx.move.target.index,
+    move = ctx.move
+    assert move is not None
+    if ctx.via == PEER and stash is not None:
+        fast_path = FastPath(stash.stashed, stash.reason, dict(stash.seconds), PEER)
+    elif ctx.via == HOST:
+        said = ctx.stash_said
+        seconds = {k: float(v) for k, v in (("stash", said.get("seconds")), ("unstash", said.get("unstash_seconds")),
+                                            ("safe_point", said.get("safe_point"))) if v is not None}
+        fast_path = FastPath(int(said.get("stashed") or 0), ctx.aside, seconds, HOST)
+    else:
+        fast_path = FastPath(0, ctx.aside, {}, None) if ctx.aside else None
+    return Outcome(result, bytes=move.needed, from_gpu=move.source.index, to_gpu=move.target.index,
+                   from_gpus=move.from_gpus if move.several else None, to_gpus=move.to_gpus if move.several else None,
                    fast_path=fast_path)

@@ -1,8 +1,8 @@
 """Resume: a suspended kernel comes back from its images, onto a GPU of its model.
 
-    prepare     read the manifest, choose the GPU, free the PIDs  (nothing to undo)
+    prepare     read the manifest, choose the GPUs, free the PIDs (nothing to undo)
     restore     CRIU recreates the tree                           undo: kill it (the images stay)
-    remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
+    remap       GPU memory onto the chosen GPUs (GPU only)        (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
     unstash     the kernel reads back the buffers it stashed,     (undone with the restore)
                 checking each chunk's checksum (if it did)
@@ -14,6 +14,8 @@ kept, and the error says which file.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 from ..errors import ImageError
 from ..kernelproc import KernelProcess
@@ -42,7 +44,7 @@ def saga() -> Saga[ResumeContext]:
 
 
 class ResumeContext(KernelContext):
-    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | None) -> None:
+    def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None) -> None:
         super().__init__(kernel, tools)
         self.to_gpu = to_gpu
 
@@ -74,10 +76,12 @@ def unstash(ctx: ResumeContext) -> None:
                          "suspended, its images kept. Try again.") from exc
 
 
-def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None = None,
+def run(kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None = None,
         progress: ProgressCallback | None = None) -> Outcome:
     ctx = ResumeContext(kernel, tools, to_gpu)
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
+    several = ctx.move is not None and ctx.move.several
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest,
-                   to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.stash or None)
+                   to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.stash or None,
+                   from_gpus=ctx.move.from_gpus if several else None, to_gpus=ctx.move.to_gpus if several else None)

@@ -65,20 +65,31 @@ def worth_asking(ctx: KernelContext) -> bool:
 
 
 def stash(ctx: KernelContext) -> None:
-    """The kernel writes its large buffers into the image folder and frees them. The undo is registered
-    first: a stash that outlives the wait is read back behind it (the kernel serves requests in order)."""
+    """The kernel writes its large buffers into the image folder and frees them (:func:`write_stash`)."""
     assert ctx.manifest is not None and ctx.tools.host_stash_min is not None
-    timeout = STASH_WAIT + _held(ctx) / STASH_RATE
+    said = ctx.stash = write_stash(ctx, ctx.tools.host_stash_min, _held(ctx))
+    if "stashed" in said:
+        ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds", "split") if k in said}
+
+
+def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = False) -> dict:
+    """The kernel writes its large buffers (``gpu_only``: its CUDA tensors alone) into ``ctx.images`` and
+    frees them, if it holds ``least`` bytes of them or more: what it said (``stashed``..., or ``aside``).
+    ``bound`` bounds what it may write (for the wait). The undo is registered first: a stash that outlives
+    the wait is read back behind it (the kernel serves requests in order)."""
+    assert ctx.manifest is not None
+    timeout = STASH_WAIT + bound / STASH_RATE
     # The manifest to be first: should this server die while the kernel's buffers are in the stash, the
     # next one finds the kernel and has it read them back (revive.py).
     with disk_full_said(ctx.images.parent, "runs on, unchanged."):
         ctx.tools.store.write_pending(ctx.images, ctx.manifest, ctx.kernel.secrets())
-    ctx.undo(lambda: take_back(ctx, timeout))
+    said: dict = {}
+    ctx.undo(lambda: take_back(ctx, said, timeout))
     try:
-        said = ctx.kernel.host_stash(str(ctx.images), ctx.tools.host_stash_min, timeout)
+        said.update(ctx.kernel.host_stash(str(ctx.images), least, timeout, gpu_only=gpu_only))
     except TimeoutError as exc:
         raise MigrateError(f"The kernel did not finish writing its large buffers within {timeout:.0f} s (a slow "
-                           "disk, or a cell that ran first): the suspend is undone; the kernel reads back what it "
+                           "disk, or a cell that ran first): the operation is undone; the kernel reads back what it "
                            "wrote once it is done, and runs on.") from exc
     except RuntimeError as exc:
         if f"[Errno {errno.ENOSPC}]" in str(exc):
@@ -88,17 +99,16 @@ def stash(ctx: KernelContext) -> None:
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
         raise InvalidState(f"The kernel stopped answering while it wrote its large buffers ({exc}): restart "
                            "it.") from exc
-    ctx.stash = said
-    if "stashed" in said:
-        ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds", "split") if k in said}
+    return said
 
 
-def take_back(ctx: KernelContext, timeout: float) -> None:
+def take_back(ctx: KernelContext, said: dict, timeout: float) -> None:
     """Undo of the stash: the kernel reads its buffers back. Until it has, the files are all there is of
     them: kept, whatever else is undone. Its request waits behind the stash if that still runs (the kernel
     serves requests in order): it gets the stash's time again, and as long again to read. A stash that
-    stepped aside took nothing away: nothing to ask (a busy kernel would answer only after its cell)."""
-    if "aside" in ctx.stash:
+    stepped aside (``said``) took nothing away, and one read back already (``taken_back``) holds nothing
+    away: nothing to ask (a busy kernel would answer only after its cell)."""
+    if "aside" in said or said.get("taken_back"):
         return
     keep, ctx.keep_images = ctx.keep_images, True
     try:
