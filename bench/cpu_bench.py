@@ -104,8 +104,8 @@ class Server(Way):
             raw = resp.read()
         return json.loads(raw) if raw else {}
 
-    def operate(self, kernel_id: str, action: str) -> dict:
-        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}")
+    def operate(self, kernel_id: str, action: str, body: dict | None = None) -> dict:
+        op = self.api("POST", f"api/gpumigrate/kernels/{kernel_id}/{action}", body)
         while op["status"] not in ("succeeded", "failed"):
             op = self.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
         return self.succeeded(op, action)

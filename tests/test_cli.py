@@ -56,6 +56,10 @@ async def test_cli_errors_exit_non_zero_with_a_sentence(jp_fetch, jp_serverapp, 
     assert code == 1 and ("no NVIDIA GPU" in err or "GPU" in err)
     code, out, err = await cli("migrate", kernel.id, *remote(jp_serverapp))
     assert code == 2 and "--to-gpu" in err
+    code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1,x", *remote(jp_serverapp))
+    assert code == 2 and "'1,x' is not a GPU index, nor indices separated by commas (1,0)" in err, err
+    code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1,0", "--json", *remote(jp_serverapp))
+    assert code == 1 and ("no NVIDIA GPU" in json.loads(out)["error"] or "GPU" in json.loads(out)["error"]), out
     code, out, err = await cli("frobnicate")
     assert code == 2 and "invalid choice" in err
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"

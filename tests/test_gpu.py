@@ -175,17 +175,113 @@ async def test_resume_with_no_gpu_named_goes_back_where_it_was(jp_fetch, kernel)
     assert out.split() == ["True", "cuda:0", "3"]
 
 
-async def test_a_kernel_on_two_gpus_is_refused_and_runs_on(jp_fetch, kernel):
-    pid = await build(kernel)
-    await kernel.run("other = torch.ones(2**20, device='cuda:1')")  # a CUDA context on GPU 1 too
+#: A kernel on both GPUs: the model and ``big`` on its cuda:0, ``other`` on its cuda:1.
+ON_TWO = """
+other = torch.randn({n}, device="cuda:1")
+other_before = digest(other)
+print(torch.cuda.device_count(), other.device)
+"""
+BOTH_KEPT = "print(state_digest() == before, digest(other) == other_before, big.device, other.device, " \
+            "len(train(model, opt, gen, 3)), (other @ other[:8]).device)"
+
+
+def held_on(pid: int) -> dict[int, int]:
+    """GPU index -> bytes NVML sees ``pid`` hold there."""
+    return {g.index: g.processes[pid] for g in gpus_mod.snapshot() if pid in g.processes}
+
+
+async def on_two(kernel, gib: float) -> int:
+    pid = await build(kernel, gib=gib)
+    out = await kernel.run(ON_TWO.format(n=int(gib * GIB // 4)), timeout=120)
+    assert out.split()[-1] == "cuda:1"
     assert where(pid) == {0, 1}
+    return pid
+
+
+async def test_a_kernel_on_two_gpus_swaps_them_live_and_keeps_every_value(jp_fetch, jp_serverapp, kernel):
+    pid = await on_two(kernel, gib=2)
+    # A single GPU is no answer for a kernel on two: the list and the refusal say how to name one per GPU.
     view = await api(jp_fetch, "kernels", kernel.id)
-    assert not any(t["ok"] for t in view["targets"]) and "single GPU" in view["targets"][1]["reason"]
+    assert [g["index"] for g in view["gpus"]] == [0, 1]
+    assert not any(t["ok"] for t in view["targets"]) and "name a GPU for each" in view["targets"][1]["reason"]
+    listed = (await api(jp_fetch, "gpus"))["gpus"]
+    assert all(kernel.id in [k["id"] for k in g["kernels"]] for g in listed[:2]), "listed under each GPU it holds"
     error = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 1}, expect=409)
-    assert "GPUs 0 and 1; only a kernel on a single GPU can be moved" in error["message"]
-    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running" and where(pid) == {0, 1}
+    assert "holds GPUs 0 and 1: name a GPU for each, in that order" in error["message"]
     assert CudaProcess(pid).state == "running", "refused before anything was locked"
-    assert (await kernel.run("print(state_digest() == before, other.sum().item())")).split() == ["True", "1048576.0"]
+    before = held_on(pid)
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpus": [1, 0]})
+    assert op["status"] == "succeeded", op
+    assert (op["from_gpus"], op["to_gpus"], op["from_gpu"], op["to_gpu"]) == ([0, 1], [1, 0], 0, 1), op
+    assert op["fast_path"]["via"] is None and "several GPUs" in op["fast_path"]["reason"], op["fast_path"]
+    after = held_on(pid)
+    assert set(after) == {0, 1} and abs(after[1] - before[0]) < GIB and abs(after[0] - before[1]) < GIB, \
+        f"what was on GPU 0 is on GPU 1 and the other way round: {before} -> {after}"
+    out = await kernel.run(BOTH_KEPT)
+    assert out.split() == ["True", "True", "cuda:0", "cuda:1", "3", "cuda:1"], "torch keeps its device numbers"
+    # And back, through the command line.
+    code, out, err = await cli("migrate", kernel.id[:8], "--to-gpu", "1,0", "--json", *remote(jp_serverapp))
+    assert code == 0, err
+    assert json.loads(out)["to_gpus"] == [1, 0]
+    assert abs(held_on(pid)[0] - before[0]) < GIB
+    assert (await kernel.run("print(state_digest() == before, digest(other) == other_before)")).split() == ["True"] * 2
+
+
+async def test_a_kernel_on_two_gpus_is_suspended_and_resumed_with_its_gpus_swapped(jp_fetch, kernel):
+    pid = await on_two(kernel, gib=4)
+    before = held_on(pid)
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    assert where(pid) == set()
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert [g["index"] for g in view["suspended_on"]] == [0, 1]
+    error = await api(jp_fetch, "kernels", kernel.id, "resume", method="POST", body={"to_gpu": 1}, expect=409)
+    assert "name a GPU for each" in error["message"]
+    op = await operate(jp_fetch, kernel.id, "resume", {"to_gpus": [1, 0]})
+    assert op["status"] == "succeeded", op
+    assert op["to_gpus"] == [1, 0] and op["to_gpu"] == 1, op
+    after = held_on(pid)
+    assert abs(after[1] - before[0]) < GIB and abs(after[0] - before[1]) < GIB, f"{before} -> {after}"
+    out = await kernel.run(BOTH_KEPT)
+    assert out.split() == ["True", "True", "cuda:0", "cuda:1", "3", "cuda:1"]
+    # Suspended again, it comes back where it was last, by default.
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded" and op["to_gpus"] == [0, 1], op
+    assert abs(held_on(pid)[1] - before[0]) < 2 * GIB
+    assert (await kernel.run("print(state_digest() == before, digest(other) == other_before)")).split() == ["True"] * 2
+
+
+async def test_the_host_stash_moves_an_idle_and_a_busy_kernel_and_keeps_every_value(jp_fetch, kernel):
+    """Forced (c.MigratableProvisioner.move_stash = "host"), as on GPUs without peer access: the tensors go
+    through files in memory; the busy cell serves it at its safe point and its losses match an unmoved run."""
+    pid = await build(kernel, gib=3)
+    kernel.manager.provisioner.move_stash = "host"
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "host stash", "lock", "checkpoint", "remap", "unlock", "take back",
+                                   "verify"], op["timings"]
+    fast = op["fast_path"]
+    assert fast["via"] == "host" and fast["stashed"] >= 3 * GIB and fast["reason"] is None, fast
+    print("host stash, idle:", op["total"], op["timings"], fast)
+    assert where(pid) == {1} and not _images(kernel).exists(), "the host stash's folder is gone"
+    out = await kernel.run("print(state_digest() == before, big.device)")
+    assert out.split() == ["True", "cuda:0"]
+    ref = await kernel.run("m, o, g = make(1); reference = train(m, o, g, 400, pause=0.005); print(len(reference))")
+    assert ref.strip() == "400"
+    cell = await start_busy(jp_fetch, kernel, "m, o, g = make(1); moved = train(m, o, g, 400, pause=0.005); "
+                                              "print(len(moved))")
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 0})
+    assert op["status"] == "succeeded", op
+    assert not cell.done(), "the move happened while the cell ran"
+    fast = op["fast_path"]
+    print("host stash, mid-cell:", op["total"], op["timings"], fast)
+    assert fast["via"] == "host" and fast["stashed"] >= 3 * GIB and "safe_point" in fast["seconds"], fast
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "400", result.errors
+    out = await kernel.run("print(moved == reference, state_digest() == before)")
+    assert out.split() == ["True", "True"], "the losses are those of the unmoved run"
+    assert where(pid) == {0}
 
 
 def test_doctor_on_a_gpu_machine_reports_every_gpu_row():

@@ -113,6 +113,16 @@ def _stashed(folder: Path, mib: int) -> tuple[bytearray, bytes]:
     return ns["blob"], expect
 
 
+def test_a_move_asks_for_cuda_tensors_alone_and_leaves_host_buffers_be(tmp_path: Path) -> None:
+    # A move between GPUs without peer access (engine/plans/gpu_move.py) has the kernel write only its CUDA
+    # storages: host memory does not change GPU. This process has none: nothing is written or freed.
+    ns = {"blob": bytearray(64 << 20), "In": []}
+    said = json.loads(hoststash.stash(str(tmp_path), min_total=1, gpu_only=True))
+    assert "aside" in said and "0.0 GB of large buffers" in said["aside"], said
+    assert len(ns["blob"]) == 64 << 20 and not list(tmp_path.iterdir()) and not hoststash.away()
+    assert [b.kind for b in hoststash.collect(None, 1 << 20)] == ["bytearray"], "a suspend would take it"
+
+
 def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:
     blob, expect = _stashed(tmp_path, 160)
     index_path = tmp_path / hoststash.INDEX

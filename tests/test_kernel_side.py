@@ -16,6 +16,7 @@ from helpers import (OPEN_IO_URING, KernelSession, WebSocketTab, Widgets, api, c
                      start_kernel, wait_suspended)
 
 from jupyter_gpumigrate.provisioner import can_import_package
+from jupyter_gpumigrate.engine.errors import GpuError
 from jupyter_gpumigrate.engine.stash import Offer, Stash, pack
 from jupyter_gpumigrate.kernel import stager
 from jupyter_gpumigrate.operations import EVENT_SCHEMA_ID
@@ -33,8 +34,10 @@ async def test_the_magic_is_there_without_load_ext(kernel):
 
 async def test_bad_arguments_are_usage_errors_without_a_traceback(kernel):
     for line, words in [
-        ("%migrate --to-gpu one", "invalid int value"),
-        ("%migrate --to-gpu -1", "GPU index, 0 or more"),
+        ("%migrate --to-gpu one", "--to-gpu takes a GPU index, or one per GPU the kernel holds separated by commas"),
+        ("%migrate --to-gpu 1,x", "got '1,x'"),
+        ("%migrate --to-gpu=-1", "GPU indices, 0 or more"),
+        ("%migrate --to-gpu 1,0 --transplant", "several GPUs (--to-gpu N,M) go with a move on this host only"),
         ("%migrate --list --to-gpu 1", "one of --list, --suspend, --back or a target"),
         ("%migrate --list --to-host b", "one of --list, --suspend, --back or a target"),
         ("%migrate --suspend --to-gpu 1", "one of --list, --suspend, --back or a target"),
@@ -347,6 +350,16 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
         assert stash.stash("GPU-unused", 2 * 10**9) == 0 and stash.helper is None
         assert stash.reason.startswith("the target GPU has no room for a stash beside the kernel")
         assert pack([3000, 1000, 700, 10], 4200) == ([0, 1, 3], [0, 3072, 4096], 4106)
+        # The helper starts early, while the kernel gathers its storages; where it cannot hold the stash
+        # (no GPU here) the allocation says why, and the fast path would step aside.
+        stash.warm("GPU-unused")
+        helper = stash.helper
+        assert helper is not None
+        stash.offer = Offer(offer.pid, [3 * 10**9])
+        if NO_GPU:
+            with pytest.raises(GpuError, match="The stash helper could not hold 3.0 GB on GPU GPU-unused: .+"):
+                await asyncio.to_thread(stash.stash, "GPU-unused", 1 << 40)
+            assert helper.proc.poll() is not None, "the helper has ended"
     finally:
         await asyncio.to_thread(stash.close)
     assert not os.path.exists(stash.path) and not os.path.exists(stash.folder)

@@ -109,14 +109,27 @@ def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
 
 
 class Helper:
-    """The process that holds the stash buffer on the target GPU (see :func:`_hold`)."""
+    """The process that holds the stash buffer on the target GPU (see :func:`_hold`). It starts (Python,
+    the CUDA driver, a context on the GPU: about 0.25 s) as soon as the target is known, while the kernel
+    gathers its storages; :meth:`allocate` then only allocates."""
 
-    def __init__(self, gpu_uuid: str, size: int, timeout: float = 60.0) -> None:
+    def __init__(self, gpu_uuid: str) -> None:
+        self.gpu_uuid = gpu_uuid
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu_uuid)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "jupyter_gpumigrate.engine.stash", str(size)],
+            [sys.executable, "-m", "jupyter_gpumigrate.engine.stash"],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
         )
+        self.handle: str | None = None
+
+    def allocate(self, size: int, timeout: float = 60.0) -> str:
+        """Have the helper allocate ``size`` bytes and export them: the CUDA IPC handle, or a GpuError."""
+        try:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(f"alloc {size}\n")
+            self.proc.stdin.flush()
+        except OSError:
+            pass  # it has exited already: its last line says why
         try:
             line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
             answer = json.loads(line) if line.startswith("{") else {}
@@ -126,9 +139,10 @@ class Helper:
             if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
                 answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
             self.stop()
-            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {gpu_uuid}: "
+            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {self.gpu_uuid}: "
                            f"{answer.get('error') or 'no answer'}")
-        self.handle: str = answer["handle"]
+        self.handle = str(answer["handle"])
+        return self.handle
 
     def stop(self, orphan: bool = False) -> None:
         """Free the buffer and end the helper (at once, or killed after 10 s). With ``orphan`` (the kernel
@@ -191,6 +205,12 @@ class Stash:
         self.reason: str | None = None
         self.seconds: dict[str, float] = {}
 
+    def warm(self, gpu_uuid: str) -> None:
+        """Start the helper on GPU ``gpu_uuid`` now, so that it is ready when the kernel has said what it
+        has (stopped on :meth:`close` if the fast path steps aside)."""
+        if self.helper is None:
+            self.helper = Helper(gpu_uuid)
+
     # -- the conversation ---------------------------------------------------------------------------
 
     def _send(self, message: dict) -> None:
@@ -245,9 +265,12 @@ class Stash:
                 "the kernel holds no large tensors"
             return 0
         started = time.perf_counter()
-        self.helper = Helper(gpu_uuid, size)
+        if self.helper is None or self.helper.gpu_uuid != gpu_uuid:
+            self._stop_helper()
+            self.helper = Helper(gpu_uuid)
+        handle = self.helper.allocate(size)
         self.seconds["helper"] = time.perf_counter() - started
-        self._send({"op": "stash", "handle": self.helper.handle, "take": take, "offsets": offsets})
+        self._send({"op": "stash", "handle": handle, "take": take, "offsets": offsets})
         self.unsure = True
         answer = self._receive(300)
         self.unsure = False
@@ -321,9 +344,10 @@ class Stash:
 # -- the helper process ----------------------------------------------------------------------------
 
 
-def _hold(size: int) -> int:
-    """Allocate ``size`` bytes on the one GPU this process sees, print its IPC handle as JSON, wait for
-    ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more seconds), free, exit.
+def _hold() -> int:
+    """Make a context on the one GPU this process sees; on ``alloc N`` from stdin allocate N bytes there,
+    print its IPC handle as JSON, wait for ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more
+    seconds), free, exit. Stdin ending before ``alloc``: exit at once.
 
     The CUDA driver API through cuda-bindings (the server's ``gpu`` extra): no torch in the server.
     """
@@ -343,7 +367,14 @@ def _hold(size: int) -> int:
         device = ok(driver.cuDeviceGet(0))
         context = ok(driver.cuDevicePrimaryCtxRetain(device))
         ok(driver.cuCtxSetCurrent(context))
-        pointer = ok(driver.cuMemAlloc(size))
+    except Exception as exc:  # said to the server once it asks, which steps aside
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 1
+    asked = sys.stdin.readline().split()
+    if len(asked) != 2 or asked[0] != "alloc":
+        return 0
+    try:
+        pointer = ok(driver.cuMemAlloc(int(asked[1])))
         handle = ok(driver.cuIpcGetMemHandle(pointer))
     except Exception as exc:  # said to the server, which steps aside
         print(json.dumps({"error": str(exc)}), flush=True)
@@ -356,4 +387,4 @@ def _hold(size: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(_hold(int(sys.argv[1])))
+    sys.exit(_hold())

@@ -34,6 +34,7 @@ from collections.abc import Sequence
 
 from .. import netstate, placement, proctree
 from ..errors import GpuError, ImageError
+from ..images import AUTO as WHERE_THERE_IS_ROOM
 from ..images import MEMORY, Manifest, choose
 from ..kernelproc import KernelProcess, public_connection_info
 from ..saga import ALWAYS, ProgressCallback, Saga, Step
@@ -126,7 +127,7 @@ def host_stash(ctx: MoveContext) -> None:
                      f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
         return
     store, kernel = ctx.tools.store, ctx.kernel
-    where, why = choose(store, MEMORY, ctx.move.needed, ctx.pid)
+    where, why = choose(store, WHERE_THERE_IS_ROOM, ctx.move.needed, ctx.pid)
     if where != MEMORY:
         ctx.aside = f"no host stash: {why}"
         return
@@ -178,6 +179,7 @@ def stash_tensors(ctx: MoveContext) -> None:
         return
     try:
         invited = time.perf_counter()
+        stash.warm(move.target.uuid)  # its helper starts while the kernel gathers its storages
         if ctx.invite:
             stash.reason = ctx.kernel.invite_stager(stash.path, stash.token)
             if stash.reason:

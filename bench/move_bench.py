@@ -1,0 +1,142 @@
+"""Moves between the GPUs of one host through a real server: the peer stash, the host stash, the driver alone,
+and a kernel on two GPUs swapped live and through a suspend.
+
+For each way a `jupyter server` with the extension is started; an IPython kernel fills GPU 0 with ``--sizes``
+GB of PyTorch tensors (from seeds), idle, and is moved to GPU 1 and back through the REST API. After every
+operation each tensor is compared, on the GPU, with one rebuilt from its seed (torch.equal: exact).
+
+Ways:
+  peer     c.MigratableProvisioner.move_stash = "peer": the tensors go over the GPUs' peer link into a stash
+           on the target GPU (engine/stash.py), the driver moves the rest
+  host     move_stash = "host", as on GPUs without peer access: the tensors go to files in memory through
+           pinned buffers (kernel/hoststash.py), the driver moves the rest
+  driver   fast_path "off": the CUDA driver copies everything
+  two      half the size on each of GPUs 0 and 1: swapped live (to_gpus [1, 0], the driver), then suspended
+           and resumed swapped again (images in memory)
+
+Floors, measured in the same run: the peer copy GPU 0 -> GPU 1 and pinned host <-> GPU copies (GB/s).
+Writes ``<out-dir>/<date>-<tag>-move.json``; the table comes last.
+
+    python3 bench/move_bench.py [--sizes 32] [--ways peer,host,driver,two]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cpu_bench import Server  # noqa: E402
+from report import text_table  # noqa: E402
+from suspend_bench import pinned_floors  # noqa: E402
+
+BUILD = """
+import torch
+PART = 2 * 10**9
+def part(i, n, device):
+    g = torch.Generator(device=device).manual_seed(i)
+    return torch.randint(0, 255, (n,), dtype=torch.uint8, device=device, generator=g)
+tensors = []
+for device, size in {layout}:
+    left = int(size * 1e9)
+    while left > 0:
+        n = min(PART, left); left -= n
+        tensors.append(part(len(tensors), n, device))
+torch.cuda.synchronize()
+torch.cuda.empty_cache()
+print(sum(t.numel() for t in tensors))
+"""
+CHECK = """
+ok = all(torch.equal(t, part(i, t.numel(), t.device)) for i, t in enumerate(tensors))
+torch.cuda.empty_cache()
+print(ok)
+"""
+
+
+def peer_floor(nbytes: int = 4 << 30) -> dict:
+    """GPU 0 -> GPU 1 copy of ``nbytes`` with peer access, GB/s (the second of two rounds)."""
+    code = (f"import torch,time\nn={nbytes}\na=torch.empty(n,dtype=torch.uint8,device='cuda:0');"
+            "b=torch.empty(n,dtype=torch.uint8,device='cuda:1')\nfor _ in (0,1):\n t=time.perf_counter();"
+            "b.copy_(a);torch.cuda.synchronize(0);torch.cuda.synchronize(1);s=time.perf_counter()-t\nprint(n/s/1e9)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    return {"peer_0_to_1": round(float(done.stdout.split()[-1]), 2)} if done.returncode == 0 else {}
+
+
+def checked(server: Server, kernel_id: str, what: str) -> None:
+    if server.run(kernel_id, CHECK).split()[-1] != "True":
+        raise RuntimeError(f"{what}: the tensors changed")
+
+
+def one_way(way: str, size: float, rows: list[dict]) -> None:
+    root = Path(tempfile.mkdtemp(prefix="gpumigrate-move-bench-", dir="/tmp"))
+    provisioner = {"suspend_to": "memory"}
+    if way in ("peer", "host"):
+        provisioner["move_stash"] = way
+    server = Server(root, {"MigratableProvisioner": provisioner})
+    try:
+        kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
+        layout = [("cuda:0", size / 2), ("cuda:1", size / 2)] if way == "two" else [("cuda:0", size)]
+        server.run(kernel_id, BUILD.format(layout=layout))
+        if way == "two":
+            steps = [("migrate", {"to_gpus": [1, 0]}, "swap live"), ("suspend", {}, "suspend"),
+                     ("resume", {"to_gpus": [1, 0]}, "resume swapped")]
+        else:
+            body = {"fast_path": "off"} if way == "driver" else {}
+            steps = [("migrate", {"to_gpu": 1, **body}, "0 -> 1"), ("migrate", {"to_gpu": 0, **body}, "1 -> 0")]
+        for action, body, label in steps:
+            op = server.operate(kernel_id, action, body)
+            if action != "suspend":
+                checked(server, kernel_id, f"{way} {label}")
+            row = {"way": way, "size_gb": size, "step": label, "total": op["total"], "timings": op["timings"],
+                   "fast_path": op.get("fast_path"), "to_gpus": op.get("to_gpus"), "to_gpu": op.get("to_gpu")}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+        server.api("DELETE", f"api/kernels/{kernel_id}")
+    finally:
+        server.stop()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def table(rows: list[dict], floor: dict) -> str:
+    head = ["way", "GB", "step", "total s", "GB/s", "stashed GB", "phases (>= 0.05 s)"]
+    body = []
+    for r in rows:
+        fast = r.get("fast_path") or {}
+        phases = " ".join(f"{k} {v:.2f}" for k, v in r["timings"].items() if v >= 0.05)
+        body.append([r["way"], f"{r['size_gb']:g}", r["step"], f"{r['total']:.2f}", f"{r['size_gb'] / r['total']:.1f}",
+                     f"{(fast.get('stashed') or 0) / 1e9:.1f}", phases])
+    return text_table(head, body) + "\nfloors (same run): " + ", ".join(f"{k} {v} GB/s" for k, v in floor.items())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="32", help="GB of tensors the kernel holds (two: half on each GPU)")
+    parser.add_argument("--ways", default="peer,host,driver,two")
+    parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--tag", default="gpu")
+    args = parser.parse_args()
+    floor = {**peer_floor(), **{k: round(v, 2) for k, v in pinned_floors(4 << 30).items()}}
+    print(json.dumps({"floors": floor}), flush=True)
+    rows: list[dict] = []
+    out = Path(args.out_dir) / f"{time.strftime('%Y-%m-%d')}-{args.tag}-move.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        for size in (float(s) for s in args.sizes.split(",")):
+            for way in args.ways.split(","):
+                one_way(way, size, rows)
+                out.write_text(json.dumps({"floors": floor, "rows": rows}, indent=1))
+    finally:
+        out.write_text(json.dumps({"floors": floor, "rows": rows}, indent=1))
+        print(table(rows, floor))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
