@@ -69,6 +69,12 @@ def peer_floor(nbytes: int = 4 << 30) -> dict:
     return {"peer_0_to_1": round(float(done.stdout.split()[-1]), 2)} if done.returncode == 0 else {}
 
 
+def gpu_names() -> str:
+    done = subprocess.run(["nvidia-smi", "--query-gpu=index,name,driver_version", "--format=csv,noheader"],
+                          capture_output=True, text=True, timeout=60)
+    return "; ".join(line.strip() for line in done.stdout.splitlines()) if done.returncode == 0 else "unknown"
+
+
 def checked(server: Server, kernel_id: str, what: str) -> None:
     if server.run(kernel_id, CHECK).split()[-1] != "True":
         raise RuntimeError(f"{what}: the tensors changed")
@@ -123,6 +129,7 @@ def main() -> int:
     parser.add_argument("--tag", default="gpu")
     args = parser.parse_args()
     floor = {**peer_floor(), **{k: round(v, 2) for k, v in pinned_floors(4 << 30).items()}}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpus": gpu_names()}
     print(json.dumps({"floors": floor}), flush=True)
     rows: list[dict] = []
     out = Path(args.out_dir) / f"{time.strftime('%Y-%m-%d')}-{args.tag}-move.json"
@@ -131,9 +138,9 @@ def main() -> int:
         for size in (float(s) for s in args.sizes.split(",")):
             for way in args.ways.split(","):
                 one_way(way, size, rows)
-                out.write_text(json.dumps({"floors": floor, "rows": rows}, indent=1))
+                out.write_text(json.dumps({"meta": meta, "floors": floor, "rows": rows}, indent=1))
     finally:
-        out.write_text(json.dumps({"floors": floor, "rows": rows}, indent=1))
+        out.write_text(json.dumps({"meta": meta, "floors": floor, "rows": rows}, indent=1))
         print(table(rows, floor))
     return 0
 

@@ -1,11 +1,12 @@
 """What the benchmarks share (the text table they print last), and docs/performance.md, made from results.
 
     python3 bench/report.py [RESULTS.json ...]     (default: the newest day's bench/results/*-bench.json,
-                                                    and the newest *-suspend.json)
+                                                    and the newest *-suspend.json and *-move.json)
 
 writes docs/performance.md: how each number was measured, then one table per run, with each method's
 ratio to ours *within that run* (ratios are never taken across runs); then GPU suspend and resume
-(bench/suspend_bench.py) against the floors measured in the same run.
+(bench/suspend_bench.py) and moves between GPUs (bench/move_bench.py), against the floors measured in
+the same run.
 """
 
 from __future__ import annotations
@@ -208,6 +209,62 @@ def suspend_section(path: Path) -> str:
     return "\n".join(out)
 
 
+MOVE_INTRO = """## Moves between GPUs: the peer stash, the host stash, the driver, a kernel on two GPUs
+
+Measured by `bench/move_bench.py` (`GPU_SUITE_BENCH_SCRIPT=bench/move_bench.py scripts/gpu-suite.sh run`):
+a real `jupyter server` with the extension and a real, idle IPython kernel holding *N* GB of PyTorch tensors
+on GPU 0, moved to GPU 1 and back through the REST API; after every operation each tensor is compared on
+the GPU with one rebuilt from its seed (`torch.equal`). Ways:
+
+- **peer**: `c.MigratableProvisioner.move_stash = "peer"`: the tensors go over the GPUs' peer link into a
+  stash on the target GPU (`jupyter_gpumigrate/engine/stash.py`); the driver moves the rest.
+- **host**: `move_stash = "host"`, what GPUs without peer access get: the kernel writes its CUDA tensors
+  into files in memory through pinned buffers (the suspend's host stash), the driver moves the rest, and
+  the kernel reads them back onto the target.
+- **driver**: `fast_path` off: the CUDA checkpoint driver copies everything.
+- **two**: half the tensors on each of GPUs 0 and 1: swapped live (`to_gpus` [1, 0]; the driver moves
+  both GPUs at once), then suspended (images in memory) and resumed with the GPUs swapped again.
+
+The floors are measured in the same run: a peer copy GPU 0 -> GPU 1 and pinned copies between host and GPU.
+"""
+
+
+def move_section(path: Path) -> str:
+    data = json.loads(path.read_text())
+    floors, rows = data["floors"], data["rows"]
+    meta = data.get("meta") or {"date": path.name[:10]}
+    body = []
+    for r in rows:
+        fast = r.get("fast_path") or {}
+        body.append([r["way"], f"{r['size_gb']:g}", r["step"], f"{r['total']:.2f}",
+                     f"{(fast.get('stashed') or 0) / GB:.1f}",
+                     ", ".join(f"{k} {v:.2f}" for k, v in r["timings"].items() if v >= 0.05)])
+    out = [f"### Run `{path.name}`", "", f"{meta['date']}; {meta.get('gpus', '')}".rstrip("; ") + ".", "",
+           md_table(["way", "GB", "step", "total s", "stashed GB", "phases (s)"], body), "",
+           "Floors in this run: " + ", ".join(f"{k.replace('_', ' ')} {v} GB/s" for k, v in floors.items()) + ".", ""]
+    by = {(r["way"], r["size_gb"], r["step"]): r for r in rows}
+    lines = []
+    for (way, size, step), r in sorted(by.items()):
+        driver = by.get(("driver", size, step))
+        if way in ("peer", "host") and driver is not None:
+            lines.append(f"{size:g} GB {step}, {way}: {driver['total'] / r['total']:.1f}× faster than the driver alone")
+        seconds = (r.get("fast_path") or {}).get("seconds") or {}
+        stashed = (r.get("fast_path") or {}).get("stashed") or 0
+        floor = floors.get("peer_0_to_1" if way == "peer" else "pinned_d2h")
+        if stashed and seconds.get("stash") and floor:
+            rate = stashed / seconds["stash"] / GB
+            lines.append(f"{size:g} GB {step}, {way}: the kernel's copy out ran at {rate:.1f} GB/s "
+                         f"({rate / floor:.2f} of the floor)")
+    if lines:
+        out += ["Ratios within this run: " + "; ".join(lines) + ".", ""]
+    return "\n".join(out)
+
+
+def newest_move_run() -> list[Path]:
+    found = sorted(RESULTS.glob("*-move.json"), key=lambda p: p.name)
+    return found[-1:]
+
+
 def newest_suspend_runs() -> list[Path]:
     """The newest run of bench/suspend_bench.py for each set of ways it measured (the four ways of images
     and stash, busy kernels...), oldest first."""
@@ -235,9 +292,11 @@ def main(argv: list[str]) -> int:
         newest = found[-1].name[:10]
         paths = [p for p in found if p.name.startswith(newest)]
     suspends = newest_suspend_runs()
-    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends)
+    moves = newest_move_run()
+    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves)
     DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
-                   ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends))
+                   ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends) +
+                   ("\n" + MOVE_INTRO if moves else "") + "".join("\n" + move_section(p) for p in moves))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 
