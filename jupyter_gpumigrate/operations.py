@@ -29,7 +29,7 @@ from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
 from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
 from .engine.plans import ALL_PHASES, PHASES
-from .engine.plans import gpu_move
+from .engine.plans import gpu_move, host_move
 from .engine.plans import transplant as transplant_plan
 from .engine.stash import Stash
 from .peers import Peer, PeerLink, UnknownPeer
@@ -250,10 +250,8 @@ class OperationManager:
         if fast_path == "off" or move is None or move.several:
             return None
         wanted = provisioner.move_stash
-        if fast_path == "caller" and wanted != gpu_move.HOST:
-            return gpu_move.PEER
         if wanted == gpu_move.AUTO:
-            return gpu_move.PEER if gpus_mod.peer_access(move.source, move.target) is not False else gpu_move.HOST
+            wanted = gpu_move.PEER if gpus_mod.peer_access(move.source, move.target) is not False else gpu_move.HOST
         return wanted
 
     def _check_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> bool:
@@ -365,6 +363,8 @@ class OperationManager:
                                f"then move it to {to_host}.")
         if provisioner.state not in (RUNNING, REMOTE):
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved.")
+        if provisioner.state == RUNNING and provisioner.pid:
+            host_move.refuse_several(placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()))
         criu = self._criu(provisioner)
         if provisioner.state == REMOTE:
             link = provisioner.remote_link
@@ -454,7 +454,8 @@ class OperationManager:
             self._emit(op)
             while not child.done:
                 await self.wait_change(child, child.version, 30)
-            result.update(status=child.status, error=child.error, to_gpu=child.to_gpu)
+            # A kernel on several GPUs: where its drained GPU went (the child's to_gpu is its first GPU's).
+            result.update(status=child.status, error=child.error, to_gpu=target if len(holds) > 1 else child.to_gpu)
             self._emit(op)
         op.timings = {"drain": time.perf_counter() - started}
         op.bytes = sum(self.operations[c].bytes for c in op.children if c in self.operations)
@@ -544,7 +545,8 @@ class OperationManager:
             if outcome.to_gpu is not None or op.to_host is not None:
                 op.to_gpu = outcome.to_gpu
             if outcome.to_gpus is not None:
-                op.to_gpus, op.from_gpus = outcome.to_gpus, outcome.from_gpus
+                op.to_gpus = outcome.to_gpus
+                op.from_gpus = outcome.from_gpus if op.action == "migrate" else None
             if outcome.transferred is not None:
                 op.bytes = outcome.transferred
             op.fast_path = outcome.fast_path.to_dict() if outcome.fast_path is not None else None
@@ -597,7 +599,8 @@ class OperationManager:
             if getattr(op, key) is not None:
                 data[key] = getattr(op, key)
         if op.fast_path is not None:
-            data["fast_path"] = {"stashed": op.fast_path["stashed"], "reason": op.fast_path["reason"] or ""}
+            data["fast_path"] = {"stashed": op.fast_path["stashed"], "reason": op.fast_path["reason"] or "",
+                                 "via": op.fast_path.get("via") or ""}
         if op.action == "drain":
             data["gpu"] = op.gpu
             data["children"] = list(op.children)

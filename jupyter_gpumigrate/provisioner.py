@@ -65,8 +65,7 @@ RELEASE_TORCH_CACHE = (
 )
 
 #: Evaluated in an idle IPython kernel: the host stash of a suspend, and its way back (kernel/hoststash.py).
-HOST_STASH_CALL = ("__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}, "
-                   "gpu_only={gpu_only})")
+HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
 #: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
@@ -511,7 +510,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if getattr(self.parent, "execution_state", None) != "idle":
             return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
-                                            min_total=int(min_total), gpu_only=bool(gpu_only)), timeout,
+                                            min_total=int(min_total),
+                                            # only for a move: a kernel with an older version still serves a suspend
+                                            more=", gpu_only=True" if gpu_only else ""), timeout,
                                             alive=self._is_ours))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:

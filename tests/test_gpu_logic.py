@@ -136,6 +136,28 @@ def test_a_kernel_suspended_on_two_gpus_resumes_where_it_was_else_on_the_roomies
     assert listed and all(not t["ok"] and "name a GPU for each" in t["reason"] for t in listed)
 
 
+def test_where_a_moves_tensors_wait_follows_the_setting_and_the_request():
+    from types import SimpleNamespace
+
+    from jupyter_gpumigrate.engine.plans import host_move
+    from jupyter_gpumigrate.operations import OperationManager
+
+    one = placement.plan_move([gpu(0), gpu(1)], held(0, 8 * GIB), 1, 580)
+    two = placement.plan_move([gpu(0), gpu(1)], held(0, GIB) + held(1, GIB), [1, 0], 580)
+    for setting in ("peer", "host"):
+        provisioner = SimpleNamespace(move_stash=setting)
+        assert OperationManager._move_via(provisioner, one, "auto") == setting
+        assert OperationManager._move_via(provisioner, one, "caller") == setting, "%migrate gets the host stash too"
+        assert OperationManager._move_via(provisioner, one, "off") is None, "off: the driver moves everything"
+        assert OperationManager._move_via(provisioner, two, "auto") is None, "several GPUs: the driver moves them"
+    if not os.path.exists("/dev/nvidiactl"):  # NVML cannot say: the peer link is tried, and steps aside if it fails
+        assert OperationManager._move_via(SimpleNamespace(move_stash="auto"), one, "auto") == "peer"
+    # A move to another host takes a kernel on one GPU, said before anything is touched.
+    host_move.refuse_several(held(0, GIB))
+    with pytest.raises(GpuError, match="holds GPUs 0 and 1: a move to another host takes a kernel on one GPU"):
+        host_move.refuse_several(held(1, GIB) + held(0, GIB))
+
+
 def test_without_cuda_core_or_a_driver_the_checkpoint_api_says_what_to_install():
     if os.path.exists("/dev/nvidiactl"):
         pytest.skip("this machine has an NVIDIA driver: the gpu suite exercises the checkpoint API itself")

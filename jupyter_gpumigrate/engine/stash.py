@@ -306,6 +306,11 @@ class Stash:
                     pass
         self._file = self._conn = None
 
+    def stop_helper(self) -> None:
+        """End the helper, if one runs, holding nothing the kernel needs (the fast path stepped aside)."""
+        if not self.held and not self.unsure:
+            self._stop_helper()
+
     def _stop_helper(self) -> None:
         if self.helper is not None:
             self.helper.stop()

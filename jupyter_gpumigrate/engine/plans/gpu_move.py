@@ -127,6 +127,11 @@ def host_stash(ctx: MoveContext) -> None:
                      f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
         return
     store, kernel = ctx.tools.store, ctx.kernel
+    earlier = store.path_for(kernel.kernel_id)
+    if earlier.exists() or earlier.is_symlink():
+        # An earlier stash the kernel could not read back (a server start said so): its only copy.
+        ctx.aside = f"{earlier} holds an earlier stash of this kernel, not read back yet: restart the server to retry"
+        return
     where, why = choose(store, WHERE_THERE_IS_ROOM, ctx.move.needed, ctx.pid)
     if where != MEMORY:
         ctx.aside = f"no host stash: {why}"
@@ -152,9 +157,11 @@ def take_back_host(ctx: MoveContext) -> None:
     try:
         said = ctx.kernel.host_take_back(str(ctx.host_folder), timeout)
     except (OSError, RuntimeError, TimeoutError) as exc:
-        raise ImageError(f"The kernel could not read its tensors back from {ctx.host_folder} ({exc}); they are "
-                         "kept there, and the move is undone.") from exc
-    ctx.keep_images = keep
+        raise ImageError(f"The kernel could not read its tensors back from {ctx.host_folder} ({exc}): the move "
+                         "is undone, and the kernel reads them back on the GPU it came from (if it cannot, they "
+                         "stay in that folder, and the error says so).") from exc
+    finally:
+        ctx.keep_images = keep  # the undo of the host stash keeps them again for as long as it reads
     # The same record the host stash's undo reads: nothing is away any more.
     ctx.stash_said.update(taken_back=True, unstashed=said.get("unstashed"), unstash_seconds=said.get("seconds"))
 
@@ -196,6 +203,9 @@ def stash_tensors(ctx: MoveContext) -> None:
             raise  # tensors may be in the stash: closing it has the kernel take them back, not the driver
         stash.reason = str(exc) or type(exc).__name__  # nothing left the kernel: the driver moves it all
         return
+    finally:
+        if not stash.held and not stash.unsure:
+            stash.stop_helper()  # it stepped aside: no context of the helper's may take the target's room
     ctx.undo(lambda: take_back(ctx))
 
 
@@ -227,8 +237,9 @@ def verify(ctx: MoveContext) -> None:
         if time.monotonic() >= deadline:
             where = ", ".join(str(g.index) for g in gpus if g.uuid in on) or "no GPU"
             wanted = ", ".join(str(i) for i in ctx.move.to_gpus)
-            raise GpuError(f"After the move NVML shows the kernel on {where}, not on GPU {wanted} alone; it was "
-                           "moved back.")
+            plural = "s" if ctx.move.several else ""
+            raise GpuError(f"After the move NVML shows the kernel on {where}, not on GPU{plural} {wanted} alone; it "
+                           "was moved back.")
         time.sleep(0.1)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import hostfit, netstate
-from ..errors import ImageError, InvalidState, MigrateError
+from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess, kernel_listens
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, adopt_restored, checkpoint, dump, forget_images, gpu_use,
@@ -143,11 +143,22 @@ def prepare_away(ctx: HostContext) -> None:
     pid = running_pid(ctx)
     # The other host says everything it lacks before anything here is touched.
     _, held, _ = gpu_use(ctx, pid)
+    refuse_several(held)
     ctx.link.check(hostfit.requirements_of(pid, kernel_listens(ctx.kernel.kernel_connection_info)),
                    held[0] if held else None, ctx.to_gpu)
     # Images that live only until the kernel answers there: in memory where there is room (images.choose),
     # as the server's suspend_to allows.
     new_images(ctx, pid, ctx.tools.images)
+
+
+def refuse_several(held: list[dict]) -> None:
+    """A move to another host takes a kernel on one GPU: the other host checks room for one GPU before the
+    dump, and a return names one GPU. Said before anything is touched."""
+    if len(held) > 1:
+        where = " and ".join(str(h["index"]) for h in sorted(held, key=lambda h: int(h["index"])))
+        raise GpuError(f"The kernel holds GPUs {where}: a move to another host takes a kernel on one GPU. Free the "
+                       "others in the kernel (delete their tensors, then torch.cuda.empty_cache()), or move it "
+                       "between this host's GPUs (--to-gpu with one GPU for each).")
 
 
 def send_images(ctx: HostContext) -> None:

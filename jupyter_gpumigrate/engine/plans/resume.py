@@ -84,4 +84,4 @@ def run(kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None 
     several = ctx.move is not None and ctx.move.several
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest,
                    to_gpu=ctx.move.target.index if ctx.move else None, stash=ctx.stash or None,
-                   from_gpus=ctx.move.from_gpus if several else None, to_gpus=ctx.move.to_gpus if several else None)
+                   to_gpus=ctx.move.to_gpus if several else None)
