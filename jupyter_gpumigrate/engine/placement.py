@@ -43,10 +43,6 @@ class Move:
 
     pairs: tuple[Pair, ...]
 
-    @classmethod
-    def single(cls, source: GpuInfo, target: GpuInfo, needed: int) -> Move:
-        return cls((Pair(source, target, needed),))
-
     @property
     def source(self) -> GpuInfo:
         """The first source (the only one of a kernel on one GPU)."""

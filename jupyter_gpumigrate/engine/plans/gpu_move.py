@@ -31,6 +31,7 @@ from __future__ import annotations
 import time
 
 from collections.abc import Sequence
+from pathlib import Path
 
 from .. import netstate, placement, proctree
 from ..errors import GpuError, ImageError
@@ -85,7 +86,7 @@ class MoveContext(KernelContext):
         #: peer, host or auto (decided in prepare); None: the driver moves everything
         self.via: str | None = via
         #: the host stash: its folder (None: not made), and what the kernel said (``stashed``..., or ``aside``)
-        self.host_folder = None
+        self.host_folder: Path | None = None
         self.stash_said: dict = {}
         #: why the host stash or the fast path stepped aside, set where it is decided
         self.aside: str | None = None
