@@ -659,6 +659,25 @@ async def test_a_transplant_onto_a_gpu_keeps_every_value_and_the_losses_continue
         "the losses go on as they would have in the source"
 
 
+async def test_a_transplant_forced_onto_the_other_gpu_keeps_every_value_and_the_losses(jp_fetch, kernel):
+    """Between two GPUs of one model the driver moves the process; a transplant there, asked for, carries
+    the objects into a new process on the other GPU instead, and says so."""
+    pid = await build(kernel, gib=1)
+    assert (await kernel.run(REFERENCE, timeout=120)).split() == ["True"]
+    reference = await kernel.run("print(reference)")
+    survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
+                       body={"to_gpu": 1, "dry_run": True})
+    assert survey["same_model"] is True and survey["to_gpu"] == 1, survey
+    op = await operate(jp_fetch, kernel.id, "transplant", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert op["from_gpu"] == 0 and op["to_gpu"] == 1 and op["bytes"] >= GIB
+    new = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert new != pid and where(new) == {1} and not Path(f"/proc/{pid}").exists()
+    out = await kernel.run("print(state_digest() == before, big.device, torch.cuda.device_count())")
+    assert out.split() == ["True", "cuda:0", "1"], "the new process sees its one GPU as cuda:0"
+    assert await kernel.run("print(train(model, opt, gen, 5))", timeout=120) == reference
+
+
 async def test_a_gpu_kernel_transplanted_to_the_cpu_and_back_keeps_every_value(jp_fetch, kernel):
     pid = await build(kernel, gib=1, gpus=1)
     survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
