@@ -45,7 +45,7 @@ class MigrateWidget:
     def refresh(self) -> None:
         gpus = self.client.gpus()["gpus"]
         me = self.client.me()
-        mine = me["gpus"][0]["index"] if me.get("gpus") else None
+        mine = {g["index"] for g in me.get("gpus") or []}  # a kernel may hold several GPUs
         self.rows.children = [self._gpu_row(g, mine) for g in gpus] or [
             w.HTML("No NVIDIA GPU is visible to the Jupyter server: there is nowhere to move this kernel.")
         ]
@@ -53,12 +53,14 @@ class MigrateWidget:
         targets = me.get("targets") or []
         choices = [(f"GPU {t['index']} ({self._free(by_index.get(t['index']))} GB free)", t["index"])
                    for t in targets if t["ok"]]
-        refused = [f"GPU {t['index']}: {t['reason']}" for t in targets if not t["ok"] and t["index"] != mine]
+        refused = [f"GPU {t['index']}: {t['reason']}" for t in targets if not t["ok"] and t["index"] not in mine]
+        if len(mine) > 1 and refused:  # one sentence for every GPU: how to name a GPU for each (%migrate --to-gpu)
+            refused = [refused[0].split(": ", 1)[1]]
         self.reasons.value = "<br>".join(html.escape(r) for r in refused)
         self.target.options = choices
         self.target.value = choices[0][1] if choices else None
         self.button.disabled = not choices
-        if mine is None and gpus and not self.moving:
+        if not mine and gpus and not self.moving:
             self.message.value = "This kernel holds no GPU memory: there is nothing to move."
 
     @staticmethod
@@ -66,13 +68,13 @@ class MigrateWidget:
         return "?" if g is None else f"{(g['memory_total'] - g['memory_used']) / GB:.0f}"
 
     @staticmethod
-    def _gpu_row(g: dict, mine: int | None) -> w.Widget:
+    def _gpu_row(g: dict, mine: set[int]) -> w.Widget:
         used, total = g["memory_used"], g["memory_total"]
         bar = w.FloatProgress(value=used, min=0, max=max(total, 1), description=f"GPU {g['index']}",
-                              bar_style="info" if g["index"] == mine else "")
+                              bar_style="info" if g["index"] in mine else "")
         util = "-" if g["utilization"] is None else f"{g['utilization']}%"
         kernels = ", ".join(k["id"][:8] for k in g["kernels"]) or "no kernels"
-        here = " <b>◀ this kernel</b>" if g["index"] == mine else ""
+        here = " <b>◀ this kernel</b>" if g["index"] in mine else ""
         text = (f"{html.escape(g['name'])}: {gb(used)} / {gb(total)} GB, util {util}; "
                 f"{html.escape(kernels)}{here}")
         return w.HBox([bar, w.HTML(text)])
