@@ -169,13 +169,20 @@ def new_images(ctx: KernelContext, pid: int, images: str = DISK) -> None:
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
     held = sorted(held, key=lambda h: int(h["index"]))
     ctx.gpu.track(cuda_pids, [h["uuid"] for h in held], sum(int(h["memory_used"]) for h in held))
-    ctx.manifest = Manifest(
+    ctx.manifest = manifest_of(ctx.kernel, pid, held, cuda_pids, ctx.criu.binary.version_string)
+
+
+def manifest_of(kernel: KernelProcess, pid: int, held: list[dict], cuda_pids: list[int],
+                criu_version: str) -> Manifest:
+    """The manifest of ``kernel``'s tree under ``pid``, which holds ``held`` (index, uuid, name, bytes of
+    each GPU) through its CUDA processes ``cuda_pids``."""
+    return Manifest(
         kernel_id=kernel.kernel_id,
         kernel_name=kernel.kernel_name,
         pid=pid,
         # Every PID and TID must be free again at restore: remember them to name a conflict.
         ids=proctree.tree_ids(pid),
-        criu_version=ctx.criu.binary.version_string,
+        criu_version=criu_version,
         gpus=held,
         cuda_pids=cuda_pids,
         connection_info=public_connection_info(kernel.kernel_connection_info),

@@ -29,20 +29,19 @@ it all.
 from __future__ import annotations
 
 import time
-
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import netstate, placement, proctree
+from .. import placement
 from ..errors import GpuError, ImageError
 from ..images import AUTO as WHERE_THERE_IS_ROOM
-from ..images import MEMORY, Manifest, choose
-from ..kernelproc import KernelProcess, public_connection_info
+from ..images import MEMORY, choose
+from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ProgressCallback, Saga, Step
 from ..stash import MIN_STASH, Stash
 from . import suspend
 from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, forget_new_images, gpu_use, lock, \
-    release_cache, running_pid, unlock
+    manifest_of, release_cache, running_pid, unlock
 
 #: Where a move's large tensors wait while the driver moves the rest: in a stash on the target GPU over
 #: the peer link, in files in memory (the host stash), or chosen by the GPUs' peer access (auto).
@@ -74,7 +73,7 @@ def saga() -> Saga[MoveContext]:
 
 class MoveContext(KernelContext):
     def __init__(self, kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Stash | None, invite: bool,
-                 verify_timeout: float, via: str = AUTO) -> None:
+                 verify_timeout: float, via: str | None = AUTO) -> None:
         super().__init__(kernel, tools)
         #: the target GPU, or one per GPU the kernel holds (in the order of their indices)
         self.to = to
@@ -139,13 +138,9 @@ def host_stash(ctx: MoveContext) -> None:
         return
     ctx.images = ctx.host_folder = store.create(kernel.kernel_id, MEMORY)
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)
-    ctx.manifest = Manifest(
-        kernel_id=kernel.kernel_id, kernel_name=kernel.kernel_name, pid=ctx.pid, ids=proctree.tree_ids(ctx.pid),
-        criu_version="", gpus=[{"index": p.source.index, "uuid": p.source.uuid, "name": p.source.name,
-                                "memory_used": p.needed} for p in ctx.move.pairs],
-        cuda_pids=list(ctx.gpu.pids), connection_info=public_connection_info(kernel.kernel_connection_info),
-        clients=netstate.client_counts(proctree.descendants(ctx.pid)), sessions=list(kernel.sessions),
-    )
+    held = [{"index": p.source.index, "uuid": p.source.uuid, "name": p.source.name, "memory_used": p.needed}
+            for p in ctx.move.pairs]
+    ctx.manifest = manifest_of(kernel, ctx.pid, held, list(ctx.gpu.pids), criu_version="")  # no dump: no CRIU
     ctx.stash_said = suspend.write_stash(ctx, MIN_STASH, ctx.move.needed, gpu_only=True)
     if "stashed" not in ctx.stash_said:
         ctx.aside = str(ctx.stash_said.get("aside") or "the kernel did not write its tensors")
@@ -251,7 +246,7 @@ def close_stash(ctx: MoveContext) -> None:
 
 def run(kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Stash | None = None,
         invite: bool = True, verify_timeout: float = 10.0, progress: ProgressCallback | None = None,
-        via: str = AUTO) -> Outcome:
+        via: str | None = AUTO) -> Outcome:
     """Move the running kernel onto GPU ``to`` (or, on several GPUs, onto one GPU named per GPU it holds).
     With ``stash`` (listening) and the GPUs' peer access (``via``), its large tensors take the fast path:
     the kernel is invited to connect to it (``invite``), or the caller, the kernel's own %migrate, connects
