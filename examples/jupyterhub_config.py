@@ -50,6 +50,9 @@ c.JupyterHub.services = [
             # state kept; users resume them from the panel or by running a cell. 0 turns the policy off.
             # A kernel is also left alone for an hour after its last operation (--idle-grace-minutes).
             "--idle-suspend-minutes", "60",
+            # Opt-in: an idle GPU kernel whose objects all carry goes on on the CPU instead (a transplant;
+            # its user can go back to its GPU process for an hour). The others are suspended.
+            # "--idle-to-cpu",
             # How long one user's server may take to answer before the page shows it as an error.
             "--server-timeout", "10",
         ],

@@ -46,6 +46,7 @@ Examples
     jupyter gpumigrate transplant 3f2a --to-cpu    # its objects into a new kernel without a GPU (asks first)
     jupyter gpumigrate back 3f2a                   # after a transplant: back to the process it replaced
     jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
+    jupyter gpumigrate drain --gpu 0 --transplant  # ...transplanting those the driver cannot move
     jupyter gpumigrate list --json --url http://host:8888/ --token TOKEN
 
 Exit status: 0 done, 1 failed, 2 usage, 3 no server (or token refused)."""
@@ -359,7 +360,9 @@ def cmd_drain(args: argparse.Namespace) -> int:
     if len(servers) > 1 and not args.url:
         raise CliError("Several servers run jupyter_gpumigrate here: name one with --url and --token.", EXIT_USAGE)
     server = servers[0]
-    body = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {}
+    body: dict = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {}
+    if args.transplant:
+        body["transplant"] = True
     op = server.call(lambda c: c.drain(args.gpu, body))
     progress = DrainProgress()
 
@@ -472,6 +475,10 @@ def parser() -> argparse.ArgumentParser:
     dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
     dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")
     dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")
+    dr.add_argument("--transplant", action="store_true",
+                    help="where the driver cannot move a kernel (no GPU of its model with room), transplant its "
+                         "objects instead: onto --to-gpu, else the roomiest GPU of any model, else the CPU; only a "
+                         "kernel all of whose objects carry")
     dr.set_defaults(func=cmd_drain)
     return top
 

@@ -398,8 +398,11 @@ class OperationManager:
 
     # -- drain ---------------------------------------------------------------------------------------
 
-    def drain(self, index: int, to_gpu: int | None = None) -> Operation:
-        """Move every kernel off GPU ``index``: one operation, with a child operation per kernel."""
+    def drain(self, index: int, to_gpu: int | None = None, transplant: bool = False) -> Operation:
+        """Move every kernel off GPU ``index``: one operation, with a child operation per kernel.
+        ``transplant``: a kernel the driver cannot move (no other GPU of its model, or none with room) is
+        transplanted instead, onto ``to_gpu`` or the GPU of any model with the most room, else to the
+        CPU, provided that everything of it carries (the dry run names nothing left)."""
         gpus = gpus_mod.snapshot()
         placement.gpu_by_index(gpus, index)
         if to_gpu is not None:
@@ -414,37 +417,45 @@ class OperationManager:
         if to_gpu is not None and to_gpu in self._draining():
             raise InvalidState(f"GPU {to_gpu} is being drained itself: name another GPU, or none.")
         op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
-        return self._launch(op, self._drain(op, self.views.kernels_on(index, gpus)))
+        return self._launch(op, self._drain(op, self.views.kernels_on(index, gpus), transplant))
 
-    async def _drain(self, op: Operation, kernel_ids: list[str]) -> None:
+    async def _drain(self, op: Operation, kernel_ids: list[str], transplant: bool) -> None:
         # One kernel after the other: each move already saturates the driver's copy path, and a GPU's
         # free memory is known for the next choice only once the previous move is done.
         op.status = RUNNING_OP
         self._emit(op)
         try:
-            await self._drain_each(op, kernel_ids)
+            await self._drain_each(op, kernel_ids, transplant)
         except Exception as exc:  # a drain must always end with a status (NVML may fail on a failing GPU)
             log.exception("gpumigrate: drain of GPU %s failed", op.gpu)
             op.status, op.error = FAILED, f"The drain stopped: {exc}. Kernels not yet moved run where they were."
             op.finished = time.time()
             self._emit(op)
 
-    async def _drain_each(self, op: Operation, kernel_ids: list[str]) -> None:
+    async def _drain_each(self, op: Operation, kernel_ids: list[str], transplant: bool) -> None:
         started = time.perf_counter()
         for kernel_id in kernel_ids:
-            result: dict[str, Any] = {"kernel_id": kernel_id, "status": PENDING, "operation": None, "error": None}
+            result: dict[str, Any] = {"kernel_id": kernel_id, "status": PENDING, "operation": None, "error": None,
+                                      "way": "move"}
             op.results.append(result)
+            holds: list[int] = []
             try:
                 gpus = gpus_mod.snapshot()
                 assert op.gpu is not None
                 # A kernel on several GPUs: the drained one goes to the target, the others stay.
                 holds = sorted(int(h["index"]) for h in placement.held_by_tree(self.provisioner(kernel_id).pid, gpus))
-                target = op.to_gpu if op.to_gpu is not None else placement.drain_target(
-                    gpus, op.gpu, kernel_id, draining={*self._draining(), *holds})
-                if len(holds) > 1:
-                    child = self.start(kernel_id, "migrate", to_gpus=[target if i == op.gpu else i for i in holds])
-                else:
-                    child = self.start(kernel_id, "migrate", to_gpu=target)
+                try:
+                    target = op.to_gpu if op.to_gpu is not None else placement.drain_target(
+                        gpus, op.gpu, kernel_id, draining={*self._draining(), *holds})
+                    if len(holds) > 1:
+                        child = self.start(kernel_id, "migrate", to_gpus=[target if i == op.gpu else i for i in holds])
+                    else:
+                        child = self.start(kernel_id, "migrate", to_gpu=target)
+                except GpuError as exc:  # where the driver cannot take it
+                    if not transplant or len(holds) > 1:
+                        raise
+                    child, target = await self._drain_transplant(op, kernel_id, exc)
+                    result["way"] = "transplant"
             except MigrateError as exc:
                 result.update(status=FAILED, error=str(exc))
                 self._emit(op)
@@ -471,6 +482,24 @@ class OperationManager:
             op.status = SUCCEEDED
         op.finished = time.time()
         self._emit(op)
+
+    async def _drain_transplant(self, op: Operation, kernel_id: str, why: GpuError) -> tuple[Operation, int | None]:
+        """A drain's transplant of a kernel the driver cannot move (``why``): started only if everything of
+        it carries; onto the drain's ``to_gpu``, else the roomiest GPU, else the CPU."""
+        survey = await self.survey(kernel_id, None)
+        left = survey.get("left") or []
+        if left:
+            lost = ", ".join(f"{r['name']} ({r['reason']})" for r in left)
+            raise InvalidState(f"{str(why).rstrip('.')}; a transplant would lose {lost}, so it was not "
+                               f"transplanted. It runs on, on GPU {op.gpu}.")
+        target = op.to_gpu
+        if target is None:
+            assert op.gpu is not None
+            needed = int(survey.get("gpu_bytes", survey.get("bytes", 0)))
+            target = placement.transplant_target(gpus_mod.snapshot(), op.gpu, needed, self._draining())
+        log.info("gpumigrate: drain of GPU %s: kernel %s is transplanted to %s: %s", op.gpu, kernel_id,
+                 "the CPU" if target is None else f"GPU {target}", why)
+        return self.start(kernel_id, "transplant", to_gpu=target, accept_left=[]), target
 
     def _draining(self) -> set[int]:
         """GPUs being drained now: no kernel is sent there."""

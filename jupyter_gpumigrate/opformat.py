@@ -207,10 +207,18 @@ def drain_report(op: dict) -> str:
     if not results and op.get("status") == "succeeded":
         return f"GPU {op.get('gpu')} holds no kernel of this server: nothing to move."
     if op.get("status") == "succeeded":
-        where = ", ".join(sorted({f"GPU {r.get('to_gpu')}" for r in moved}))
-        return f"GPU {op.get('gpu')} drained: {len(moved)} kernel(s) moved to {where} in {op.get('total', 0):.2f} s."
+        where = ", ".join(sorted({_drained_to(r) for r in moved}))
+        carried = sum(1 for r in moved if r.get("way") == "transplant")
+        how = f" ({carried} of them transplanted: their objects, in a new process)" if carried else ""
+        return (f"GPU {op.get('gpu')} drained: {len(moved)} kernel(s) moved to {where}{how} in "
+                f"{op.get('total', 0):.2f} s.")
     return (f"GPU {op.get('gpu')} not drained: {len(moved)} of {len(results)} kernel(s) moved; the others run on "
             "where they were.")
+
+
+def _drained_to(result: dict) -> str:
+    """Where a drain sent a kernel: ``GPU 1``, or ``the CPU`` (a transplant)."""
+    return "the CPU" if result.get("to_gpu") is None else f"GPU {result.get('to_gpu')}"
 
 
 class DrainProgress:
@@ -225,10 +233,11 @@ class DrainProgress:
             if self.seen.get(r["kernel_id"]) == r["status"] or r["status"] == "pending":
                 continue
             self.seen[r["kernel_id"]] = r["status"]
+            verb = ("transplanting", "transplanted") if r.get("way") == "transplant" else ("moving", "moved")
             if r["status"] == "running":
-                out.append(f"  kernel {r['kernel_id']}: moving to GPU {r.get('to_gpu')}...")
+                out.append(f"  kernel {r['kernel_id']}: {verb[0]} to {_drained_to(r)}...")
             elif r["status"] == "succeeded":
-                out.append(f"  kernel {r['kernel_id']}: moved to GPU {r.get('to_gpu')}")
+                out.append(f"  kernel {r['kernel_id']}: {verb[1]} to {_drained_to(r)}")
             else:
                 out.append(f"  kernel {r['kernel_id']}: NOT moved: {r.get('error') or 'unknown error'}")
         return out

@@ -503,3 +503,28 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         yield folder
     finally:
         subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+class ThisServer:
+    """What the Hub service's idle policy asks of its ``Servers`` (hub/servers.py), answered by this test's
+    own server with the extension: one user's server, its real kernels and answers. The Hub's own path to
+    users' servers (tokens, proxy) is tested in test_hub.py with a real Hub; this puts the policy's
+    decisions on kernels the Hub tests cannot make (one on a GPU)."""
+
+    parallel = 1
+
+    def __init__(self, jp_fetch: Any) -> None:
+        self.jp_fetch = jp_fetch
+
+    async def running(self) -> list:
+        from jupyter_gpumigrate.hub.servers import UserServer
+
+        return [UserServer("me", "", "http://this-test")]
+
+    async def views(self, servers: list) -> list[dict]:
+        return [{"error": None, "kernels": await api(self.jp_fetch, "kernels")} for _ in servers]
+
+    async def call(self, server: Any, path: str, method: str = "GET", body: Any = None, timeout: float | None = None
+                   ) -> Any:
+        expect = 202 if method == "POST" and not (body or {}).get("dry_run") else 200
+        return await api(self.jp_fetch, *path.split("/"), method=method, body=body, expect=expect)

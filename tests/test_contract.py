@@ -161,8 +161,10 @@ def test_every_field_the_server_writes_is_described():
                        error="b went away.", to_host="b", from_host="a", phases=list(PHASES["move_to_host"]))
     check("Operation", failed.to_dict())
     drain = Operation(kernel_id="", action="drain", gpu=0, to_gpu=None, children=["c1"], results=[
-        {"kernel_id": "k1", "status": "succeeded", "operation": "c1", "error": None, "to_gpu": 1},
-        {"kernel_id": "k2", "status": "failed", "operation": None, "error": "no room"}])
+        {"kernel_id": "k1", "status": "succeeded", "operation": "c1", "error": None, "to_gpu": 1, "way": "move"},
+        {"kernel_id": "k2", "status": "failed", "operation": None, "error": "no room", "way": "move"},
+        {"kernel_id": "k3", "status": "succeeded", "operation": "c3", "error": None, "to_gpu": None,
+         "way": "transplant"}])
     check("Operation", drain.to_dict())
     reply = {**move.to_dict(), "stager": {"path": "/run/x.sock", "token": "t"}}  # to the kernel's own %migrate
     check("Operation", reply)
@@ -275,6 +277,8 @@ async def test_every_route_answers_as_the_schema_says(jp_fetch, kernel):
     assert "needs to_gpu, to_gpus" in error["message"]
     error = await walk.call("POST", "/gpus/{index}/drain", index="0", raw='{"to_gpu": "1"}', expect=400)
     assert error["message"].startswith("'to_gpu' must be a whole number >= 0"), error
+    error = await walk.call("POST", "/gpus/{index}/drain", index="0", raw='{"transplant": "yes"}', expect=400)
+    assert error["message"].startswith("'transplant' must be true or false"), error
     error = await walk.call("POST", "/kernels/{kernel_id}/resume", kernel_id=kid, raw='{"to_gpu": 0, "x": 1}',
                             expect=400)
     assert error["message"] == "Unknown field(s) x; allowed fields: to_gpu, to_gpus.", error

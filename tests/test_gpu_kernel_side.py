@@ -13,11 +13,13 @@ import subprocess
 import sys
 
 import pytest
-from helpers import Widgets, api, cli, operate, remote, wait_suspended
+from helpers import KernelSession, ThisServer, Widgets, api, cli, operate, remote, server_sees_idle, start_kernel, \
+    wait_operation, wait_suspended
 from test_gpu import GIB, build, where
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.plans import PHASES
+from jupyter_gpumigrate.hub.policy import IdlePolicy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_binary")]
 
@@ -144,3 +146,62 @@ async def test_a_broken_cuda_context_is_one_sentence_and_nothing_moves(jp_fetch,
     assert "Traceback" not in text and 'File "' not in text and len(text.splitlines()) == 1, text
     assert not [o for o in await api(jp_fetch, "operations") if o["kernel_id"] == kernel.id], "nothing was asked"
     assert where(pid) == {0}
+
+
+async def test_a_drain_that_may_transplant_carries_to_the_cpu_what_the_driver_cannot_move(jp_fetch, jp_serverapp,
+                                                                                           kernel):
+    """The drain's opt-in transplant (the Hub's drain passes it on): no other GPU has room for the kernel (or
+    there is none), so its objects go to the CPU, every value kept; a kernel that would lose a generator
+    stays where it is, running, and its result names what would be lost."""
+    await build(kernel, gpus=1)
+    other_id = await start_kernel(jp_fetch)
+    other = KernelSession(jp_serverapp, other_id)
+    await other.ready()
+    fillers: list[subprocess.Popen] = []
+    try:
+        made = await other.run("import torch\nt = torch.ones(1000, device='cuda')\ndef count():\n    yield from range(5)\n"
+                               "g = count()\nprint(next(g))", timeout=120)
+        assert made.strip() == "0", made
+        other_pid = (await api(jp_fetch, "kernels", other_id))["pid"]
+        fillers = fill_other_gpus()
+        code, out, err = await cli("drain", "--gpu", "0", "--transplant", *remote(jp_serverapp))
+        assert code == 1, (out, err)
+        assert f"  kernel {kernel.id}: transplanted to the CPU" in err.splitlines(), err
+        assert "GPU 0 not drained: 1 of 2 kernel(s) moved" in out, out
+        [op] = [o for o in await api(jp_fetch, "operations") if o["action"] == "drain"]
+        results = {r["kernel_id"]: r for r in op["results"]}
+        moved, stayed = results[kernel.id], results[other_id]
+        assert moved["status"] == "succeeded" and moved["way"] == "transplant" and moved["to_gpu"] is None, moved
+        assert stayed["status"] == "failed" and stayed["way"] == "move", stayed
+        assert "a transplant would lose g (" in stayed["error"] and "It runs on, on GPU 0." in stayed["error"], stayed
+        assert len(op["children"]) == 1
+    finally:
+        for filler in fillers:
+            filler.kill()
+            filler.wait(timeout=30)
+        try:
+            view = await api(jp_fetch, "kernels", other_id)
+            assert view["pid"] == other_pid and where(other_pid) == {0}, "the kernel left behind is untouched"
+            assert (await other.run("print(next(g), t.device)")).split() == ["1", "cuda:0"]
+        finally:
+            other.close()
+    new = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    assert where(new) == set(), "the transplanted kernel holds no GPU"
+    out = await kernel.run("print(state_digest() == before, big.device)", timeout=120)
+    assert out.split() == ["True", "cpu"], out
+
+
+async def test_the_idle_policy_transplants_an_idle_gpu_kernel_to_the_cpu(jp_fetch, kernel):
+    """The Hub's --idle-to-cpu, on a real server: the idle GPU kernel's objects all carry, so it goes on
+    on the CPU with every value, its GPU freed, instead of being suspended."""
+    pid = await build(kernel, gpus=1)
+    await server_sees_idle(jp_fetch, kernel)
+    [decision] = await IdlePolicy(minutes=0, grace_minutes=0, to_cpu=True).run_once(ThisServer(jp_fetch))
+    assert decision["action"] == "transplant" and decision["reason"].endswith(
+        "transplanted to the CPU, where every object of it carries"), decision
+    op = await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"]), timeout=300)
+    assert op["action"] == "transplant" and op["status"] == "succeeded" and op["to_gpu"] is None, op
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] != pid and where(view["pid"]) == set() and view["gpus"] == []
+    out = await kernel.run("print(state_digest() == before, big.device)", timeout=120)
+    assert out.split() == ["True", "cpu"], out

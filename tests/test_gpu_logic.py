@@ -3,6 +3,7 @@ machine without GPUs. The GPUs here are records of the kind NVML gives; nothing 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -198,3 +199,22 @@ def test_the_kernel_list_offers_only_the_gpus_that_can_take_the_kernel():
     resumable = placement.targets(gpus, [], suspended_on, "suspended", 580)
     assert [t["index"] for t in resumable if t["ok"]] == [0, 1], "back where it was, or another H200 with room"
     assert [t["index"] for t in placement.targets(gpus, held(0, GIB), [], "running", 570) if t["ok"]] == []
+
+
+def test_a_drain_transplants_onto_the_roomiest_gpu_of_any_model_else_the_cpu():
+    """Where a drain that may transplant sends a kernel the driver cannot move: the roomiest GPU with room for
+    its tensors and the transplant's headroom, whatever its model, never a drained one; else the CPU."""
+    a100 = "NVIDIA A100-SXM4-80GB"
+    fleet = [gpu(0, used=40 * GIB), gpu(1, used=79 * GIB), gpu(2, used=30 * GIB, name=a100),
+             gpu(3, used=10 * GIB, name=a100)]
+    assert placement.transplant_target(fleet, 0, 8 * GIB) == 3
+    assert placement.transplant_target(fleet, 0, 8 * GIB, draining={3}) == 2
+    assert placement.transplant_target(fleet, 0, 8 * GIB, draining={2, 3}) is None, "GPU 1 has 1 GiB free"
+    # Exactly the tensors and the headroom fit; a byte more does not.
+    room = 70 * GIB - placement.TRANSPLANT_HEADROOM
+    assert placement.transplant_target(fleet, 0, room) == 3
+    assert placement.transplant_target(fleet, 0, room + 1, draining={2}) is None
+    # MIG instances and a GPU NVML cannot read are never chosen; a GPU alone is drained to the CPU.
+    split = [gpu(0), gpu(1, used=0, mig=True), dataclasses.replace(gpu(2, used=0), error="Unknown Error")]
+    assert placement.transplant_target(split, 0, GIB) is None
+    assert placement.transplant_target([gpu(0)], 0, 0) is None

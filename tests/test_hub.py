@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import WebSocketTab, api, operate, server_sees_idle
+from helpers import ThisServer, WebSocketTab, api, operate, server_sees_idle, wait_operation
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
@@ -440,7 +440,8 @@ async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_
                    lambda: f"the idle kernel was not suspended: {hub.service('GET', 'api/policy', boss)}")
     assert kernel("alice", idle_id)["images"] == "disk", "the policy's suspends free the node's memory too"
     code, policy = hub.service("GET", "api/policy", boss)
-    assert code == 200 and policy["idle_suspend_minutes"] == 0.25 and policy["grace_minutes"] == 0.25, policy
+    assert code == 200 and policy["idle_suspend_minutes"] == 0.25 and policy["grace_minutes"] == 0.25 \
+        and policy["to_cpu"] is False, policy
     kept = [d for d in policy["last_decisions"] if d["kernel"] == busy_id]
     assert kept and not kept[0]["suspend"] and "busy" in kept[0]["reason"], policy
 
@@ -549,3 +550,25 @@ async def test_the_idle_policy_decides_on_real_kernel_records(jp_fetch, kernel):
     ]:
         with pytest.raises(ContractError, match=words):
             check_answers([record], dict(gpus, gpus=[broken]))
+
+
+async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objects_all_carry(jp_fetch, kernel):
+    """--idle-to-cpu, decided on a real server's dry runs: a kernel whose objects all carry goes to the CPU,
+    one with a generator is suspended and the decision names it. A kernel on the CPU already is suspended
+    whatever the option says. (The transplant of an idle GPU kernel runs in the gpu suite,
+    test_gpu_kernel_side.py.)"""
+    servers = ThisServer(jp_fetch)
+    [server] = await servers.running()
+    await kernel.run("x = [1, 2, 3]")
+    assert await IdlePolicy._cpu_or_suspend(servers, server, kernel.id, "idle for 11.0 min") == (
+        "transplant", "idle for 11.0 min; transplanted to the CPU, where every object of it carries")
+    await kernel.run("def count():\n    yield from range(3)\ng = count()\nnext(g)")
+    action, why = await IdlePolicy._cpu_or_suspend(servers, server, kernel.id, "idle for 11.0 min")
+    assert action == "suspend", why
+    assert re.fullmatch(r"idle for 11\.0 min; suspended, as a transplant to the CPU would lose g \(.+\)", why), why
+
+    await server_sees_idle(jp_fetch, kernel)
+    [decision] = await IdlePolicy(minutes=0, gpu_only=False, grace_minutes=0, to_cpu=True).run_once(servers)
+    assert decision["suspend"] and decision["action"] == "suspend" and decision["kernel"] == kernel.id, decision
+    op = await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"]))
+    assert op["action"] == "suspend" and op["status"] == "succeeded", op

@@ -119,3 +119,12 @@ def test_drain_lines_and_summary():
     assert drain_report(record(action="drain", gpu=3)) == "GPU 3 holds no kernel of this server: nothing to move."
     half = done | {"status": "failed", "results": [done["results"][0], {"kernel_id": b, "status": "failed"}]}
     assert drain_report(half) == "GPU 0 not drained: 1 of 2 kernel(s) moved; the others run on where they were."
+    # A drain that may transplant: what went into a new process says so, and where it went.
+    carried = {"kernel_id": b, "status": "running", "to_gpu": None, "way": "transplant"}
+    assert progress_lines.lines(record(action="drain", gpu=0, status="running", results=[carried])) == [
+        f"  kernel {b}: transplanting to the CPU..."]
+    assert progress_lines.lines(record(action="drain", gpu=0, results=[carried | {"status": "succeeded"}])) == [
+        f"  kernel {b}: transplanted to the CPU"]
+    both = done | {"results": [done["results"][0], carried | {"status": "succeeded"}]}
+    assert drain_report(both) == ("GPU 0 drained: 2 kernel(s) moved to GPU 1, the CPU (1 of them transplanted: their "
+                                  "objects, in a new process) in 2.50 s.")

@@ -2,7 +2,8 @@
 
 The operations (operations.py) check a request with it before they start, the plans check again in
 their prepare phase, the kernel views list each GPU's verdict (:func:`targets`), drains pick the
-roomiest other GPU (:func:`drain_target`), rollbacks the fallback GPU (:func:`same_model_with_room`),
+roomiest other GPU (:func:`drain_target`), or where the driver cannot take a kernel and the drain may
+transplant it, the roomiest GPU of any model, else the CPU (:func:`transplant_target`), rollbacks the fallback GPU (:func:`same_model_with_room`),
 and a peer host its own GPUs for a kernel coming there (peers.py).
 
 Every refusal is a :class:`GpuError` whose sentence says what to do. The rules (docs/internals.md,
@@ -25,6 +26,9 @@ from .gpus import GpuInfo
 #: Room kept free on the target beyond what the kernel holds: a restore that runs out of GPU memory
 #: can leave the process stuck (cuda-checkpoint issue 44), so we never plan one close to the edge.
 HEADROOM = 512 * 1024**2
+#: A transplant onto a GPU leaves this much of it free beside the objects (the new process's CUDA context
+#: and allocator).
+TRANSPLANT_HEADROOM = 2 * 10**9
 
 
 @dataclass(frozen=True)
@@ -312,3 +316,14 @@ def drain_target(gpus: list[GpuInfo], index: int, kernel_id: str,
     if not others:
         raise GpuError(f"There is no other GPU of the same model to move kernel {kernel_id} to.")
     return others[0].index
+
+
+def transplant_target(gpus: list[GpuInfo], index: int, needed: int, draining: Collection[int] = ()) -> int | None:
+    """Where a drain of GPU ``index`` that may transplant sends a kernel the driver cannot move: the GPU of
+    any model with the most room for ``needed`` bytes of tensors and the transplant's headroom, never the
+    drained GPU nor one being drained, nor one split into MIG instances or not answering NVML; None: no GPU
+    has room, so the CPU."""
+    skip = {index, *draining}
+    fits = [g for g in gpus if g.index not in skip and not g.mig_enabled and not g.error
+            and free(g) >= needed + TRANSPLANT_HEADROOM]
+    return max(fits, key=free).index if fits else None

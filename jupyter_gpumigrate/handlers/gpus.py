@@ -26,7 +26,7 @@ class DrainHandler(BaseHandler):
         if body is None:
             return
         try:
-            op = self.operations.drain(int(index), to_gpu=body.get("to_gpu"))
+            op = self.operations.drain(int(index), to_gpu=body.get("to_gpu"), transplant=body.get("transplant", False))
         except MigrateError as exc:
             self.send_migrate_error(exc)
             return

@@ -5,6 +5,12 @@ kept on the node, and the user resumes them
 from the panel, the CLI, the REST API, or by running a cell. Each suspension is logged with its reason
 (each kernel kept, at debug level), servers that could not be read are logged as warnings, and each
 round ends with one summary line.
+
+Opt-in (``to_cpu``): an idle GPU kernel is transplanted to the CPU instead, where its dry run names
+nothing that would not carry: its GPU is freed and the notebook goes on answering, on the CPU, with every
+object; the user can go back to the process as it was (``%migrate --back``, for as long as the server
+keeps it). A kernel that would lose an object is suspended, as without the option, and the decision
+says why.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from ..apiclient import kernel_path
+from ..contract import ContractError, validate
 from .servers import ServerError, Servers, UserServer
 
 log = logging.getLogger("jupyter_gpumigrate.hub.policy")
@@ -54,6 +61,8 @@ class IdlePolicy:
     #: where its suspends put the images: disk (the default: the policy frees the node's memory too, and an
     #: idle kernel may stay suspended for days), memory, or auto (each server's choice)
     images: str = "disk"
+    #: transplant an idle GPU kernel to the CPU instead of suspending it, where every object of it carries
+    to_cpu: bool = False
 
     @property
     def grace(self) -> float:
@@ -104,11 +113,12 @@ class IdlePolicy:
 
         rounds = await asyncio.gather(*(one(s, v) for s, v in zip(listed, views) if not v["error"]))
         decisions = [d for found in rounds for d in found]
-        suspended = sum(1 for d in decisions if d["suspend"] and "operation" in d)
+        acted = [d for d in decisions if d["suspend"] and "operation" in d]
+        carried = sum(1 for d in acted if d.get("action") == "transplant")
         failed = sum(1 for d in decisions if d["suspend"] and "error" in d)
-        log.info("idle policy: %d kernel(s) on %d server(s): %d suspended, %d kept, %d could not be suspended; "
-                 "%d server(s) could not be read", len(decisions), len(listed) - unread, suspended,
-                 len(decisions) - suspended - failed, failed, unread)
+        log.info("idle policy: %d kernel(s) on %d server(s): %d suspended, %d transplanted to the CPU, %d kept, %d "
+                 "could not be suspended; %d server(s) could not be read", len(decisions), len(listed) - unread,
+                 len(acted) - carried, carried, len(decisions) - len(acted) - failed, failed, unread)
         return decisions
 
     async def _server(self, servers: Servers, server: UserServer, view: dict, now: datetime) -> list[dict]:
@@ -137,16 +147,37 @@ class IdlePolicy:
             decision = {"user": server.user, "server": server.name, "kernel": kernel["id"], "suspend": suspend,
                         "reason": why}
             if suspend:
+                action = "suspend"
                 try:
-                    op = await servers.call(server, kernel_path(kernel["id"], "suspend"), "POST",
-                                            {"images": self.images})
-                    decision["operation"] = op["id"]
-                    log.info("idle policy: suspending %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
+                    if self.to_cpu and kernel["gpus"]:
+                        action, decision["reason"] = await self._cpu_or_suspend(servers, server, kernel["id"], why)
+                    body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
+                    op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
+                    decision.update(operation=op["id"], action=action)
+                    log.info("idle policy: %s %s's kernel %s%s: %s", "transplanting to the CPU" if action ==
+                             "transplant" else "suspending", server.user, kernel["id"], server.where, decision["reason"])
                 except (ServerError, KeyError, TypeError) as exc:
-                    decision["error"] = str(exc)
-                    log.warning("idle policy: could not suspend %s's kernel %s%s (%s): %s",
-                                server.user, kernel["id"], server.where, why, exc)
+                    decision.update(error=str(exc), action=action)
+                    log.warning("idle policy: could not %s %s's kernel %s%s (%s): %s", action, server.user,
+                                kernel["id"], server.where, why, exc)
             else:
                 log.debug("idle policy: keeping %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
             decisions.append(decision)
         return decisions
+
+    @staticmethod
+    async def _cpu_or_suspend(servers: Servers, server: UserServer, kernel_id: str, why: str) -> tuple[str, str]:
+        """("transplant", why) if the kernel's dry run to the CPU names nothing that would not carry, else
+        ("suspend", why and the reason)."""
+        try:
+            survey = await servers.call(server, kernel_path(kernel_id, "transplant"), "POST",
+                                        {"to_cpu": True, "dry_run": True})
+            validate("TransplantSurvey", survey, strict=False)  # its user controls the server: believed only then
+        except (ServerError, ContractError) as exc:
+            return "suspend", f"{why}; suspended, as its dry run to the CPU failed ({exc})"
+        if survey["left"]:
+            lost = ", ".join(f"{r['name']} ({r['reason']})" for r in survey["left"])
+            return "suspend", f"{why}; suspended, as a transplant to the CPU would lose {lost}"
+        if not survey["carries"]:
+            return "suspend", f"{why}; suspended, as it holds nothing a transplant would carry"
+        return "transplant", f"{why}; transplanted to the CPU, where every object of it carries"

@@ -185,6 +185,7 @@ class PolicyHandler(ApiHandler):
             "gpu_only": policy.gpu_only if policy else None,
             "grace_minutes": policy.grace if policy else None,
             "images": policy.images if policy else None,
+            "to_cpu": policy.to_cpu if policy else None,
             "last_decisions": self.settings["decisions"],
         })
 
@@ -219,6 +220,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--idle-images", choices=("disk", "memory", "auto"), default="disk",
                         help="where the policy's suspends put the images: disk (the default: the node's memory is "
                              "freed too), memory (faster to resume, but it holds the node's memory), or auto")
+    parser.add_argument("--idle-to-cpu", action="store_true",
+                        help="transplant an idle GPU kernel to the CPU instead of suspending it, where its dry run "
+                             "names nothing that would not carry: its GPU is freed and the notebook goes on, on the "
+                             "CPU (the others are suspended)")
     parser.add_argument("--server-timeout", type=float, default=10,
                         help="how long one user's server may take to list its kernels and GPUs before it is "
                              "reported as not answering")
@@ -235,14 +240,16 @@ def main(argv: list[str] | None = None) -> None:
                       view_timeout=args.server_timeout, parallel=args.parallel)
     prefix = os.environ.get("JUPYTERHUB_SERVICE_PREFIX", "/services/gpumigrate/")
     policy = (IdlePolicy(args.idle_suspend_minutes, gpu_only=not args.idle_include_cpu,
-                         grace_minutes=args.idle_grace_minutes, images=args.idle_images)
+                         grace_minutes=args.idle_grace_minutes, images=args.idle_images, to_cpu=args.idle_to_cpu)
               if args.idle_suspend_minutes else None)
     app = make_app(servers, prefix, policy, os.urandom(32))
     url = urlparse(os.environ["JUPYTERHUB_SERVICE_URL"])
     app.listen(url.port or 80, url.hostname or "127.0.0.1")
     log.info("gpumigrate service at %s%s%s", url.geturl().rstrip("/"), prefix,
              f"; idle policy: suspend {'' if policy.gpu_only else 'CPU and '}GPU kernels after "
-             f"{policy.minutes:g} min idle, {policy.grace:g} min after their last operation" if policy else "")
+             f"{policy.minutes:g} min idle, {policy.grace:g} min after their last operation"
+             f"{' (GPU kernels whose objects all carry: transplanted to the CPU)' if policy.to_cpu else ''}"
+             if policy else "")
     if policy is not None:
         async def tick() -> None:  # PeriodicCallback awaits it: rounds never overlap
             try:

@@ -333,9 +333,13 @@ export interface DrainResult {
   operation: string | null;
   error: string | null;
   /**
-   * Where it goes, once chosen.
+   * Where it goes, once chosen; null for a transplant to the CPU.
    */
   to_gpu?: number | null;
+  /**
+   * move: the whole process, by the driver; transplant: its objects, into a new process (the drain's transplant, where the driver could not take it).
+   */
+  way: 'move' | 'transplant';
 }
 /**
  * A suspend or resume: what the kernel wrote into its images itself (stashed) or read back (unstashed), or why it stepped aside (aside; CRIU and the CUDA driver then carried everything).
@@ -631,6 +635,10 @@ export interface DrainRequest {
    * the index of the GPU every kernel goes to; by default each goes to the GPU of its model with the most room
    */
   to_gpu?: number | null;
+  /**
+   * where the driver cannot move a kernel (no other GPU of its model, or none with room), transplant its objects instead: onto to_gpu, else the GPU of any model with the most room, else the CPU; only a kernel all of whose objects carry (a dry run names none left), and never one on several GPUs. Default false: such a kernel runs on where it is.
+   */
+  transplant?: boolean;
 }
 /**
  * What a process tree needs of the host that restores it (engine/hostfit.py).

@@ -182,7 +182,12 @@ export class GpuMigrateStore {
     const results = op.results ?? [];
     const moved = results.filter(r => r.status === 'succeeded');
     const stuck = results.filter(r => r.status !== 'succeeded');
-    const where = moved.map(r => `${this.label(r.kernel_id)} to GPU ${r.to_gpu}`).join(', ');
+    const where = moved
+      .map(r => {
+        const to = r.to_gpu === null || r.to_gpu === undefined ? 'the CPU' : `GPU ${r.to_gpu}`;
+        return `${this.label(r.kernel_id)} ${r.way === 'transplant' ? 'transplanted ' : ''}to ${to}`;
+      })
+      .join(', ');
     if (op.status === 'succeeded') {
       const summary = results.length ? `${moved.length} moved (${where})` : 'no kernel was on it';
       Notification.success(`GPU ${op.gpu} drained: ${summary}.`, { autoClose: 8000 });

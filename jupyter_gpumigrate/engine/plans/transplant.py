@@ -54,8 +54,6 @@ WAIT = 60.0
 RATE = 2 * 10**8
 #: In the source's images once the new process is told to take the kernel's ports: its PID and start time.
 SWITCHED = "transplanted.json"
-#: A transplant onto a GPU leaves this much of it free beside the objects (CUDA context, allocator).
-GPU_HEADROOM = 2 * 10**9
 
 
 def saga() -> Saga[TransplantContext]:
@@ -143,9 +141,9 @@ def prepare(ctx: TransplantContext) -> None:
         ctx.target_uuid, ctx.target_index = target.uuid, target.index
         on_gpu = int(ctx.survey.get("gpu_bytes", nbytes))
         room = placement.free(target)  # the source, if on it, still holds its memory while the objects load
-        if room < on_gpu + GPU_HEADROOM:
+        if room < on_gpu + placement.TRANSPLANT_HEADROOM:
             raise GpuError(f"GPU {target.index} has {room / 1e9:.1f} GB free; the kernel's GPU tensors need "
-                           f"{on_gpu / 1e9:.1f} GB and {GPU_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
+                           f"{on_gpu / 1e9:.1f} GB and {placement.TRANSPLANT_HEADROOM / 1e9:.0f} GB beside them. Free memory on it, or "
                            "pick another target. The kernel runs on, unchanged.")
     else:
         total, available = host_memory()
