@@ -44,8 +44,8 @@ left = int({size} * 1e9)
 while left > 0:
     sizes.append(min(PART, left)); left -= sizes[-1]
 tensors = [part(i, n, {device!r}) for i, n in enumerate(sizes)]
-def digest(t):
-    return hashlib.sha256(memoryview(t.cpu().numpy())).hexdigest()
+def digest(t):  # of a copy: numpy() makes a storage fixed in size, which the host stash then leaves
+    return hashlib.sha256(memoryview(t.to("cpu", copy=True).numpy())).hexdigest()
 digests = [digest(t) for t in tensors]  # carried too: a GPU's and the CPU's generators draw different bytes
 print(sum(t.numel() for t in tensors))
 """

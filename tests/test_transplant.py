@@ -12,6 +12,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -105,6 +107,8 @@ async def test_a_cpu_kernel_transplanted_keeps_its_objects_and_goes_on_as_the_sa
     assert list(op["timings"]) == ["prepare", "start", "export", "load", "dump", "switch"], op
     assert op["transplant"]["to"] == "cpu" and {r["name"] for r in op["transplant"]["left"]} == \
         {"gen", "worker", "sock", "notes"}
+    seconds = op["transplant"]["seconds"]
+    assert 0 < seconds["export"] and 0 < seconds["load"] and 0 < seconds["start"] < op["timings"]["switch"], seconds
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] != pid and not Path(f"/proc/{pid}").exists()
 
@@ -488,3 +492,33 @@ async def test_a_dry_run_queued_behind_a_failing_cell_says_so(jp_fetch, kernel):
     survey = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST",
                        body={"to_cpu": True, "dry_run": True})
     assert survey["to"] == "cpu"
+
+
+async def test_a_storage_file_damaged_after_the_export_is_refused_by_the_new_process(kernel, tmp_path):
+    """The storages go into files by many threads, each chunk with its CRC-32: a byte changed between the
+    export and the load is found, and the new process refuses the objects (the server then keeps the source
+    running, as for any object the new process cannot take: above)."""
+    folder = tmp_path / "objects"
+    folder.mkdir()
+    said = await kernel.run("import torch\nt = torch.arange(2**20, dtype=torch.float32)\nx = [t, t[:5]]\n"
+                            f"import jupyter_gpumigrate.kernel.transplant as _t\nprint(_t.export({str(folder)!r}))")
+    assert json.loads(said)["bytes"] >= 4 * 2**20, said
+    parts = sorted(p.name for p in folder.glob("storage-*.bin"))
+    # t's storage first (both tensors share it: written once), then the RNG state's: a file each.
+    assert parts == ["storage-00.bin", "storage-01.bin"], parts
+    assert (folder / parts[0]).stat().st_size == 4 * 2**20
+    load = [sys.executable, "-c", "import pathlib, torch; from jupyter_gpumigrate.kernel import transplant as t; "
+            f"ns = {{}}; t.load(pathlib.Path({str(folder)!r}), ns); "
+            "print(ns['t'].equal(torch.arange(2**20, dtype=torch.float32)), ns['x'][1].untyped_storage().data_ptr() "
+            "== ns['t'].untyped_storage().data_ptr())"]
+    whole = subprocess.run(load, capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0 and whole.stdout.split() == ["True", "True"], whole.stderr
+    with open(folder / parts[0], "r+b") as f:
+        f.seek(100)
+        byte = f.read(1)
+        f.seek(100)
+        f.write(bytes([byte[0] ^ 1]))
+    damaged = subprocess.run(load, capture_output=True, text=True, timeout=120)
+    assert damaged.returncode != 0, damaged.stdout
+    assert ("OSError: the objects' files are damaged: storage-00.bin at byte 0: its checksum does not match"
+            in damaged.stderr), damaged.stderr

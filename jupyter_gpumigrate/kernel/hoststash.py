@@ -172,7 +172,7 @@ def why_not(torch: Any) -> str | None:
 # -- the CUDA driver, for CUDA buffers -------------------------------------------------------------------
 
 
-class _Cuda:
+class Cuda:
     """The driver calls the stash needs, on the kernel's CUDA context: each worker thread gets a :class:`_Lane`."""
 
     def __init__(self) -> None:
@@ -327,7 +327,76 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
     return os.preadv(fd, [view], offset)
 
 
-def _run_parts(work: Any, parts: int) -> None:
+def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
+               cuda: Cuda | None, durable: bool) -> None:
+    """Write the chunks of file ``part`` to ``fd``, each from its buffer (``addresses``; those ``on_gpu``
+    through the two pinned buffers of a lane of ``cuda``), setting each chunk's CRC-32."""
+    mine = [c for c in chunks if c.part == part]
+    gpu = [on_gpu[c.buffer] for c in mine]
+    lane = cuda.lane() if cuda is not None and any(gpu) else None
+    try:
+        def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
+            if i < len(mine) and gpu[i]:
+                lane.out(i % 2, addresses[mine[i].buffer] + mine[i].at, mine[i].size)  # type: ignore[union-attr]
+
+        fetch(0)
+        for i, c in enumerate(mine):
+            fetch(i + 1)  # its buffer's last chunk (i - 1) is written already
+            if gpu[i]:
+                lane.wait(i % 2)  # type: ignore[union-attr]
+                view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
+            else:
+                view = _view(addresses[c.buffer] + c.at, c.size)
+            c.crc32 = zlib.crc32(view)
+            _io_all(os.pwrite, fd, view, c.offset)
+        if durable:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
+    finally:
+        if lane is not None:
+            lane.close()
+
+
+def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
+              cuda: Cuda | None) -> str | None:
+    """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each CRC-32; what is
+    wrong with the file, or None. A chunk that does not match ends the reading of that file."""
+    mine = [c for c in chunks if c.part == part]
+    if not mine:
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        return f"{path.name}: {exc.strerror or exc}"
+    lane = cuda.lane() if cuda is not None and any(on_gpu[c.buffer] for c in mine) else None
+    try:
+        for i, c in enumerate(mine):
+            target = addresses[c.buffer] + c.at
+            gpu = on_gpu[c.buffer] and lane is not None
+            if gpu:
+                lane.wait(i % 2)  # type: ignore[union-attr]  # chunk i - 2's copy is done; i - 1's goes on
+            view = lane.view(i % 2, c.size) if gpu else _view(target, c.size)  # type: ignore[union-attr]
+            try:
+                _io_all(_pread, fd, view, c.offset)
+            except OSError as exc:
+                return f"{path.name}: {exc}"
+            if zlib.crc32(view) != c.crc32:
+                return f"{path.name} at byte {c.offset}: its checksum does not match"
+            if gpu:
+                lane.into(i % 2, target, c.size)  # type: ignore[union-attr]
+    finally:
+        os.close(fd)
+        if lane is not None:
+            lane.close()  # waits for the last copies
+    return None
+
+
+def damage(found: list[str]) -> str:
+    """What :func:`read_part` found wrong, in one sentence: the first three, and how many more."""
+    return "; ".join(sorted(found)[:3]) + (f" (and {len(found) - 3} more)" if len(found) > 3 else "")
+
+
+def run_parts(work: Any, parts: int) -> None:
     """Run ``work(part)`` for each part on its own thread; the first error is raised after all ended."""
     with ThreadPoolExecutor(max_workers=parts, thread_name_prefix="gpumigrate-hoststash") as pool:
         futures = [pool.submit(work, p) for p in range(parts)]
@@ -367,7 +436,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         device = devices.pop()
         with torch.cuda.device(device):
             torch.cuda.synchronize(device)  # every kernel launched so far has finished with these buffers
-            cuda = _Cuda()  # the context of the buffers' GPU
+            cuda = Cuda()  # the context of the buffers' GPU
     root = Path(folder)
     chunks = plan_chunks([b.size for b in buffers], threads)
     parts = 1 + max(c.part for c in chunks)
@@ -380,35 +449,9 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         for part in range(parts):
             fds.append(os.open(root / PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))
 
-        def write(part: int) -> None:
-            mine = [c for c in chunks if c.part == part]
-            on_gpu = [buffers[c.buffer].kind == "cuda" for c in mine]
-            fd = fds[part]
-            lane = cuda.lane() if cuda is not None and any(on_gpu) else None
-            try:
-                def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
-                    if i < len(mine) and on_gpu[i]:
-                        lane.out(i % 2, addresses[mine[i].buffer] + mine[i].at, mine[i].size)  # type: ignore[union-attr]
-
-                fetch(0)
-                for i, c in enumerate(mine):
-                    fetch(i + 1)  # its buffer's last chunk (i - 1) is written already
-                    if on_gpu[i]:
-                        lane.wait(i % 2)  # type: ignore[union-attr]
-                        view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
-                    else:
-                        view = _view(addresses[c.buffer] + c.at, c.size)
-                    c.crc32 = zlib.crc32(view)
-                    _io_all(os.pwrite, fd, view, c.offset)
-                if durable:
-                    os.fsync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
-            finally:
-                if lane is not None:
-                    lane.close()
-
+        on_gpu = [b.kind == "cuda" for b in buffers]
         copying = time.perf_counter()
-        _run_parts(write, parts)
+        run_parts(lambda part: write_part(fds[part], chunks, part, addresses, on_gpu, cuda, durable), parts)
         written = time.perf_counter()
         session = secrets.token_hex(8)
         index = {"format": FORMAT, "session": session, "pid": os.getpid(),
@@ -527,52 +570,22 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     if devices and torch is not None:
         device = devices.pop()
         with torch.cuda.device(device):
-            cuda = _Cuda()
+            cuda = Cuda()
     addresses = [b.address() for b in buffers]
     lock = threading.Lock()
     damaged: list[str] = []
 
-    def read(part: int) -> None:
-        path = root / PART.format(part)
-        mine = [c for c in chunks if c.part == part]
-        if not mine:
-            return
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError as exc:
-            with lock:
-                damaged.append(f"{path.name}: {exc.strerror or exc}")
-            return
-        lane = cuda.lane() if cuda is not None and any(buffers[c.buffer].kind == "cuda" for c in mine) else None
-        try:
-            for i, c in enumerate(mine):
-                target = addresses[c.buffer] + c.at
-                on_gpu = buffers[c.buffer].kind == "cuda"
-                if on_gpu:
-                    assert lane is not None
-                    lane.wait(i % 2)  # its last copy to the GPU (chunk i - 2) is done; chunk i - 1's goes on
-                view = lane.view(i % 2, c.size) if on_gpu and lane else _view(target, c.size)
-                try:
-                    _io_all(_pread, fd, view, c.offset)
-                except OSError as exc:
-                    with lock:
-                        damaged.append(f"{path.name}: {exc}")
-                    return
-                if zlib.crc32(view) != c.crc32:
-                    with lock:
-                        damaged.append(f"{path.name} at byte {c.offset}: its checksum does not match")
-                    return
-                if on_gpu and lane is not None:
-                    lane.into(i % 2, target, c.size)
-        finally:
-            os.close(fd)
-            if lane is not None:
-                lane.close()  # waits for the last copies
+    on_gpu = [b.kind == "cuda" for b in buffers]
 
-    _run_parts(read, parts)
+    def read(part: int) -> None:
+        wrong = read_part(root / PART.format(part), chunks, part, addresses, on_gpu, cuda)
+        if wrong:
+            with lock:
+                damaged.append(wrong)
+
+    run_parts(read, parts)
     if damaged:
-        raise StashDamaged("; ".join(sorted(damaged)[:3]) + (f" (and {len(damaged) - 3} more)" if len(damaged) > 3
-                                                             else ""))
+        raise StashDamaged(damage(damaged))
     if cuda is not None and torch is not None:
         torch.cuda.synchronize(device)
     total = sum(b.size for b in buffers if b.away)

@@ -6,17 +6,18 @@ or to the CPU, what can go is the notebook's objects, not its process. This modu
 In the source kernel, evaluated between cells by the server (kernelwire.evaluate_silently):
 
     survey()        the dry run: which names carry, and which do not (name, type, why), as JSON
-    export(folder)  writes what carries into ``folder``: ``objects.pkl`` (cloudpickle, protocol 5) and
-                    ``data.bin``, the raw bytes of every PyTorch storage (CUDA ones through host memory)
-                    and of every out-of-band buffer (NumPy arrays' among them), so that no tensor is pickled
-                    by value; with the history, execution count, RNG states, working folder, environment
-                    and sys.path. ``folder`` must exist: an export that runs after its transplant was given
+    export(folder)  writes what carries into ``folder``: ``objects.pkl`` (cloudpickle, protocol 5),
+                    ``storage-NN.bin``, the raw bytes of every PyTorch storage, written by 16 threads (CUDA
+                    ones through pinned host buffers, as the suspend's host stash writes them, each chunk
+                    with its CRC-32), and ``data.bin``, those of every out-of-band buffer (NumPy arrays'
+                    among them), so that no tensor is pickled by value; with the history, execution
+                    count, RNG states, working folder, environment and sys.path. ``folder`` must exist: an export that runs after its transplant was given
                     up (it waited behind a long cell) writes nothing.
 
 In the target process, ``python -m jupyter_gpumigrate.kernel.transplant FOLDER <ipykernel arguments>``,
 started while the source writes: it imports what it needs and sets up CUDA meanwhile, then reads the
-objects (CUDA storages onto its GPU, the only one it sees, or into host memory when
-it has none), writes ``ready.json`` (or ``failed.json``, and exits), then waits for SIGUSR1: the server's
+objects (the storages by 16 threads, each chunk checked: CUDA ones onto its GPU, the only one it sees,
+through pinned buffers, or into host memory when it has none), writes ``ready.json`` (or ``failed.json``, and exits), then waits for SIGUSR1: the server's
 word that the source kernel has let go of the kernel's ports. Then it starts the IPython kernel on those
 ports, with the objects as its namespace, and sets its history, execution count and RNG states last.
 While it waits, it exits if the server that started it goes: the source is then what the next server finds.
@@ -29,7 +30,6 @@ survey names each with the reason. Gradients (``.grad``) do not carry, as with `
 
 from __future__ import annotations
 
-import ctypes
 import io
 import json
 import os
@@ -45,6 +45,10 @@ from pathlib import Path
 from typing import Any
 
 OBJECTS, DATA, READY, FAILED, PRELUDE = "objects.pkl", "data.bin", "ready.json", "failed.json", "prelude.json"
+#: Written by the new process once its kernel is set up on the kernel's ports: how long that took.
+STARTED = "started.json"
+#: The storages' bytes, one file per writer thread (tmpfs serialises the writes to one file).
+STORAGE = "storage-{:02d}.bin"
 
 #: In a kernel a transplant made on the CPU: the storages that were on a GPU in its source.
 _FROM_GPU: weakref.WeakSet = weakref.WeakSet()
@@ -77,44 +81,36 @@ def _user_names(shell: Any) -> dict[str, Any]:
 
 
 class _Sink:
-    """Where the raw bytes go: ``data.bin`` (or nowhere, for the survey), and the table to find them again."""
+    """Where the raw bytes go, and the table to find them again: out-of-band buffers into ``data.bin`` as
+    they are pickled; PyTorch storages listed as they are pickled, then written all at once, in parallel,
+    into ``storage-NN.bin`` (:meth:`write_storages`). For the survey (no file): counted, not copied."""
 
     def __init__(self, file: Any | None) -> None:
         self.file = file
         self.offset = 0
-        #: one row per blob: (offset, bytes, kind, device type)
-        self.blobs: list[tuple[int, int, str, str]] = []
-        self._storages: dict[int, int] = {}  # untyped storage (its C address) -> blob index
-        #: raw bytes of storages by where they go ("cuda": onto the target's GPU, if it has one)
+        #: one row per out-of-band buffer: (offset in data.bin, bytes)
+        self.buffers: list[tuple[int, int]] = []
+        #: one per storage: the storage itself, and where it goes ("cuda": onto the target's GPU, if it has one)
+        self.storages: list[tuple[Any, str]] = []
+        self._storages: dict[int, int] = {}  # untyped storage (its C address) -> its index in storages
+        #: raw bytes of storages by where they go
         self.by_device: dict[str, int] = {}
-        self._keep: list[Any] = []  # what a key's address stays valid with, until the export ends
-
-    def _write(self, address: int, nbytes: int, kind: str, device: str) -> int:
-        if self.file is not None and nbytes:
-            _write_all(self.file, memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B"))
-        self.blobs.append((self.offset, nbytes, kind, device))
-        self.offset += nbytes
-        return len(self.blobs) - 1
+        #: how the storages' bytes lie in their files (hoststash.plan_chunks's chunks, as dicts), once written
+        self.chunks: list[dict] = []
+        self.parts = 0
 
     def storage(self, untyped: Any) -> int:
         key = untyped._cdata
         if key not in self._storages:
-            self._keep.append(untyped)
             if untyped.device.type not in ("cpu", "cuda"):
                 raise TypeError(f"a tensor on the {untyped.device.type} device: its data cannot be carried "
                                 "(move it to the CPU or a GPU first)")
-            nbytes = untyped.nbytes()
-            on_cpu = untyped.device.type == "cpu"
             # A storage that a transplant brought from a GPU onto the CPU goes back onto a GPU, if the next
             # target has one: a kernel can go to the CPU and back.
-            device = "cuda" if not on_cpu or untyped in _FROM_GPU else "cpu"
-            self.by_device[device] = self.by_device.get(device, 0) + nbytes
-            if self.file is None:  # the survey: counted, not copied
-                index = self._write(0, nbytes, "storage", device)
-            else:
-                host = untyped if on_cpu else untyped.cpu()
-                index = self._write(host.data_ptr(), nbytes, "storage", device)
-            self._storages[key] = index
+            device = "cuda" if untyped.device.type == "cuda" or untyped in _FROM_GPU else "cpu"
+            self.by_device[device] = self.by_device.get(device, 0) + untyped.nbytes()
+            self._storages[key] = len(self.storages)
+            self.storages.append((untyped, device))  # kept: its address stays valid until the export ends
         return self._storages[key]
 
     def buffer(self, buffer: pickle.PickleBuffer) -> bool:
@@ -125,13 +121,53 @@ class _Sink:
             return True
         if self.file is not None:
             _write_all(self.file, raw.cast("B") if raw.format != "B" else raw)
-        self.blobs.append((self.offset, raw.nbytes, "buffer", "cpu"))
+        self.buffers.append((self.offset, raw.nbytes))
         self.offset += raw.nbytes
         return False
 
+    def write_storages(self, folder: Path) -> None:
+        """Every storage's bytes into ``storage-NN.bin`` in ``folder``, one file per thread: CUDA ones through
+        pinned host buffers, a chunk copied from the GPU while the one before is written (the suspend's
+        host stash does the same: kernel/hoststash.py)."""
+        from . import hoststash
+
+        torch = sys.modules.get("torch")
+        if not self.storages or torch is None:
+            return
+        # The copies run on the context of one GPU; a storage on another (a transplant takes a kernel on
+        # one GPU, so hardly ever) goes through host memory first, as PyTorch copies it.
+        gpus = [u.device.index for u, _ in self.storages if u.device.type == "cuda"]
+        regions = [u if u.device.type == "cpu" or u.device.index == gpus[0] else u.cpu() for u, _ in self.storages]
+        on_gpu = [u.device.type == "cuda" for u in regions]
+        cuda = None
+        if any(on_gpu):
+            with torch.cuda.device(gpus[0]):
+                torch.cuda.synchronize(gpus[0])  # every kernel launched so far has finished with these storages
+                cuda = hoststash.Cuda()
+        chunks = hoststash.plan_chunks([u.nbytes() for u in regions], hoststash.THREADS)
+        self.parts = 1 + max((c.part for c in chunks), default=-1)
+        addresses = [u.data_ptr() for u in regions]
+        durable = hoststash._fs_type(folder) != hoststash._TMPFS_MAGIC
+        fds: list[int] = []
+        try:
+            for part in range(self.parts):
+                fds.append(os.open(folder / STORAGE.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                                   0o600))
+            hoststash.run_parts(lambda part: hoststash.write_part(fds[part], chunks, part, addresses, on_gpu, cuda,
+                                                                  durable), self.parts)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        self.chunks = [c.__dict__ for c in chunks]
+
+    def table(self) -> dict:
+        """What the target needs to find every byte again (written after the pickle)."""
+        return {"buffers": self.buffers, "storages": [[u.nbytes(), device] for u, device in self.storages],
+                "chunks": self.chunks, "parts": self.parts}
+
     @property
     def nbytes(self) -> int:
-        return self.offset
+        return self.offset + sum(u.nbytes() for u, _ in self.storages)
 
 
 #: The most one system call moves (Linux moves at most about 2 GiB per read or write).
@@ -373,7 +409,8 @@ def export(folder: str, carries: list[str] | None = None) -> str:
     with open(where / DATA, "xb", buffering=0) as data, open(where / (OBJECTS + ".part"), "xb") as out:
         sink = _Sink(data)
         _pickler_class()(out, sink, shell).dump(payload)
-        table = json.dumps(sink.blobs).encode()
+        sink.write_storages(where)
+        table = json.dumps(sink.table()).encode()
         out.write(table)
         out.write(len(table).to_bytes(8, "little"))
         data.flush()
@@ -403,29 +440,10 @@ class _Later:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: Any, buffers: Any, data: Any, blobs: list, namespace: dict, device: str) -> None:
+    def __init__(self, file: Any, buffers: Any, storages: list, namespace: dict) -> None:
         super().__init__(file, buffers=buffers)
-        self.data = data
-        self.blobs = blobs
+        self.storages = storages
         self.namespace = namespace
-        self.device = device
-        self.storages: dict[int, Any] = {}
-
-    def _storage(self, index: int) -> Any:
-        if index not in self.storages:
-            import torch
-
-            offset, nbytes, _, device = self.blobs[index]
-            host = torch.UntypedStorage(nbytes)
-            if nbytes:
-                self.data.seek(offset)
-                _read_all(self.data, memoryview((ctypes.c_char * nbytes).from_address(host.data_ptr())).cast("B"))
-            if device == "cuda" and self.device == "cuda":
-                host = host.cuda()
-            elif device == "cuda":
-                _FROM_GPU.add(host)
-            self.storages[index] = host
-        return self.storages[index]
 
     def persistent_load(self, pid: Any) -> Any:
         kind = pid[0]
@@ -436,7 +454,7 @@ class _Unpickler(pickle.Unpickler):
         if kind == "storage":
             import torch
 
-            untyped = self._storage(pid[1])
+            untyped = self.storages[pid[1]]
             if pid[2] is None:
                 return untyped
             return torch.storage.TypedStorage(wrap_storage=untyped, dtype=pid[2], _internal=True)
@@ -450,20 +468,52 @@ def load(folder: Path, namespace: dict) -> dict:
         end = out.tell()
         size = int.from_bytes(out.read(8), "little")
         out.seek(end - size)
-        blobs = json.loads(out.read(size))
+        table = json.loads(out.read(size))
         buffers = []
-        for offset, nbytes, kind, _ in blobs:
-            if kind == "buffer":
-                data.seek(offset)
-                chunk = bytearray(nbytes)
-                _read_all(data, memoryview(chunk))
-                buffers.append(chunk)
+        for offset, nbytes in table["buffers"]:
+            data.seek(offset)
+            chunk = bytearray(nbytes)
+            _read_all(data, memoryview(chunk))
+            buffers.append(chunk)
+        storages = _read_storages(folder, table)
         out.seek(0)
-        device = "cuda" if any(kind == "storage" for _, _, kind, _ in blobs) and _has_cuda() else "cpu"
-        payload = _Unpickler(io.BytesIO(out.read(end - size)), buffers, data, blobs, namespace, device).load()
+        payload = _Unpickler(io.BytesIO(out.read(end - size)), buffers, storages, namespace).load()
     payload["carried"] = dict(payload["names"])
     namespace.update(payload.pop("names"))
     return payload
+
+
+def _read_storages(folder: Path, table: dict) -> list:
+    """Every storage, allocated where it goes (this process's GPU, or host memory where it has none) and
+    filled from ``storage-NN.bin`` in parallel, each chunk checked against its CRC-32."""
+    if not table["storages"]:
+        return []
+    import torch
+
+    from . import hoststash
+
+    gpu = _has_cuda()
+    storages = []
+    for nbytes, device in table["storages"]:
+        if device == "cuda" and gpu:
+            storages.append(torch.empty(nbytes, dtype=torch.uint8, device="cuda").untyped_storage())
+        else:
+            storages.append(torch.UntypedStorage(nbytes))
+            if device == "cuda":
+                _FROM_GPU.add(storages[-1])
+    on_gpu = [s.device.type == "cuda" for s in storages]
+    cuda = hoststash.Cuda() if any(on_gpu) else None  # the context the allocations above made current
+    chunks = [hoststash.Chunk(**c) for c in table["chunks"]]
+    addresses = [s.data_ptr() for s in storages]
+    wrong: list[str] = []
+    hoststash.run_parts(lambda part: wrong.append(hoststash.read_part(folder / STORAGE.format(part), chunks, part,
+                                                                      addresses, on_gpu, cuda) or ""), table["parts"])
+    wrong = [w for w in wrong if w]
+    if wrong:
+        raise OSError(f"the objects' files are damaged: {hoststash.damage(wrong)}")
+    if cuda is not None:
+        torch.cuda.synchronize()
+    return storages
 
 
 def _has_cuda() -> bool:
@@ -610,6 +660,7 @@ def main(argv: list[str] | None = None) -> int:
     if not _wait_for_go(parent):
         print("jupyter-gpumigrate: the server that started this transplant is gone; exiting", file=sys.stderr)
         return LOAD_FAILED
+    go = time.perf_counter()
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 
@@ -620,6 +671,10 @@ def main(argv: list[str] | None = None) -> int:
     _settle(app.shell, payload, carried)
     _rng_at_first_cell(app.kernel, payload["rng"])
     _go_on_idle(app.kernel)
+    try:  # for the operation's record: the switch, less this, is the server's wait for the first answer
+        _write_json(folder / STARTED, {"seconds": round(time.perf_counter() - go, 4)})
+    except OSError:
+        pass
     app.start()
     return 0
 

@@ -477,8 +477,18 @@ export interface Transplant {
   notes: TransplantNote[];
   outputs?: TransplantOutputs | null;
   seconds?: {
+    /**
+     * The source writing its objects.
+     */
     export?: number | null;
+    /**
+     * The new process reading them.
+     */
     load?: number | null;
+    /**
+     * The new process, from the word to go (the source dumped) to its kernel set up on the kernel's ports; the rest of the switch is the wait for its first answer.
+     */
+    start?: number | null;
   };
 }
 /**

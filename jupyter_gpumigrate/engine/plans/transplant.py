@@ -97,6 +97,8 @@ class TransplantContext(KernelContext):
         self.loaded: dict = {}
         #: the new process, once started
         self.new_pid: int | None = None
+        #: seconds the new process took from the word to go to its kernel set up on the kernel's ports
+        self.started: float | None = None
 
     def wait(self) -> float:
         return WAIT + int(self.survey.get("bytes", 0)) / RATE
@@ -210,7 +212,7 @@ def load(ctx: TransplantContext) -> None:
                        "that the kernel's PyTorch is a CUDA build matching the driver. The kernel runs on, "
                        "unchanged.")
     # The new process holds the objects: their files would only hold memory (a tmpfs) while the source is saved.
-    for name in ("data.bin", "objects.pkl"):
+    for name in ("data.bin", "objects.pkl", *(p.name for p in ctx.folder.glob("storage-*.bin"))):
         (ctx.folder / name).unlink(missing_ok=True)
     # The source's images, where they fit now that the new process holds the objects.
     new_images(ctx, ctx.pid or running_pid(ctx), ctx.tools.images)
@@ -218,7 +220,7 @@ def load(ctx: TransplantContext) -> None:
 
 def switch(ctx: TransplantContext) -> None:
     """The new process takes the kernel's ports, which the dump freed, and answers on them."""
-    assert ctx.new_pid is not None
+    assert ctx.new_pid is not None and ctx.folder is not None
     if not proctree.is_alive(ctx.new_pid):
         raise MigrateError("The new kernel process ended while the source was being saved: the source is brought "
                            "back.")
@@ -236,6 +238,10 @@ def switch(ctx: TransplantContext) -> None:
         if not proctree.is_alive(ctx.new_pid) or time.monotonic() > deadline:
             raise MigrateError("The new kernel process did not answer on the kernel's ports (the kernel's log says "
                                "why): the source is brought back.")
+    try:
+        ctx.started = json.loads((ctx.folder / "started.json").read_text()).get("seconds")
+    except (OSError, ValueError, AttributeError):  # an older new process, or a file cut short: not said
+        pass
 
 
 def keep_source(ctx: TransplantContext) -> None:
@@ -271,6 +277,7 @@ def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, accept_left: li
     transplant = {"to": "cpu" if to_gpu is None else "gpu", "carried": [r["name"] for r in survey.get("carries", [])],
                   "left": survey.get("left", []), "notes": survey.get("notes", []),
                   "outputs": survey.get("outputs"), "seconds": {"export": ctx.exported.get("seconds"),
-                                                                "load": ctx.loaded.get("seconds")}}
+                                                                "load": ctx.loaded.get("seconds"),
+                                                                "start": ctx.started}}
     return Outcome(result, bytes=int(ctx.exported.get("bytes", 0)), from_gpu=ctx.from_gpu, to_gpu=ctx.target_index,
                    transplant=transplant, stash=ctx.stash or None)
