@@ -400,9 +400,11 @@ class OperationManager:
 
     def drain(self, index: int, to_gpu: int | None = None, transplant: bool = False) -> Operation:
         """Move every kernel off GPU ``index``: one operation, with a child operation per kernel.
-        ``transplant``: a kernel the driver cannot move (no other GPU of its model, or none with room) is
-        transplanted instead, onto ``to_gpu`` or the GPU of any model with the most room, else to the
-        CPU, provided that everything of it carries (the dry run names nothing left)."""
+        ``transplant``: a kernel on GPU ``index`` alone that the driver cannot move (its move is refused: no
+        other GPU of its model, none with room...) is transplanted instead, onto ``to_gpu`` if named, or
+        else the GPU of any model with the most room, or else to the CPU, provided that everything of it
+        carries (the dry run names nothing left). A kernel no longer on the GPU when its turn comes is
+        left alone, and not listed."""
         gpus = gpus_mod.snapshot()
         placement.gpu_by_index(gpus, index)
         if to_gpu is not None:
@@ -437,13 +439,21 @@ class OperationManager:
         for kernel_id in kernel_ids:
             result: dict[str, Any] = {"kernel_id": kernel_id, "status": PENDING, "operation": None, "error": None,
                                       "way": "move"}
-            op.results.append(result)
             holds: list[int] = []
             try:
                 gpus = gpus_mod.snapshot()
                 assert op.gpu is not None
                 # A kernel on several GPUs: the drained one goes to the target, the others stay.
                 holds = sorted(int(h["index"]) for h in placement.held_by_tree(self.provisioner(kernel_id).pid, gpus))
+            except MigrateError as exc:  # gone meanwhile (shut down, say)
+                op.results.append(dict(result, status=FAILED, error=str(exc)))
+                self._emit(op)
+                continue
+            if op.gpu not in holds:  # it left the GPU since the drain began (its user moved it, say): done
+                log.info("gpumigrate: drain of GPU %s: kernel %s is no longer on it", op.gpu, kernel_id)
+                continue
+            op.results.append(result)
+            try:
                 try:
                     target = op.to_gpu if op.to_gpu is not None else placement.drain_target(
                         gpus, op.gpu, kernel_id, draining={*self._draining(), *holds})
@@ -454,10 +464,13 @@ class OperationManager:
                 except GpuError as exc:  # where the driver cannot take it
                     if not transplant or len(holds) > 1:
                         raise
-                    child, target = await self._drain_transplant(op, kernel_id, exc)
                     result["way"] = "transplant"
-            except MigrateError as exc:
-                result.update(status=FAILED, error=str(exc))
+                    child, target = await self._drain_transplant(op, kernel_id, exc)
+            except Exception as exc:  # noqa: BLE001  one kernel's failure (a MigrateError, or its dry run's) is its own
+                if not isinstance(exc, MigrateError):
+                    log.exception("gpumigrate: drain of GPU %s: kernel %s could not be transplanted", op.gpu, kernel_id)
+                result.update(status=FAILED, error=str(exc) if isinstance(exc, MigrateError) else
+                              f"It could not be transplanted ({type(exc).__name__}: {exc}); it runs on, on GPU {op.gpu}.")
                 self._emit(op)
                 continue
             op.children.append(child.id)
@@ -486,12 +499,19 @@ class OperationManager:
     async def _drain_transplant(self, op: Operation, kernel_id: str, why: GpuError) -> tuple[Operation, int | None]:
         """A drain's transplant of a kernel the driver cannot move (``why``): started only if everything of
         it carries; onto the drain's ``to_gpu``, else the roomiest GPU, else the CPU."""
-        survey = await self.survey(kernel_id, None)
+        driver = str(why).rstrip(".")
+        try:
+            survey = await self.survey(kernel_id, None)
+        except MigrateError as exc:
+            raise InvalidState(f"{driver}; and its dry run for a transplant failed: {exc} It runs on, on GPU "
+                               f"{op.gpu}.") from exc
         left = survey.get("left") or []
         if left:
-            lost = ", ".join(f"{r['name']} ({r['reason']})" for r in left)
-            raise InvalidState(f"{str(why).rstrip('.')}; a transplant would lose {lost}, so it was not "
-                               f"transplanted. It runs on, on GPU {op.gpu}.")
+            lost = ", ".join(f"{r.get('name')} ({r.get('reason')})" for r in left)
+            raise InvalidState(f"{driver}; a transplant would lose {lost}, so it was not transplanted. It runs on, "
+                               f"on GPU {op.gpu}.")
+        if not survey.get("carries"):
+            raise InvalidState(f"{driver}; and it holds nothing a transplant would carry. It runs on, on GPU {op.gpu}.")
         target = op.to_gpu
         if target is None:
             assert op.gpu is not None

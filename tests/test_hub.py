@@ -559,16 +559,21 @@ async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objec
     test_gpu_kernel_side.py.)"""
     servers = ThisServer(jp_fetch)
     [server] = await servers.running()
+    policy = IdlePolicy(minutes=0, gpu_only=False, grace_minutes=0, to_cpu=True)
     await kernel.run("x = [1, 2, 3]")
-    assert await IdlePolicy._cpu_or_suspend(servers, server, kernel.id, "idle for 11.0 min") == (
+    # As a server describes a kernel on one GPU (this one holds none: the dry run is the same).
+    on_gpu = {"id": kernel.id, "gpus": [{"index": 0, "uuid": "GPU-0", "memory_used": 2 << 30}]}
+    assert await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min") == (
         "transplant", "idle for 11.0 min; transplanted to the CPU, where every object of it carries")
+    on_two = dict(on_gpu, gpus=on_gpu["gpus"] * 2)
+    assert (await policy._cpu_or_suspend(servers, server, on_two, "idle"))[0] == "suspend", "one GPU only"
     await kernel.run("def count():\n    yield from range(3)\ng = count()\nnext(g)")
-    action, why = await IdlePolicy._cpu_or_suspend(servers, server, kernel.id, "idle for 11.0 min")
+    action, why = await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min")
     assert action == "suspend", why
     assert re.fullmatch(r"idle for 11\.0 min; suspended, as a transplant to the CPU would lose g \(.+\)", why), why
 
     await server_sees_idle(jp_fetch, kernel)
-    [decision] = await IdlePolicy(minutes=0, gpu_only=False, grace_minutes=0, to_cpu=True).run_once(servers)
+    [decision] = await policy.run_once(servers)
     assert decision["suspend"] and decision["action"] == "suspend" and decision["kernel"] == kernel.id, decision
     op = await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"]))
     assert op["action"] == "suspend" and op["status"] == "succeeded", op

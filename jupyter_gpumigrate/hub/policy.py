@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -63,6 +63,9 @@ class IdlePolicy:
     images: str = "disk"
     #: transplant an idle GPU kernel to the CPU instead of suspending it, where every object of it carries
     to_cpu: bool = False
+    #: kernels this policy sent to the CPU: one that holds a GPU again (its transplant failed, or its user went
+    #: back) is suspended the next time, not transplanted again
+    _sent: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def grace(self) -> float:
@@ -147,13 +150,15 @@ class IdlePolicy:
             decision = {"user": server.user, "server": server.name, "kernel": kernel["id"], "suspend": suspend,
                         "reason": why}
             if suspend:
-                action = "suspend"
+                action, reason = "suspend", why
                 try:
                     if self.to_cpu and kernel["gpus"]:
-                        action, decision["reason"] = await self._cpu_or_suspend(servers, server, kernel["id"], why)
+                        action, reason = await self._cpu_or_suspend(servers, server, kernel, why)
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
                     op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
-                    decision.update(operation=op["id"], action=action)
+                    decision.update(operation=op["id"], action=action, reason=reason)
+                    if action == "transplant":
+                        self._sent.add(kernel["id"])
                     log.info("idle policy: %s %s's kernel %s%s: %s", "transplanting to the CPU" if action ==
                              "transplant" else "suspending", server.user, kernel["id"], server.where, decision["reason"])
                 except (ServerError, KeyError, TypeError) as exc:
@@ -165,10 +170,15 @@ class IdlePolicy:
             decisions.append(decision)
         return decisions
 
-    @staticmethod
-    async def _cpu_or_suspend(servers: Servers, server: UserServer, kernel_id: str, why: str) -> tuple[str, str]:
+    async def _cpu_or_suspend(self, servers: Servers, server: UserServer, kernel: dict, why: str) -> tuple[str, str]:
         """("transplant", why) if the kernel's dry run to the CPU names nothing that would not carry, else
         ("suspend", why and the reason)."""
+        kernel_id = kernel["id"]
+        if len(kernel["gpus"]) > 1:
+            return "suspend", f"{why}; suspended, as a transplant takes a kernel on one GPU, and it holds several"
+        if kernel_id in self._sent:
+            return "suspend", (f"{why}; suspended, as it holds a GPU again since this policy sent it to the CPU (its "
+                               "transplant failed, or its user went back)")
         try:
             survey = await servers.call(server, kernel_path(kernel_id, "transplant"), "POST",
                                         {"to_cpu": True, "dry_run": True})

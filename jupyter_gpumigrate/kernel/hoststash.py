@@ -193,6 +193,8 @@ class Cuda:
         self.lib = lib
         context = vp()
         _check(lib.cuCtxGetCurrent(ctypes.byref(context)), "finding the CUDA context")
+        if not context.value:
+            raise OSError("no CUDA context is current in this thread (CUDA was not used here yet)")
         self.context = context
 
     def lane(self) -> _Lane:
@@ -333,6 +335,8 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
     through the two pinned buffers of a lane of ``cuda``), setting each chunk's CRC-32."""
     mine = [c for c in chunks if c.part == part]
     gpu = [on_gpu[c.buffer] for c in mine]
+    if cuda is None and any(gpu):
+        raise ValueError("CUDA buffers to write, and no CUDA context given")
     lane = cuda.lane() if cuda is not None and any(gpu) else None
     try:
         def fetch(i: int) -> None:  # the GPU copies chunk i into buffer i % 2 meanwhile
@@ -364,15 +368,18 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
     mine = [c for c in chunks if c.part == part]
     if not mine:
         return None
+    if cuda is None and any(on_gpu[c.buffer] for c in mine):
+        raise ValueError("CUDA buffers to fill, and no CUDA context given")
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         return f"{path.name}: {exc.strerror or exc}"
-    lane = cuda.lane() if cuda is not None and any(on_gpu[c.buffer] for c in mine) else None
+    lane = None
     try:
+        lane = cuda.lane() if cuda is not None and any(on_gpu[c.buffer] for c in mine) else None
         for i, c in enumerate(mine):
             target = addresses[c.buffer] + c.at
-            gpu = on_gpu[c.buffer] and lane is not None
+            gpu = on_gpu[c.buffer]
             if gpu:
                 lane.wait(i % 2)  # type: ignore[union-attr]  # chunk i - 2's copy is done; i - 1's goes on
             view = lane.view(i % 2, c.size) if gpu else _view(target, c.size)  # type: ignore[union-attr]
@@ -535,12 +542,21 @@ def read_index(folder: str | os.PathLike[str]) -> dict:
         raise StashDamaged(f"{path} is missing") from exc
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise StashDamaged(f"{path} is damaged ({exc})") from exc
-    for c in chunks:
-        if not (0 <= c.buffer < len(sizes) and 0 <= c.at and c.size > 0 and c.at + c.size <= sizes[c.buffer]
-                and 0 <= c.part < int(index.get("parts", 0)) and c.offset >= 0):
-            raise StashDamaged(f"{path} is damaged (a chunk out of bounds: {c})")
+    wrong = out_of_bounds(chunks, sizes, int(index.get("parts", 0)))
+    if wrong is not None:
+        raise StashDamaged(f"{path} is damaged (a chunk out of bounds: {wrong})")
     index["chunks"] = chunks
     return index
+
+
+def out_of_bounds(chunks: list[Chunk], sizes: list[int], parts: int) -> Chunk | None:
+    """The first chunk that does not lie within its buffer (of ``sizes``) and its files (``parts``), or None:
+    a table read from a file is checked so before any byte is copied where it says."""
+    for c in chunks:
+        if not (0 <= c.buffer < len(sizes) and 0 <= c.at and c.size > 0 and c.at + c.size <= sizes[c.buffer]
+                and 0 <= c.part < parts and c.offset >= 0):
+            return c
+    return None
 
 
 def take_back(folder: str, threads: int = THREADS) -> str:

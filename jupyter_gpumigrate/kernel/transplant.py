@@ -144,17 +144,21 @@ class _Sink:
             with torch.cuda.device(gpus[0]):
                 torch.cuda.synchronize(gpus[0])  # every kernel launched so far has finished with these storages
                 cuda = hoststash.Cuda()
-        chunks = hoststash.plan_chunks([u.nbytes() for u in regions], hoststash.THREADS)
+        sizes = [u.nbytes() for u in regions]
+        # As many threads as chunks, up to 16: each holds two pinned buffers of a chunk's size.
+        chunks = hoststash.plan_chunks(sizes, min(hoststash.THREADS, -(-sum(sizes) // hoststash.CHUNK)))
         self.parts = 1 + max((c.part for c in chunks), default=-1)
         addresses = [u.data_ptr() for u in regions]
-        durable = hoststash._fs_type(folder) != hoststash._TMPFS_MAGIC
         fds: list[int] = []
         try:
             for part in range(self.parts):
                 fds.append(os.open(folder / STORAGE.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                                    0o600))
-            hoststash.run_parts(lambda part: hoststash.write_part(fds[part], chunks, part, addresses, on_gpu, cuda,
-                                                                  durable), self.parts)
+            # Never synced: the folder is scratch, read at once and then removed (on a disk, the new process
+            # reads it from the page cache).
+            if self.parts:
+                hoststash.run_parts(lambda part: hoststash.write_part(fds[part], chunks, part, addresses, on_gpu,
+                                                                      cuda, False), self.parts)
         finally:
             for fd in fds:
                 os.close(fd)
@@ -365,12 +369,20 @@ def _set_torch(settings: dict[str, Any]) -> None:
         return
     import torch
 
-    torch.use_deterministic_algorithms(settings["deterministic"], warn_only=settings["deterministic_warn_only"])
+    _set_deterministic(torch, settings["deterministic"], settings["deterministic_warn_only"])
     torch.set_default_dtype(settings["default_dtype"])
     torch.set_grad_enabled(settings["grad"])
     torch.set_float32_matmul_precision(settings["matmul_precision"])
     torch.backends.cudnn.benchmark = settings["cudnn_benchmark"]
     torch.backends.cudnn.deterministic = settings["cudnn_deterministic"]
+
+
+def _set_deterministic(torch: Any, mode: bool, warn_only: bool) -> None:
+    """torch.use_deterministic_algorithms, only where it changes something: it imports torch._inductor's
+    config, some 800 modules (0.8 s on the development machine, seconds on a GPU machine's image)."""
+    if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
+            mode, warn_only):
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
 
 
 def export(folder: str, carries: list[str] | None = None) -> str:
@@ -405,7 +417,10 @@ def export(folder: str, carries: list[str] | None = None) -> str:
     }
     # What the new process needs before it reads anything: where to import from, and the environment
     # (read by libraries as they import, PyTorch's CUDA allocator among them).
-    _write_json(where / PRELUDE, {k: payload[k] for k in ("cwd", "environ", "sys_path")})
+    # With PyTorch's deterministic mode, which the new process sets while the objects are written.
+    _write_json(where / PRELUDE, {**{k: payload[k] for k in ("cwd", "environ", "sys_path")},
+                                  "deterministic": [payload["torch"].get("deterministic", False),
+                                                    payload["torch"].get("deterministic_warn_only", False)]})
     with open(where / DATA, "xb", buffering=0) as data, open(where / (OBJECTS + ".part"), "xb") as out:
         sink = _Sink(data)
         _pickler_class()(out, sink, shell).dump(payload)
@@ -502,12 +517,21 @@ def _read_storages(folder: Path, table: dict) -> list:
             if device == "cuda":
                 _FROM_GPU.add(storages[-1])
     on_gpu = [s.device.type == "cuda" for s in storages]
-    cuda = hoststash.Cuda() if any(on_gpu) else None  # the context the allocations above made current
     chunks = [hoststash.Chunk(**c) for c in table["chunks"]]
+    parts = int(table["parts"])
+    wrong_chunk = hoststash.out_of_bounds(chunks, [s.nbytes() for s in storages], parts)
+    if wrong_chunk is not None:
+        raise OSError(f"the objects' table is damaged: a chunk out of bounds ({wrong_chunk})")
+    cuda = None
+    if any(on_gpu):
+        with torch.cuda.device(0):  # the one GPU this process sees
+            torch.cuda.synchronize()  # the allocations are done, and the context is current in this thread
+            cuda = hoststash.Cuda()
     addresses = [s.data_ptr() for s in storages]
     wrong: list[str] = []
-    hoststash.run_parts(lambda part: wrong.append(hoststash.read_part(folder / STORAGE.format(part), chunks, part,
-                                                                      addresses, on_gpu, cuda) or ""), table["parts"])
+    if parts:
+        hoststash.run_parts(lambda part: wrong.append(hoststash.read_part(folder / STORAGE.format(part), chunks,
+                                                                          part, addresses, on_gpu, cuda) or ""), parts)
     wrong = [w for w in wrong if w]
     if wrong:
         raise OSError(f"the objects' files are damaged: {hoststash.damage(wrong)}")
@@ -604,11 +628,14 @@ def _prepare_while_exporting(folder: Path, parent: int) -> bool:
     transplant was given up) or the server did."""
     if not _wait_for(folder / PRELUDE, folder, parent):
         return False
-    _take_prelude(json.loads((folder / PRELUDE).read_text()))
+    prelude = json.loads((folder / PRELUDE).read_text())
+    _take_prelude(prelude)
     if _has_cuda():
         import torch
 
         torch.cuda.init()
+    if "torch" in sys.modules and any(prelude.get("deterministic") or ()):
+        _set_deterministic(sys.modules["torch"], *prelude["deterministic"])  # its imports, now rather than after
     import ipykernel.kernelapp  # noqa: F401  imported now rather than after the switch
 
     return _wait_for(folder / OBJECTS, folder, parent)

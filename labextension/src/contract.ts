@@ -646,7 +646,7 @@ export interface DrainRequest {
    */
   to_gpu?: number | null;
   /**
-   * where the driver cannot move a kernel (no other GPU of its model, or none with room), transplant its objects instead: onto to_gpu, else the GPU of any model with the most room, else the CPU; only a kernel all of whose objects carry (a dry run names none left), and never one on several GPUs. Default false: such a kernel runs on where it is.
+   * where the driver cannot move a kernel (its move is refused: no other GPU of its model, none with room...), transplant its objects instead: onto to_gpu if named, or else the GPU of any model with the most room, or else the CPU; only a kernel all of whose objects carry (a dry run names none left), and never one on several GPUs. Default false: such a kernel runs on where it is.
    */
   transplant?: boolean;
 }
