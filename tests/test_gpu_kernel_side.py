@@ -172,7 +172,7 @@ async def test_a_drain_that_may_transplant_carries_to_the_cpu_what_the_driver_ca
         results = {r["kernel_id"]: r for r in op["results"]}
         moved, stayed = results[kernel.id], results[other_id]
         assert moved["status"] == "succeeded" and moved["way"] == "transplant" and moved["to_gpu"] is None, moved
-        assert stayed["status"] == "failed" and stayed["way"] == "move", stayed
+        assert stayed["status"] == "failed" and stayed["way"] == "transplant", "the way last tried: " + str(stayed)
         assert "a transplant would lose g (" in stayed["error"] and "It runs on, on GPU 0." in stayed["error"], stayed
         assert len(op["children"]) == 1
     finally:

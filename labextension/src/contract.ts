@@ -337,7 +337,7 @@ export interface DrainResult {
    */
   to_gpu?: number | null;
   /**
-   * move: the whole process, by the driver; transplant: its objects, into a new process (the drain's transplant, where the driver could not take it).
+   * move: the whole process, by the driver; transplant: its objects, into a new process (the drain's transplant, where the driver could not take it). For a kernel not moved, the way last tried: transplant where the driver could not take it and a transplant was refused too (its error says both reasons).
    */
   way: 'move' | 'transplant';
 }
