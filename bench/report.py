@@ -260,6 +260,56 @@ def move_section(path: Path) -> str:
     return "\n".join(out)
 
 
+TRANSPLANT_INTRO = """## Transplants of a GPU kernel: onto another GPU, or to the CPU
+
+Measured by `bench/transplant_bench.py --device cuda --to 1` (or `--to cpu`): a real `jupyter server` with
+the extension and a real IPython kernel holding *N* GB of PyTorch tensors on GPU 0, transplanted through the
+REST API (its objects carried into a new process; what the driver cannot do: another GPU model, the CPU);
+in the new process every tensor's SHA-256 equals the one taken before. Floors, measured in the same run
+just before each transplant: one thread writing and reading as many bytes to and from /dev/shm, and
+pinned copies between host and GPU. The export writes the storages by 16 threads through pinned buffers;
+the load phase, as the server sees it, includes the new process's own start (Python, PyTorch, CUDA), which
+overlaps the export; `own load` is the new process's reading alone. The runs below predate commit aada87b:
+their new kernel's start imported `torch._inductor` (some 800 modules) to set a deterministic mode it
+already had, most of its seconds (0.8 s of the 0.9 s switch on the development machine, where aada87b
+brought the switch to 0.2-0.5 s); `bench/results/2026-11-26-transplant.md` says what was measured where.
+"""
+
+
+def transplant_section(path: Path) -> str:
+    data = json.loads(path.read_text())
+    meta = data.get("meta") or {"date": path.name[:10]}
+    body = []
+    for r in data["rows"]:
+        op, floor = r["op"], r["floors"]
+        seconds = (op.get("transplant") or {}).get("seconds") or {}
+        gb = op["bytes"] / GB
+        export, own = seconds.get("export"), seconds.get("load")
+        body.append([f"{r['device']} -> {r['to']}", f"{r['size_gb']:g}", f"{op['total']:.2f}",
+                     ", ".join(f"{k} {v:.2f}" for k, v in op["timings"].items() if v >= 0.05),
+                     f"{gb / export:.1f} ({gb / export / floor['tmpfs_write']:.1f}×)" if export else "-",
+                     f"{own:.2f}" if own else "-", f"{seconds['start']:.2f}" if seconds.get("start") else "-",
+                     f"{floor['tmpfs_write']} / {floor['tmpfs_read']} / {floor.get('pinned_d2h', '-')}"])
+    return "\n".join([f"### Run `{path.name}`", "", f"{meta['date']}, {meta.get('cpus', '?')} CPUs.", "",
+                      md_table(["from -> to", "GB", "total s", "phases (s)", "export GB/s (× one-thread tmpfs write)",
+                                "own load s", "new kernel's start s", "floors: tmpfs write / read, pinned GB/s"],
+                               body), ""])
+
+
+def newest_transplant_runs() -> list[Path]:
+    """The newest GPU transplant run for each destination (another GPU, the CPU), oldest first."""
+    runs: dict[str, tuple[str, Path]] = {}
+    for path in RESULTS.glob("*-transplant.json"):
+        data = json.loads(path.read_text())
+        rows = [r for r in data.get("rows", []) if r.get("device") == "cuda"]
+        if not rows or "meta" not in data:
+            continue
+        to, date = rows[0]["to"], data["meta"]["date"]
+        if to not in runs or runs[to][0] < date:
+            runs[to] = (date, path)
+    return [path for _, path in sorted(runs.values())]
+
+
 def newest_move_run() -> list[Path]:
     found = sorted(RESULTS.glob("*-move.json"), key=lambda p: p.name)
     return found[-1:]
@@ -293,10 +343,13 @@ def main(argv: list[str]) -> int:
         paths = [p for p in found if p.name.startswith(newest)]
     suspends = newest_suspend_runs()
     moves = newest_move_run()
-    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves)
+    transplants = newest_transplant_runs()
+    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves + transplants)
     DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
                    ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends) +
-                   ("\n" + MOVE_INTRO if moves else "") + "".join("\n" + move_section(p) for p in moves))
+                   ("\n" + MOVE_INTRO if moves else "") + "".join("\n" + move_section(p) for p in moves) +
+                   ("\n" + TRANSPLANT_INTRO if transplants else "") +
+                   "".join("\n" + transplant_section(p) for p in transplants))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 
