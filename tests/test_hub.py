@@ -563,14 +563,19 @@ async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objec
     await kernel.run("x = [1, 2, 3]")
     # As a server describes a kernel on one GPU (this one holds none: the dry run is the same).
     on_gpu = {"id": kernel.id, "gpus": [{"index": 0, "uuid": "GPU-0", "memory_used": 2 << 30}]}
-    assert await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min") == (
+    assert await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min", "node-a") == (
         "transplant", "idle for 11.0 min; transplanted to the CPU, where every object of it carries")
+    # One at a time per node in a round (each transplant checks the node's memory for itself alone).
+    action, why = await policy._cpu_or_suspend(servers, server, on_gpu, "idle", "node-a")
+    assert action == "wait" and "another kernel of its node is being transplanted" in why, why
+    assert (await policy._cpu_or_suspend(servers, server, on_gpu, "idle", "node-b"))[0] == "transplant"
     on_two = dict(on_gpu, gpus=on_gpu["gpus"] * 2)
-    assert (await policy._cpu_or_suspend(servers, server, on_two, "idle"))[0] == "suspend", "one GPU only"
+    assert (await policy._cpu_or_suspend(servers, server, on_two, "idle", "node-c"))[0] == "suspend", "one GPU only"
     await kernel.run("def count():\n    yield from range(3)\ng = count()\nnext(g)")
-    action, why = await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min")
+    action, why = await policy._cpu_or_suspend(servers, server, on_gpu, "idle for 11.0 min", "node-c")
     assert action == "suspend", why
     assert re.fullmatch(r"idle for 11\.0 min; suspended, as a transplant to the CPU would lose g \(.+\)", why), why
+    assert "node-c" not in policy._nodes, "a kernel suspended instead leaves its node free"
 
     await server_sees_idle(jp_fetch, kernel)
     [decision] = await policy.run_once(servers)

@@ -66,6 +66,9 @@ class IdlePolicy:
     #: kernels this policy sent to the CPU: one that holds a GPU again (its transplant failed, or its user went
     #: back) is suspended the next time, not transplanted again
     _sent: set[str] = field(default_factory=set, repr=False, compare=False)
+    #: nodes where this round started a transplant to the CPU (or is about to): one at a time per node, so
+    #: that several users' kernels do not fill a node's memory at once (each checks room only for itself)
+    _nodes: set[str] = field(default_factory=set, repr=False, compare=False)
 
     @property
     def grace(self) -> float:
@@ -101,6 +104,7 @@ class IdlePolicy:
     async def run_once(self, servers: Servers) -> list[dict]:
         """Look at every user's kernels once; suspend those the policy picks. Returns the decisions."""
         now = datetime.now(timezone.utc)
+        self._nodes.clear()
         listed = await servers.running()
         views = await servers.views(listed)
         unread = 0
@@ -151,9 +155,14 @@ class IdlePolicy:
                         "reason": why}
             if suspend:
                 action, reason = "suspend", why
+                node = view.get("host") or server.url
                 try:
                     if self.to_cpu and kernel["gpus"]:
-                        action, reason = await self._cpu_or_suspend(servers, server, kernel, why)
+                        action, reason = await self._cpu_or_suspend(servers, server, kernel, why, node)
+                    if action == "wait":
+                        decision.update(suspend=False, reason=reason)
+                        decisions.append(decision)
+                        continue
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
                     op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
                     decision.update(operation=op["id"], action=action, reason=reason)
@@ -162,6 +171,8 @@ class IdlePolicy:
                     log.info("idle policy: %s %s's kernel %s%s: %s", "transplanting to the CPU" if action ==
                              "transplant" else "suspending", server.user, kernel["id"], server.where, decision["reason"])
                 except (ServerError, KeyError, TypeError) as exc:
+                    if action == "transplant":
+                        self._nodes.discard(node)  # none started: the node's next kernel may go
                     decision.update(error=str(exc), action=action)
                     log.warning("idle policy: could not %s %s's kernel %s%s (%s): %s", action, server.user,
                                 kernel["id"], server.where, why, exc)
@@ -170,15 +181,28 @@ class IdlePolicy:
             decisions.append(decision)
         return decisions
 
-    async def _cpu_or_suspend(self, servers: Servers, server: UserServer, kernel: dict, why: str) -> tuple[str, str]:
-        """("transplant", why) if the kernel's dry run to the CPU names nothing that would not carry, else
-        ("suspend", why and the reason)."""
+    async def _cpu_or_suspend(self, servers: Servers, server: UserServer, kernel: dict, why: str,
+                              node: str = "") -> tuple[str, str]:
+        """("transplant", why) if the kernel's dry run to the CPU names nothing that would not carry (and
+        ``node`` is then taken for this round), ("wait", why) if another kernel of ``node`` is being
+        transplanted this round, else ("suspend", why and the reason)."""
         kernel_id = kernel["id"]
         if len(kernel["gpus"]) > 1:
             return "suspend", f"{why}; suspended, as a transplant takes a kernel on one GPU, and it holds several"
         if kernel_id in self._sent:
             return "suspend", (f"{why}; suspended, as it holds a GPU again since this policy sent it to the CPU (its "
                                "transplant failed, or its user went back)")
+        if node in self._nodes:
+            return "wait", (f"{why}; kept this round: another kernel of its node is being transplanted to the CPU "
+                            "(one at a time per node, for the node's memory)")
+        self._nodes.add(node)  # taken before the dry run's await: the servers of one node are asked in parallel
+        action, reason = await self._dry_run(servers, server, kernel_id, why)
+        if action != "transplant":
+            self._nodes.discard(node)
+        return action, reason
+
+    @staticmethod
+    async def _dry_run(servers: Servers, server: UserServer, kernel_id: str, why: str) -> tuple[str, str]:
         try:
             survey = await servers.call(server, kernel_path(kernel_id, "transplant"), "POST",
                                         {"to_cpu": True, "dry_run": True})

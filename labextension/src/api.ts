@@ -93,7 +93,9 @@ export const api = {
     start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_gpu: toGpu }),
   moveToHost: (kernelId: string, toHost: string) =>
     start<MigrateRequest>(`kernels/${kernelId}/migrate`, { to_host: toHost }),
-  drain: (index: number) => start<DrainRequest>(`gpus/${index}/drain`, {}),
+  /** `transplant`: a kernel the driver cannot move is transplanted instead, where everything of it carries. */
+  drain: (index: number, transplant = false) =>
+    start<DrainRequest>(`gpus/${index}/drain`, transplant ? { transplant: true } : {}),
   /** What a transplant would carry and what not (its dry run: nothing is done). */
   transplantSurvey: (kernelId: string, body: TransplantRequest) =>
     request<TransplantSurvey>(`kernels/${kernelId}/transplant`, {

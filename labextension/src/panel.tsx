@@ -198,10 +198,20 @@ async function confirmDrain(store: GpuMigrateStore, gpu: IGpu, kernels: IKernel[
       `Move ${kernels.length === 1 ? 'its kernel' : `its ${kernels.length} kernels`} (${names}) ` +
       `to other GPUs of the same model, one after the other, while they run. A kernel that cannot ` +
       `move keeps running on GPU ${gpu.index}.`,
+    // Opt-in: where the driver cannot go, the kernel's objects go (a transplant), only if all of them carry.
+    checkbox: {
+      label: 'Transplant a kernel the driver cannot move',
+      caption:
+        'Where no GPU of its model has room, its objects go into a new process on the roomiest GPU of ' +
+        'another model, or on the CPU: only a kernel whose objects all carry (a generator, a thread, a ' +
+        'socket would not). It can go back to its process for a while (an hour by default).',
+      checked: false
+    },
     buttons: [Dialog.cancelButton(), Dialog.warnButton({ label: 'Drain' })]
   });
   if (result.button.accept) {
-    await store.start(`gpu:${gpu.index}`, 'Draining…', () => api.drain(gpu.index));
+    const transplant = result.isChecked === true;
+    await store.start(`gpu:${gpu.index}`, 'Draining…', () => api.drain(gpu.index, transplant));
   }
 }
 

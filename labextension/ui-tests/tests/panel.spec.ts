@@ -342,6 +342,17 @@ test('rendering with GPUs (written-out server data, no GPU here)', async ({ page
   await dialog.getByRole('button', { name: 'Cancel' }).click();
   await expect(dialog).toHaveCount(0);
   expect(drains).toHaveLength(0);
+  // Confirmed with the opt-in transplant: the body says so. This server has no GPU: it refuses, in its words.
+  await drain.click();
+  await dialog
+    .getByRole('checkbox', { name: 'Transplant a kernel the driver cannot move' })
+    .check();
+  await dialog.getByRole('button', { name: 'Drain' }).click();
+  await expect.poll(() => drains.length).toBe(1);
+  expect(drains[0].postDataJSON()).toEqual({ transplant: true });
+  await expect(
+    page.locator('.Toastify__toast').filter({ hasText: /GPU 0: .*no NVIDIA GPU/ })
+  ).toBeVisible();
 
   // To CPU: what would not carry is listed (the real kernel's dry run) before anything is done. Cancelled,
   // nothing starts; confirmed, the real kernel is transplanted, and its notebook goes on in the new process.
