@@ -98,6 +98,9 @@ async def test_drain_without_a_gpu_fails_in_json_too(jp_fetch, jp_serverapp, ker
     assert code == 1 and "no NVIDIA GPU" in json.loads(out)["error"], (out, err)
     code, out, err = await cli("drain", "--gpu", "0", "--to-gpu", "1", *remote(jp_serverapp))
     assert code == 1 and "no NVIDIA GPU" in err and out == ""
+    # The opt-in transplant is a valid request too (a bad body would be a 400 naming the field).
+    code, out, err = await cli("drain", "--gpu", "0", "--transplant", *remote(jp_serverapp))
+    assert code == 1 and "no NVIDIA GPU" in err and out == "", (out, err)
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
 
 
