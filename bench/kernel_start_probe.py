@@ -2,8 +2,9 @@
 transplant's new process runs it (PyTorch imported, CUDA set up and holding tensors, or not).
 
 A transplant's switch on 2 x H100 took 3.9-5.4 s, nearly all of it the new process's kernel start
-(``transplant.seconds.start``), against about 0.5 s on the development machine's CPU. This says which
-calls take it. Prints, per case, the seconds and the 20 calls with the most cumulative time.
+(``transplant.seconds.start``), against about 1.0 s for the whole switch on the development machine.
+This says which calls take it (there, it found torch.use_deterministic_algorithms's import of
+torch._inductor, 0.8 s). Prints, per case, the seconds and the 20 calls with the most cumulative time.
 
     python3 bench/kernel_start_probe.py [--cases cpu,cuda]
 """

@@ -271,8 +271,9 @@ pinned copies between host and GPU. The export writes the storages by 16 threads
 the load phase, as the server sees it, includes the new process's own start (Python, PyTorch, CUDA), which
 overlaps the export; `own load` is the new process's reading alone. The runs below predate commit aada87b:
 their new kernel's start imported `torch._inductor` (some 800 modules) to set a deterministic mode it
-already had, most of its seconds (0.8 s of the 0.9 s switch on the development machine, where aada87b
-brought the switch to 0.2-0.5 s); `bench/results/2026-11-26-transplant.md` says what was measured where.
+already had: on the development machine most of the switch (0.8 s of about 1.0 s; aada87b brought the
+switch to 0.2-0.5 s there); on a GPU not measured yet. `bench/results/2026-11-26-transplant.md` says
+what was measured where.
 """
 
 

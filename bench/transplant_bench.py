@@ -5,9 +5,10 @@ For each size, a `jupyter server` with the extension starts an IPython kernel th
 ``--to N``, a GPU's index) through the REST API, and checks in the new process that every tensor's SHA-256
 equals the one taken before, on the device it landed on.
 
-Floors, measured in the same run just before each transplant, as the export and load do their work (one
-thread, one file, on the tmpfs): a fresh Python process writing as many bytes of its own memory to
-/dev/shm and reading them into new memory; with a GPU, pinned host <-> GPU copies. Writes
+Floors, measured in the same run just before each transplant: one thread, one file, on the tmpfs (the
+export and load use up to 16 threads and files, so they may pass it): a fresh Python process writing as
+many bytes of its own memory to /dev/shm and reading them into new memory; with a GPU, pinned host <->
+GPU copies. Writes
 ``<out-dir>/<date>-<tag>-transplant.json``; the table comes last.
 
     python3 bench/transplant_bench.py [--sizes 1,4] [--device cpu] [--to cpu] [--tag dev]

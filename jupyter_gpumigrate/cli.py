@@ -477,8 +477,9 @@ def parser() -> argparse.ArgumentParser:
     dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")
     dr.add_argument("--transplant", action="store_true",
                     help="where the driver cannot move a kernel (no GPU of its model with room), transplant its "
-                         "objects instead: onto --to-gpu if given, or else the roomiest GPU of any model, or else "
-                         "the CPU; only a kernel all of whose objects carry")
+                         "objects instead: onto --to-gpu if given, or else the GPU of any model with the most room "
+                         "for its GPU tensors and 2 GB, or else the CPU; only a kernel on that GPU alone, all of "
+                         "whose objects carry")
     dr.set_defaults(func=cmd_drain)
     return top
 

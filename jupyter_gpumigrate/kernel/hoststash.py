@@ -1,5 +1,8 @@
 """Inside the kernel: the host stash of a suspend. Large buffers go to files, in parallel, before the dump.
 
+(Its parallel writer and reader, :func:`plan_chunks`, :func:`write_part` and :func:`read_part`, also carry
+a transplant's storages: kernel/transplant.py, with a table of its own instead of the index, unsynced.)
+
 CRIU writes and reads a process's memory at about 2 GB/s whatever the medium, and the CUDA driver copies
 a checkpoint out at about 1.5 GB/s (docs/internals.md): a kernel holding 32 GB took 33 s to suspend and
 26 s to resume. So, before the driver and CRIU run, the kernel itself writes its large buffers into files

@@ -7,7 +7,7 @@ In the source kernel, evaluated between cells by the server (kernelwire.evaluate
 
     survey()        the dry run: which names carry, and which do not (name, type, why), as JSON
     export(folder)  writes what carries into ``folder``: ``objects.pkl`` (cloudpickle, protocol 5),
-                    ``storage-NN.bin``, the raw bytes of every PyTorch storage, written by 16 threads (CUDA
+                    ``storage-NN.bin``, the raw bytes of every PyTorch storage, written by up to 16 threads (CUDA
                     ones through pinned host buffers, as the suspend's host stash writes them, each chunk
                     with its CRC-32), and ``data.bin``, those of every out-of-band buffer (NumPy arrays'
                     among them), so that no tensor is pickled by value; with the history, execution
@@ -16,7 +16,7 @@ In the source kernel, evaluated between cells by the server (kernelwire.evaluate
 
 In the target process, ``python -m jupyter_gpumigrate.kernel.transplant FOLDER <ipykernel arguments>``,
 started while the source writes: it imports what it needs and sets up CUDA meanwhile, then reads the
-objects (the storages by 16 threads, each chunk checked: CUDA ones onto its GPU, the only one it sees,
+objects (the storages by as many threads, each chunk checked: CUDA ones onto its GPU, the only one it sees,
 through pinned buffers, or into host memory when it has none), writes ``ready.json`` (or ``failed.json``, and exits), then waits for SIGUSR1: the server's
 word that the source kernel has let go of the kernel's ports. Then it starts the IPython kernel on those
 ports, with the objects as its namespace, and sets its history, execution count and RNG states last.
@@ -379,7 +379,7 @@ def _set_torch(settings: dict[str, Any]) -> None:
 
 def _set_deterministic(torch: Any, mode: bool, warn_only: bool) -> None:
     """torch.use_deterministic_algorithms, only where it changes something: it imports torch._inductor's
-    config, some 800 modules (0.8 s on the development machine, seconds on a GPU machine's image)."""
+    config, some 800 modules (0.8 s on the development machine)."""
     if (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()) != (
             mode, warn_only):
         torch.use_deterministic_algorithms(mode, warn_only=warn_only)

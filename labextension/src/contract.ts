@@ -337,7 +337,7 @@ export interface DrainResult {
    */
   to_gpu?: number | null;
   /**
-   * move: the whole process, by the driver; transplant: its objects, into a new process (the drain's transplant, where the driver could not take it). For a kernel not moved, the way last tried: transplant where the driver could not take it and a transplant was refused too (its error says both reasons).
+   * move: the whole process, by the driver; transplant: its objects, into a new process (the drain's transplant, where the driver could not take it). For a kernel not moved, the way last tried: transplant where the driver could not take it and a transplant was refused or failed too (its error says why; where the dry run refused it, both reasons).
    */
   way: 'move' | 'transplant';
 }
@@ -433,7 +433,7 @@ export interface Operation {
    */
   children: string[];
   /**
-   * A drain: one per kernel.
+   * A drain: one per kernel still on the GPU when its turn came.
    */
   results: DrainResult[];
   /**
@@ -468,7 +468,7 @@ export interface Operation {
   stager?: Stager;
 }
 /**
- * A transplant: where to, the names carried, those left (and why), notes, and the seconds of its export and load.
+ * A transplant: where to, the names carried, those left (and why), notes, and the seconds of its export, its load and the new kernel's start.
  */
 export interface Transplant {
   to: 'gpu' | 'cpu';
@@ -646,7 +646,7 @@ export interface DrainRequest {
    */
   to_gpu?: number | null;
   /**
-   * where the driver cannot move a kernel (its move is refused: no other GPU of its model, none with room...), transplant its objects instead: onto to_gpu if named, or else the GPU of any model with the most room, or else the CPU; only a kernel all of whose objects carry (a dry run names none left), and never one on several GPUs. Default false: such a kernel runs on where it is.
+   * where the driver cannot move a kernel (its move is refused: no other GPU of its model, none with room...), transplant its objects instead: onto to_gpu if named, or else the GPU of any model with the most room for its GPU tensors and 2 GB (never a GPU being drained, split into MIG instances or not answering NVML), or else the CPU; only a kernel on the drained GPU alone, all of whose objects carry (a dry run names none left). Default false: such a kernel runs on where it is.
    */
   transplant?: boolean;
 }

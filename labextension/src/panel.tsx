@@ -202,8 +202,8 @@ async function confirmDrain(store: GpuMigrateStore, gpu: IGpu, kernels: IKernel[
     checkbox: {
       label: 'Transplant a kernel the driver cannot move',
       caption:
-        'Where no GPU of its model has room, its objects go into a new process on the roomiest GPU of ' +
-        'another model, or on the CPU: only a kernel whose objects all carry (a generator, a thread, a ' +
+        'Where no GPU of its model can take it, its objects go into a new process on the GPU (any model) ' +
+        'with the most room, or on the CPU: only a kernel whose objects all carry (a generator, a thread, a ' +
         'socket would not). It can go back to its process for a while (an hour by default).',
       checked: false
     },
