@@ -577,6 +577,18 @@ async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objec
     assert re.fullmatch(r"idle for 11\.0 min; suspended, as a transplant to the CPU would lose g \(.+\)", why), why
     assert "node-c" not in policy._nodes, "a kernel suspended instead leaves its node free"
 
+    # A user's server answers the dry run with what it likes (its user controls it): believed only if the
+    # answer is a dry run's, else the kernel is suspended, saying why.
+    class Lying(ThisServer):
+        async def call(self, server, path, method="GET", body=None, timeout=None):
+            if (body or {}).get("dry_run"):
+                return {"carries": "everything", "left": []}
+            return await super().call(server, path, method, body, timeout)
+
+    action, why = await policy._cpu_or_suspend(Lying(jp_fetch), server, on_gpu, "idle", "node-d")
+    assert action == "suspend" and why.startswith("idle; suspended, as its dry run to the CPU failed ("), why
+    assert "node-d" not in policy._nodes
+
     await server_sees_idle(jp_fetch, kernel)
     [decision] = await policy.run_once(servers)
     assert decision["suspend"] and decision["action"] == "suspend" and decision["kernel"] == kernel.id, decision
