@@ -109,10 +109,17 @@ async def ready_kernel(jp_fetch: Any, serverapp: Any) -> KernelSession:
             session.close()
             if attempt == 2 or "died before replying" not in str(exc):
                 raise
-            process = getattr(session.manager.provisioner, "process", None)
+            provisioner = session.manager.provisioner
+            process = getattr(provisioner, "process", None)
             code = process.poll() if process is not None else None
-            warnings.warn(f"kernel {kernel_id} died as it started (exit status {code}); started another",
-                          stacklevel=2)
+            # Its own words (the provisioner keeps the kernel's stdout and stderr in a log), for the next time.
+            log_path = getattr(provisioner, "log_path", None)
+            try:
+                said = log_path.read_text(errors="replace")[-1500:].strip() if log_path else ""
+            except OSError:
+                said = ""
+            warnings.warn(f"kernel {kernel_id} died as it started (exit status {code}); started another. Its "
+                          f"log ({log_path}) ends: {said or '(empty)'}", stacklevel=2)
             await jp_fetch("api", "kernels", kernel_id, method="DELETE", raise_error=False)  # not restarted
             continue
         session.id = kernel_id  # type: ignore[attr-defined]
