@@ -464,6 +464,12 @@ class GPUMigrateApp(ExtensionApp):
                 self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited "
                                  "for", LATE_GRACE)
         await self._images_to_disk()
+        memory = MigratableProvisioner(config=self.serverapp.config).images.memory_root
+        if memory is not None:
+            try:
+                memory.rmdir()  # no empty folder left in /dev/shm (one with a kernel's images in it stays)
+            except OSError:
+                pass
         if self._shared is not None:
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
 

@@ -523,3 +523,27 @@ async def test_a_storage_file_damaged_after_the_export_is_refused_by_the_new_pro
     assert damaged.returncode != 0, damaged.stdout
     assert ("OSError: the objects' files are damaged: storage-00.bin at byte 0: its checksum does not match"
             in damaged.stderr), damaged.stderr
+
+
+async def test_a_kernel_killed_as_it_writes_its_storages_leaves_no_files_and_no_new_process(
+        jp_fetch, jp_serverapp, kernel):
+    """An attack: the source SIGKILLed while its threads write the storages' files. Its state is lost (the
+    attacker killed it), but nothing of the transplant is left behind: no objects' folder, no new process;
+    and the server says what happened."""
+    await kernel.run("import torch\nbig = [torch.ones(2**27) for _ in range(8)]")  # 4 GiB, 8 storages
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    provisioner.memory_dir = ""  # the objects' folder on disk, where this test looks for it
+    roots = [provisioner.images.root]
+    started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
+                        expect=202)
+    deadline = time.monotonic() + 60
+    while not [p for root in roots for p in root.glob(".transplant-*/storage-*.bin")]:
+        assert time.monotonic() < deadline, "the export never began writing the storages"
+        await asyncio.sleep(0.001)
+    os.kill(pid, signal.SIGKILL)
+    op = await wait_operation(jp_fetch, started, timeout=120)
+    assert op["status"] == "failed" and op["failed_phase"] == "export", op
+    assert "stopped answering while it wrote its objects" in op["error"], op
+    assert not [p for root in roots for p in root.glob(".transplant-*")], "the objects' folder is removed"
+    assert not _transplant_processes(), "the new process is stopped"

@@ -37,7 +37,7 @@ import signal
 import time
 from pathlib import Path
 
-from .. import placement, proctree
+from .. import netstate, placement, proctree
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..images import cgroup_room, host_memory, write_durably
 from ..kernelproc import KernelProcess
@@ -238,6 +238,16 @@ def switch(ctx: TransplantContext) -> None:
         if not proctree.is_alive(ctx.new_pid) or time.monotonic() > deadline:
             raise MigrateError("The new kernel process did not answer on the kernel's ports (the kernel's log says "
                                "why): the source is brought back.")
+    # The source's clients (the server's own channels among them) re-dial by themselves; a SUB socket not
+    # subscribed yet loses what the kernel publishes (the next cell's "busy"). As after a restore (adopt_tree):
+    # wait, bounded, until every port has its clients back.
+    if ctx.manifest is not None:
+        expected = {int(port): n for port, n in ctx.manifest.clients.items()}
+        missing = netstate.wait_for_clients(proctree.descendants(ctx.new_pid), expected,
+                                            ctx.tools.reconnect_timeout)
+        if missing:
+            log.info("kernel %s: %s client(s) did not reconnect to its new process within %.1f s (gone meanwhile?)",
+                     ctx.kernel.kernel_id, sum(missing.values()), ctx.tools.reconnect_timeout)
     try:
         ctx.started = json.loads((ctx.folder / "started.json").read_text()).get("seconds")
     except (OSError, ValueError, AttributeError):  # an older new process, or a file cut short: not said
