@@ -43,7 +43,7 @@ c.JupyterHub.services = [
         "display": True,  # in the Hub's Services menu
         "url": "http://127.0.0.1:10101",
         "command": [
-            sys.executable, "-m", "jupyter_gpumigrate.hub",
+            sys.executable, "-m", "jupyter_gpumigrate_client.hub",
             # Where users' servers are reached: the Hub's public URL (through its proxy).
             "--proxy-url", "http://127.0.0.1:8000",
             # Suspend GPU kernels idle for an hour instead of culling them: their GPUs are freed and their

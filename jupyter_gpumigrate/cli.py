@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import __version__
-from .apiclient import ApiError, Client, NotFinished, Unreachable, quote
+from jupyter_gpumigrate_client.apiclient import ApiError, Client, NotFinished, Unreachable, quote
 from .engine import doctor
 from .engine.nodehelper import DEFAULT_SOCKET
 from .opformat import DrainProgress, PhaseProgress, drain_report, report, size, survey_report

@@ -20,7 +20,8 @@ import hashlib
 import secrets
 from collections.abc import Callable
 
-SCHEME = "gpumigrate-kernel"
+from jupyter_gpumigrate_client.apiclient import SCHEME
+
 ENV_URL, ENV_KERNEL_ID, ENV_TOKEN = "JUPYTER_GPUMIGRATE_URL", "JUPYTER_GPUMIGRATE_KERNEL_ID", "JUPYTER_GPUMIGRATE_TOKEN"
 
 

@@ -5,7 +5,8 @@
 #                                          .gpukit/whl   cp312 manylinux x86_64 wheels: the Jupyter stack,
 #                                                        pytest-jupyter[server], ipywidgets, ... and their
 #                                                        closure, MINUS what the GPU image already has,
-#                                                        plus this project's own wheel (entry points);
+#                                                        plus this project's own wheels (the server's
+#                                                        package and jupyter-gpumigrate-client);
 #                                          .gpukit/criu  a CRIU bundle (bin/criu + lib/*.so);
 #                                          .gpukit/ip    iproute2's ip and its libraries (the GPU image has
 #                                                        none; the cross-host test makes network namespaces);
@@ -43,7 +44,7 @@ MAX_KIT_MIB=56
 
 log() { printf 'gpu-suite: %s\n' "$*" >&2; }
 die() { printf 'gpu-suite: ERROR: %s\n' "$*" >&2; exit 1; }
-usage() { sed -n '2,33p' "$0" | sed 's/^# \{0,1\}//' >&2; exit "${1:-0}"; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0" >&2; exit "${1:-0}"; }
 
 # What the tests and the bench need on the GPU machine (pyproject's dependencies and test extra are
 # added to these at pack time).
@@ -143,13 +144,17 @@ resolve_lock() {
   tmp="$(mktemp -d)"
   reqs_file="$tmp/reqs.txt"; cons_file="$tmp/constraints.txt"
   printf '%s\n' "${TOP_REQS[@]}" >"$reqs_file"
-  # pyproject's dependencies and test extra (jupyter_server>=2.14,<3, ...)
+  # the dependencies of both distributions and the test extra (jupyter_server>=2.14,<3, ...): the
+  # server's are listed for hatch_build.py, which adds the client pinned to its version
   "$py" - >>"$reqs_file" <<'PY'
 import tomllib
-p = tomllib.load(open("pyproject.toml", "rb"))["project"]
-# JupyterHub is for the Hub service's tests, which run in CI, not in the gpu suite: leave it here.
-for r in p.get("dependencies", []) + p.get("optional-dependencies", {}).get("test", []):
-    if not r.lower().startswith("jupyterhub"):
+main, client = (tomllib.load(open(f, "rb")) for f in ("pyproject.toml", "client/pyproject.toml"))
+reqs = (main["tool"]["hatch"]["metadata"]["hooks"]["custom"]["dependencies"] + client["project"]["dependencies"]
+        + main["project"]["optional-dependencies"]["test"])
+# JupyterHub is for the Hub service's tests, which run in CI, not in the gpu suite: leave it here. The
+# client is built here, as the project's wheel is.
+for r in reqs:
+    if not r.lower().startswith(("jupyterhub", "jupyter-gpumigrate-client")):
         print(r)
 PY
   # the versions that the project's .venv uses, where it has them
@@ -209,7 +214,7 @@ for fn in sorted(os.listdir(whl)):
         continue
     n, v = fn.split("-")[:2]
     n = canon(n)
-    if n == "jupyter-gpumigrate":
+    if n in ("jupyter-gpumigrate", "jupyter-gpumigrate-client"):
         continue
     if want.get(n) == Version(v) and n not in have:
         have[n] = fn
@@ -241,9 +246,10 @@ sync_wheels() {
 
 build_project_wheel() {
   local py="$1" whl
-  rm -f "$KIT"/whl/jupyter_gpumigrate-*.whl
-  log "building the project's wheel"
-  quiet timeout 600 "$py" -m pip wheel -q --no-deps -w "$KIT/whl" . || die "building the project's wheel failed"
+  rm -f "$KIT"/whl/jupyter_gpumigrate-*.whl "$KIT"/whl/jupyter_gpumigrate_client-*.whl
+  log "building the project's wheels (jupyter-gpumigrate and jupyter-gpumigrate-client)"
+  quiet timeout 600 "$py" -m pip wheel -q --no-deps -w "$KIT/whl" . ./client || die "building the project's wheels failed"
+  [ -n "$(ls "$KIT"/whl/jupyter_gpumigrate_client-*.whl 2>/dev/null)" ] || die "the client's wheel was not built"
   whl="$(ls "$KIT"/whl/jupyter_gpumigrate-*.whl 2>/dev/null | head -n1)"
   [ -n "$whl" ] || die "the project's wheel was not built"
   unzip -p "$whl" '*.dist-info/entry_points.txt' | grep -q '^gpumigrate-provisioner *=' \
@@ -298,7 +304,7 @@ import sys, importlib, importlib.metadata as md
 chk, base = sys.argv[1:3]
 mods = ["jupyter_server", "jupyter_client", "ipykernel", "IPython", "zmq", "tornado", "nbclient",
         "ipywidgets", "pytest_jupyter", "pytest_jupyter.jupyter_server", "jupyter_gpumigrate",
-        "jupyter_gpumigrate.provisioner", "nbformat", "comm", "debugpy"]
+        "jupyter_gpumigrate.provisioner", "jupyter_gpumigrate_client.contract", "nbformat", "comm", "debugpy"]
 for m in mods:
     importlib.import_module(m)
 eps = {e.name for e in md.entry_points(group="jupyter_client.kernel_provisioners")}
@@ -319,7 +325,7 @@ finally:
     kc.stop_channels(); km.shutdown_kernel(now=True)
 print("gpu-suite: a python3 kernel started from the kit and ran a cell")
 PY
-  dists="$(sed -n 's/==.*//p' "$KIT/lock.txt") jupyter-gpumigrate"
+  dists="$(sed -n 's/==.*//p' "$KIT/lock.txt") jupyter-gpumigrate jupyter-gpumigrate-client"
   # shellcheck disable=SC2086
   PYTHONPATH="$chk:$base" timeout 120 "$py" -S - $dists < <(deps_check_py) | sed 's/^/gpu-suite: /' >&2
 }

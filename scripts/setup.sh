@@ -27,7 +27,7 @@ fi
 
 # Reinstall only when the project's metadata changed since the last install.
 stamp=.venv/.gpumigrate-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+if [ ! -f "$stamp" ] || [ -n "$(find pyproject.toml hatch_build.py client/pyproject.toml -newer "$stamp" -print -quit)" ]; then
   log "installing jupyter-gpumigrate and its dependencies into .venv (a few minutes the first time)"
   .venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
   # JupyterLab first: building the labextension below needs it.
@@ -63,7 +63,9 @@ if [ ! -x .venv/node/node_modules/.bin/configurable-http-proxy ]; then
 fi
 
 if [ -n "${NEED_INSTALL:-}" ]; then
-  .venv/bin/python -m pip install -q --disable-pip-version-check -e ".[lab,test]"
+  # Both distributions of this tree: the client (REST client, contract, Hub service) and the server's
+  # package, which depends on the client at its own version (found here, not in a package index).
+  .venv/bin/python -m pip install -q --disable-pip-version-check -e ./client -e ".[lab,test]"
   # JupyterLab loads the extension from this checkout (a symbolic link in .venv/share).
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/jupyter labextension develop --overwrite . >/dev/null
   touch "$stamp"

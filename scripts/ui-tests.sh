@@ -29,7 +29,7 @@ FRESH="$(mktemp --suffix=.ts)"
 trap 'rm -f "$FRESH"' EXIT
 node scripts/gen-types.mjs "$FRESH"
 if ! diff -u src/contract.ts "$FRESH" >&2; then
-  log "ERROR: labextension/src/contract.ts is not what jupyter_gpumigrate/contract/api.schema.json generates" \
+  log "ERROR: labextension/src/contract.ts is not what client/jupyter_gpumigrate_client/contract/api.schema.json generates" \
       "(the diff is above): run \`npm run gen:types\` in labextension/ and commit src/contract.ts."
   exit 1
 fi

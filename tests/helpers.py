@@ -524,7 +524,7 @@ class ThisServer:
         self.jp_fetch = jp_fetch
 
     async def running(self) -> list:
-        from jupyter_gpumigrate.hub.servers import UserServer
+        from jupyter_gpumigrate_client.hub.servers import UserServer
 
         return [UserServer("me", "", "http://this-test")]
 

@@ -11,7 +11,7 @@ import time
 import pytest
 from helpers import api
 
-from jupyter_gpumigrate.apiclient import ApiError, Client, NotFinished, Unreachable
+from jupyter_gpumigrate_client.apiclient import ApiError, Client, NotFinished, Unreachable
 from jupyter_gpumigrate.opformat import progress, report
 
 pytestmark = pytest.mark.usefixtures("criu_binary")

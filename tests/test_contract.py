@@ -1,4 +1,4 @@
-"""The API's contract (jupyter_gpumigrate/contract/api.schema.json) against the live server.
+"""The API's contract (client/jupyter_gpumigrate_client/contract/api.schema.json) against the live server.
 
 A real jupyter_server with the extension, a real kernel, real CRIU: every route under /api/gpumigrate
 is called, the peer routes with a peer token, and every answer (errors included) is checked against
@@ -21,8 +21,8 @@ import pytest
 from helpers import operate
 from jsonschema import Draft202012Validator
 
-from jupyter_gpumigrate import contract
-from jupyter_gpumigrate.contract import ROUTES, ContractError, schema
+from jupyter_gpumigrate_client import contract
+from jupyter_gpumigrate_client.contract import ROUTES, ContractError, schema
 from jupyter_gpumigrate.engine import hostfit, kernelproc
 from jupyter_gpumigrate.engine.gpus import GpuInfo
 from jupyter_gpumigrate.engine.plans import ALL_PHASES, PHASES
@@ -64,7 +64,7 @@ class Walk:
     async def call(self, method: str, template: str, *, expect: int, body: Any = None, raw: bytes | str | None = None,
                    params: dict | None = None, headers: dict[str, str] | None = None, **values: str) -> Any:
         route = next((r for r in ROUTES if r.method == method and r.path == template), None)
-        assert route is not None, f"{method} {template} is not in jupyter_gpumigrate.contract.ROUTES"
+        assert route is not None, f"{method} {template} is not in jupyter_gpumigrate_client.contract.ROUTES"
         if body is not None:
             assert route.request is not None, f"{method} {template} takes no JSON body"
             check(route.request, body)

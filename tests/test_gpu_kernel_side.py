@@ -19,7 +19,7 @@ from test_gpu import GIB, build, where
 
 from jupyter_gpumigrate.engine import gpus as gpus_mod
 from jupyter_gpumigrate.engine.plans import PHASES
-from jupyter_gpumigrate.hub.policy import IdlePolicy
+from jupyter_gpumigrate_client.hub.policy import IdlePolicy
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("criu_binary")]
 

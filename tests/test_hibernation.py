@@ -19,7 +19,7 @@ import pytest
 from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, cli
 from servers import LocalServer
 
-from jupyter_gpumigrate import contract
+from jupyter_gpumigrate_client import contract
 from jupyter_gpumigrate.engine import proctree
 from tornado.websocket import websocket_connect
 

@@ -25,14 +25,15 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 from helpers import ThisServer, WebSocketTab, api, operate, server_sees_idle, wait_operation
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from jupyter_gpumigrate.contract import ContractError
-from jupyter_gpumigrate.hub.policy import IdlePolicy, last_operations
-from jupyter_gpumigrate.hub.servers import check_answers
+from jupyter_gpumigrate_client.contract import ContractError
+from jupyter_gpumigrate_client.hub.policy import IdlePolicy, last_operations
+from jupyter_gpumigrate_client.hub.servers import check_answers
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -61,7 +62,10 @@ class Hub:
     """A JupyterHub in a subprocess, configured by examples/jupyterhub_config.py, driven through its REST
     API with a test service's token."""
 
-    def __init__(self, root: Path, service_options: dict[str, str | bool]) -> None:
+    def __init__(self, root: Path, service_options: dict[str, str | bool],
+                 service_program: list[str] | None = None) -> None:
+        """``service_program`` replaces the example's ``python -m jupyter_gpumigrate_client.hub`` (the
+        service run from another environment)."""
         self.root = root
         self.port, hub_port, proxy_api, self.service_port = (free_port() for _ in range(4))
         self.url = f"http://127.0.0.1:{self.port}"
@@ -100,6 +104,8 @@ c.JupyterHub.allow_named_servers = True
 service = next(s for s in c.JupyterHub.services if s["name"] == "gpumigrate")
 service["url"] = "http://127.0.0.1:{self.service_port}"
 command = service["command"]
+if {service_program!r} is not None:
+    command[:3] = {service_program!r}
 for option, value in {options!r}.items():
     if option in command:
         if value is not True:
@@ -128,6 +134,13 @@ c.JupyterHub.services.append({{"name": "tester", "api_token": {TESTER_TOKEN!r}}}
                 return True
         except OSError:
             return False
+
+    def service_pid(self) -> int:
+        """The process that listens on the service's port."""
+        listening = [c.pid for c in psutil.net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == self.service_port]
+        assert listening, f"nothing listens on the service's port {self.service_port}"
+        return listening[0]
 
     def hub_log(self) -> str:
         return (self.root / "hub.log").read_text(errors="replace")
@@ -252,7 +265,8 @@ c.JupyterHub.services.append({{"name": "tester", "api_token": {TESTER_TOKEN!r}}}
                 cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
             except OSError:
                 continue
-            if (b"configurable-http-proxy" in cmdline or b"jupyter_gpumigrate.hub" in cmdline) and any(
+            if (b"configurable-http-proxy" in cmdline or b"jupyter_gpumigrate_client.hub" in cmdline
+                    or b"jupyter-gpumigrate-hub" in cmdline) and any(
                     mark in cmdline for mark in marks):
                 found.append(int(entry.name))
         for pid in found:
@@ -268,10 +282,10 @@ def make_hub(tmp_path):
         pytest.fail(f"configurable-http-proxy is missing at {CHP}: `make test` installs it (scripts/setup.sh)")
     hubs: list[Hub] = []
 
-    def make(**service_options: str | bool) -> Hub:
+    def make(service_program: list[str] | None = None, **service_options: str | bool) -> Hub:
         root = tmp_path / f"hub{len(hubs)}"
         root.mkdir()
-        hub = Hub(root, {f"--{k.replace('_', '-')}": v for k, v in service_options.items()})
+        hub = Hub(root, {f"--{k.replace('_', '-')}": v for k, v in service_options.items()}, service_program)
         hubs.append(hub)
         return hub
 
@@ -414,6 +428,41 @@ async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make
     with pytest.raises(urllib.error.HTTPError) as info:
         urllib.request.urlopen(req, timeout=30)
     assert info.value.code == 400
+
+
+def test_the_service_runs_from_its_own_distribution_without_the_server_stack(make_hub, tmp_path_factory):
+    """What a Hub admin installs: `pip install 'jupyter-gpumigrate-client[hub]'`, here the wheel built from
+    client/ with its extra, into an environment of its own. Nothing of a user's server comes with it, and its
+    console script serves a real Hub: it lists a user's kernel and suspends it."""
+    out = tmp_path_factory.mktemp("client-wheel")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--disable-pip-version-check",
+                            "-w", str(out), str(EXAMPLE.parent.parent / "client")],
+                           capture_output=True, text=True, timeout=300)
+    assert built.returncode == 0, built.stderr[-4000:]
+    wheel = next(out.glob("jupyter_gpumigrate_client-*.whl"))
+    venv = tmp_path_factory.mktemp("hub-venv")
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+    installed = subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "-q", "--disable-pip-version-check",
+                                f"{wheel}[hub]"], capture_output=True, text=True, timeout=900, env=env)
+    assert installed.returncode == 0, installed.stderr[-4000:]
+    found = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import importlib.util as u; print(' '.join(m for m in ('jupyter_server', "
+         "'jupyter_client', 'ipykernel', 'jupyterlab', 'jupyter_gpumigrate', 'jupyterhub') if u.find_spec(m)))"],
+        capture_output=True, text=True, timeout=60, env=env, cwd=venv)
+    assert found.stdout.split() == ["jupyterhub"], f"the Hub's install has more than it needs: {found.stdout}"
+
+    hub = make_hub(service_program=[str(venv / "bin" / "jupyter-gpumigrate-hub")])
+    assert f"{venv}/bin/jupyter-gpumigrate-hub" in psutil.Process(hub.service_pid()).cmdline()
+    hub.start_server("alice")
+    kernel = hub.start_kernel("alice")
+    boss = hub.token("boss")
+    code, views = hub.service("GET", "api/kernels", boss)
+    assert code == 200 and [(v["user"], [k["id"] for k in v["kernels"]]) for v in views] == [("alice", [kernel])], views
+    code, op = hub.service("POST", f"api/users/alice/kernels/{kernel}/suspend", boss, {})
+    assert code == 202, op
+    assert follow(hub, boss, op)["status"] == "succeeded"
+    assert hub.user_api("alice", "GET", f"gpumigrate/kernels/{kernel}")["state"] == "suspended"
 
 
 async def test_the_idle_policy_suspends_an_idle_kernel_and_not_a_busy_one_and_a_cell_resumes_it(make_hub):

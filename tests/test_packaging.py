@@ -1,5 +1,7 @@
-"""The package as pip users get it: the sdist and wheel that `python -m build` makes from this tree (the
-wheel built from the sdist, as PyPI users' pip would), their metadata, and what they leave out."""
+"""The packages as pip users get them: the sdists and wheels that `python -m build` makes from this tree (each
+wheel built from its sdist, as PyPI users' pip would), their metadata, and what they leave out. Two
+distributions: jupyter-gpumigrate (the server's package, from the root) and jupyter-gpumigrate-client (the REST
+client, the contract and the Hub service, from client/), which the first depends on at its own version."""
 
 from __future__ import annotations
 
@@ -25,19 +27,30 @@ ROOT = Path(__file__).resolve().parents[1]
 class Dist:
     sdist: Path
     wheel: Path
+    #: jupyter-gpumigrate-client's
+    client_sdist: Path
+    client_wheel: Path
+
+    def wheels(self) -> list[str]:
+        """What pip installs: both wheels (the client is not in any package index this test may reach)."""
+        return [str(self.wheel), str(self.client_wheel)]
 
 
-@pytest.fixture(scope="module")
-def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
-    """The sdist and the wheel built from it, by `python -m build` (the test extra's `build`), as a release
-    would build them (the labextension is the one `scripts/setup.sh` built)."""
+def build(tmp_path_factory: pytest.TempPathFactory, source: Path) -> tuple[Path, Path]:
     out = tmp_path_factory.mktemp("dist")
-    proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(ROOT)],
+    proc = subprocess.run([sys.executable, "-m", "build", "--outdir", str(out), str(source)],
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"python -m build failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
     sdists, wheels = list(out.glob("*.tar.gz")), list(out.glob("*.whl"))
     assert len(sdists) == 1 and len(wheels) == 1, f"build made {sorted(p.name for p in out.iterdir())}"
-    return Dist(sdists[0], wheels[0])
+    return sdists[0], wheels[0]
+
+
+@pytest.fixture(scope="module")
+def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
+    """Each sdist and the wheel built from it, by `python -m build` (the test extra's `build`), as a release
+    would build them (the labextension is the one `scripts/setup.sh` built)."""
+    return Dist(*build(tmp_path_factory, ROOT), *build(tmp_path_factory, ROOT / "client"))
 
 
 def wheel_metadata(wheel: Path) -> email.message.Message:
@@ -84,16 +97,37 @@ def test_wheel_metadata_license_classifiers_and_one_version(dist: Dist) -> None:
     with tarfile.open(dist.sdist) as tf:
         pkg_info = tf.extractfile(f"jupyter_gpumigrate-{version}/PKG-INFO").read().decode()
     assert email.parser.Parser().parsestr(pkg_info)["Version"] == version
+    # The client: the same version, the same licence, and the server's package pinned to it.
+    client = wheel_metadata(dist.client_wheel)
+    assert client["Version"] == version and dist.client_wheel.name.startswith(f"jupyter_gpumigrate_client-{version}-")
+    assert f"jupyter-gpumigrate-client=={version}" in meta.get_all("Requires-Dist")
+    assert client["License-Expression"] == "BSD-3-Clause" and client.get_all("License-File") == ["LICENSE"]
+    with zipfile.ZipFile(dist.client_wheel) as zf:
+        names = zf.namelist()
+        assert zf.read(next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))).decode() == license_text
+        assert "jupyter_gpumigrate_client/contract/api.schema.json" in names
+        assert "jupyter-gpumigrate-hub = jupyter_gpumigrate_client.hub.service:main" in zf.read(
+            next(n for n in names if n.endswith(".dist-info/entry_points.txt"))).decode()
+    # Only what the Hub needs: the contract's validator, and JupyterHub with the `hub` extra.
+    assert client.get_all("Requires-Dist") == ["jsonschema>=4.18", "jupyterhub<7,>=5; extra == 'hub'"]
+    with tarfile.open(dist.client_sdist) as tf:
+        client_info = tf.extractfile(f"jupyter_gpumigrate_client-{version}/PKG-INFO").read().decode()
+    assert email.parser.Parser().parsestr(client_info)["Version"] == version
     # JupyterLab's extension manager finds the Python package to install from this.
     assert built_json["jupyterlab"]["discovery"]["server"]["base"]["name"] == pyproject["name"]
 
 
 def test_sdist_has_no_build_leftovers(dist: Dist) -> None:
+    with tarfile.open(dist.client_sdist) as tf:
+        client_names = tf.getnames()
     with tarfile.open(dist.sdist) as tf:
         names = tf.getnames()
-    leftovers = [n for n in names if n.endswith((".tsbuildinfo", ".png", ".pyc")) or "/test-results/" in n
-                 or "/playwright-report/" in n or "/node_modules/" in n or "__pycache__" in n or "/.venv/" in n]
-    assert not leftovers, f"the sdist carries build leftovers: {leftovers[:10]}"
+    for listing in (names, client_names):
+        leftovers = [n for n in listing if n.endswith((".tsbuildinfo", ".png", ".pyc")) or "/test-results/" in n
+                     or "/playwright-report/" in n or "/node_modules/" in n or "__pycache__" in n or "/.venv/" in n]
+        assert not leftovers, f"the sdist carries build leftovers: {leftovers[:10]}"
+    # The client's sources are its own sdist's, not the server's.
+    assert not [n for n in names if "/client/" in n], [n for n in names if "/client/" in n][:5]
     # What a wheel built from it without Node.js needs: the built labextension, the LICENSE.
     top = names[0].split("/")[0]
     assert f"{top}/jupyter_gpumigrate/labextension/static/style.js" in names
@@ -129,7 +163,7 @@ def pip_install(bin_dir: Path, *requirements: str) -> None:
 def test_the_prebuilt_extension_is_ok_with_the_lowest_and_highest_jupyterlab(
         dist: Dist, tmp_path: Path, jupyterlab: str) -> None:
     bin_dir = fresh_venv(tmp_path / "venv")
-    pip_install(bin_dir, str(dist.wheel), jupyterlab)
+    pip_install(bin_dir, *dist.wheels(), jupyterlab)
     lab_version = subprocess.run([str(bin_dir / "jupyter"), "lab", "--version"], capture_output=True, text=True,
                                  timeout=60, env=clean_env()).stdout.strip()
     proc = subprocess.run([str(bin_dir / "jupyter"), "labextension", "list"], capture_output=True, text=True,
@@ -143,11 +177,11 @@ def test_the_prebuilt_extension_is_ok_with_the_lowest_and_highest_jupyterlab(
 
 def test_an_isolated_install_suspends_and_resumes_a_kernel_with_its_own_server_and_cli(
         dist: Dist, tmp_path: Path) -> None:
-    """As the extension template's isolated test: the wheel alone in a fresh venv, run with no Node.js on the
+    """As the extension template's isolated test: the wheels alone in a fresh venv, run with no Node.js on the
     PATH and far from this source tree, enables its server extension and provisioner, and its own server and
     CLI suspend and resume a kernel."""
     bin_dir = fresh_venv(tmp_path / "venv")
-    pip_install(bin_dir, str(dist.wheel))
+    pip_install(bin_dir, *dist.wheels())
     home = tmp_path / "home"
     work = tmp_path / "work"
     for folder in (home, work):

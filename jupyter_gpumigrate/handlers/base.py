@@ -15,7 +15,7 @@ from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.handler import ExtensionHandlerMixin
 from tornado import web
 
-from .. import contract
+from jupyter_gpumigrate_client import contract
 from ..credentials import KernelCredentials
 from ..engine.errors import MigrateError
 from ..operations import OperationManager

@@ -1,7 +1,7 @@
 """The kernel's client of its server's /api/gpumigrate, with the credential the provisioner gave it, and
 what ``%migrate`` and its widget both need before they ask for a move.
 
-HTTP goes through :mod:`jupyter_gpumigrate.apiclient` (the standard library's urllib): a handful of JSON
+HTTP goes through :mod:`jupyter_gpumigrate_client.apiclient` (the standard library's urllib): a handful of JSON
 calls from inside a user's kernel should add no dependency to the user's environment.
 """
 
@@ -11,7 +11,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..apiclient import ApiError, Client, Unreachable
+from jupyter_gpumigrate_client.apiclient import ApiError, Client, Unreachable
 from ..credentials import ENV_KERNEL_ID, ENV_TOKEN, ENV_URL
 
 __all__ = ["ApiError", "MigrateFailed", "NotManaged", "ServerClient", "Unreachable", "release_torch_cache"]

@@ -1,5 +1,5 @@
 // Generates src/contract.ts, the panel's types of the REST API, from the API's JSON Schema
-// (jupyter_gpumigrate/contract/api.schema.json): `npm run gen:types`. scripts/ui-tests.sh fails when
+// (client/jupyter_gpumigrate_client/contract/api.schema.json): `npm run gen:types`. scripts/ui-tests.sh fails when
 // the committed file differs from what this writes.
 //
 // usage: node scripts/gen-types.mjs [OUT]   (default: src/contract.ts)
@@ -10,7 +10,7 @@ import { compile } from 'json-schema-to-typescript';
 
 const here = dirname(fileURLToPath(import.meta.url));
 const root = join(here, '..');
-const source = join(root, '..', 'jupyter_gpumigrate', 'contract', 'api.schema.json');
+const source = join(root, '..', 'client', 'jupyter_gpumigrate_client', 'contract', 'api.schema.json');
 const out = process.argv[2] ?? join(root, 'src', 'contract.ts');
 
 const document = JSON.parse(readFileSync(source, 'utf8'));

@@ -1,5 +1,5 @@
 // The server's /api/gpumigrate. Its bodies' types are generated from the API's JSON Schema
-// (jupyter_gpumigrate/contract/api.schema.json) into ./contract.ts by `npm run gen:types`; the names
+// (client/jupyter_gpumigrate_client/contract/api.schema.json) into ./contract.ts by `npm run gen:types`; the names
 // below are what the panel calls them.
 import { URLExt } from '@jupyterlab/coreutils';
 import { ServerConnection } from '@jupyterlab/services';

@@ -25,7 +25,7 @@ from ..apiclient import kernel_path
 from ..contract import ContractError, validate
 from .servers import ServerError, Servers, UserServer
 
-log = logging.getLogger("jupyter_gpumigrate.hub.policy")
+log = logging.getLogger("jupyter_gpumigrate_client.hub.policy")
 
 
 def _parse_time(value: str) -> datetime:

@@ -38,7 +38,7 @@ from .servers import ServerError, Servers
 SCOPE = "custom:gpumigrate:admin"
 #: The scope that only the Hub's admin role holds by default: Hub admins get in without a role of ours.
 ADMIN_SCOPE = "admin-ui"
-log = logging.getLogger("jupyter_gpumigrate.hub")
+log = logging.getLogger("jupyter_gpumigrate_client.hub")
 
 NOT_ALLOWED = (f"This needs a Hub admin or a user with the {SCOPE} scope: log in to the Hub as one, or send "
                f"a token of one (Authorization: token ...).")
@@ -206,7 +206,7 @@ def make_app(servers: Servers, prefix: str, policy: IdlePolicy | None, cookie_se
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m jupyter_gpumigrate.hub", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m jupyter_gpumigrate_client.hub", description=__doc__.splitlines()[0])
     parser.add_argument("--proxy-url", default=os.environ.get("JUPYTERHUB_PUBLIC_URL") or "http://127.0.0.1:8000",
                         help="where users' servers are reached (the Hub's public URL, through its proxy)")
     parser.add_argument("--idle-suspend-minutes", type=float, default=0,

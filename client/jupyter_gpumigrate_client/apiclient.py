@@ -19,8 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .credentials import SCHEME
-
+#: the Authorization scheme of a kernel's own credential (the server side: jupyter_gpumigrate.credentials)
+SCHEME = "gpumigrate-kernel"
 #: where the extension's API lives under a server's base URL
 API = "api/gpumigrate"
 #: the statuses of an operation that has ended

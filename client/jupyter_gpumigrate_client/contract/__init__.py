@@ -22,8 +22,6 @@ from jsonschema import Draft202012Validator
 from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
 
-from ..engine.errors import MigrateError
-
 SCHEMA_FILE = "api.schema.json"
 
 #: The deepest a body may nest (objects and lists in one another). The API's bodies nest 5 deep at
@@ -31,7 +29,7 @@ SCHEMA_FILE = "api.schema.json"
 MAX_DEPTH = 32
 
 
-class ContractError(MigrateError):
+class ContractError(ValueError):
     """A body that the API's schema does not allow; the message names the field and what it may be."""
 
     http_status = 400

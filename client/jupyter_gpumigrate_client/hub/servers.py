@@ -1,6 +1,6 @@
 """Users' servers, found through the Hub API, and their /api/gpumigrate, called with a token of each user.
 
-HTTP goes through :mod:`jupyter_gpumigrate.apiclient` (blocking urllib), each call in a thread of the
+HTTP goes through :mod:`jupyter_gpumigrate_client.apiclient` (blocking urllib), each call in a thread of the
 service's own pool so that many servers are asked at once and the event loop never waits.
 """
 
@@ -55,7 +55,7 @@ USER_TOKEN_SECONDS = 3600
 
 def check_answers(kernels: Any, gpus: Any) -> None:
     """Raise :class:`ContractError`, saying which field is wrong, unless GET kernels and GET gpus answered
-    as the API's contract (jupyter_gpumigrate/contract) says: a user's server, which its user controls,
+    as the API's contract (jupyter_gpumigrate_client.contract) says: a user's server, which its user controls,
     is believed only then."""
     # Users' servers may run a newer version than the Hub's, answering with fields it does not know.
     validate("KernelList", kernels, strict=False)
