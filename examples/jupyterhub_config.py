@@ -1,7 +1,8 @@
 """JupyterHub with the jupyter-gpumigrate service: every user's kernels and GPUs for admins, and an idle
 policy that suspends GPU kernels instead of culling them. Copy what you need into your jupyterhub_config.py;
 docs/hub.md says what each node and the service need. tests/test_hub.py runs a real Hub from this file
-(changing only ports, paths and test users), so what it says here is what is tested.
+(changing only ports, paths, test users, named servers, the service's timings and, in one test, the
+environment the service runs from), so what it says here is what is tested.
 
 Who may use the service:
 - the Hub's admins (c.Authenticator.admin_users, or the admin page), through the `admin-ui` scope that

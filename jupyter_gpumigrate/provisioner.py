@@ -262,6 +262,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     state: str = STOPPED
     broken_reason: str | None = None
+    #: while the kernel is being shut down or restarted during a migration: why (a plan may stop there)
+    stop_requested: str | None = None
     sessions: list[dict] = []
     #: the kernels the extension is taking back as the server starts (revive.py), by id: their provisioner
     #: launches nothing, and listens on their own ports with their own key
@@ -741,7 +743,17 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.state = STOPPED
         return code
 
-    async def _migration_done(self) -> None:
+    async def _migration_done(self, stopping: str | None = None) -> None:
+        """Wait for a migration in progress to end. ``stopping``: why the kernel is being stopped; a plan that
+        may stop where it is (a transplant writing or reading the objects) is undone there instead."""
+        if stopping and self.state == MIGRATING and not self._server_stopping():
+            self.stop_requested = stopping
+        try:
+            await self._wait_migration()
+        finally:
+            self.stop_requested = None
+
+    async def _wait_migration(self) -> None:
         waited = 0.0
         # A stopping server has waited for its operations already, within its own bound (app.py).
         limit = min(self.migration_wait, STOPPING_WAIT) if self._server_stopping() else self.migration_wait
@@ -750,7 +762,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             waited += 0.1
 
     async def send_signal(self, signum: int) -> None:
-        await self._migration_done()
+        # jupyter_client interrupts a kernel first when it shuts it down (its manager says so)
+        shutting_down = bool(getattr(self.parent, "shutting_down", False))
+        await self._migration_done("the kernel is being shut down" if shutting_down else None)
         if self.state == SUSPENDED:
             return  # a suspended kernel has no process to signal; interrupts are moot
         if self.state == REMOTE:
@@ -803,7 +817,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             self._discard_images()
 
     async def _end(self, signum: int) -> None:
-        await self._migration_done()
+        await self._migration_done("the kernel is being shut down")
         if self.state == SUSPENDED:
             self._keep_or_discard()
             return
@@ -824,7 +838,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def shutdown_requested(self, restart: bool = False) -> None:
         # A suspended kernel never reads the shutdown message: shutting it down means deleting it.
-        await self._migration_done()
+        await self._migration_done("the kernel is being restarted" if restart else "the kernel is being shut down")
         if self.state == SUSPENDED:
             self._keep_or_discard()
         elif self.state == REMOTE:

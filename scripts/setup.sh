@@ -66,6 +66,10 @@ if [ -n "${NEED_INSTALL:-}" ]; then
   # Both distributions of this tree: the client (REST client, contract, Hub service) and the server's
   # package, which depends on the client at its own version (found here, not in a package index).
   .venv/bin/python -m pip install -q --disable-pip-version-check -e ./client -e ".[lab,test]"
+  # A .venv from before the split: uninstalling the old jupyter-gpumigrate removed the console script
+  # that it used to own and the client now does.
+  [ -x .venv/bin/jupyter-gpumigrate-hub ] \
+    || .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps --force-reinstall -e ./client
   # JupyterLab loads the extension from this checkout (a symbolic link in .venv/share).
   PATH="$PWD/.venv/bin:$PATH" .venv/bin/jupyter labextension develop --overwrite . >/dev/null
   touch "$stamp"

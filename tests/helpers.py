@@ -513,7 +513,7 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
 
 
 class ThisServer:
-    """What the Hub service's idle policy asks of its ``Servers`` (hub/servers.py), answered by this test's
+    """What the Hub service's idle policy asks of its ``Servers`` (jupyter_gpumigrate_client/hub/servers.py), answered by this test's
     own server with the extension: one user's server, its real kernels and answers. The Hub's own path to
     users' servers (tokens, proxy) is tested in test_hub.py with a real Hub; this puts the policy's
     decisions on kernels the Hub tests cannot make (one on a GPU)."""

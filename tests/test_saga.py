@@ -171,3 +171,39 @@ def test_every_plan_publishes_its_phases_from_its_own_table():
     assert PHASES["move_to_host"][-3:] == ("transfer", "restore", "adopt")
     assert PHASES["return_home"][:3] == ("prepare", "dump", "transfer")
     assert set(ALL_PHASES) == {p for phases in PHASES.values() for p in phases}
+
+
+def test_a_stop_request_undoes_the_plan_before_a_stoppable_phase_and_only_there():
+    @dataclass
+    class Stoppable(Kernel):
+        stop_requested: str | None = None
+
+    def ask_to_stop(ctx: World) -> None:
+        ctx.kernel.stop_requested = "the kernel is being shut down"
+
+    def stoppable(*steps: Step, phases: tuple[str, ...]) -> Saga:
+        plan = saga(*steps)
+        plan.stoppable = phases
+        return plan
+
+    # Asked during "write": "read" may be stopped before it, so the plan is undone there.
+    kernel = Stoppable()
+    plan = stoppable(Step("prepare", change("folder")), Step("write", lambda ctx: (change("objects")(ctx),
+                                                                                    ask_to_stop(ctx))),
+                     Step("read", change("copy")), phases=("read",))
+    with pytest.raises(PhaseFailed) as info:
+        run(plan, kernel)
+    assert info.value.phase == "read" and "Stopped, and undone, because the kernel is being shut down" in str(
+        info.value) and info.value.rolled_back
+    assert kernel.state == "running"
+
+    # Asked before a phase that may not be stopped: the plan goes on to its end.
+    kernel = Stoppable()
+    plan = stoppable(Step("prepare", change("folder")), Step("save", lambda ctx: ask_to_stop(ctx)),
+                     Step("switch", change("new")), phases=("prepare",))
+    ctx, _ = run(plan, kernel)
+    assert ctx.world == ["folder", "new"] and kernel.state == "suspended"
+
+    # A kernel without the attribute (a peer's guest) is never stopped.
+    ctx, _ = run(stoppable(Step("a", change("x")), phases=("a",)))
+    assert ctx.world == ["x"]

@@ -6,8 +6,10 @@ import asyncio
 import json
 import os
 import re
+import signal
 import stat
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -431,27 +433,32 @@ async def test_a_tab_opened_on_a_suspended_kernel_connects_at_once_and_its_cell_
     tab.ws.close()
 
 
+def _servers_criu(action: bytes) -> Iterator[tuple[int, list[bytes]]]:
+    """The `criu ACTION` processes this test's server started (their PID and argv). The tasks CRIU forks carry
+    its command line too: only the one the server started is named."""
+    from jupyter_gpumigrate.engine import proctree
+
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argv and argv[0].endswith(b"criu") and action in argv:
+            if (info := proctree.info(int(name))) is not None and info.ppid == os.getpid():
+                yield int(name), argv
+
+
 def _kill_criu_restore_once_tree_is_back(pid: int, timeout: float) -> str | None:
     """Watch for the server's `criu restore`; SIGKILL it as soon as the process with ``pid`` exists again
     (CRIU has forked the tree and is restoring its memory). The signal sent, or None if the restore ended
-    first. The tasks CRIU forks carry its command line too: only the one the server started is killed."""
-    import signal
-
-    from jupyter_gpumigrate.engine import proctree
-
+    first."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        for name in os.listdir("/proc"):
-            if not name.isdigit():
-                continue
-            try:
-                argv = Path(f"/proc/{name}/cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            started_by_server = (info := proctree.info(int(name))) is not None and info.ppid == os.getpid()
-            if (argv and argv[0].endswith(b"criu") and b"restore" in argv and started_by_server
-                    and Path(f"/proc/{pid}").exists()):
-                os.kill(int(name), signal.SIGKILL)
+        for criu, _ in _servers_criu(b"restore"):
+            if Path(f"/proc/{pid}").exists():
+                os.kill(criu, signal.SIGKILL)
                 return "SIGKILL"
         time.sleep(0.001)
     return None
@@ -480,4 +487,52 @@ async def test_criu_killed_during_a_resume_leaves_no_process_behind_and_the_next
 
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op
+    assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]
+
+
+def _kill_criu_dump(when: str, timeout: float) -> str | None:
+    """Watch for the server's `criu dump`; SIGKILL it ``early`` (as soon as it runs: while it seizes the
+    tree and its parasite is inside the kernel) or once it writes ``pages`` (the kernel's memory). The
+    moment it was killed, or None if the dump ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for criu, argv in _servers_criu(b"dump"):
+            folder = Path(argv[argv.index(b"--images-dir") + 1].decode())
+            while when == "pages" and time.monotonic() < deadline:
+                if any(p.stat().st_size > 0 for p in folder.glob("pages-*.img")):
+                    break
+                time.sleep(0.001)
+            try:
+                os.kill(criu, signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+            return when
+        time.sleep(0.001)
+    return None
+
+
+@pytest.mark.parametrize("when", ["early", "pages"])
+async def test_criu_killed_during_a_suspends_dump_leaves_the_kernel_running_with_its_state(jp_fetch, kernel, when):
+    # Enough memory that CRIU spends a while writing it.
+    assert (await kernel.run("x = 41\nblob = bytes(range(256)) * 4_000_000\nprint('ok')")).strip() == "ok"
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    for attempt in range(3):
+        killer = asyncio.get_running_loop().run_in_executor(None, _kill_criu_dump, when, 60)
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        killed = await killer
+        if killed and op["status"] == "failed":
+            break
+        assert op["status"] == "succeeded", op  # the dump won the race: resume, and try again
+        assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+        pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    else:
+        pytest.skip("CRIU dumped the kernel before it could be killed, three times")
+    assert op["failed_phase"] == "dump" and "SIGKILL" in op["error"] and "runs on, unchanged" in op["error"], op
+    # The same process runs on, with its state, and answers.
+    view = await api(jp_fetch, "kernels", kernel.id)
+    assert view["state"] == "running" and view["pid"] == pid and not view["image_bytes"], view
+    assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]
+    # Nothing half-dumped is left to be taken for an image, and the next suspend and resume work.
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]

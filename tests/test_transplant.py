@@ -547,3 +547,27 @@ async def test_a_kernel_killed_as_it_writes_its_storages_leaves_no_files_and_no_
     assert "stopped answering while it wrote its objects" in op["error"], op
     assert not [p for root in roots for p in root.glob(".transplant-*")], "the objects' folder is removed"
     assert not _transplant_processes(), "the new process is stopped"
+
+
+async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source_is_touched(jp_fetch, jp_serverapp,
+                                                                                            kernel):
+    """Shutting the kernel down (its tab closed, the panel, DELETE) while its objects are being written ends the
+    transplant there, undone, instead of carrying them first: no new process, no objects' folder, no source."""
+    await kernel.run(BUILD + "\nbig = torch.ones(300_000_000)\nprint('ok')")
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
+    started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
+                        expect=202)
+    deadline = time.monotonic() + 60
+    while not _transplant_processes():  # the new process starts as the export begins
+        assert time.monotonic() < deadline, "the transplant's new process never started"
+        await asyncio.sleep(0.01)
+    await jp_fetch("api", "kernels", kernel.id, method="DELETE")
+    op = await wait_operation(jp_fetch, started)
+    assert op["status"] == "failed" and "shut down" in op["error"], op
+    assert op["failed_phase"] in ("export", "load", "stash"), op
+    assert "dump" not in op["timings"], "stopped before the source was saved"
+    assert not _transplant_processes(), "no new process is left"
+    assert not Path(f"/proc/{pid}").exists(), "the source was shut down"
+    assert not _scratch_folders_of(images), "no objects' folder is left"
+    assert not images.path_for(kernel.id).exists()

@@ -73,6 +73,13 @@ class PhaseFailed(MigrateError):
         self.undo_errors = undo_errors
 
 
+class Stopped(MigrateError):
+    """The kernel was asked to stop (shut down, restarted) while a plan ran, before a phase that may be
+    stopped: the plan was undone there instead of being carried to its end first."""
+
+    http_status = 409
+
+
 class CudaUnavailable(MigrateError):
     """cuda-core's checkpoint API, or a driver that has it, is missing in the server's environment."""
 

@@ -23,6 +23,9 @@ class KernelProcess(Protocol):
     #: what points at the kernel in its server (notebook sessions: id, path, name, type), kept with its
     #: images so that a server started later points there again
     sessions: list[dict]
+    #: set while the kernel is being shut down or restarted: why (a plan reads it, saga.Saga.stoppable);
+    #: optional, None when absent
+    stop_requested: str | None
 
     @property
     def kernel_name(self) -> str: ...

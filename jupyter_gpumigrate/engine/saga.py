@@ -14,6 +14,12 @@ The runner also owns the kernel's state, so no step writes it:
 - after a full rollback, it is in the state it had before the plan;
 - when an undo fails, it is ``broken``, with a reason that names the phase's error and the undo's.
 
+A plan may name phases before which it stops when its kernel is asked to stop (``stoppable``): the
+kernel's ``stop_requested`` (a sentence, set by whoever shuts it down) is read before each phase, and a
+plan asked to stop there is undone as a failure would be, with :class:`Stopped`. Those are the phases
+before anything that is slow to undo (a transplant stops while its objects are written or read, not once
+its source is saved). A long phase may ask too, in its loop (:meth:`Context.check_stop`).
+
 Steps of kind ``ON_SUCCESS`` run once every phase succeeded, steps of kind ``ALWAYS`` at the very
 end whatever happened: they finish (delete what is stale, close what was opened) and are neither
 timed nor reported as phases; what fails there is logged, never raised.
@@ -29,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from .errors import InvalidState, PhaseFailed
+from .errors import InvalidState, PhaseFailed, Stopped
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +82,14 @@ class Context:
         self.kernel = kernel
         self._undos: list[_Undo] = []
         self._phase = ""
+        #: the phases of the running plan that a stop request ends (Saga.stoppable)
+        self._stoppable: tuple[str, ...] = ()
+
+    def check_stop(self) -> None:
+        """Raise :class:`Stopped` if the kernel was asked to stop and the phase running may be stopped."""
+        reason = getattr(self.kernel, "stop_requested", None)
+        if reason and self._phase in self._stoppable:
+            raise Stopped(f"Stopped, and undone, because {reason}.")
 
     def undo(self, do: Callable[[], None], cleanup: bool = False) -> None:
         """Register the undo of the side effect just made. ``cleanup``: its failure leaves litter (a
@@ -116,6 +130,8 @@ class Saga(Generic[C]):
     success: str
     #: the sentence for a kernel in a state the plan does not start from
     refuse: Callable[[str], str] = lambda state: f"The kernel is {state}: it cannot be migrated now."
+    #: the phases before which (and, where they ask, during which) a stop request undoes the plan
+    stoppable: tuple[str, ...] = ()
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -124,6 +140,7 @@ class Saga(Generic[C]):
     def run(self, ctx: C, progress: ProgressCallback | None = None) -> Result:
         kernel, result = ctx.kernel, Result()
         initial: str | None = None
+        ctx._stoppable = self.stoppable
 
         def report(phase: str, event: str, timings: dict[str, float]) -> None:
             if progress is not None:
@@ -145,6 +162,7 @@ class Saga(Generic[C]):
                         if kernel.state not in self.start_from:
                             raise InvalidState(self.refuse(kernel.state))
                         initial, kernel.state = kernel.state, MIGRATING
+                    ctx.check_stop()
                     step.do(ctx)
                 except BaseException as exc:  # everything must roll back, KeyboardInterrupt too
                     result.timings[step.name] = time.perf_counter() - started

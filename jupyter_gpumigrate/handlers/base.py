@@ -1,5 +1,5 @@
 """What every handler of the API shares: authentication, authorization, errors as JSON, request bodies
-checked against the API's schema (contract/)."""
+checked against the API's schema (jupyter_gpumigrate_client.contract)."""
 
 from __future__ import annotations
 
@@ -115,7 +115,8 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
 
     def json_body(self, name: str) -> dict[str, Any] | None:
         """The request's JSON body checked against definition ``name`` of the API's schema
-        (contract/api.schema.json); an empty body is ``{}``. None after a 400 was sent."""
+        (jupyter_gpumigrate_client/contract/api.schema.json); an empty body is ``{}``. None after a 400 was
+        sent."""
         raw = self.request.body.strip()
         body: Any = {}
         if raw:

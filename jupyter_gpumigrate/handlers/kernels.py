@@ -8,7 +8,8 @@ from tornado import web
 from ..engine.errors import MigrateError
 from .base import OWN_KERNEL, READ, BaseHandler, kernel_credential
 
-#: Each action's request body, a definition of the API's schema (contract/api.schema.json).
+#: Each action's request body, a definition of the API's schema
+#: (jupyter_gpumigrate_client/contract/api.schema.json).
 ACTION_BODIES = {"suspend": "SuspendRequest", "resume": "ResumeRequest", "migrate": "MigrateRequest",
                  "transplant": "TransplantRequest", "back": "BackRequest"}
 

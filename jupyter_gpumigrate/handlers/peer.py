@@ -196,7 +196,8 @@ class GuestHandler(PeerHandler):
 
 
 class GuestActionHandler(PeerHandler):
-    #: each action's request body, a definition of the API's schema (contract/api.schema.json)
+    #: each action's request body, a definition of the API's schema
+    #: (jupyter_gpumigrate_client/contract/api.schema.json)
     BODIES = {"restore": "PeerRestoreRequest", "dump": "PeerDumpRequest", "resume": "PeerResumeRequest",
               "signal": "PeerSignalRequest"}
 

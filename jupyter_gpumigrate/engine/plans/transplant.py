@@ -76,6 +76,9 @@ def saga() -> Saga[TransplantContext]:
         start_from=("running",),
         success="running",
         refuse=lambda state: f"The kernel is {state}, not running: it cannot be transplanted.",
+        # A kernel shut down while its objects are written or read: the transplant is undone there (the new
+        # process killed, the folder removed), not carried on to a process that would be shut down at once.
+        stoppable=("start", "export", "load", "stash"),
     )
 
 
@@ -195,6 +198,7 @@ def load(ctx: TransplantContext) -> None:
     deadline = time.monotonic() + ctx.wait()
     ready, failed = ctx.folder / "ready.json", ctx.folder / "failed.json"
     while not ready.exists():
+        ctx.check_stop()
         if failed.exists():
             raise MigrateError(f"The new kernel process could not take the objects: "
                                f"{json.loads(failed.read_text()).get('error')}. The kernel runs on, unchanged.")
