@@ -138,7 +138,7 @@ class GPUMigrateApp(ExtensionApp):
         guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not helper_socket else None
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
-                                gpus_mod.snapshot, guests_memory, defaults.suspend_to)
+                                gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec)
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -282,6 +282,14 @@ class GPUMigrateApp(ExtensionApp):
                     skip.add(provisioner.process.pid)  # its Popen reaps it
         if sessions:
             proctree.reap_orphans(sessions, skip)
+
+    def _kernelspec(self, name: str) -> tuple[list[str], dict]:
+        """The command line and environment of this server's kernel type ``name`` (for a peer's transplant)."""
+        spec = self.serverapp.kernel_spec_manager.get_kernel_spec(name)
+        argv = [a.replace("{resource_dir}", spec.resource_dir).replace("{prefix}", sys.prefix) for a in spec.argv]
+        if argv and argv[0] in {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}:
+            argv[0] = sys.executable  # as jupyter_client's KernelManager does: this server's Python
+        return argv, dict(spec.env or {})
 
     def _keep_culler_off_moving_kernels(self) -> None:
         # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.

@@ -25,7 +25,7 @@ from jupyter_server.services.kernels.connection.base import deserialize_binary_m
 from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebsocketConnection
 
 from .engine.errors import MigrateError
-from .engine.migration import RUNNING, SUSPENDED
+from .engine.migration import REMOTE, RUNNING, SUSPENDED
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
                     self._held = []
                     return
                 active = operations.active.get(self.kernel_id)
-                if active is None and provisioner.state == RUNNING:
+                if active is None and provisioner.state in (RUNNING, REMOTE):  # here, or relayed to another host
                     await asyncio.sleep(SETTLE)  # the tab's ZMQ sockets re-dial
                     if self._away():
                         continue

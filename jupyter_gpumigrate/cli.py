@@ -44,6 +44,7 @@ Examples
     jupyter gpumigrate resume 3f2a --to-gpu 1
     jupyter gpumigrate migrate 3f2a --to-gpu 1     # a running kernel to another GPU
     jupyter gpumigrate transplant 3f2a --to-cpu    # its objects into a new kernel without a GPU (asks first)
+    jupyter gpumigrate transplant 3f2a --to-host b --to-gpu 0   # ...on a peer's GPU of another model
     jupyter gpumigrate back 3f2a                   # after a transplant: back to the process it replaced
     jupyter gpumigrate drain --gpu 0               # every kernel off GPU 0
     jupyter gpumigrate drain --gpu 0 --transplant  # ...transplanting those the driver cannot move
@@ -298,6 +299,8 @@ def cmd_transplant(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     server, kernel = find_kernel(find_servers(args), args.kernel_id)
     body: dict[str, Any] = {"to_gpu": args.to_gpu} if args.to_gpu is not None else {"to_cpu": True}
+    if args.to_host:
+        body["to_host"] = args.to_host
     survey = server.call(lambda c: c.act(kernel["id"], "transplant", {**body, "dry_run": True}))
     if args.dry_run:
         print(json.dumps(survey, indent=1) if args.json else survey_report(survey, kernel["id"]))
@@ -458,6 +461,8 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     t.add_argument("--to-gpu", type=int, help="index of the GPU (any model) to carry the objects to")
     t.add_argument("--to-cpu", action="store_true", help="carry the objects into a kernel without a GPU")
+    t.add_argument("--to-host", metavar="NAME", help="a peer's name: the new process starts there (--to-gpu is then "
+                   "that host's GPU), and this server relays the kernel to it")
     t.add_argument("--dry-run", action="store_true", help="only say what would carry and what not")
     t.add_argument("--yes", "-y", action="store_true", help="do not ask before transplanting (what would not "
                    "carry is still printed, to stderr)")

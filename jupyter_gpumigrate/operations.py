@@ -188,13 +188,13 @@ class OperationManager:
                 f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
                 f"wait for it to finish."
             )
+        if action == "transplant":
+            return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left, to_host)
+        if action == "back":
+            return self._start_back(kernel_id, provisioner)
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
         to: int | list[int] | None = list(to_gpus) if to_gpus is not None else to_gpu
-        if action == "transplant":
-            return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left)
-        if action == "back":
-            return self._start_back(kernel_id, provisioner)
         if provisioner.state == BROKEN:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
@@ -254,27 +254,37 @@ class OperationManager:
             wanted = gpu_move.PEER if gpus_mod.peer_access(move.source, move.target) is not False else gpu_move.HOST
         return wanted
 
-    def _check_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None) -> bool:
-        """Refuse a transplant that cannot start now; whether the target GPU is of the kernel's own model."""
+    def _check_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None,
+                          to_host: str | None = None) -> bool:
+        """Refuse a transplant that cannot start now; whether the target GPU is of the kernel's own model (this
+        host's GPUs only: a peer's are compared there, by the room they have)."""
         if provisioner.state == BROKEN:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
+        if provisioner.state == REMOTE:
+            raise InvalidState(f"Kernel {kernel_id} runs on {provisioner.remote_host}: bring it back to "
+                               f"{self.host_name} first (migrate with to_host \"{self.host_name}\"), then transplant it.")
         if provisioner.state != RUNNING:
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be transplanted: only a "
                                "running kernel can.")
-        if to_gpu is None:
+        if to_host is not None and to_host not in self.peers:
+            known = ", ".join(sorted(self.peers)) or "none (c.GPUMigrateApp.peers is empty)"
+            raise UnknownPeer(f"There is no peer named {to_host!r}; this server's peers: {known}.")
+        if to_gpu is None or to_host is not None:
             return False
         gpus = gpus_mod.snapshot()
         target = placement.gpu_by_index(gpus, to_gpu)
         held = placement.held_by_tree(provisioner.pid, gpus)
         return any(h.get("name") == target.name or h.get("uuid") == target.uuid for h in held)
 
-    async def survey(self, kernel_id: str, to_gpu: int | None) -> dict[str, Any]:
-        """The dry run of a transplant: what would carry to GPU ``to_gpu`` (None: the CPU), and what not."""
+    async def survey(self, kernel_id: str, to_gpu: int | None, to_host: str | None = None) -> dict[str, Any]:
+        """The dry run of a transplant: what would carry to GPU ``to_gpu`` (None: the CPU) of this host or of
+        the peer ``to_host``, and what not."""
         provisioner = self.provisioner(kernel_id)
         if kernel_id in self.active:
             raise InvalidState(f"Kernel {kernel_id} is being moved by operation {self.active[kernel_id].id}: wait "
                                "for it to finish.")
-        same_model = self._check_transplant(kernel_id, provisioner, to_gpu)
+        to_host = None if to_host == self.host_name else to_host
+        same_model = self._check_transplant(kernel_id, provisioner, to_gpu, to_host)
         try:
             said = await asyncio.to_thread(provisioner.transplant_survey, transplant_plan.WAIT)
         except TimeoutError as exc:
@@ -285,20 +295,33 @@ class OperationManager:
         except ValueError as exc:  # not the survey's JSON
             raise InvalidState(f"Kernel {kernel_id}'s answer was not understood ({exc}): install the same version "
                                "of jupyter-gpumigrate in the kernel's environment as in the server's.") from exc
-        return {**said, "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "same_model": same_model}
+        return {**said, "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "same_model": same_model,
+                "to_host": to_host}
 
     def _start_transplant(self, kernel_id: str, provisioner: MigratableProvisioner, to_gpu: int | None,
-                          accept_left: list[str] | None) -> Operation:
-        self._check_transplant(kernel_id, provisioner, to_gpu)
+                          accept_left: list[str] | None, to_host: str | None = None) -> Operation:
+        to_host = None if to_host == self.host_name else to_host
+        self._check_transplant(kernel_id, provisioner, to_gpu, to_host)
         held = placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()) if provisioner.pid else []
         if held:
             cudackpt.ensure_available()  # the source's GPU memory is checkpointed before its dump
+        link = None
+        if to_host is not None:  # the new process starts there; this host relays the kernel to it
+            link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
+                            asyncio.get_running_loop(), self.api_address(), self.host_name,
+                            clients=provisioner.client_identities)
         op = Operation(kernel_id=kernel_id, action="transplant", to_gpu=to_gpu,
-                       from_gpu=int(held[0]["index"]) if held else None, phases=list(PHASES["transplant"]))
+                       from_gpu=int(held[0]["index"]) if held else None, to_host=to_host,
+                       from_host=self.host_name if to_host is not None else None,
+                       phases=list(PHASES["transplant_to_host" if to_host is not None else "transplant"]))
         self.active[kernel_id] = op
-        return self._launch(op, self._run(op, provisioner, self._criu(provisioner), accept_left=accept_left))
+        return self._launch(op, self._run(op, provisioner, self._criu(provisioner), link, accept_left=accept_left))
 
     def _start_back(self, kernel_id: str, provisioner: MigratableProvisioner) -> Operation:
+        if provisioner.state == REMOTE:
+            raise InvalidState(f"Kernel {kernel_id} runs on {provisioner.remote_host}: bring it back to "
+                               f"{self.host_name} first (migrate with to_host \"{self.host_name}\"), then go back to "
+                               "the process its transplant replaced, which is kept here.")
         if provisioner.state != RUNNING:
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}: only a running kernel can go back to the "
                                "process its transplant replaced.")
@@ -571,6 +594,7 @@ class OperationManager:
             steps["migrate"] = lambda: migration.return_home(link, op.to_gpu)
         elif link is not None:
             steps["migrate"] = lambda: migration.move_to_host(link, op.to_gpu)
+            steps["transplant"] = lambda: migration.transplant_to_host(link, op.to_gpu, accept_left)
         op.status = RUNNING_OP
         self._emit(op)
         try:

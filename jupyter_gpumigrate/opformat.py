@@ -160,6 +160,8 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     if action == "transplant":
         plant = op.get("transplant") or {}
         where = "the CPU" if op.get("to_gpu") is None else f"GPU {op['to_gpu']}"
+        if op.get("to_host"):
+            where = f"{where} of host {op['to_host']}"
         left = [r["name"] for r in plant.get("left", [])]
         lost = f"; not carried: {', '.join(left)}" if left else "; nothing was left behind"
         return (f"{kernel} transplanted to {where} {took}: {len(plant.get('carried', []))} objects carried into a new "
@@ -181,6 +183,8 @@ def report(op: dict, kernel_id: str | None = None) -> str:
 def survey_report(survey: dict, kernel_id: str) -> str:
     """What a transplant would carry and what not (its dry run), for people: a few lines."""
     where = "the CPU" if survey.get("to") == "cpu" else f"GPU {survey.get('to_gpu')}"
+    if survey.get("to_host"):
+        where = f"{where} of host {survey['to_host']}"
     carries = survey.get("carries", [])
     names = ", ".join(r["name"] for r in carries[:12]) + (f" and {len(carries) - 12} more" if len(carries) > 12 else "")
     lines = [f"A transplant of kernel {kernel_id} to {where} starts a new kernel process and carries the notebook's "

@@ -32,6 +32,9 @@ import re
 import shutil
 import signal as signal_mod
 import ssl
+import subprocess
+import threading
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -44,9 +47,10 @@ from tornado.websocket import websocket_connect
 from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
-from .engine.errors import ImageError, InvalidState, MigrateError
-from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose
+from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
+from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .kernel.transplant import DETACH_OUTPUT
 from .relay import RelayClient
 
 log = logging.getLogger(__name__)
@@ -54,6 +58,8 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
+#: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds).
+TRANSPLANT_ORPHAN = 600.0
 #: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS, PENDING}
@@ -256,6 +262,8 @@ class PeerLink(HostLink):
         self.client = PeerClient(peer)
         self.clients = clients
         self.relay: RelayClient | None = None
+        #: a transplant's object files, as sent (name, size, sha256)
+        self._sent: list[dict] = []
 
     # -- moving there --------------------------------------------------------------------------------
 
@@ -284,6 +292,39 @@ class PeerLink(HostLink):
 
     def discard(self) -> None:
         self.client.call("DELETE", f"kernels/{self.kernel_id}")
+
+    # -- a transplant there (engine/plans/host_transplant.py) --------------------------------------------
+
+    def check_transplant(self, kernel_name: str, listens: list[tuple[str, int]], nbytes: int, gpu_bytes: int,
+                         to_gpu: int | None) -> None:
+        if self.api_address is not None:
+            listens = [*listens, self.api_address]
+        answer = self.client.call("POST", "transplants/check", {
+            "kernel_id": self.kernel_id, "kernel_name": kernel_name, "listens": [list(a) for a in listens],
+            "bytes": int(nbytes), "gpu_bytes": int(gpu_bytes), "to_gpu": to_gpu})
+        problems = answer.get("problems") or []
+        if problems:
+            raise InvalidState(f"{self.host} cannot take the kernel's objects: {'; '.join(problems)}. It runs here "
+                               "as before.")
+
+    def send_objects(self, folder: Path) -> int:
+        files = [(p, p.stat().st_size) for p in image_files(folder)]
+        total = sum(size for _, size in files)
+        self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
+        # The objects' pickle goes last: the rest is what it refers to.
+        files.sort(key=lambda entry: entry[0].name == "objects.pkl")
+        self._sent = [{"name": p.name, "size": size,
+                       "sha256": self.client.put_file(f"images/{self.kernel_id}/{p.name}", p, size)}
+                      for p, size in files]
+        return total
+
+    def load_objects(self, kernel_name: str, connection_info: dict, to_gpu: int | None, wait: float) -> dict:
+        return self.client.call("POST", f"kernels/{self.kernel_id}/transplant", {
+            "files": self._sent, "kernel_name": kernel_name, "connection_info": connection_info, "to_gpu": to_gpu,
+            "wait": wait}, timeout=wait + 60)
+
+    def switch(self) -> dict:
+        return self.client.call("POST", f"kernels/{self.kernel_id}/switch", {}, timeout=120)
 
     # -- the relay -----------------------------------------------------------------------------------
 
@@ -367,6 +408,15 @@ class PeerLink(HostLink):
 # -- B's side: the kernels this server hosts for its peers ---------------------------------------------
 
 
+def _said(log_path: Path, lines: int = 3) -> str:
+    """The last lines of a new process's log, to end a sentence with ('' if it said nothing)."""
+    try:
+        tail = [line.strip() for line in log_path.read_text(errors="replace").splitlines() if line.strip()][-lines:]
+    except OSError:
+        return ""
+    return f"; it said: {' | '.join(tail)}" if tail else ""
+
+
 class Guest:
     """A kernel restored here for a peer: the :class:`KernelProcess` that B's plans drive."""
 
@@ -428,7 +478,8 @@ class GuestHost:
     """The kernels this server hosts for its peers, with their images under ``root`` (0700)."""
 
     def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None,
-                 memory_root: Path | None = None, images: str = AUTO) -> None:
+                 memory_root: Path | None = None, images: str = AUTO,
+                 kernelspec: Callable[[str], tuple[list[str], dict]] | None = None) -> None:
         #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
         #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
         self.store = ImageStore(root, memory_root)
@@ -440,6 +491,10 @@ class GuestHost:
         self.relays: dict[str, Any] = {}
         #: kernel id -> image file name -> the SHA-256 of what arrived (checked when the images are complete)
         self.received: dict[str, dict[str, str]] = {}
+        #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
+        self.kernelspec = kernelspec
+        #: transplants' new processes started here, not yet switched to, by kernel id
+        self._transplants: dict[str, subprocess.Popen] = {}
 
     def stop_relay(self, kernel_id: str) -> None:
         relay = self.relays.pop(kernel_id, None)
@@ -495,8 +550,8 @@ class GuestHost:
         """``name`` arrived, hashing to ``sha256``: checked against the sender's word in :meth:`complete`."""
         self.received.setdefault(kernel_id, {})[name] = sha256
 
-    def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
-        folder = self.store.path_for(kernel_id)
+    def _check_received(self, kernel_id: str, files: list[dict]) -> None:
+        """Every file the sender lists arrived whole, hashing as the sender says; :class:`ImageError` if not."""
         received = self.received.get(kernel_id, {})
         for entry in files:
             path = self.image_path(kernel_id, str(entry["name"]))
@@ -508,12 +563,156 @@ class GuestHost:
                 raise ImageError(f"{path.name} arrived damaged (its SHA-256 is not the sender's); send the images "
                                  "again.")
         self.received.pop(kernel_id, None)
+
+    def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
+        folder = self.store.path_for(kernel_id)
+        self._check_received(kernel_id, files)
         manifest = self.store.read_manifest(kernel_id)
         if manifest.kernel_id != kernel_id:
             raise ImageError(f"The images in {folder} belong to kernel {manifest.kernel_id}, not {kernel_id}.")
         guest = Guest(manifest, peer)
         self.guests[kernel_id] = guest
         return guest
+
+    # a transplant's new process (engine/plans/host_transplant.py: its peer's side)
+
+    def check_transplant(self, kernel_id: str, kernel_name: str, listens: list[tuple[str, int]], nbytes: int,
+                         gpu_bytes: int, to_gpu: int | None) -> list[str]:
+        """Each reason why this host cannot start the new process of a transplant; empty if it can."""
+        found = hostfit.problems(hostfit.Requirements(ids=[], listens=[(str(a), int(p)) for a, p in listens]))
+        if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
+            found.append(f"kernel {kernel_id} already lives here")
+        try:
+            self._transplant_argv(kernel_name, "")
+        except MigrateError as exc:
+            found.append(str(exc).rstrip("."))
+        if to_gpu is not None:
+            try:
+                target = placement.gpu_by_index(self.inventory() if self.inventory is not None else [], to_gpu)
+                if target.mig_enabled:
+                    raise InvalidState(f"GPU {target.index} is split into MIG instances: a transplant needs a whole GPU")
+                room = placement.free(target)
+                if room < gpu_bytes + placement.TRANSPLANT_HEADROOM:
+                    raise InvalidState(f"GPU {target.index} has {room / 1e9:.1f} GB free here; the kernel's GPU tensors "
+                                       f"need {gpu_bytes / 1e9:.1f} GB and {placement.TRANSPLANT_HEADROOM / 1e9:.0f} GB "
+                                       "beside them")
+            except MigrateError as exc:
+                found.append(str(exc).rstrip("."))
+        else:
+            total, available = host_memory()
+            if total and available < 2 * nbytes:  # the objects' files, and the new process's copy
+                found.append(f"this host has {available / 1e9:.1f} GB of memory available, and the objects "
+                             f"({nbytes / 1e9:.1f} GB) need twice that")
+        return found
+
+    def _transplant_argv(self, kernel_name: str, folder: str, connection_file: str = "") -> tuple[list[str], dict]:
+        """The command line and environment of a transplant's new process for a kernel of type ``kernel_name``
+        here: its kernel spec's, ``-m ipykernel_launcher`` made ``-m jupyter_gpumigrate.kernel.transplant``."""
+        from .provisioner import transplant_argv
+
+        if self.kernelspec is None:
+            raise InvalidState("this server cannot start kernels for its peers (no kernel specs)")
+        try:
+            argv, env = self.kernelspec(kernel_name)
+        except Exception as exc:  # jupyter_client's NoSuchKernel, or a broken spec
+            raise InvalidState(f"there is no kernel type {kernel_name!r} here ({exc})") from exc
+        argv = [a.replace("{connection_file}", connection_file) for a in argv]
+        cmd = transplant_argv(argv, folder)
+        if cmd is None:
+            raise InvalidState(f"kernel type {kernel_name!r} here is not started with python -m ipykernel_launcher, "
+                               "so it cannot take a transplant")
+        return cmd, dict(env)
+
+    def load_transplant(self, kernel_id: str, files: list[dict], kernel_name: str, connection_info: dict,
+                        to_gpu: int | None, wait: float, peer: str) -> dict:
+        """Start the new process of a transplant from the objects received, and wait until it holds them (it then
+        waits for :meth:`switch_transplant`). Blocking: from a worker thread."""
+        folder = self.store.path_for(kernel_id)
+        self._check_received(kernel_id, files)
+        uuid = gpu_index = None
+        if to_gpu is not None:
+            target = placement.gpu_by_index(self.inventory() if self.inventory is not None else [], to_gpu)
+            uuid, gpu_index = target.uuid, target.index
+        # The connection file: the kernel's ports and key, for the new process alone (0600, in a 0700 folder).
+        connection_file = folder / "connection.json"
+        fd = os.open(connection_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            json.dump({**connection_info, "kernel_name": kernel_name}, f)
+        cmd, env = self._transplant_argv(kernel_name, str(folder), str(connection_file))
+        env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": uuid or "", DETACH_OUTPUT: "1"}
+        # Its output goes to a log here until it is told to go, then to /dev/null (the kernel's own output goes
+        # to its notebook): a log file held open would have to exist on the kernel's home host for it to come
+        # back there.
+        log_path = folder / "new-process.log"
+        with open(log_path, "ab") as out:
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                    cwd=os.path.expanduser("~"), start_new_session=True)
+        manifest = Manifest(kernel_id=kernel_id, kernel_name=kernel_name, pid=proc.pid, ids=[proc.pid],
+                            connection_info={k: v for k, v in connection_info.items() if k != "key"})
+        guest = Guest(manifest, peer)
+        guest.adopt(proc.pid)
+        self.guests[kernel_id] = guest
+        self._transplants[kernel_id] = proc
+        deadline = time.monotonic() + wait
+        ready, failed = folder / "ready.json", folder / "failed.json"
+        while not ready.exists():
+            problem = None
+            if failed.exists():
+                problem = ("the new kernel process could not take the objects: "
+                           f"{json.loads(failed.read_text()).get('error')}")
+            elif proc.poll() is not None:
+                problem = (f"the new kernel process ended (exit status {proc.returncode}) before it had read the "
+                           f"objects{_said(log_path)}")
+            elif time.monotonic() > deadline:
+                problem = f"the new kernel process did not read the objects within {wait:.0f} s"
+            if problem:
+                self.discard(kernel_id)
+                raise MigrateError(f"{problem.capitalize()}. The kernel runs on, unchanged.")
+            time.sleep(0.05)
+        loaded = json.loads(ready.read_text())
+        if to_gpu is not None and loaded.get("off_gpu"):
+            self.discard(kernel_id)
+            raise GpuError(f"The new kernel process does not see GPU {to_gpu} through PyTorch here, so "
+                           f"{loaded['off_gpu']} GPU tensors would land in host memory. The kernel runs on, unchanged.")
+        for name in ("data.bin", "objects.pkl", *(p.name for p in folder.glob("storage-*.bin"))):
+            (folder / name).unlink(missing_ok=True)  # held by the new process now
+        gpus: list[dict] = []
+        if uuid is not None and self.inventory is not None:
+            gpus = gpus_mod.held_by(proctree.descendants(proc.pid), self.inventory())
+        # A peer that never says go (it died, say) leaves no process here holding the objects for ever.
+        timer = threading.Timer(max(wait, TRANSPLANT_ORPHAN), self._expire, (kernel_id, proc))
+        timer.daemon = True
+        timer.start()
+        return {"pid": proc.pid, "gpu": gpu_index, "gpus": gpus, "loaded": loaded}
+
+    def _expire(self, kernel_id: str, proc: subprocess.Popen) -> None:
+        if self._transplants.get(kernel_id) is proc:
+            log.warning("gpumigrate: kernel %s: its peer never switched to the transplant's new process here; "
+                        "discarded", kernel_id)
+            self.discard(kernel_id)
+
+    def switch_transplant(self, kernel_id: str, timeout: float = 60.0) -> dict:
+        """The new process of a transplant takes the kernel's ports here: it is the guest from now on."""
+        guest = self.guest(kernel_id)
+        proc = self._transplants.pop(kernel_id, None)
+        if proc is None or guest.pid != proc.pid:
+            raise InvalidState(f"No transplant of kernel {kernel_id} waits here.")
+        folder = self.store.path_for(kernel_id)
+        os.kill(proc.pid, signal_mod.SIGUSR1)
+        deadline = time.monotonic() + timeout
+        started = folder / "started.json"
+        while not started.exists():  # written once its kernel has taken the ports
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.discard(kernel_id)
+                raise MigrateError(f"The new kernel process did not take the kernel's ports here (exit status "
+                                   f"{proc.poll()}).")
+            time.sleep(0.02)
+        guest.state = RUNNING
+        try:
+            seconds = json.loads(started.read_text()).get("seconds")
+        except (OSError, ValueError, AttributeError):
+            seconds = None
+        return {"pid": proc.pid, "seconds": seconds}
 
     def listing(self, kernel_id: str) -> list[dict]:
         folder = self.store.path_for(kernel_id)
@@ -544,6 +743,10 @@ class GuestHost:
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
 
     def discard(self, kernel_id: str) -> None:
+        proc = self._transplants.pop(kernel_id, None)
+        if proc is not None and proc.poll() is None:  # a transplant's new process, not switched to
+            proc.kill()
+            proc.wait(timeout=30)
         guest = self.guests.pop(kernel_id, None)
         if guest is not None and guest.pid is not None and proctree.is_alive(guest.pid):
             proctree.kill_tree(guest.pid)

@@ -68,10 +68,22 @@ RELEASE_TORCH_CACHE = (
 HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
-#: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
 TRANSPLANT_MODULE = "jupyter_gpumigrate.kernel.transplant"
+
+
+def transplant_argv(cmd: list[str], folder: str) -> list[str] | None:
+    """A kernel's command line with ``-m ipykernel_launcher`` made ``-m <transplant> FOLDER``: the new process
+    of a transplant (kernel/transplant.py); None if it does not start that way."""
+    cmd = list(cmd)
+    for i in range(len(cmd) - 1):
+        if cmd[i] == "-m" and cmd[i + 1] == "ipykernel_launcher":
+            return [*cmd[:i], "-m", TRANSPLANT_MODULE, folder, *cmd[i + 2:]]
+    return None
+
+
 TRANSPLANT_SURVEY_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['survey']).survey()"
 TRANSPLANT_EXPORT_CALL = f"__import__({TRANSPLANT_MODULE!r}, fromlist=['export']).export({{folder!r}}, {{names!r}})"
+#: Run silently in an idle IPython kernel: its side of the fast path of a GPU move (kernel/stager.py).
 STAGER_CALL = "__import__('jupyter_gpumigrate.kernel.stager', fromlist=['run']).run({path!r}, {token!r})"
 
 
@@ -535,12 +547,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     # -- a transplant (engine/plans/transplant.py, kernel/transplant.py) -------------------------------
 
     def _transplant_cmd(self, folder: str) -> list[str] | None:
-        """The kernel's command line with ``-m ipykernel_launcher`` made ``-m <transplant> FOLDER``."""
-        cmd = list(self.launch_cmd)
-        for i in range(len(cmd) - 1):
-            if cmd[i] == "-m" and cmd[i + 1] == "ipykernel_launcher":
-                return [*cmd[:i], "-m", TRANSPLANT_MODULE, folder, *cmd[i + 2:]]
-        return None
+        return transplant_argv(self.launch_cmd, folder)
 
     def transplant_survey(self, timeout: float) -> dict:
         why = self._cannot_serve("a transplant")

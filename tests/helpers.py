@@ -535,3 +535,17 @@ class ThisServer:
                    ) -> Any:
         expect = 202 if method == "POST" and not (body or {}).get("dry_run") else 200
         return await api(self.jp_fetch, *path.split("/"), method=method, body=body, expect=expect)
+
+
+def transplant_processes() -> list[int]:
+    """The processes started as a transplant's new process (on any "host" of this machine: the network
+    namespaces of tests/hosts.py share the PID namespace). A kernel it became keeps that command line."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if b"jupyter_gpumigrate.kernel.transplant" in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found

@@ -9,6 +9,7 @@ contract.ts, checked by scripts/ui-tests.sh).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -20,6 +21,8 @@ from typing import Any
 import pytest
 from helpers import operate
 from jsonschema import Draft202012Validator
+from jupyter_client.asynchronous import AsyncKernelClient
+from servers import free_port
 
 from jupyter_gpumigrate_client import contract
 from jupyter_gpumigrate_client.contract import ROUTES, ContractError, schema
@@ -377,12 +380,54 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     assert await walk.call("DELETE", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=204) == b""
     await walk.call("GET", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=404)
 
-    peers = {(r.method, r.path) for r in ROUTES if r.path.startswith("/peer/")}
-    assert peers <= walk.visited, f"not called: {peers - walk.visited}"
-
     # The kernel itself, suspended all along on its own side, comes back with its state.
     assert (await operate(jp_fetch, kid, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(kept)")).strip() == "here"
+
+    # A transplant's new process, for a peer: the kernel's objects, as a peer's transplant writes and sends them,
+    # go to a guest (another id, ports of its own: the kernel runs on here), which takes them and answers.
+    asked = {"kernel_id": kid, "kernel_name": "python3", "bytes": 0, "gpu_bytes": 0, "to_gpu": None,
+             "listens": [list(a) for a in kernelproc.kernel_listens(manager.provisioner.kernel_connection_info)]}
+    answer = await walk.call("POST", "/peer/transplants/check", body=asked, expect=200)
+    assert answer["problems"] and "is not free here" in answer["problems"][0], answer
+    gid = f"guest-{kid}"
+    objects = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "objects"
+    objects.mkdir()
+    survey = await asyncio.to_thread(manager.provisioner.transplant_survey, 60)
+    await asyncio.to_thread(manager.provisioner.transplant_export, str(objects),
+                            [r["name"] for r in survey["carries"]], 60)
+    files = [(p, *digest_file(p)) for p in image_files(objects)]
+    await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=gid, body={"bytes": sum(f[1] for f in files)},
+                    expect=201)
+    for path, _, sha in files:
+        await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=gid, name=path.name,
+                        raw=path.read_bytes(), headers={"X-Content-SHA256": sha}, expect=201)
+    info = {"ip": "127.0.0.1", "transport": "tcp", "key": os.urandom(16).hex(), "signature_scheme": "hmac-sha256",
+            **{f"{c}_port": free_port() for c in ("shell", "iopub", "stdin", "control", "hb")}}
+    body = {"files": [{"name": p.name, "size": s, "sha256": h} for p, s, h in files], "kernel_name": "python3",
+            "connection_info": info, "to_gpu": None, "wait": 60}
+    loaded = await walk.call("POST", "/peer/kernels/{kernel_id}/transplant", kernel_id=gid, body=body, expect=200)
+    assert loaded["pid"] and loaded["gpu"] is None and loaded["loaded"]["names"] >= 1, loaded
+    switched = await walk.call("POST", "/peer/kernels/{kernel_id}/switch", kernel_id=gid, body={}, expect=200)
+    assert switched["pid"] == loaded["pid"]
+    client = AsyncKernelClient()
+    client.load_connection_info(info)
+    client.start_channels()
+    try:
+        out: list[str] = []
+        reply = await client.execute_interactive("print(kept)", timeout=60,
+                                                 output_hook=lambda m: out.append(m["content"].get("text", "")))
+        assert reply["content"]["status"] == "ok" and "".join(out).strip() == "here", (reply["content"], out)
+    finally:
+        client.stop_channels()
+    error = await walk.call("POST", "/peer/kernels/{kernel_id}/switch", kernel_id=gid, body={}, expect=409)
+    assert "No transplant of kernel" in error["message"]
+    assert await walk.call("DELETE", "/peer/kernels/{kernel_id}", kernel_id=gid, expect=204) == b""
+    assert not Path(f"/proc/{loaded['pid']}").exists() or \
+        Path(f"/proc/{loaded['pid']}/stat").read_text().split()[2] == "Z"
+
+    peers = {(r.method, r.path) for r in ROUTES if r.path.startswith("/peer/")}
+    assert peers <= walk.visited, f"not called: {peers - walk.visited}"
 
 
 @pytest.mark.gpu

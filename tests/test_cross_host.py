@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, two_gpus
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, transplant_processes, two_gpus
 from hosts import Host, Network, host_pair
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
@@ -174,6 +174,111 @@ async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(
     assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
 
 
+#: A notebook's state for transplants between the hosts: tensors (one a view), a model and its optimizer, a
+#: function and a class of the notebook's own, and a generator, which cannot carry.
+OBJECTS = """
+import torch
+torch.manual_seed(7)
+model = torch.nn.Linear(4, 2)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+data = torch.arange(12.0).reshape(3, 4)
+view = data[1:]
+def step():
+    opt.zero_grad(); loss = model(data).pow(2).sum(); loss.backward(); opt.step(); return round(loss.item(), 5)
+class Box:
+    def __init__(self, v): self.v = v
+box = Box(41)
+gen = (i for i in range(10)); next(gen)
+print('built', step())
+"""
+#: What the transplanted kernel must print as the source would (its next step's loss included).
+OBJECTS_CHECK = "print(float(view.sum()), view.data_ptr() - data.data_ptr(), box.v + 1, step())"
+
+
+async def test_a_kernel_transplanted_to_the_other_hosts_cpu_carries_its_objects_comes_home_and_goes_back(hosts):
+    pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    assert "built" in await tab.run(OBJECTS)
+    expected = (await tab.run("import copy as _c; _m, _o = _c.deepcopy(model.state_dict()), _c.deepcopy(opt.state_dict())\n"
+                              + OBJECTS_CHECK + "\nmodel.load_state_dict(_m); opt.load_state_dict(_o)")).strip()
+
+    # The dry run says where, and what would not carry.
+    survey = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/transplant",
+                        {"to_host": "b", "to_cpu": True, "dry_run": True})
+    assert survey["to_host"] == "b" and [r["name"] for r in survey["left"]] == ["gen"], survey
+    # From the notebook itself: it says what would not carry, then the transplant starts as the cell ends, and
+    # the next cell runs in the new process.
+    out = await tab.run("%migrate --to-host b --to-cpu --yes")
+    assert "NOT carried: gen" in out and "The transplant to the CPU of host b starts as this cell ends" in out, out
+    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+    listed = await call(a.api, "GET", "api/gpumigrate/operations")
+    op = next(o for o in listed if o["kernel_id"] == kernel_id and o["action"] == "transplant")
+    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+    assert list(op["timings"]) == ["prepare", "export", "transfer", "load", "dump", "switch"], op["timings"]
+    assert op["to_host"] == "b" and op["from_host"] == "a" and op["transplant"]["left"][0]["name"] == "gen", op
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+
+    # The same tab: the kernel is a new process in b's namespace, with the objects that carried.
+    assert (await tab.run(OBJECTS_CHECK)).strip() == expected
+    assert (await tab.run("print('gen' in dir())")).strip() == "False"
+    # b hosts it for a peer only: not among b's own kernels.
+    assert kernel_id not in [k["id"] for k in await call(b.api, "GET", "api/kernels")]
+
+    # Home, by a move of that process (CRIU, from b), with what it did on b.
+    refused = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/back", {}, expect=409)
+    assert "runs on b: bring it back" in refused["message"], refused
+    assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+    assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+    assert (await tab.run("print(box.v)")).strip() == "41"
+    # Then back to the process the transplant replaced, as it was: the generator is there again. (From b, that
+    # is refused, saying how: the kept process is a's.)
+    assert (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["back_until"]
+    assert (await call(a.operate, kernel_id, "back"))["status"] == "succeeded"
+    assert (await tab.run("print(next(gen))")).strip() == "1"
+    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source_running_here(hosts):
+    pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    assert "built" in await tab.run(OBJECTS)
+    pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+    # Refused before anything is touched: a GPU that b does not have.
+    op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 7})
+    assert op["status"] == "failed" and op["failed_phase"] == "prepare" and "b cannot take" in op["error"], op
+
+    # The new process on b killed as the source is saved: the source comes back from its images, whole.
+    seen: list[str] = []
+
+    def kill_the_new_process_at_the_dump() -> None:
+        op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
+        while op["status"] not in ("succeeded", "failed"):
+            if op["phase"] in ("dump", "switch"):
+                for new in transplant_processes():
+                    os.kill(new, signal.SIGKILL)
+            op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+        seen.append(json.dumps(op))
+
+    await call(kill_the_new_process_at_the_dump)
+    op = json.loads(seen[-1])
+    assert op["status"] == "failed" and op["failed_phase"] == "switch", op
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "a" and view["state"] == "running" and not view["remote"] and view["pid"] == pid, view
+    assert (await tab.run("print(box.v, next(gen))")).strip() == "41 1"
+    assert not transplant_processes()
+    await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
+               headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
 @pytest.mark.gpu
 async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     # The two hosts share the machine's GPUs: a's kernel on GPU 0 goes to b's GPU 1 and comes back.
@@ -201,6 +306,32 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 
 
+@pytest.mark.gpu
+async def test_a_gpu_kernel_transplanted_to_the_other_hosts_gpu_keeps_every_value_and_comes_home(hosts):
+    # A transplant forced between the two hosts' GPUs (the driver could move it: the same model), then home.
+    two_gpus()
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    digest = ("import hashlib; print(hashlib.sha256(b''.join(x.detach().cpu().numpy().tobytes() for x in "
+              "(t, model.weight, model.bias))).hexdigest(), t.device)")
+    await tab.run("import torch; torch.manual_seed(3); t = torch.randn(1 << 22, device='cuda'); "
+                  "model = torch.nn.Linear(64, 8).cuda()")
+    before = (await tab.run(digest)).split()
+    op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 1})
+    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+    assert {"lock", "checkpoint", "dump", "switch"} <= set(op["timings"]) and op["to_gpu"] == 1, op
+    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+    assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
+    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+    assert (await tab.run(digest)).split() == before
+    # Home by a move of that process, onto a's GPU 0, every value kept.
+    op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
+    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+    assert (await tab.run(digest)).split() == before
+    tab.ws.close()
+    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
 def test_a_guests_images_go_to_memory_where_there_is_room(tmp_path):
     import shutil
     import tempfile
@@ -221,3 +352,29 @@ def test_a_guests_images_go_to_memory_where_there_is_room(tmp_path):
         assert not (shm / "guests").exists(), "no litter in /dev/shm once no guest is there"
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
+    import socket
+
+    from jupyter_gpumigrate.peers import GuestHost
+
+    def kernelspec(name: str) -> tuple[list[str], dict]:
+        specs = {"python3": ["python", "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                 "other": ["/opt/other-kernel", "--connection", "{connection_file}"]}
+        if name not in specs:
+            raise KeyError(name)
+        return specs[name], {}
+
+    guests = GuestHost(tmp_path / "guests", lambda: None, inventory=list, kernelspec=kernelspec)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        found = guests.check_transplant("k", "python3", [("127.0.0.1", port)], 10**6, 0, 3)
+        assert len(found) == 2 and f"port 127.0.0.1:{port} is not free here" in found[0], found
+        assert "GPU 3" in found[1], found
+    assert guests.check_transplant("k", "python3", [], 10**6, 0, None) == []
+    assert "no kernel type 'nope' here" in guests.check_transplant("k", "nope", [], 0, 0, None)[0]
+    assert "not started with python -m ipykernel_launcher" in guests.check_transplant("k", "other", [], 0, 0, None)[0]
+    assert "of memory available" in guests.check_transplant("k", "python3", [], 10**15, 0, None)[0]

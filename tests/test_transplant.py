@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import KernelSession, api, cli, notebook, operate, remote, small_tmpfs, start_kernel, wait_operation
+from helpers import (KernelSession, api, cli, notebook, operate, remote, small_tmpfs, start_kernel, transplant_processes,
+                     wait_operation)
 
 from jupyter_gpumigrate.engine import gpus
 
@@ -181,19 +182,7 @@ async def _source_runs_on(jp_fetch, kernel, pid: int, op: dict, phase: str, says
     view = await api(jp_fetch, "kernels", kernel.id)
     assert view["state"] == "running" and view["pid"] == pid, view
     assert "5 3" in await kernel.run("print(len(losses), scale)")
-    assert not _transplant_processes(), "no new process is left"
-
-
-def _transplant_processes() -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if b"jupyter_gpumigrate.kernel.transplant" in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                pass
-    return found
+    assert not transplant_processes(), "no new process is left"
 
 
 async def test_no_room_is_refused_and_a_disk_filled_during_the_export_leaves_the_kernel_running(
@@ -332,7 +321,7 @@ async def test_a_server_killed_while_the_new_process_waits_loses_nothing_and_lea
             await asyncio.sleep(0.01)
         server.stop(signal.SIGKILL)
         deadline = time.monotonic() + 10
-        while _transplant_processes():
+        while transplant_processes():
             assert time.monotonic() < deadline, "the new process must end once its server is gone"
             await asyncio.sleep(0.1)
 
@@ -345,7 +334,7 @@ async def test_a_server_killed_while_the_new_process_waits_loses_nothing_and_lea
         tab.ws.close()
         assert server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"] == pid, "the source, not a copy"
         assert not _scratch_folders(server, kernel_id), "the next server removed the transplant's folder"
-        assert not _transplant_processes()
+        assert not transplant_processes()
     finally:
         server.stop()  # a server that stops removes its folder in /dev/shm, now empty (SIGKILL would leave it)
         server.kill_kernels()
@@ -409,7 +398,7 @@ async def _kill_the_new_process_once_ready(jp_fetch, images, started: dict) -> d
     while not [f for f in _scratch_folders_of(images) if (f / "ready.json").exists()]:
         assert time.monotonic() < deadline, "the new process never got ready"
         await asyncio.sleep(0.01)
-    for new in _transplant_processes():
+    for new in transplant_processes():
         os.kill(new, signal.SIGKILL)
     return await wait_operation(jp_fetch, started)
 
@@ -443,7 +432,7 @@ async def test_a_server_killed_as_the_new_process_takes_over_leaves_one_kernel_w
         assert (await tab.run("print(f(), x)", timeout=120)).split() == ["42", "41"]
         tab.ws.close()
         pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
-        others = [p for p in _transplant_processes() if p != pid]
+        others = [p for p in transplant_processes() if p != pid]
         assert others == [], "one process is the kernel, no other is left"
         assert pid == source or not Path(f"/proc/{source}").exists()
         assert not (server.state / "images" / kernel_id).exists(), "no images are left of a kernel that runs"
@@ -546,7 +535,7 @@ async def test_a_kernel_killed_as_it_writes_its_storages_leaves_no_files_and_no_
     assert op["status"] == "failed" and op["failed_phase"] == "export", op
     assert "stopped answering while it wrote its objects" in op["error"], op
     assert not [p for root in roots for p in root.glob(".transplant-*")], "the objects' folder is removed"
-    assert not _transplant_processes(), "the new process is stopped"
+    assert not transplant_processes(), "the new process is stopped"
 
 
 async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source_is_touched(jp_fetch, jp_serverapp,
@@ -559,7 +548,7 @@ async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source
     started = await api(jp_fetch, "kernels", kernel.id, "transplant", method="POST", body={"to_cpu": True},
                         expect=202)
     deadline = time.monotonic() + 60
-    while not _transplant_processes():  # the new process starts as the export begins
+    while not transplant_processes():  # the new process starts as the export begins
         assert time.monotonic() < deadline, "the transplant's new process never started"
         await asyncio.sleep(0.01)
     await jp_fetch("api", "kernels", kernel.id, method="DELETE")
@@ -567,7 +556,7 @@ async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source
     assert op["status"] == "failed" and "shut down" in op["error"], op
     assert op["failed_phase"] in ("export", "load", "stash"), op
     assert "dump" not in op["timings"], "stopped before the source was saved"
-    assert not _transplant_processes(), "no new process is left"
+    assert not transplant_processes(), "no new process is left"
     assert not Path(f"/proc/{pid}").exists(), "the source was shut down"
     assert not _scratch_folders_of(images), "no objects' folder is left"
     assert not images.path_for(kernel.id).exists()

@@ -10,6 +10,8 @@
                       unlock] -> adopt                                                plans/host_move.py
     transplant:       prepare -> start -> export -> load -> [stash] -> [lock -> checkpoint] -> dump
                       -> switch                                                       plans/transplant.py
+    transplant to a   prepare -> export -> transfer -> load (there) -> [stash] -> [lock ->
+    host:             checkpoint] -> dump -> switch (there)                           plans/host_transplant.py
 
 A kernel is a process tree. To suspend it we write the tree to an image directory with CRIU, which
 kills it; to resume it CRIU recreates the tree from the images with the same PIDs, and the kernel
@@ -36,9 +38,10 @@ from .gpus import GpuInfo
 from .images import ImageStore
 from .kernelproc import (BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED, KernelProcess, kernel_listens,
                          public_connection_info)
-from .plans import back, gpu_move, host_move, resume, suspend, transplant
+from .plans import back, gpu_move, host_move, host_transplant, resume, suspend, transplant
 from .plans.common import FastPath, Outcome, Tools
 from .plans.host_move import HostLink
+from .plans.host_transplant import TransplantLink
 from .saga import ProgressCallback
 from .stash import Stash
 
@@ -92,6 +95,11 @@ class Migration:
     def transplant(self, to_gpu: int | None, accept_left: list[str] | None = None) -> Outcome:
         """Carry the kernel's objects into a new process on GPU ``to_gpu`` (any model), or the CPU (None)."""
         return transplant.run(self.kernel, self.tools, to_gpu, accept_left, self.progress)
+
+    def transplant_to_host(self, link: TransplantLink, to_gpu: int | None,
+                           accept_left: list[str] | None = None) -> Outcome:
+        """Carry the kernel's objects into a new process on ``link``'s host: its GPU ``to_gpu``, or its CPU."""
+        return host_transplant.run(self.kernel, self.tools, link, to_gpu, accept_left, self.progress)
 
     def back(self) -> Outcome:
         """Go back to the process that the kernel's last transplant replaced (kept ``keep_source`` seconds)."""

@@ -21,10 +21,11 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{API_PREFIX}/gpus/(?P<index>\d+)/drain/?", gpus.DrainHandler),
         (rf"{API_PREFIX}/refused/?", refused.RefusedListHandler),
         (rf"{PEER}/check/?", peer.CheckHandler),
+        (rf"{PEER}/transplants/check/?", peer.TransplantCheckHandler),
         (rf"{PEER}/images/{KERNEL_ID}/?", peer.ImagesHandler),
         (rf"{PEER}/images/{KERNEL_ID}/complete/?", peer.CompleteHandler),
         (rf"{PEER}/images/{KERNEL_ID}/(?P<name>[\w.-]+)", peer.ImageFileHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/?", peer.GuestHandler),
-        (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal)/?", peer.GuestActionHandler),
+        (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal|transplant|switch)/?", peer.GuestActionHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/channels", peer.ChannelsHandler),
     ]

@@ -52,7 +52,7 @@ class KernelActionHandler(BaseHandler):
             return
         if action == "transplant" and body.get("dry_run"):
             try:
-                self.send_json(await self.operations.survey(kernel_id, body.get("to_gpu")))
+                self.send_json(await self.operations.survey(kernel_id, body.get("to_gpu"), body.get("to_host")))
             except MigrateError as exc:
                 self.send_migrate_error(exc)
             return

@@ -82,6 +82,18 @@ class CheckHandler(PeerHandler):
         self.send_json({"problems": problems})
 
 
+class TransplantCheckHandler(PeerHandler):
+    async def post(self) -> None:
+        body = self.json_body("PeerTransplantCheckRequest")
+        if body is None:
+            return
+        problems = await asyncio.to_thread(self.guests.check_transplant, body["kernel_id"], body["kernel_name"],
+                                           body["listens"], body["bytes"], body["gpu_bytes"], body["to_gpu"])
+        self.log.info("gpumigrate: peer %s asks to take kernel %s's objects here: %s", self.request.remote_ip,
+                      body["kernel_id"], "; ".join(problems) or "fine")
+        self.send_json({"problems": problems})
+
+
 class ImagesHandler(PeerHandler):
     """POST: start receiving a kernel's images (replacing any old ones); GET: list them with checksums."""
 
@@ -199,7 +211,7 @@ class GuestActionHandler(PeerHandler):
     #: each action's request body, a definition of the API's schema
     #: (jupyter_gpumigrate_client/contract/api.schema.json)
     BODIES = {"restore": "PeerRestoreRequest", "dump": "PeerDumpRequest", "resume": "PeerResumeRequest",
-              "signal": "PeerSignalRequest"}
+              "signal": "PeerSignalRequest", "transplant": "PeerTransplantRequest", "switch": "PeerSwitchRequest"}
 
     async def post(self, kernel_id: str, action: str) -> None:
         body = self.json_body(self.BODIES[action])
@@ -214,7 +226,13 @@ class GuestActionHandler(PeerHandler):
             self.send_json({})
             return
         async with self.guests.lock(kernel_id):
-            if action == "restore":
+            if action == "transplant":
+                result = await self.run(self.guests.load_transplant, kernel_id, body["files"], body["kernel_name"],
+                                        body["connection_info"], body["to_gpu"], float(body["wait"]),
+                                        self.request.remote_ip or "")
+            elif action == "switch":
+                result = await self.run(self.guests.switch_transplant, kernel_id)
+            elif action == "restore":
                 result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"))
             elif action == "dump":
                 self.guests.stop_relay(kernel_id)

@@ -88,10 +88,12 @@ class ServerClient:
             body["fast_path"] = fast_path
         return self.api.act(self.kernel_id, "migrate", body)
 
-    def transplant(self, to_gpu: int | None, accept_left: list[str]) -> dict:
-        """Start a transplant of this kernel to GPU ``to_gpu`` (any model) or the CPU (None), leaving behind
-        no more than ``accept_left``."""
+    def transplant(self, to_gpu: int | None, accept_left: list[str], to_host: str | None = None) -> dict:
+        """Start a transplant of this kernel to GPU ``to_gpu`` (any model) or the CPU (None), of this host or of
+        the peer ``to_host``, leaving behind no more than ``accept_left``."""
         body: dict = {"to_gpu": to_gpu} if to_gpu is not None else {"to_cpu": True}
+        if to_host is not None:
+            body["to_host"] = to_host
         return self.api.act(self.kernel_id, "transplant", {**body, "accept_left": accept_left})
 
     def back(self) -> dict:

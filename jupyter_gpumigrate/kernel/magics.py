@@ -102,8 +102,9 @@ class MigrateMagics(Magics):
                               the notebook stays where it is; --to-host with the home server's name
                               brings the kernel back
         %migrate --to-cpu     where the driver cannot go: this kernel's objects are carried into a new
-        %migrate --to-gpu N --transplant   kernel process on the CPU, or on GPU N of another model;
-                              what would not carry (generators, threads, sockets, open files...)
+        %migrate --to-gpu N --transplant   kernel process on the CPU, or on GPU N of another model
+                              (with --to-host B: of the peer B); what would not carry (generators,
+                              threads, sockets, open files...)
                               is listed first, and you are asked (--yes: not asked). It starts
                               once this cell ends; cells run meanwhile wait and then run there
         %migrate --back       after a transplant: go back to the process it replaced, as it was then
@@ -130,7 +131,7 @@ class MigrateMagics(Magics):
         args.to_gpu = gpus[0] if gpus is not None and len(gpus) == 1 else gpus
         target = args.to_gpu is not None or to_host is not None or args.to_cpu
         if (sum((args.list, args.suspend, args.back, target)) > 1
-                or (args.to_cpu and (args.to_gpu is not None or to_host))):
+                or (args.to_cpu and args.to_gpu is not None)):
             raise UsageError("%migrate: give one of --list, --suspend, --back or a target (--to-gpu N, --to-host NAME, "
                              "--to-cpu).")
         if args.transplant and args.to_gpu is None:
@@ -138,8 +139,6 @@ class MigrateMagics(Magics):
         if isinstance(args.to_gpu, list) and (args.transplant or to_host):
             raise UsageError("%migrate: several GPUs (--to-gpu N,M) go with a move on this host only: a transplant "
                              "or a move to another host takes one GPU.")
-        if (args.transplant or args.to_cpu) and to_host:
-            raise UsageError("%migrate: a transplant stays on this host: drop --to-host.")
         if args.images and not args.suspend:
             raise UsageError("%migrate: --images goes with --suspend (where the suspended kernel's images go).")
         client = self._client()
@@ -149,7 +148,7 @@ class MigrateMagics(Magics):
             elif args.suspend:
                 print(self._suspend(client, args.images))
             elif args.to_cpu or args.transplant:
-                self._transplant(client, args.to_gpu, args.yes)
+                self._transplant(client, args.to_gpu, args.yes, to_host)
             elif args.back:
                 self._back(client, args.yes)
             elif target:
@@ -176,7 +175,7 @@ class MigrateMagics(Magics):
             raise MigrateFailed("Interrupted while waiting; %migrate --list shows where the kernel is now.") from None
 
     @staticmethod
-    def _transplant(client: ServerClient, to_gpu: int | None, yes: bool) -> None:
+    def _transplant(client: ServerClient, to_gpu: int | None, yes: bool, to_host: str | None = None) -> None:
         """Say what would carry (this cell is the kernel's only code running: the survey runs here), ask, and
         start the transplant; it goes on once this cell ends (the server's requests wait behind it)."""
         import json
@@ -184,15 +183,15 @@ class MigrateMagics(Magics):
         from ..opformat import survey_report
         from .transplant import survey
 
-        said = {**json.loads(survey()), "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu}
+        said = {**json.loads(survey()), "to": "cpu" if to_gpu is None else "gpu", "to_gpu": to_gpu, "to_host": to_host}
         print(survey_report(said, client.kernel_id))
         if not said["carries"]:
             raise MigrateFailed("Nothing of this kernel's would carry: restart it on the target instead.")
         if not yes and input("Transplant it? [y/N] ").strip().lower() not in ("y", "yes"):
             print("Nothing was done.")
             return
-        op = client.transplant(to_gpu, [r["name"] for r in said["left"]])
-        where = "the CPU" if to_gpu is None else f"GPU {to_gpu}"
+        op = client.transplant(to_gpu, [r["name"] for r in said["left"]], to_host)
+        where = ("the CPU" if to_gpu is None else f"GPU {to_gpu}") + (f" of host {to_host}" if to_host else "")
         print(f"The transplant to {where} starts as this cell ends (operation {op['id'][:8]}): the kernel goes on "
               "in a new process, its id unchanged. Cells run meanwhile wait, then run there; should it fail, they "
               "run here, as before.")

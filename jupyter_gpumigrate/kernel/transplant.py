@@ -664,10 +664,17 @@ def _wait_for_go(parent: int) -> bool:
             return False
 
 
+#: Set by a peer that starts this process for another host's kernel: once told to go, its output goes to
+#: /dev/null, not to the log file it had until then (a process that comes home by CRIU must hold no file of
+#: the host it leaves).
+DETACH_OUTPUT = "JUPYTER_GPUMIGRATE_DETACH_OUTPUT"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     folder, kernel_args = Path(args[0]), args[1:]
     parent = os.getppid()
+    detach = os.environ.get(DETACH_OUTPUT) == "1"  # read now: the source's environment replaces ours
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     namespace: dict = {}
     try:
@@ -688,6 +695,11 @@ def main(argv: list[str] | None = None) -> int:
         print("jupyter-gpumigrate: the server that started this transplant is gone; exiting", file=sys.stderr)
         return LOAD_FAILED
     go = time.perf_counter()
+    if detach:
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (1, 2):
+            os.dup2(null, fd)
+        os.close(null)
     signal.signal(signal.SIGUSR1, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGUSR1})
 

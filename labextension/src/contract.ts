@@ -91,7 +91,7 @@ export type MigrateRequest1 =
  */
 export type GpuIndices2 = [number, ...number[]];
 /**
- * POST /kernels/{id}/transplant: to_gpu (a GPU of any model) or to_cpu; dry_run only says what would carry.
+ * POST /kernels/{id}/transplant: to_gpu (a GPU of any model) or to_cpu, of this host or of the peer to_host; dry_run only says what would carry.
  */
 export type TransplantRequest = TransplantRequest1 & TransplantRequest2;
 export type TransplantRequest1 =
@@ -149,6 +149,11 @@ export interface ApiContract {
   PeerCompleteRequest: PeerCompleteRequest;
   PeerImageStored: PeerImageStored;
   PeerGuest: PeerGuest;
+  PeerTransplantCheckRequest: PeerTransplantCheckRequest;
+  PeerTransplantRequest: PeerTransplantRequest;
+  PeerTransplanted: PeerTransplanted;
+  PeerSwitchRequest: PeerSwitchRequest;
+  PeerSwitched: PeerSwitched;
   PeerRestoreRequest: PeerRestoreRequest;
   PeerResumeRequest: PeerResumeRequest;
   PeerDumpRequest: PeerDumpRequest;
@@ -546,6 +551,10 @@ export interface TransplantSurvey {
    * The target GPU is of the kernel's own model: a move (POST .../migrate) would keep everything.
    */
   same_model: boolean;
+  /**
+   * The peer it would go to; null: this host.
+   */
+  to_host?: string | null;
 }
 /**
  * A kernel's record that this server did not take back as it started (revive.py): left on disk, never deleted.
@@ -620,6 +629,10 @@ export interface TransplantRequest2 {
    * the index of the GPU to carry the objects to
    */
   to_gpu?: number | null;
+  /**
+   * a peer's name: the new process starts there (on its GPU to_gpu, or its CPU), and this server relays the kernel to it; null or absent: this host
+   */
+  to_host?: string | null;
   /**
    * carry the objects into a kernel process without a GPU
    */
@@ -759,6 +772,82 @@ export interface PeerGuest {
    */
   peer: string;
   requirements: Requirements | null;
+}
+/**
+ * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?
+ */
+export interface PeerTransplantCheckRequest {
+  /**
+   * the kernel's id
+   */
+  kernel_id: string;
+  /**
+   * its kernel type (kernelspec name), which this host must have
+   */
+  kernel_name: string;
+  /**
+   * the kernel's [address, port] pairs, which the new process takes here
+   */
+  listens: [unknown, unknown][];
+  bytes: Bytes;
+  gpu_bytes: Bytes;
+  /**
+   * the index of this host's GPU to carry them to; null: its CPU
+   */
+  to_gpu: number | null;
+}
+/**
+ * POST /peer/kernels/{id}/transplant: every object file was sent (POST and PUT /peer/images/{id}...); start the new process and wait until it holds the objects.
+ */
+export interface PeerTransplantRequest {
+  files: PeerImageFile[];
+  /**
+   * its kernel type (kernelspec name)
+   */
+  kernel_name: string;
+  /**
+   * the kernel's connection info, its key included: the new process takes the kernel's ports and signs its messages
+   */
+  connection_info: {
+    key: string;
+  };
+  /**
+   * this host's GPU to carry them to; null: its CPU
+   */
+  to_gpu: number | null;
+  /**
+   * how long the new process may take to read the objects, in seconds
+   */
+  wait: number;
+}
+/**
+ * The answer to POST /peer/kernels/{id}/transplant: the new process holds the objects, and waits.
+ */
+export interface PeerTransplanted {
+  pid: number;
+  /**
+   * The GPU it is on, or null.
+   */
+  gpu: number | null;
+  gpus: HeldGpu[];
+  /**
+   * what the new process said once it held the objects (names, seconds, device, off_gpu)
+   */
+  loaded: {};
+}
+/**
+ * POST /peer/kernels/{id}/switch: no body (or an empty object).
+ */
+export interface PeerSwitchRequest {}
+/**
+ * The answer to POST /peer/kernels/{id}/switch: the new process is the kernel there, on the kernel's ports.
+ */
+export interface PeerSwitched {
+  pid: number;
+  /**
+   * the new process's own start, once told to go
+   */
+  seconds: number | null;
 }
 /**
  * POST /peer/kernels/{id}/restore.

@@ -71,6 +71,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/gpus/{index}/drain", "DrainRequest", {202: "Operation"}),
     # For peer servers only, with "Authorization: gpumigrate-peer <token>" (handlers/peer.py).
     Route("POST", "/peer/check", "PeerCheckRequest", {200: "PeerCheckResponse"}),
+    Route("POST", "/peer/transplants/check", "PeerTransplantCheckRequest", {200: "PeerCheckResponse"}),
     Route("POST", "/peer/images/{kernel_id}", "PeerImagesRequest", {201: "PeerKernelRef"}),
     Route("GET", "/peer/images/{kernel_id}", None, {200: "PeerImageListing"}),
     Route("POST", "/peer/images/{kernel_id}/complete", "PeerCompleteRequest", {200: "PeerKernelRef"}),
@@ -82,6 +83,8 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/peer/kernels/{kernel_id}/dump", "PeerDumpRequest", {200: "PeerDumped"}),
     Route("POST", "/peer/kernels/{kernel_id}/resume", "PeerResumeRequest", {200: "PeerRestored"}),
     Route("POST", "/peer/kernels/{kernel_id}/signal", "PeerSignalRequest", {200: "PeerSignalled"}),
+    Route("POST", "/peer/kernels/{kernel_id}/transplant", "PeerTransplantRequest", {200: "PeerTransplanted"}),
+    Route("POST", "/peer/kernels/{kernel_id}/switch", "PeerSwitchRequest", {200: "PeerSwitched"}),
     Route("GET", "/peer/kernels/{kernel_id}/channels", None, {101: None}),  # a WebSocket: the relay
 )
 

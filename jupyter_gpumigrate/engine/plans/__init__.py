@@ -8,13 +8,13 @@ from there.
 
 from __future__ import annotations
 
-from . import back, gpu_move, host_move, resume, suspend, transplant
+from . import back, gpu_move, host_move, host_transplant, resume, suspend, transplant
 
 #: plan name -> its phases, in order
 PHASES: dict[str, tuple[str, ...]] = {
     saga.name: saga.phases
     for saga in (suspend.saga(), resume.saga(), gpu_move.saga(), host_move.away(), host_move.home(),
-                  transplant.saga(), back.saga())
+                  transplant.saga(), host_transplant.saga(), back.saga())
 }
 
 #: every phase name any plan may report, in a stable order (for the event schema's enum)

@@ -41,7 +41,7 @@ from .. import netstate, placement, proctree
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..images import cgroup_room, host_memory, write_durably
 from ..kernelproc import KernelProcess
-from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Saga, Step
+from ..saga import ALWAYS, ON_SUCCESS, ProgressCallback, Result, Saga, Step
 from . import suspend
 from .common import KernelContext, Outcome, Tools, checkpoint, dump, forget_images, gpu_use, lock, new_images, \
     running_pid
@@ -118,29 +118,7 @@ def prepare(ctx: TransplantContext) -> None:
         target = placement.gpu_by_index(gpus, ctx.to_gpu)
         if target.mig_enabled:
             raise GpuError(f"GPU {target.index} is split into MIG instances: a transplant needs a whole GPU.")
-    try:
-        ctx.survey = ctx.kernel.transplant_survey(WAIT)
-    except TimeoutError as exc:
-        raise MigrateError(f"The kernel did not say within {WAIT:.0f} s what of it would carry (a cell that runs "
-                           "long?): try again once it is idle. It runs on, unchanged.") from exc
-    except RuntimeError as exc:
-        raise MigrateError(f"The kernel could not say what of it would carry ({exc}); it runs on, "
-                           "unchanged.") from exc
-    except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
-        raise InvalidState(f"The kernel stopped answering as it was asked what of it would carry ({exc}): "
-                           "restart it.") from exc
-    except ValueError as exc:  # not the survey's JSON: another version of this package in the kernel?
-        raise MigrateError(f"The kernel's answer was not understood ({exc}): install the same version of "
-                           "jupyter-gpumigrate in the kernel's environment as in the server's.") from exc
-    if not ctx.survey.get("carries"):
-        left = ", ".join(r["name"] for r in ctx.survey.get("left", [])) or "none"
-        raise InvalidState(f"Nothing of the kernel's would carry (its own names that cannot: {left}): restart it on "
-                           "the target instead.")
-    left = sorted(r["name"] for r in ctx.survey.get("left", []))
-    if ctx.accept_left is not None and set(left) - set(ctx.accept_left):
-        unseen = ", ".join(sorted(set(left) - set(ctx.accept_left)))
-        raise InvalidState(f"Now {unseen} would not carry, which was not in what you accepted (the kernel ran "
-                           "meanwhile?): look at the dry run again, then confirm. The kernel runs on, unchanged.")
+    survey(ctx)
     nbytes = int(ctx.survey.get("bytes", 0))
     if target is not None:
         ctx.target_uuid, ctx.target_index = target.uuid, target.index
@@ -164,6 +142,34 @@ def prepare(ctx: TransplantContext) -> None:
                                "unchanged.")
     ctx.folder = ctx.tools.store.scratch(ctx.kernel.kernel_id, nbytes, pid)
     ctx.undo(lambda: remove_folder(ctx))
+
+
+def survey(ctx: TransplantContext) -> None:
+    """The dry run, in the kernel: what of it carries; refused if nothing does, or if more would be left
+    behind than the caller accepted."""
+    try:
+        ctx.survey = ctx.kernel.transplant_survey(WAIT)
+    except TimeoutError as exc:
+        raise MigrateError(f"The kernel did not say within {WAIT:.0f} s what of it would carry (a cell that runs "
+                           "long?): try again once it is idle. It runs on, unchanged.") from exc
+    except RuntimeError as exc:
+        raise MigrateError(f"The kernel could not say what of it would carry ({exc}); it runs on, "
+                           "unchanged.") from exc
+    except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
+        raise InvalidState(f"The kernel stopped answering as it was asked what of it would carry ({exc}): "
+                           "restart it.") from exc
+    except ValueError as exc:  # not the survey's JSON: another version of this package in the kernel?
+        raise MigrateError(f"The kernel's answer was not understood ({exc}): install the same version of "
+                           "jupyter-gpumigrate in the kernel's environment as in the server's.") from exc
+    if not ctx.survey.get("carries"):
+        left = ", ".join(r["name"] for r in ctx.survey.get("left", [])) or "none"
+        raise InvalidState(f"Nothing of the kernel's would carry (its own names that cannot: {left}): restart it on "
+                           "the target instead.")
+    left = sorted(r["name"] for r in ctx.survey.get("left", []))
+    if ctx.accept_left is not None and set(left) - set(ctx.accept_left):
+        unseen = ", ".join(sorted(set(left) - set(ctx.accept_left)))
+        raise InvalidState(f"Now {unseen} would not carry, which was not in what you accepted (the kernel ran "
+                           "meanwhile?): look at the dry run again, then confirm. The kernel runs on, unchanged.")
 
 
 def export(ctx: TransplantContext) -> None:
@@ -216,8 +222,7 @@ def load(ctx: TransplantContext) -> None:
                        "that the kernel's PyTorch is a CUDA build matching the driver. The kernel runs on, "
                        "unchanged.")
     # The new process holds the objects: their files would only hold memory (a tmpfs) while the source is saved.
-    for name in ("data.bin", "objects.pkl", *(p.name for p in ctx.folder.glob("storage-*.bin"))):
-        (ctx.folder / name).unlink(missing_ok=True)
+    remove_objects(ctx.folder)
     # The source's images, where they fit now that the new process holds the objects.
     new_images(ctx, ctx.pid or running_pid(ctx), ctx.tools.images)
 
@@ -271,6 +276,12 @@ def keep_source(ctx: TransplantContext) -> None:
         forget_images(ctx)
 
 
+def remove_objects(folder: Path) -> None:
+    """The objects' files (large), not the folder: what the new process writes there is still read."""
+    for name in ("data.bin", "objects.pkl", *(p.name for p in folder.glob("storage-*.bin"))):
+        (folder / name).unlink(missing_ok=True)
+
+
 def remove_folder(ctx: TransplantContext) -> None:
     if ctx.folder is not None:
         shutil.rmtree(ctx.folder, ignore_errors=True)
@@ -286,12 +297,16 @@ def run(kernel: KernelProcess, tools: Tools, to_gpu: int | None, accept_left: li
     """Carry the running kernel's objects into a new process on GPU ``to_gpu``, or on the CPU (None);
     refused if more would be left behind than ``accept_left`` names (when given)."""
     ctx = TransplantContext(kernel, tools, to_gpu, accept_left)
-    result = saga().run(ctx, progress)
-    survey = ctx.survey
-    transplant = {"to": "cpu" if to_gpu is None else "gpu", "carried": [r["name"] for r in survey.get("carries", [])],
-                  "left": survey.get("left", []), "notes": survey.get("notes", []),
-                  "outputs": survey.get("outputs"), "seconds": {"export": ctx.exported.get("seconds"),
-                                                                "load": ctx.loaded.get("seconds"),
-                                                                "start": ctx.started}}
+    return outcome(ctx, saga().run(ctx, progress))
+
+
+def outcome(ctx: TransplantContext, result: Result) -> Outcome:
+    """What a finished transplant did: where to, what carried and what not, and its own seconds."""
+    said = ctx.survey
+    transplant = {"to": "cpu" if ctx.to_gpu is None else "gpu", "carried": [r["name"] for r in said.get("carries", [])],
+                  "left": said.get("left", []), "notes": said.get("notes", []),
+                  "outputs": said.get("outputs"), "seconds": {"export": ctx.exported.get("seconds"),
+                                                              "load": ctx.loaded.get("seconds"),
+                                                              "start": ctx.started}}
     return Outcome(result, bytes=int(ctx.exported.get("bytes", 0)), from_gpu=ctx.from_gpu, to_gpu=ctx.target_index,
                    transplant=transplant, stash=ctx.stash or None)
