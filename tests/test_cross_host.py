@@ -354,6 +354,41 @@ def test_a_guests_images_go_to_memory_where_there_is_room(tmp_path):
         shutil.rmtree(shm, ignore_errors=True)
 
 
+async def test_the_other_host_killed_while_it_loads_a_transplant_leaves_the_source_running_here(hosts):
+    pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    assert "built" in await tab.run(OBJECTS + "\nbig = torch.ones(100_000_000)")
+    pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+    seen: list[str] = []
+
+    def kill_b_during_the_load() -> None:
+        op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
+        while op["status"] not in ("succeeded", "failed"):
+            seen.append(op["phase"] or "")
+            if op["phase"] == "load" and b.proc.poll() is None:
+                b.stop(signal.SIGKILL)
+            op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+        seen.append(json.dumps(op))
+
+    try:
+        await call(kill_b_during_the_load)
+        op = json.loads(seen[-1])
+        assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
+        assert op["status"] == "failed" and op["failed_phase"] == "load" and "b" in op["error"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "running" and view["pid"] == pid and not view["remote"], view
+        assert (await tab.run("print(box.v, next(gen), int(big.sum()))")).strip() == "41 1 100000000"
+        deadline = time.monotonic() + 30  # the new process on b ends with its server
+        while transplant_processes():
+            assert time.monotonic() < deadline, "the new process on b outlived its server"
+            await asyncio.sleep(0.2)
+    finally:
+        tab.ws.close()
+        await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+        b.start({"a": a.peer_entry()})
+
+
 def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     import socket
 

@@ -8,17 +8,17 @@ it, as after a move to another host (plans/host_move.py).
                 folder for them here
     export      the kernel writes its objects into the folder           (removed with the folder)
     transfer    the objects go there                                    undo: that host discards them
-    load        that host starts the new process, which reads them      undo: that host discards it
-                (onto its GPU, or into host memory) and waits; the
-                source's image folder, placed now
+    load        that host starts the new process, which reads them      undo: that host discards it (if
+                (onto its GPU, or into host memory) and waits; the      it cannot, the process ends by
+                source's image folder, placed now                       itself: litter)
     stash       the source writes its large buffers into its images     undo: it reads them back
     lock        the source's CUDA calls wait (GPU only)                 undo: unlock
     checkpoint  the source's GPU memory into its host memory            undo: back onto its GPU
     dump        CRIU writes the source into images and kills it: the    undo: restore it from the images
                 kernel's ports here are free
     switch      the new process takes the kernel's ports there; this    undo: stop relaying; that host
-                host relays them, and the kernel answers through the    discards the new process
-                relay: it is the kernel now, under the same kernel id
+                host relays them, and the kernel answers through the    discards the new process (if it
+                relay: it is the kernel now, under the same kernel id   cannot, the kernel is broken)
     on success  the source's images are kept for ``keep_source`` seconds, as after a transplant on this host
     always      the objects' folder here goes
 
@@ -140,7 +140,9 @@ def load_there(ctx: HostTransplantContext) -> None:
     info = {**public_connection_info(ctx.kernel.kernel_connection_info),
             **{k: secrets[k] for k in ("key", "signature_scheme") if k in secrets}}
     ctx.there = ctx.link.load_objects(ctx.kernel.kernel_name, info, ctx.to_gpu, ctx.wait())
-    ctx.undo(ctx.link.discard)
+    # Not yet the kernel (it waits, off the kernel's ports): if that host cannot discard it now, it ends by
+    # itself (once its server does, or 10 minutes later): litter, not a kernel in doubt.
+    ctx.undo(ctx.link.discard, cleanup=True)
     ctx.loaded = dict(ctx.there.get("loaded") or {})
     ctx.target_index = ctx.there.get("gpu")
     new_images(ctx, ctx.pid or running_pid(ctx), ctx.tools.images)
@@ -150,6 +152,8 @@ def switch_there(ctx: HostTransplantContext) -> None:
     """The new process takes the kernel's ports there, which are its own on that host; this host's, freed by the
     dump, are bound by the relay, and the kernel must answer through it, or all is undone."""
     assert ctx.manifest is not None
+    # From here it may answer on the kernel's ports there: if it cannot be discarded, two copies may run.
+    ctx.undo(ctx.link.discard)
     said = ctx.link.switch()
     ctx.started = said.get("seconds")
     ctx.link.attach(ctx.manifest.clients)
