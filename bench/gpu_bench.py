@@ -195,6 +195,14 @@ class Worker:
     def secrets(self) -> dict:
         return {}
 
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
+        # Not an IPython kernel: the suspend's own stash steps aside, and CRIU and the driver carry it all (what
+        # these rows measure; bench/suspend_bench.py measures the stash through a server).
+        return {"aside": "the bench's worker is no IPython kernel"}
+
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+        raise RuntimeError("the bench's worker stashes nothing: there is nothing to take back")
+
     def invite_stager(self, path: str, token: str) -> str | None:
         self.invited = True
         self.proc.stdin.write(f"stage {path} {token}\n")  # type: ignore[union-attr]

@@ -269,11 +269,13 @@ in the new process every tensor's SHA-256 equals the one taken before. Floors, m
 just before each transplant: one thread writing and reading as many bytes to and from /dev/shm, and
 pinned copies between host and GPU. The export writes the storages by 16 threads through pinned buffers;
 the load phase, as the server sees it, includes the new process's own start (Python, PyTorch, CUDA), which
-overlaps the export; `own load` is the new process's reading alone. The runs below predate commit aada87b:
-their new kernel's start imported `torch._inductor` (some 800 modules) to set a deterministic mode it
-already had: on the development machine most of the switch (0.8 s of about 1.0 s; aada87b brought the
-switch to 0.2-0.5 s there); on a GPU not measured yet. `bench/results/2026-11-26-transplant.md` says
-what was measured where.
+overlaps the export; `own load` is the new process's reading alone. The runs below are on 2 x H200, after
+commit aada87b, which stopped the new kernel's start from importing `torch._inductor` (some 800 modules) to
+set a deterministic mode it already had: the switch is 0.42-0.72 s here, where the last runs before it
+(2 x H100, `2026-11-25-h100x2-parallel-*-transplant.json`) took 3.9-5.4 s; that is another card, so the
+ratio is the switch's alone, which is CPU work. What is left above the floors is mostly the new process's
+start, 3-4 s inside `load`. `bench/results/2026-11-26-transplant.md` and
+`bench/results/2026-11-26-h200x2-gpu-tests-run2.txt` say what was measured where.
 """
 
 
