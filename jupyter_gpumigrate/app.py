@@ -274,6 +274,7 @@ class GPUMigrateApp(ExtensionApp):
         km = self.serverapp.kernel_manager
         sessions, skip = set(), set()
         sessions.update(g.pgid for g in self.guests.guests.values() if g.pgid)
+        skip.update(self.guests.waiting_pids())  # a transplant's new process: its Popen reaps it
         for kernel_id in km.list_kernel_ids():
             provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
             if isinstance(provisioner, MigratableProvisioner) and provisioner.pgid:

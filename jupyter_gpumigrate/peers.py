@@ -58,8 +58,15 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
-#: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds).
-TRANSPLANT_ORPHAN = 600.0
+#: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
+#: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
+TRANSPLANT_ORPHAN = 1800.0
+#: How long a transplant's new process, once told to go, may run here before its peer relays its channels:
+#: a peer that died as it said go (or whose answer was lost) never will, and its source is the kernel.
+ATTACH_WAIT = 60.0
+#: What a transplant's new process was given here, removed once it runs: the key, the source's environment.
+_TRANSPLANT_FILES = ("connection.json", "prelude.json", "ready.json", "started.json", "failed.json",
+                     "new-process.log")
 #: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
 _IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS, PENDING}
@@ -495,6 +502,9 @@ class GuestHost:
         self.kernelspec = kernelspec
         #: transplants' new processes started here, not yet switched to, by kernel id
         self._transplants: dict[str, subprocess.Popen] = {}
+        self._transplant_lock = threading.Lock()
+        #: the one pending check of each kernel's new process (its expiry, or its relay's start)
+        self._timers: dict[str, threading.Timer] = {}
 
     def stop_relay(self, kernel_id: str) -> None:
         relay = self.relays.pop(kernel_id, None)
@@ -582,10 +592,11 @@ class GuestHost:
         found = hostfit.problems(hostfit.Requirements(ids=[], listens=[(str(a), int(p)) for a, p in listens]))
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             found.append(f"kernel {kernel_id} already lives here")
-        try:
-            self._transplant_argv(kernel_name, "")
-        except MigrateError as exc:
-            found.append(str(exc).rstrip("."))
+        for check in (lambda: self._transplant_argv(kernel_name, ""), self.criu):  # CRIU: its way home
+            try:
+                check()
+            except MigrateError as exc:
+                found.append(str(exc).rstrip("."))
         if to_gpu is not None:
             try:
                 target = placement.gpu_by_index(self.inventory() if self.inventory is not None else [], to_gpu)
@@ -628,6 +639,9 @@ class GuestHost:
         """Start the new process of a transplant from the objects received, and wait until it holds them (it then
         waits for :meth:`switch_transplant`). Blocking: from a worker thread."""
         folder = self.store.path_for(kernel_id)
+        if kernel_id in self.guests or kernel_id not in self.received:
+            raise InvalidState(f"Kernel {kernel_id} has no transplant's objects being received here (or lives here "
+                               f"already): send them first (POST images/{kernel_id}).")
         self._check_received(kernel_id, files)
         uuid = gpu_index = None
         if to_gpu is not None:
@@ -644,15 +658,29 @@ class GuestHost:
         # to its notebook): a log file held open would have to exist on the kernel's home host for it to come
         # back there.
         log_path = folder / "new-process.log"
-        with open(log_path, "ab") as out:
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
-                                    cwd=os.path.expanduser("~"), start_new_session=True)
+        try:
+            with open(log_path, "ab") as out:
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
+                                        cwd=os.path.expanduser("~"), start_new_session=True)
+        except OSError as exc:
+            self.discard(kernel_id)
+            raise MigrateError(f"The new kernel process could not start here ({exc}). The kernel runs on, "
+                               "unchanged.") from exc
         manifest = Manifest(kernel_id=kernel_id, kernel_name=kernel_name, pid=proc.pid, ids=[proc.pid],
                             connection_info={k: v for k, v in connection_info.items() if k != "key"})
         guest = Guest(manifest, peer)
         guest.adopt(proc.pid)
-        self.guests[kernel_id] = guest
-        self._transplants[kernel_id] = proc
+        with self._transplant_lock:
+            self.guests[kernel_id] = guest
+            self._transplants[kernel_id] = proc
+        try:
+            return self._wait_loaded(kernel_id, proc, folder, log_path, wait, to_gpu, uuid, gpu_index)
+        except BaseException:
+            self.discard(kernel_id)
+            raise
+
+    def _wait_loaded(self, kernel_id: str, proc: subprocess.Popen, folder: Path, log_path: Path, wait: float,
+                     to_gpu: int | None, uuid: str | None, gpu_index: int | None) -> dict:
         deadline = time.monotonic() + wait
         ready, failed = folder / "ready.json", folder / "failed.json"
         while not ready.exists():
@@ -666,12 +694,10 @@ class GuestHost:
             elif time.monotonic() > deadline:
                 problem = f"the new kernel process did not read the objects within {wait:.0f} s"
             if problem:
-                self.discard(kernel_id)
                 raise MigrateError(f"{problem.capitalize()}. The kernel runs on, unchanged.")
             time.sleep(0.05)
         loaded = json.loads(ready.read_text())
         if to_gpu is not None and loaded.get("off_gpu"):
-            self.discard(kernel_id)
             raise GpuError(f"The new kernel process does not see GPU {to_gpu} through PyTorch here, so "
                            f"{loaded['off_gpu']} GPU tensors would land in host memory. The kernel runs on, unchanged.")
         for name in ("data.bin", "objects.pkl", *(p.name for p in folder.glob("storage-*.bin"))):
@@ -680,30 +706,62 @@ class GuestHost:
         if uuid is not None and self.inventory is not None:
             gpus = gpus_mod.held_by(proctree.descendants(proc.pid), self.inventory())
         # A peer that never says go (it died, say) leaves no process here holding the objects for ever.
-        timer = threading.Timer(max(wait, TRANSPLANT_ORPHAN), self._expire, (kernel_id, proc))
-        timer.daemon = True
-        timer.start()
+        self._later(kernel_id, max(wait, TRANSPLANT_ORPHAN), self._expire, proc)
         return {"pid": proc.pid, "gpu": gpu_index, "gpus": gpus, "loaded": loaded}
 
     def _expire(self, kernel_id: str, proc: subprocess.Popen) -> None:
-        if self._transplants.get(kernel_id) is proc:
-            log.warning("gpumigrate: kernel %s: its peer never switched to the transplant's new process here; "
-                        "discarded", kernel_id)
+        with self._transplant_lock:
+            if self._transplants.get(kernel_id) is not proc:
+                return
+        log.warning("gpumigrate: kernel %s: its peer never switched to the transplant's new process here; "
+                    "discarded", kernel_id)
+        self.discard(kernel_id, proc)
+
+    def _unrelayed(self, kernel_id: str, pid: int) -> None:
+        guest = self.guests.get(kernel_id)
+        if guest is not None and guest.pid == pid and kernel_id not in self.relays:
+            log.warning("gpumigrate: kernel %s: its peer said go to the transplant's new process here, but never "
+                        "relayed its channels; discarded (the peer's source is the kernel)", kernel_id)
             self.discard(kernel_id)
+
+    def _later(self, kernel_id: str, seconds: float, check: Callable[[str, Any], None], arg: Any) -> None:
+        """``check(kernel_id, arg)`` in ``seconds``, unless the kernel is discarded here first."""
+        timer = threading.Timer(seconds, check, (kernel_id, arg))
+        timer.daemon = True
+        timer.name = f"gpumigrate-guest-{kernel_id[:8]}"
+        with self._transplant_lock:
+            old = self._timers.pop(kernel_id, None)
+            self._timers[kernel_id] = timer
+        if old is not None:
+            old.cancel()
+        timer.start()
+
+    def waiting_pids(self) -> set[int]:
+        """The transplants' new processes started here and not yet switched to (their Popen reaps them)."""
+        with self._transplant_lock:
+            return {proc.pid for proc in self._transplants.values()}
 
     def switch_transplant(self, kernel_id: str, timeout: float = 60.0) -> dict:
         """The new process of a transplant takes the kernel's ports here: it is the guest from now on."""
         guest = self.guest(kernel_id)
-        proc = self._transplants.pop(kernel_id, None)
+        with self._transplant_lock:
+            proc = self._transplants.pop(kernel_id, None)
         if proc is None or guest.pid != proc.pid:
             raise InvalidState(f"No transplant of kernel {kernel_id} waits here.")
         folder = self.store.path_for(kernel_id)
-        os.kill(proc.pid, signal_mod.SIGUSR1)
+        try:
+            if proc.poll() is not None:
+                raise ProcessLookupError(proc.pid)
+            proc.send_signal(signal_mod.SIGUSR1)  # Popen's own: never a PID reused meanwhile
+        except ProcessLookupError:
+            self.discard(kernel_id, proc)
+            raise MigrateError(f"The new kernel process ended here before it was told to go (exit status "
+                               f"{proc.returncode}){_said(folder / 'new-process.log')}.") from None
         deadline = time.monotonic() + timeout
         started = folder / "started.json"
         while not started.exists():  # written once its kernel has taken the ports
             if proc.poll() is not None or time.monotonic() > deadline:
-                self.discard(kernel_id)
+                self.discard(kernel_id, proc)
                 raise MigrateError(f"The new kernel process did not take the kernel's ports here (exit status "
                                    f"{proc.poll()}).")
             time.sleep(0.02)
@@ -712,6 +770,10 @@ class GuestHost:
             seconds = json.loads(started.read_text()).get("seconds")
         except (OSError, ValueError, AttributeError):
             seconds = None
+        # It runs: what it was given here goes (the key, the source's environment with its credential).
+        for name in _TRANSPLANT_FILES:
+            (folder / name).unlink(missing_ok=True)
+        self._later(kernel_id, ATTACH_WAIT, self._unrelayed, proc.pid)
         return {"pid": proc.pid, "seconds": seconds}
 
     def listing(self, kernel_id: str) -> list[dict]:
@@ -742,9 +804,18 @@ class GuestHost:
         outcome = self._migration(guest).suspend()
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
 
-    def discard(self, kernel_id: str) -> None:
-        proc = self._transplants.pop(kernel_id, None)
-        if proc is not None and proc.poll() is None:  # a transplant's new process, not switched to
+    def discard(self, kernel_id: str, proc: subprocess.Popen | None = None) -> None:
+        """Kill the kernel (or a transplant's new process, ``proc`` when known) and delete what it had here."""
+        with self._transplant_lock:
+            waiting = self._transplants.pop(kernel_id, None)
+            timer = self._timers.pop(kernel_id, None)
+            proc = proc or waiting
+        if timer is not None and timer is not threading.current_thread():
+            timer.cancel()
+        with self._transplant_lock:
+            if proc is not None and self.guests.get(kernel_id) is not None and self.guests[kernel_id].pid == proc.pid:
+                self.guests[kernel_id].pid = None  # killed here, through its Popen: no PID reused meanwhile
+        if proc is not None and proc.poll() is None:  # a transplant's new process
             proc.kill()
             proc.wait(timeout=30)
         guest = self.guests.pop(kernel_id, None)

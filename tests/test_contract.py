@@ -391,6 +391,9 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     answer = await walk.call("POST", "/peer/transplants/check", body=asked, expect=200)
     assert answer["problems"] and "is not free here" in answer["problems"][0], answer
     gid = f"guest-{kid}"
+    error = await walk.call("POST", "/peer/kernels/{kernel_id}/transplant", kernel_id=gid, expect=409, body={
+        "files": [], "kernel_name": "python3", "connection_info": {"key": "k"}, "to_gpu": None, "wait": 5})
+    assert "send them first" in error["message"], error
     objects = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "objects"
     objects.mkdir()
     survey = await asyncio.to_thread(manager.provisioner.transplant_survey, 60)

@@ -68,6 +68,15 @@ async def new_kernel(host: Host) -> tuple[str, WebSocketTab]:
     return kernel["id"], tab
 
 
+async def end_kernel(host: Host, kernel_id: str, tab: WebSocketTab) -> None:
+    """The test's kernel goes, whatever state the test left it in (a failed assertion included)."""
+    tab.ws.close()
+    try:
+        await call(host.api, "DELETE", f"api/kernels/{kernel_id}")
+    except AssertionError:
+        pass  # gone already
+
+
 async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_executing(hosts, tmp_path):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
@@ -199,84 +208,90 @@ async def test_a_kernel_transplanted_to_the_other_hosts_cpu_carries_its_objects_
     pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    assert "built" in await tab.run(OBJECTS)
-    expected = (await tab.run("import copy as _c; _m, _o = _c.deepcopy(model.state_dict()), _c.deepcopy(opt.state_dict())\n"
-                              + OBJECTS_CHECK + "\nmodel.load_state_dict(_m); opt.load_state_dict(_o)")).strip()
+    try:
+        assert "built" in await tab.run(OBJECTS)
+        expected = (await tab.run("import copy as _c; _m, _o = _c.deepcopy(model.state_dict()), _c.deepcopy(opt.state_dict())\n"
+                                  + OBJECTS_CHECK + "\nmodel.load_state_dict(_m); opt.load_state_dict(_o)")).strip()
 
-    # The dry run says where, and what would not carry.
-    survey = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/transplant",
-                        {"to_host": "b", "to_cpu": True, "dry_run": True})
-    assert survey["to_host"] == "b" and [r["name"] for r in survey["left"]] == ["gen"], survey
-    # From the notebook itself: it says what would not carry, then the transplant starts as the cell ends, and
-    # the next cell runs in the new process.
-    out = await tab.run("%migrate --to-host b --to-cpu --yes")
-    assert "NOT carried: gen" in out and "The transplant to the CPU of host b starts as this cell ends" in out, out
-    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-    listed = await call(a.api, "GET", "api/gpumigrate/operations")
-    op = next(o for o in listed if o["kernel_id"] == kernel_id and o["action"] == "transplant")
-    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
-    assert list(op["timings"]) == ["prepare", "export", "transfer", "load", "dump", "switch"], op["timings"]
-    assert op["to_host"] == "b" and op["from_host"] == "a" and op["transplant"]["left"][0]["name"] == "gen", op
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        # The dry run says where, and what would not carry.
+        survey = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/transplant",
+                            {"to_host": "b", "to_cpu": True, "dry_run": True})
+        assert survey["to_host"] == "b" and [r["name"] for r in survey["left"]] == ["gen"], survey
+        # From the notebook itself: it says what would not carry, then the transplant starts as the cell ends, and
+        # the next cell runs in the new process.
+        out = await tab.run("%migrate --to-host b --to-cpu --yes")
+        assert "NOT carried: gen" in out and "The transplant to the CPU of host b starts as this cell ends" in out, out
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        listed = await call(a.api, "GET", "api/gpumigrate/operations")
+        op = next(o for o in listed if o["kernel_id"] == kernel_id and o["action"] == "transplant")
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        assert list(op["timings"]) == ["prepare", "export", "transfer", "load", "dump", "switch"], op["timings"]
+        assert op["to_host"] == "b" and op["from_host"] == "a" and op["transplant"]["left"][0]["name"] == "gen", op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
 
-    # The same tab: the kernel is a new process in b's namespace, with the objects that carried.
-    assert (await tab.run(OBJECTS_CHECK)).strip() == expected
-    assert (await tab.run("print('gen' in dir())")).strip() == "False"
-    # b hosts it for a peer only: not among b's own kernels.
-    assert kernel_id not in [k["id"] for k in await call(b.api, "GET", "api/kernels")]
+        # The same tab: the kernel is a new process in b's namespace, with the objects that carried.
+        assert (await tab.run(OBJECTS_CHECK)).strip() == expected
+        assert (await tab.run("print('gen' in dir())")).strip() == "False"
+        # b hosts it for a peer only: not among b's own kernels. What the new process was given there (the key, the
+        # source's environment) is gone now that it runs.
+        assert kernel_id not in [k["id"] for k in await call(b.api, "GET", "api/kernels")]
+        folders = [*guest_images_in_memory(kernel_id), b.root / "state" / "guests" / kernel_id]
+        assert not [f for folder in folders for f in ("connection.json", "prelude.json") if (folder / f).exists()]
 
-    # Home, by a move of that process (CRIU, from b), with what it did on b.
-    refused = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/back", {}, expect=409)
-    assert "runs on b: bring it back" in refused["message"], refused
-    assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
-    assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-    assert (await tab.run("print(box.v)")).strip() == "41"
-    # Then back to the process the transplant replaced, as it was: the generator is there again. (From b, that
-    # is refused, saying how: the kept process is a's.)
-    assert (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["back_until"]
-    assert (await call(a.operate, kernel_id, "back"))["status"] == "succeeded"
-    assert (await tab.run("print(next(gen))")).strip() == "1"
-    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
-    tab.ws.close()
-    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+        # Home, by a move of that process (CRIU, from b), with what it did on b. (Back from b is refused, saying
+        # how: the kept process is a's.)
+        refused = await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/back", {}, expect=409)
+        assert "runs on b: bring it back" in refused["message"], refused
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert (await tab.run("print(box.v)")).strip() == "41"
+        # Then back to the process the transplant replaced, as it was: the generator is there again.
+        assert (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["back_until"]
+        op = await call(a.operate, kernel_id, "back")
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        assert (await tab.run("print(next(gen))")).strip() == "1"
+        assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source_running_here(hosts):
     pytest.importorskip("torch", reason="the transplant tests need PyTorch (scripts/setup.sh installs a CPU build)")
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    assert "built" in await tab.run(OBJECTS)
-    pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+    try:
+        assert "built" in await tab.run(OBJECTS)
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
 
-    # Refused before anything is touched: a GPU that b does not have.
-    op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 7})
-    assert op["status"] == "failed" and op["failed_phase"] == "prepare" and "b cannot take" in op["error"], op
+        # Refused before anything is touched: a GPU that b does not have.
+        op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 7})
+        assert op["status"] == "failed" and op["failed_phase"] == "prepare" and "b cannot take" in op["error"], op
 
-    # The new process on b killed as the source is saved: the source comes back from its images, whole.
-    seen: list[str] = []
+        # The new process on b killed as the source is saved: the source comes back from its images, whole.
+        seen: list[str] = []
 
-    def kill_the_new_process_at_the_dump() -> None:
-        op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
-        while op["status"] not in ("succeeded", "failed"):
-            if op["phase"] in ("dump", "switch"):
-                for new in transplant_processes():
-                    os.kill(new, signal.SIGKILL)
-            op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-        seen.append(json.dumps(op))
+        def kill_the_new_process_at_the_dump() -> None:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
+            while op["status"] not in ("succeeded", "failed"):
+                if op["phase"] in ("dump", "switch"):
+                    for new in transplant_processes():
+                        os.kill(new, signal.SIGKILL)
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            seen.append(json.dumps(op))
 
-    await call(kill_the_new_process_at_the_dump)
-    op = json.loads(seen[-1])
-    assert op["status"] == "failed" and op["failed_phase"] == "switch", op
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert view["host"] == "a" and view["state"] == "running" and not view["remote"] and view["pid"] == pid, view
-    assert (await tab.run("print(box.v, next(gen))")).strip() == "41 1"
-    assert not transplant_processes()
-    await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
-               headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
-    assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
-    tab.ws.close()
-    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+        await call(kill_the_new_process_at_the_dump)
+        op = json.loads(seen[-1])
+        assert op["status"] == "failed" and op["failed_phase"] == "switch" and "new kernel process" in op["error"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and view["state"] == "running" and not view["remote"] and view["pid"] == pid, view
+        assert (await tab.run("print(box.v, next(gen))")).strip() == "41 1"
+        assert not transplant_processes()
+        await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
+                   headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 @pytest.mark.gpu

@@ -204,6 +204,15 @@ def test_a_stop_request_undoes_the_plan_before_a_stoppable_phase_and_only_there(
     ctx, _ = run(plan, kernel)
     assert ctx.world == ["folder", "new"] and kernel.state == "suspended"
 
+    # Asked during a phase followed by a stoppable one that does not apply (skipped): stopped there all the same.
+    kernel = Stoppable()
+    plan = stoppable(Step("write", lambda ctx: (change("objects")(ctx), ask_to_stop(ctx))),
+                     Step("stash", change("stash"), when=lambda ctx: False), Step("dump", change("images")),
+                     phases=("stash",))
+    with pytest.raises(PhaseFailed) as info:
+        run(plan, kernel)
+    assert info.value.phase == "stash" and kernel.state == "running"
+
     # A kernel without the attribute (a peer's guest) is never stopped.
     ctx, _ = run(stoppable(Step("a", change("x")), phases=("a",)))
     assert ctx.world == ["x"]

@@ -154,6 +154,8 @@ class Saga(Generic[C]):
                 ctx._phase = step.name
                 started = time.perf_counter()
                 try:
+                    if initial is not None:
+                        ctx.check_stop()  # before a phase that may be skipped, too
                     if initial is not None and step.when is not None and not step.when(ctx):
                         continue
                     report(step.name, "start", result.timings)

@@ -648,7 +648,11 @@ def _take_prelude(prelude: dict) -> None:
     os.environ.update(prelude["environ"])
     os.environ.pop("CUDA_VISIBLE_DEVICES", None)
     os.environ.update(keep)
-    sys.path[:] = prelude["sys_path"]
+    # The source's import path, where its folders exist here (another host may lay them out otherwise); then
+    # this process's own, so that its Python's packages still import.
+    here = list(sys.path)
+    sys.path[:] = [p for p in prelude["sys_path"] if p == "" or os.path.exists(p)]
+    sys.path.extend(p for p in here if p not in sys.path)
     try:
         os.chdir(prelude["cwd"])
     except OSError:
@@ -706,7 +710,9 @@ def main(argv: list[str] | None = None) -> int:
     from ipykernel.kernelapp import IPKernelApp
 
     app = IPKernelApp.instance(user_ns=namespace)
-    app.initialize(kernel_args)
+    # Its history in memory (the carried one is set below): the source, kept to go back to, holds IPython's
+    # history file open, and CRIU restores it only if that file has not grown meanwhile.
+    app.initialize([*kernel_args, "--HistoryManager.hist_file=:memory:"])
     _settle(app.shell, payload, carried)
     _rng_at_first_cell(app.kernel, payload["rng"])
     _go_on_idle(app.kernel)

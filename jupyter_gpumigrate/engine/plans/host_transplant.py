@@ -18,7 +18,9 @@ it, as after a move to another host (plans/host_move.py).
                 kernel's ports here are free
     switch      the new process takes the kernel's ports there; this    undo: stop relaying; that host
                 host relays them, and the kernel answers through the    discards the new process (if it
-                relay: it is the kernel now, under the same kernel id   cannot, the kernel is broken)
+                relay: it is the kernel now, under the same kernel id   cannot once it answered there, the
+                                                                        kernel is broken; that host discards
+                                                                        one never relayed to by itself)
     on success  the source's images are kept for ``keep_source`` seconds, as after a transplant on this host
     always      the objects' folder here goes
 
@@ -132,6 +134,7 @@ def send_objects(ctx: HostTransplantContext) -> None:
     ctx.transferred = ctx.link.send_objects(ctx.folder)
     # Sent: here, they would only hold memory (a tmpfs) while the source is saved.
     transplant.remove_objects(ctx.folder)
+    ctx.check_stop()
 
 
 def load_there(ctx: HostTransplantContext) -> None:
@@ -145,6 +148,7 @@ def load_there(ctx: HostTransplantContext) -> None:
     ctx.undo(ctx.link.discard, cleanup=True)
     ctx.loaded = dict(ctx.there.get("loaded") or {})
     ctx.target_index = ctx.there.get("gpu")
+    ctx.check_stop()
     new_images(ctx, ctx.pid or running_pid(ctx), ctx.tools.images)
 
 
@@ -152,9 +156,12 @@ def switch_there(ctx: HostTransplantContext) -> None:
     """The new process takes the kernel's ports there, which are its own on that host; this host's, freed by the
     dump, are bound by the relay, and the kernel must answer through it, or all is undone."""
     assert ctx.manifest is not None
-    # From here it may answer on the kernel's ports there: if it cannot be discarded, two copies may run.
-    ctx.undo(ctx.link.discard)
+    # Told to go, it takes the kernel's ports there. Should that host not hear, or its answer be lost, and
+    # the discard fail too: that host discards, by itself, a new process whose channels this host never relays.
+    ctx.undo(ctx.link.discard, cleanup=True)
     said = ctx.link.switch()
+    # It answers there now: if it cannot be discarded, two copies may run.
+    ctx.undo(ctx.link.discard)
     ctx.started = said.get("seconds")
     ctx.link.attach(ctx.manifest.clients)
     ctx.undo(ctx.link.detach)
