@@ -245,6 +245,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         "everything, and the operation says why. 0: never ask a busy kernel.",
     ).tag(config=True)
 
+    kernel_history = Enum(
+        ["memory", "ipython"], "memory",
+        help="Where the IPython kernels this server starts keep their input history. 'memory': in the kernel "
+        "(%history, In and the console's up arrow work within the kernel's life, suspends and moves included). "
+        "'ipython': IPython's own database file, which every kernel of the user holds open and writes: CRIU then "
+        "restores a suspended kernel only if no other kernel has grown that file meanwhile, and another host "
+        "takes a kernel only if its copy of the file has the same size.",
+    ).tag(config=True)
     keep_transplant_source = Float(
         3600.0, help="How long, in seconds, a transplant keeps the process it replaced (its images, on disk), so "
         "that the kernel can go back to it (POST /api/gpumigrate/kernels/<id>/back, `jupyter gpumigrate back`); "
@@ -665,6 +673,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         elif self.ipython:
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
+        if self.ipython and self.kernel_history == "memory":
+            # Not IPython's database file, which other kernels grow while this one is suspended (kernel_history).
+            cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
         self.launch_cmd, self.launch_env = list(cmd), dict(env)
         self.lineage = set()  # a new process, or a restart: what was sent to earlier ones is not for it
         if revival is not None:  # the kernel an earlier server left: nothing is launched

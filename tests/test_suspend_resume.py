@@ -536,3 +536,24 @@ async def test_criu_killed_during_a_suspends_dump_leaves_the_kernel_running_with
     assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]
+
+
+async def test_a_suspended_kernel_resumes_though_ipythons_history_file_grew_meanwhile(jp_fetch, kernel):
+    """IPython's history database is one file for all of a user's IPythons (kernels, terminals), which CRIU
+    would have to find at its old size to restore a kernel that held it open. The kernels the server starts
+    keep their history in memory (c.MigratableProvisioner.kernel_history): another IPython may grow the file
+    while a kernel is suspended."""
+    import sqlite3
+
+    folder = (await kernel.run("from IPython.paths import get_ipython_dir; print(get_ipython_dir())")).strip()
+    assert (await kernel.run("x = 41\nprint('set')")).strip() == "set"
+    assert (await kernel.run("print(len(In) > 2, 'x = 41' in In[-2])")).strip() == "True True"
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    database = Path(folder) / "profile_default" / "history.sqlite"
+    database.parent.mkdir(parents=True, exist_ok=True)
+    with sqlite3.connect(database) as db:  # another IPython's cells: some 400 KB
+        db.execute("CREATE TABLE IF NOT EXISTS grown (cell TEXT)")
+        db.executemany("INSERT INTO grown VALUES (?)", [("z" * 4000,)] * 100)
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded", op["error"]
+    assert (await kernel.run("print(x + 1, any('x = 41' in cell for cell in In))")).strip() == "42 True"
