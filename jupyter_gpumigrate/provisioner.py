@@ -674,8 +674,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             # %migrate is there without %load_ext (IPython's --ext adds to the extensions it loads).
             cmd = [*cmd, "--ext=jupyter_gpumigrate"]
         if self.ipython and self.kernel_history == "memory":
-            # Not IPython's database file, which other kernels grow while this one is suspended (kernel_history).
-            cmd = [*cmd, "--HistoryManager.hist_file=:memory:"]
+            # Not IPython's database file, which other kernels grow while this one is suspended (kernel_history);
+            # given once (twice, traitlets makes the setting a list, and the kernel does not start).
+            cmd = [*(a for a in cmd if not a.startswith("--HistoryManager.hist_file")),
+                   "--HistoryManager.hist_file=:memory:"]
         self.launch_cmd, self.launch_env = list(cmd), dict(env)
         self.lineage = set()  # a new process, or a restart: what was sent to earlier ones is not for it
         if revival is not None:  # the kernel an earlier server left: nothing is launched

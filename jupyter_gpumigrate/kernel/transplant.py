@@ -712,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
     app = IPKernelApp.instance(user_ns=namespace)
     # Its history in memory (the carried one is set below): the source, kept to go back to, holds IPython's
     # history file open, and CRIU restores it only if that file has not grown meanwhile.
-    app.initialize([*kernel_args, "--HistoryManager.hist_file=:memory:"])
+    # (given once: twice, traitlets makes the setting a list, and the kernel does not start)
+    app.initialize([*(a for a in kernel_args if not a.startswith("--HistoryManager.hist_file")),
+                    "--HistoryManager.hist_file=:memory:"])
     _settle(app.shell, payload, carried)
     _rng_at_first_cell(app.kernel, payload["rng"])
     _go_on_idle(app.kernel)
