@@ -144,7 +144,7 @@ def load_there(ctx: HostTransplantContext) -> None:
             **{k: secrets[k] for k in ("key", "signature_scheme") if k in secrets}}
     ctx.there = ctx.link.load_objects(ctx.kernel.kernel_name, info, ctx.to_gpu, ctx.wait())
     # Not yet the kernel (it waits, off the kernel's ports): if that host cannot discard it now, it ends by
-    # itself (once its server does, or 10 minutes later): litter, not a kernel in doubt.
+    # itself (once its server does, or 30 minutes later): litter, not a kernel in doubt.
     ctx.undo(ctx.link.discard, cleanup=True)
     ctx.loaded = dict(ctx.there.get("loaded") or {})
     ctx.target_index = ctx.there.get("gpu")
