@@ -32,9 +32,6 @@ from .errors import CriuFailed, CriuNotFound, PidConflict
 
 MIN_VERSION = (4, 2)
 COMMON_OPTIONS = ("--tcp-close", "--ext-unix-sk", "--file-locks")
-#: A client dialling the kernel at the instant of the dump (a tab re-connecting) leaves a connection not yet
-#: accepted, which CRIU cannot dump: skipped, the client re-dials (docs/internals.md, "The options we pass").
-DUMP_OPTIONS = ("--skip-in-flight",)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 RESTORE_PIDFILE = "restore.pid"
@@ -246,7 +243,7 @@ class Criu:
 
         On failure CRIU resumes the tree: it keeps running as before.
         """
-        args = ["dump", "--tree", str(pid), *COMMON_OPTIONS, *DUMP_OPTIONS]
+        args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
         self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}")
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
