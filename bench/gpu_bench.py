@@ -195,7 +195,8 @@ class Worker:
     def secrets(self) -> dict:
         return {}
 
-    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False,
+                   idle_only: bool = False) -> dict:
         # Not an IPython kernel: the suspend's own stash steps aside, and CRIU and the driver carry it all (what
         # these rows measure; bench/suspend_bench.py measures the stash through a server).
         return {"aside": "the bench's worker is no IPython kernel"}

@@ -10,7 +10,13 @@ Floors, measured in the same run just before each size, with the same number of 
 images: the link as a plain TCP stream from a's namespace to b's, and as a TLS stream (what the transfer
 uses: HTTPS, less HTTP and the files). The last thing printed is a table; --out writes all as JSON.
 
-    .venv/bin/python bench/host_bench.py [--sizes 1,4] [--images auto|disk|memory] [--out results.json]
+Ways, each with both hosts started afresh for it, in the same run: ``stash``, the kernel writes its large
+buffers into the images itself (the host stash, ``c.MigratableProvisioner.host_stash_min`` set to
+``--stash-min``) and reads them back there; ``criu``, the stash off: CRIU carries every byte.
+The goal column is issue 18's bound on a move's downtime: bytes / the TLS floor x 1.3 + 2 s.
+
+    .venv/bin/python bench/host_bench.py [--sizes 1,4] [--ways stash,criu] [--images auto|disk|memory]
+        [--out results.json]
 """
 
 from __future__ import annotations
@@ -42,6 +48,15 @@ digest = hashlib.sha256(blob[::4093]).hexdigest()
 print(len(blob))
 """
 CHECK = "print(hashlib.sha256(blob[::4093]).hexdigest() == digest, len(blob))"
+# --device cuda: the bytes in a tensor on GPU 0 (moved to b's GPU 1 and back), digested through a strided sample
+FILL_CUDA = """
+import hashlib, torch
+g = torch.Generator(device='cuda').manual_seed(7)
+blob = torch.randint(0, 256, ({nbytes},), dtype=torch.uint8, device='cuda', generator=g)  # {size} GB
+digest = hashlib.sha256(blob[::4093].cpu().numpy().tobytes()).hexdigest()
+print(blob.numel())
+"""
+CHECK_CUDA = "print(hashlib.sha256(blob[::4093].cpu().numpy().tobytes()).hexdigest() == digest, blob.numel())"
 
 RECEIVE = """
 import socket, ssl, sys
@@ -115,23 +130,28 @@ def run_cell(host: Host, kernel_id: str, code: str, timeout: float = 600) -> str
     return asyncio.run(go())
 
 
-def one_size(a: Host, b: Host, size: float) -> dict:
+def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu") -> dict:
     kernel_id = a.api("POST", "api/kernels", {"name": "python3"})["id"]
     try:
         count = max(1, int(size * GB / MB))
-        run_cell(a, kernel_id, FILL.format(mb=MB, count=count, size=size))
         nbytes = count * MB
+        if device == "cuda":
+            fill, check, there, here = FILL_CUDA.format(nbytes=nbytes, size=size), CHECK_CUDA, 1, 0
+        else:
+            fill, check, there, here = FILL.format(mb=MB, count=count, size=size), CHECK, None, None
+        run_cell(a, kernel_id, fill)
         floors = {"tcp": link_floor(a, b, nbytes, tls=False), "tls": link_floor(a, b, nbytes, tls=True)}
-        away = a.operate(kernel_id, "migrate", {"to_host": "b"}, timeout=1800)
+        away = a.operate(kernel_id, "migrate", {"to_host": "b", "to_gpu": there}, timeout=1800)
         assert away["status"] == "succeeded", away
-        assert run_cell(a, kernel_id, CHECK).split() == ["True", str(nbytes)]
-        home = a.operate(kernel_id, "migrate", {"to_host": "a"}, timeout=1800)
+        assert run_cell(a, kernel_id, check).split() == ["True", str(nbytes)]
+        home = a.operate(kernel_id, "migrate", {"to_host": "a", "to_gpu": here}, timeout=1800)
         assert home["status"] == "succeeded", home
-        assert run_cell(a, kernel_id, CHECK).split() == ["True", str(nbytes)]
+        assert run_cell(a, kernel_id, check).split() == ["True", str(nbytes)]
     finally:
         a.api("DELETE", f"api/kernels/{kernel_id}")
-    return {"size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
-            "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"]},
+    return {"way": way, "device": device, "size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
+            "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"],
+                     "stash": away.get("stash")},
             "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"]}}
 
 
@@ -140,7 +160,14 @@ def main() -> int:
     parser.add_argument("--sizes", default="1,4", help="kernel sizes in GB, comma-separated")
     parser.add_argument("--images", choices=("auto", "disk", "memory"), default="auto",
                         help="the hosts' suspend_to, which a move's images follow (auto: memory where there is room)")
+    parser.add_argument("--ways", default="stash,criu", help="stash, criu or both, comma-separated")
+    parser.add_argument("--stash-min", type=int, default=5 * 10**8,
+                        help="the stash way's c.MigratableProvisioner.host_stash_min, in bytes")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the kernel's bytes are: its memory, or a tensor on GPU 0 (moved to b's GPU 1)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--out-dir", help="or into this folder, named by date and --tag (scripts/gpu-suite.sh)")
+    parser.add_argument("--tag", default="dev", help="the machine's tag in the file name")
     args = parser.parse_args()
     if os.geteuid() != 0:
         print("host_bench: needs root (network namespaces)", file=sys.stderr)
@@ -151,13 +178,16 @@ def main() -> int:
     rows = []
     try:
         a, b = host_pair(net, root)
-        for host in (a, b):
-            host.extra = {"MigratableProvisioner": {"suspend_to": args.images}}
-        a.start({"b": b.peer_entry()})
-        b.start({"a": a.peer_entry()})
-        for size in (float(s) for s in args.sizes.split(",")):
-            rows.append(one_size(a, b, size))
-            print(json.dumps(rows[-1]), flush=True)
+        for way in args.ways.split(","):
+            for host in (a, b):
+                host.stop()
+                host.extra = {"MigratableProvisioner": {"suspend_to": args.images, "host_stash_min":
+                                                        args.stash_min if way == "stash" else None}}
+            a.start({"b": b.peer_entry()})
+            b.start({"a": a.peer_entry()})
+            for size in (float(s) for s in args.sizes.split(",")):
+                rows.append(one_size(a, b, size, way, args.device))
+                print(json.dumps(rows[-1]), flush=True)
     finally:
         for host in (a, b):
             if host is not None:
@@ -167,23 +197,34 @@ def main() -> int:
             subprocess.run(["rm", "-rf", str(root)], check=False)
         else:
             print("kept:", root)
-    table = []
-    for r in rows:
-        tls = r["floors_gbps"]["tls"]
-        for way in ("away", "home"):
-            t = r[way]["timings"]
-            floor = r[way]["bytes"] / GB / tls
-            table.append([f"{r['size_gb']:g}", way, f"{r[way]['bytes'] / GB:.2f}", f"{r[way]['total']:.2f}",
-                          f"{t.get('dump', 0):.2f}", f"{t.get('transfer', 0):.2f}", f"{t.get('restore', 0):.2f}",
-                          f"{t.get('adopt', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}", f"{floor:.2f}",
-                          f"{t.get('transfer', 0) / floor:.2f}"])
-    print(text_table(["GB", "trip", "sent GB", "total s", "dump s", "transfer s", "restore s", "adopt s", "TCP GB/s",
-                      "TLS GB/s", "TLS floor s", "transfer / floor"], table))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"machine": platform.node(), "images": args.images,
+    print(text_table(*table_of(rows)))
+    out = args.out or (args.out_dir and str(Path(args.out_dir) / f"{time.strftime('%Y-%m-%d')}-{args.tag}-host.json"))
+    if out:
+        Path(out).write_text(json.dumps({"machine": platform.node(), "images": args.images, "device": args.device,
+                                              "stash_min": args.stash_min,
                                               "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                               "rows": rows}, indent=1))
     return 0
+
+
+def table_of(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
+    """The rows as a table: phases, the link's floors, and each trip against issue 18's goal."""
+    table = []
+    for r in rows:
+        tls = r["floors_gbps"]["tls"]
+        for trip in ("away", "home"):
+            t = r[trip]["timings"]
+            floor = r[trip]["bytes"] / GB / tls
+            goal = floor * 1.3 + 2
+            table.append([r.get("way", "criu"), f"{r['size_gb']:g}", trip, f"{r[trip]['bytes'] / GB:.2f}",
+                          f"{r[trip]['total']:.2f}", f"{t.get('stash', 0):.2f}", f"{t.get('dump', 0):.2f}",
+                          f"{t.get('transfer', 0):.2f}", f"{t.get('restore', 0):.2f}", f"{t.get('adopt', 0):.2f}",
+                          f"{t.get('take back', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}",
+                          f"{floor:.2f}", f"{t.get('transfer', 0) / floor:.2f}", f"{goal:.2f}",
+                          f"{r[trip]['total'] / goal:.2f}"])
+    return (["way", "GB", "trip", "sent GB", "total s", "stash s", "dump s", "transfer s", "restore s", "adopt s",
+             "take back s", "TCP GB/s", "TLS GB/s", "TLS floor s", "transfer / floor", "goal s", "total / goal"],
+            table)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,11 @@ from collections.abc import Callable
 import zmq
 from jupyter_client.session import Session
 
+#: Evaluated in an idle IPython kernel: the host stash of a suspend or a move to another host, and its way
+#: back (kernel/hoststash.py).
+HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"
+HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
+
 
 def _bytes(value: str | bytes) -> bytes:
     return value.encode() if isinstance(value, str) else value

@@ -394,7 +394,7 @@ class OperationManager:
         else:
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities)
+                            clients=provisioner.client_identities, idle=provisioner.is_idle)
         plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=runs_on,
                        phases=list(PHASES[plan]))

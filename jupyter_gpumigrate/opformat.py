@@ -149,8 +149,10 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     took = f"in {op.get('total', 0):.2f} s"
     if action == "migrate" and op.get("to_host"):
         gpu = f", GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
+        stashed = (op.get("stash") or {}).get("stashed")
+        how = f", {size(stashed)} of it written and read back by the kernel's own threads" if stashed else ""
         return (f"{kernel} moved from host {op.get('from_host')} to host {op['to_host']}{gpu} {took} "
-                f"({size(op.get('bytes'))} sent; slowest phase: {slow}).")
+                f"({size(op.get('bytes'))} sent{how}; slowest phase: {slow}).")
     if action == "migrate":
         fast = _fast_path(op)
         how = (f", {size(fast['stashed'])} of it by {_by(fast)}{_mid_cell(fast.get('seconds'))}" if fast.get("stashed") else

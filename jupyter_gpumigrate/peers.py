@@ -51,6 +51,7 @@ from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.transplant import DETACH_OUTPUT
+from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, evaluate_silently
 from .relay import RelayClient
 
 log = logging.getLogger(__name__)
@@ -258,7 +259,8 @@ class PeerLink(HostLink):
 
     def __init__(self, peer: Peer, kernel_id: str, connection_info: dict, loop: asyncio.AbstractEventLoop,
                  api_address: tuple[str, int] | None, home: str,
-                 clients: Callable[[], list[tuple[str, bytes]]] = list) -> None:
+                 clients: Callable[[], list[tuple[str, bytes]]] = list, idle: Callable[[], bool] = lambda: False
+                 ) -> None:
         self.peer = peer
         self.host = peer.name
         self.kernel_id = kernel_id
@@ -268,6 +270,8 @@ class PeerLink(HostLink):
         self.home = home
         self.client = PeerClient(peer)
         self.clients = clients
+        #: whether the kernel is idle (between cells) now: only then may that host ask it for the stash
+        self.idle = idle
         self.relay: RelayClient | None = None
         #: a transplant's object files, as sent (name, size, sha256)
         self._sent: list[dict] = []
@@ -294,8 +298,13 @@ class PeerLink(HostLink):
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
 
+    def _key(self) -> dict:
+        key = self.info.get("key")
+        return {"key": key.decode() if isinstance(key, bytes) else str(key)} if key else {}
+
     def restore(self, to_gpu: int | None) -> dict:
-        return self.client.call("POST", f"kernels/{self.kernel_id}/restore", {"to_gpu": to_gpu}, timeout=600)
+        return self.client.call("POST", f"kernels/{self.kernel_id}/restore", {"to_gpu": to_gpu, **self._key()},
+                                timeout=600)
 
     def discard(self) -> None:
         self.client.call("DELETE", f"kernels/{self.kernel_id}")
@@ -387,11 +396,14 @@ class PeerLink(HostLink):
     def requirements(self) -> hostfit.Requirements:
         return hostfit.Requirements.from_dict(self.client.call("GET", f"kernels/{self.kernel_id}")["requirements"])
 
-    def dump(self) -> None:
-        self.client.call("POST", f"kernels/{self.kernel_id}/dump", timeout=600)
+    def dump(self, stash_min: int | None = None) -> None:
+        # The stash is asked of an idle kernel only: a busy one would answer only once its cell ends.
+        ask = self._key() if stash_min is not None and self.idle() else {}
+        self.client.call("POST", f"kernels/{self.kernel_id}/dump",
+                         {**ask, "stash_min": int(stash_min)} if ask and stash_min is not None else {}, timeout=600)
 
     def resume(self) -> None:
-        self.client.call("POST", f"kernels/{self.kernel_id}/resume", {}, timeout=600)
+        self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key(), timeout=600)
 
     def fetch_images(self, images: Path) -> int:
         listing = self.client.call("GET", f"images/{self.kernel_id}")
@@ -437,6 +449,8 @@ class Guest:
         self.pid: int | None = None
         self.pgid: int | None = None
         self.api_listen: tuple[str, int] | None = None
+        #: the kernel's connection key, while a call of its owner that needs it runs (never written here)
+        self.key: str | None = None
 
     @property
     def kernel_name(self) -> str:
@@ -468,11 +482,29 @@ class Guest:
     def invite_stager(self, path: str, token: str) -> str | None:
         return "a kernel hosted for a peer is not moved between GPUs here"
 
-    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
-        return {"aside": "a kernel hosted for a peer is not suspended here"}
+    def _keyed(self) -> dict:
+        return {**self.manifest.connection_info, "key": self.key}
+
+    def _alive(self) -> bool:
+        return self.pid is not None and proctree.is_alive(self.pid)
+
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False,
+                   idle_only: bool = False) -> dict:
+        """Have the kernel write its large buffers into ``folder``, as its owner asked (with the key, only when
+        the kernel is idle there: plans/host_move.py); else step aside."""
+        if not self.key:
+            return {"aside": "its owner did not ask for the stash (the kernel is busy, or the owner's "
+                             "c.MigratableProvisioner.host_stash_min is None)"}
+        return json.loads(evaluate_silently(self._keyed(), HOST_STASH_CALL.format(
+            folder=folder, min_total=int(min_total), more=", gpu_only=True" if gpu_only else ""), timeout,
+            alive=self._alive))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
-        raise InvalidState("A kernel hosted for a peer has no host stash here.")
+        if not self.key:
+            raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
+                               "it read them back: update jupyter-gpumigrate on the owner's host.")
+        return json.loads(evaluate_silently(self._keyed(), HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
+                                            alive=self._alive))
 
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host
@@ -784,24 +816,35 @@ class GuestHost:
 
     # running them (blocking: call from a worker thread)
 
-    def _migration(self, guest: Guest) -> Migration:
-        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images}
+    def _migration(self, guest: Guest, stash_min: int | None = None) -> Migration:
+        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images, "host_stash_min": stash_min}
         if self.inventory is not None:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)
 
-    def restore(self, kernel_id: str, to_gpu: int | None) -> dict:
+    def restore(self, kernel_id: str, to_gpu: int | None, key: str | None = None) -> dict:
+        """Restore the kernel from the images received (``key``: to have it read back its stash, if it wrote one)."""
         guest = self.guest(kernel_id)
-        outcome = self._migration(guest).resume(to_gpu)
+        guest.key = key
+        try:
+            outcome = self._migration(guest).resume(to_gpu)
+        finally:
+            guest.key = None
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
         return {"pid": guest.pid, "gpu": outcome.to_gpu, "gpus": gpus,
-                "timings": outcome.result.timings}
+                "timings": outcome.result.timings, "stash": outcome.stash}
 
-    def dump(self, kernel_id: str) -> dict:
+    def dump(self, kernel_id: str, key: str | None = None, stash_min: int | None = None) -> dict:
+        """Suspend the kernel for its way home; with ``key`` and ``stash_min`` (it is idle), its large buffers
+        written into its images first."""
         guest = self.guest(kernel_id)
-        outcome = self._migration(guest).suspend()
+        guest.key = key
+        try:
+            outcome = self._migration(guest, stash_min if key else None).suspend()
+        finally:
+            guest.key = None
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
 
     def discard(self, kernel_id: str, proc: subprocess.Popen | None = None) -> None:

@@ -53,7 +53,8 @@ from .engine.errors import InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import evaluate_silently, kernel_answers, run_silently, send_silently
+from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, evaluate_silently, kernel_answers, run_silently,
+                         send_silently)
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
@@ -64,9 +65,6 @@ RELEASE_TORCH_CACHE = (
     "(__import__('sys').modules.get('torch'))"
 )
 
-#: Evaluated in an idle IPython kernel: the host stash of a suspend, and its way back (kernel/hoststash.py).
-HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"
-HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 
 TRANSPLANT_MODULE = "jupyter_gpumigrate.kernel.transplant"
 
@@ -490,6 +488,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def _busy(self) -> bool:
         return getattr(self.parent, "execution_state", None) == "busy"
 
+    def is_idle(self) -> bool:
+        """Between cells, as the server last heard (also while the kernel runs on another host)."""
+        return getattr(self.parent, "execution_state", None) == "idle"
+
     def _safe_point(self, name: str, args: dict) -> Claim | None:
         """Ask the busy kernel to run ``name`` at its next safe point: the claim, or None
         (:attr:`safe_point_reason` says why: the cell did not get there in time, say)."""
@@ -509,14 +511,18 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return f"the kernel's Python ({self.python}) cannot import jupyter_gpumigrate: install it there for {what}"
         return None
 
-    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
-        """Have an idle IPython kernel write its large buffers into ``folder`` and free them
-        (kernel/hoststash.py): what it said (``stashed``... or ``aside``). Raises what
-        :func:`~.kernelwire.evaluate_silently` raises."""
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False,
+                   idle_only: bool = False) -> dict:
+        """Have an idle IPython kernel (or a busy one at its safe point, unless ``idle_only``) write its large
+        buffers into ``folder`` and free them (kernel/hoststash.py): what it said (``stashed``... or
+        ``aside``). Raises what :func:`~.kernelwire.evaluate_silently` raises."""
         why = self._cannot_serve("the host stash")
         if why:
             return {"aside": why}
         self._stash_claim = None  # one left by an earlier suspend (its stash took nothing) is not this one's
+        if self._busy() and idle_only:
+            return {"aside": "the kernel is busy with a cell: a move to another host takes the stash between "
+                             "cells only (the cell's safe point could not be released over there)"}
         if self._busy():
             args: dict = {"folder": folder, "min_total": int(min_total)}
             if gpu_only:  # only then: a kernel with an older jupyter-gpumigrate still serves a suspend's stash

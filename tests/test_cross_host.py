@@ -113,6 +113,36 @@ async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_exe
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 
 
+async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_its_own_threads(hosts):
+    # 1.1 GB of buffers, over the default c.MigratableProvisioner.host_stash_min (1 GB): the kernel writes them
+    # into the images itself (the host stash), CRIU dumps the rest; b restores it, and the kernel reads them back
+    # there. On the way home b has it do the same (a sends the kernel's key with the calls that need it).
+    # Every byte and the buffer's identity survive; no image is left on either host.
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        out = await tab.run("import hashlib, os\n"
+                            "blob = bytearray(os.urandom(1 << 20)) * 1050\n"
+                            "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)\n"
+                            "print(len(blob))")
+        assert out.strip() == str(1050 << 20), out
+        check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
+        for there, dest in ((b, "b"), (a, "a")):
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": dest})
+            assert op["status"] == "succeeded", op
+            phases = (["prepare", "stash", "dump", "transfer", "restore", "adopt"] if dest == "b" else
+                      ["prepare", "dump", "transfer", "restore", "unstash", "adopt"])
+            assert list(op["timings"]) == phases, op
+            assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
+            assert (await tab.run(WHERE)).strip() == f"{there.ip}/24"
+            assert (await tab.run(check)).strip() == f"True True {1050 << 20}"
+            assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+            assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
+            assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
 async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
@@ -136,8 +166,10 @@ async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
 async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    # 600 MB of touched memory: the transfer takes long enough to be cut in the middle.
-    await tab.run("blob = bytearray(b'x') * (600 << 20); blob[12345] = 7; kept = 'still here'")
+    # 1.1 GB of touched memory, over c.MigratableProvisioner.host_stash_min: the kernel writes it into its
+    # images itself (the host stash) before the dump, and the transfer takes long enough to be cut in the
+    # middle. The undo restores the kernel here, then has it read its buffers back.
+    await tab.run("blob = bytearray(b'x') * (1050 << 20); blob[12345] = 7; kept = 'still here'")
     seen: list[str] = []
 
     def kill_b_during_transfer() -> None:
@@ -154,9 +186,12 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
     assert op["status"] == "failed" and op["failed_phase"] in ("transfer", "restore"), op
     assert "cannot be reached" in op["error"] or "b:" in op["error"], op["error"]
+    assert "stash" in op["timings"], op
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "a" and view["state"] == "running" and not view["remote"]
-    assert (await tab.run("print(kept, blob[12345], len(blob) >> 20)")).strip() == "still here 7 600"
+    assert (await tab.run("print(kept, blob[12345], len(blob) >> 20, blob.count(b'x'))")).strip() == \
+        f"still here 7 1050 {(1050 << 20) - 1}"
+    assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
     b.start({"a": a.peer_entry()})
@@ -300,27 +335,34 @@ async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source
 
 @pytest.mark.gpu
 async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
-    # The two hosts share the machine's GPUs: a's kernel on GPU 0 goes to b's GPU 1 and comes back.
+    # The two hosts share the machine's GPUs: a's kernel on GPU 0 goes to b's GPU 1 and comes back. Its 1.07 GB
+    # tensor (over host_stash_min) is written and read back by the kernel's own threads each way; the small one
+    # goes with the CUDA driver's checkpoint.
     two_gpus()
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    await tab.run("import torch; t = torch.arange(1 << 24, device='cuda', dtype=torch.float32); s0 = float(t.sum())")
+    await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32); s0 = float(t.sum())\n"
+                  "small = torch.full((1000,), 3.0, device='cuda')")
+    same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
+            "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert [g["index"] for g in view["gpus"]] == [0], view
     op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
     assert op["status"] == "succeeded", op
-    assert {"lock", "checkpoint", "dump", "transfer", "restore"} <= set(op["timings"]) and op["to_gpu"] == 1
+    assert ["stash", "lock", "checkpoint", "dump", "transfer", "restore"] == list(op["timings"])[1:7], op
+    assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
+    assert op["to_gpu"] == 1
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
     assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-    assert (await tab.run("print(float(t.sum()) == s0, t.device, float((t * 2).sum()) == 2 * s0)")).strip() == \
-        "True cuda:0 True"
+    assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
     op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
     assert op["status"] == "succeeded", op
-    assert {"remap", "unlock"} <= set(op["timings"]) and op["to_gpu"] == 0
+    assert {"remap", "unlock", "unstash"} <= set(op["timings"]) and op["to_gpu"] == 0, op
+    assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
-    assert (await tab.run("print(float(t.sum()) == s0, t.device)")).strip() == "True cuda:0"
+    assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 

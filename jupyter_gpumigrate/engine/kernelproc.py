@@ -62,15 +62,19 @@ class KernelProcess(Protocol):
         """If the kernel is idle and can, have it connect to the fast path's socket at ``path`` (see
         stash.py) and serve it; None if invited, else why not."""
 
-    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False) -> dict:
-        """If the kernel is idle and can, have it write its large buffers (``gpu_only``: its CUDA tensors
-        alone) into files in ``folder`` and free them (kernel/hoststash.py): ``{"stashed": bytes, ...}``, or
-        ``{"aside": reason}`` (nothing changed).
+    def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False,
+                   idle_only: bool = False) -> dict:
+        """If the kernel is idle (or, unless ``idle_only``, busy with a cell that reaches its safe point) and
+        can, have it write its large buffers (``gpu_only``: its CUDA tensors alone) into files in ``folder``
+        and free them (kernel/hoststash.py): ``{"stashed": bytes, ...}``, or ``{"aside": reason}`` (nothing
+        changed).
         Raises TimeoutError, RuntimeError (the kernel's error) or an error saying the kernel ended."""
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
-        """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
-        RuntimeError naming ``StashDamaged`` if a file does not hold what was written."""
+        """Have the kernel (its process ``pid``, by default the one adopted; the one on the other host where it
+        runs there) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
+        RuntimeError naming ``StashDamaged`` if a file does not hold what was written. ``{"deferred": folder}``
+        where this side cannot ask the kernel (a guest: its owner asks it, through the relay)."""
 
     def transplant_survey(self, timeout: float) -> dict:
         """The dry run of a transplant (kernel/transplant.py's survey): what carries, what not and why.

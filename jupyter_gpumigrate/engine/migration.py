@@ -4,10 +4,10 @@
     resume:           prepare -> restore -> [remap -> unlock] -> adopt                plans/resume.py
     move to a GPU:    prepare -> [stash | host stash] -> lock -> checkpoint -> remap
                       -> unlock -> [unstash | take back] -> verify                    plans/gpu_move.py
-    move to a host:   prepare -> [lock -> checkpoint] -> dump -> transfer -> restore
-                      (there) -> adopt                                                plans/host_move.py
-    come back home:   prepare -> dump (there) -> transfer -> restore -> [remap ->
-                      unlock] -> adopt                                                plans/host_move.py
+    move to a host:   prepare -> [stash] -> [lock -> checkpoint] -> dump -> transfer
+                      -> restore (there, the stash read back) -> adopt                plans/host_move.py
+    come back home:   prepare -> dump (there, [stash] first) -> transfer -> restore
+                      -> [remap -> unlock] -> [unstash] -> adopt                      plans/host_move.py
     transplant:       prepare -> start -> export -> load -> [stash] -> [lock -> checkpoint] -> dump
                       -> switch                                                       plans/transplant.py
     transplant to a   prepare -> export -> transfer -> load (there) -> [stash] -> [lock ->

@@ -233,12 +233,12 @@ class GuestActionHandler(PeerHandler):
             elif action == "switch":
                 result = await self.run(self.guests.switch_transplant, kernel_id)
             elif action == "restore":
-                result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"))
+                result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"), body.get("key"))
             elif action == "dump":
                 self.guests.stop_relay(kernel_id)
-                result = await self.run(self.guests.dump, kernel_id)
+                result = await self.run(self.guests.dump, kernel_id, body.get("key"), body.get("stash_min"))
             else:  # resume: the undo of a dump
-                result = await self.run(self.guests.restore, kernel_id, None)
+                result = await self.run(self.guests.restore, kernel_id, None, body.get("key"))
         if result is not None:
             self.log.info("gpumigrate: kernel %s hosted for a peer: %s done", kernel_id, action)
             self.send_json(result)

@@ -347,7 +347,7 @@ export interface DrainResult {
   way: 'move' | 'transplant';
 }
 /**
- * A suspend or resume: what the kernel wrote into its images itself (stashed) or read back (unstashed), or why it stepped aside (aside; CRIU and the CUDA driver then carried everything).
+ * A suspend, resume or move to another host: what the kernel wrote into its images itself (stashed) or read back (unstashed; a move to another host: read back there), or why it stepped aside (aside; CRIU and the CUDA driver then carried everything).
  */
 export interface HostStash {
   stashed?: Bytes;
@@ -459,7 +459,7 @@ export interface Operation {
    */
   images: 'auto' | 'memory' | 'disk' | null;
   /**
-   * A suspend or resume: its host stash, where it was asked.
+   * A suspend, resume or move to another host: its host stash, where it was asked.
    */
   stash: HostStash | null;
   /**
@@ -857,15 +857,33 @@ export interface PeerRestoreRequest {
    * the index of the GPU to restore it onto
    */
   to_gpu?: number | null;
+  /**
+   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   */
+  key?: string;
 }
 /**
- * POST /peer/kernels/{id}/resume (the undo of a dump): an empty object.
+ * POST /peer/kernels/{id}/resume (the undo of a dump): an empty object, or the key.
  */
-export interface PeerResumeRequest {}
+export interface PeerResumeRequest {
+  /**
+   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   */
+  key?: string;
+}
 /**
- * POST /peer/kernels/{id}/dump: no body (or an empty object).
+ * POST /peer/kernels/{id}/dump: no body (or an empty object): CRIU and the CUDA driver carry everything; with key and stash_min (the kernel is idle), the kernel first writes its large buffers into its images if they add up to stash_min bytes or more.
  */
-export interface PeerDumpRequest {}
+export interface PeerDumpRequest {
+  /**
+   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   */
+  key?: string;
+  /**
+   * c.MigratableProvisioner.host_stash_min of the kernel's own server
+   */
+  stash_min?: number;
+}
 /**
  * The answer to POST /peer/kernels/{id}/restore and /resume.
  */
@@ -877,6 +895,10 @@ export interface PeerRestored {
   gpu: number | null;
   gpus: HeldGpu[];
   timings: Seconds;
+  /**
+   * What the kernel read back of the large buffers it had written into its images (its host stash); null: it had none.
+   */
+  stash?: HostStash | null;
 }
 /**
  * The answer to POST /peer/kernels/{id}/dump.

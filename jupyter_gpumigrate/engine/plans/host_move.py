@@ -4,11 +4,14 @@ Away (``move_to_host``):
 
     prepare     that host checks it can take the tree; images     undo: remove them (logs kept)
                 folder and manifest here
+    stash       an idle kernel writes its large buffers into the  undo: the kernel reads them back
+                images and frees them (the suspend's host stash)
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it here, from the images
     transfer    the images go there                               undo: that host discards them
-    restore     that host restores the tree (onto its GPU)        undo: that host discards it
+    restore     that host restores the tree (onto its GPU), and   undo: that host discards it
+                the kernel reads its buffers back there
     adopt       this host relays the kernel's ports there, and    undo: stop relaying
                 the kernel answers through the relay
     on success  this host's copy of the images is stale: removed
@@ -16,16 +19,26 @@ Away (``move_to_host``):
 Home (``return_home``):
 
     prepare     this host can take the tree back; images folder   undo: remove it (logs kept)
-    dump        that host dumps the kernel (its images stay there) undo: that host resumes it
+    dump        that host dumps the kernel (its images stay       undo: that host resumes it
+                there), an idle one's large buffers written first
     transfer    the images come here; choose the GPU               (the folder goes with prepare's undo)
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
+    unstash     the kernel reads its buffers back (if it wrote)   (undone with the restore)
     adopt       the tree is the kernel again                      (last)
     on success  the images here and there are removed
 
 This host keeps its copy of the images until the kernel answers from there: any failure before that
 brings the kernel back here, from that copy.
+
+The stash (the suspend's, kernel/hoststash.py) is what makes a large kernel quick to move either way:
+its own threads write its large buffers (CUDA ones through pinned memory) into the images at memory
+speed and free them, so the CUDA driver checkpoints only the context and CRIU dumps, and the other side
+restores, only the rest; the files travel with CRIU's over the same link, and the restored kernel reads
+them back, checking each chunk. The other host has the kernel write or read them with the kernel's key,
+which this host sends with each call that needs it (held in memory there for that call). A busy kernel
+is not asked (its cell's safe point could not be released across hosts): CRIU and the driver carry it.
 """
 
 from __future__ import annotations
@@ -36,6 +49,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import hostfit, netstate
+from . import suspend
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess, kernel_listens
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
@@ -51,6 +65,7 @@ def away() -> Saga[HostContext]:
         "move_to_host",
         [
             Step("prepare", prepare_away),
+            Step("stash", stash_between_cells, when=suspend.worth_asking),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
@@ -75,6 +90,7 @@ def home() -> Saga[HostContext]:
             Step("restore", restore_here),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
+            Step("unstash", unstash_here, when=lambda ctx: bool(ctx.manifest and ctx.manifest.stash)),
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
             Step("forget images there", discard_there, kind=ON_SUCCESS),
@@ -100,7 +116,8 @@ class HostLink(Protocol):
         """Copy the image folder there; the bytes sent."""
 
     def restore(self, to_gpu: int | None) -> dict:
-        """Restore the kernel there from the images sent (and onto its GPU); what it says of it."""
+        """Restore the kernel there from the images sent (and onto its GPU; the kernel reads back the buffers
+        it stashed, if it did); what it says of it (pid, gpu, gpus, timings, stash)."""
 
     def discard(self) -> None:
         """Kill the kernel there if it runs, and delete its images there."""
@@ -115,8 +132,9 @@ class HostLink(Protocol):
     def requirements(self) -> hostfit.Requirements:
         """What the tree running there needs of a host."""
 
-    def dump(self) -> None:
-        """Suspend the kernel there; its images stay there."""
+    def dump(self, stash_min: int | None = None) -> None:
+        """Suspend the kernel there; its images stay there. With ``stash_min``, an idle kernel holding that many
+        bytes of large buffers or more writes them into the images first (the suspend's stash)."""
 
     def resume(self) -> None:
         """Undo of :meth:`dump`: bring the kernel back to life there."""
@@ -161,6 +179,12 @@ def refuse_several(held: list[dict]) -> None:
                        "between this host's GPUs (--to-gpu with one GPU for each).")
 
 
+def stash_between_cells(ctx: HostContext) -> None:
+    """The suspend's stash (suspend.stash), asked of an idle kernel only: a busy cell's safe point is
+    released through a folder of this host, which the kernel there cannot see."""
+    suspend.stash(ctx, idle_only=True)
+
+
 def send_images(ctx: HostContext) -> None:
     # Whatever arrived there goes; if that host is gone, so is what it had: litter, not a kernel in doubt.
     ctx.undo(ctx.link.discard, cleanup=True)
@@ -169,6 +193,8 @@ def send_images(ctx: HostContext) -> None:
 
 def restore_there(ctx: HostContext) -> None:
     ctx.there = ctx.link.restore(ctx.to_gpu)
+    if "stashed" in ctx.stash:
+        ctx.stash["unstashed"] = int((ctx.there.get("stash") or {}).get("unstashed") or 0)
     # A kernel runs there now: if it cannot be discarded, two copies may run, which is no litter.
     ctx.undo(ctx.link.discard)
 
@@ -192,7 +218,7 @@ def move_to_host(kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: in
     result = away().run(ctx, progress)
     assert ctx.manifest is not None
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, to_host=link.host,
-                   to_gpu=ctx.there.get("gpu"), transferred=ctx.transferred,
+                   to_gpu=ctx.there.get("gpu"), transferred=ctx.transferred, stash=ctx.stash or None,
                    from_gpu=ctx.manifest.gpus[0]["index"] if ctx.manifest.gpus else None)
 
 
@@ -212,7 +238,7 @@ def prepare_home(ctx: HostContext) -> None:
 
 
 def dump_there(ctx: HostContext) -> None:
-    ctx.link.dump()
+    ctx.link.dump(ctx.tools.host_stash_min)
     ctx.undo(ctx.link.resume)
 
 
@@ -237,6 +263,19 @@ def restore_here(ctx: HostContext) -> None:
     restore_tree(ctx)
 
 
+def unstash_here(ctx: HostContext) -> None:
+    """The kernel, restored here, reads back the buffers it wrote there, each chunk checked. If it cannot,
+    everything is undone: it runs on there, from its images there."""
+    assert ctx.manifest is not None
+    timeout = suspend.STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / suspend.STASH_RATE
+    try:
+        said = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+    except (RuntimeError, OSError, TimeoutError) as exc:
+        raise ImageError(f"The kernel could not read its large buffers back here ({exc or 'no answer in time'}); "
+                         f"it runs on, on {ctx.link.host}.") from exc
+    ctx.stash = {"stashed": int(ctx.manifest.stash.get("stashed", 0)), "unstashed": int(said.get("unstashed") or 0)}
+
+
 def discard_there(ctx: HostContext) -> None:
     try:
         ctx.link.discard()  # its images there hold the kernel's memory
@@ -252,5 +291,5 @@ def return_home(kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: int
     result = home().run(ctx, progress)
     assert ctx.manifest is not None
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, to_host="",
-                   from_host=link.host, transferred=ctx.transferred,
+                   from_host=link.host, transferred=ctx.transferred, stash=ctx.stash or None,
                    to_gpu=ctx.move.target.index if ctx.move else None)

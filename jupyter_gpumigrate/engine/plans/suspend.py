@@ -64,19 +64,21 @@ def worth_asking(ctx: KernelContext) -> bool:
     return least is not None and _held(ctx) >= least
 
 
-def stash(ctx: KernelContext) -> None:
-    """The kernel writes its large buffers into the image folder and frees them (:func:`write_stash`)."""
+def stash(ctx: KernelContext, idle_only: bool = False) -> None:
+    """The kernel writes its large buffers into the image folder and frees them (:func:`write_stash`); the
+    manifest says so, for whoever restores the images."""
     assert ctx.manifest is not None and ctx.tools.host_stash_min is not None
-    said = ctx.stash = write_stash(ctx, ctx.tools.host_stash_min, _held(ctx))
+    said = ctx.stash = write_stash(ctx, ctx.tools.host_stash_min, _held(ctx), idle_only=idle_only)
     if "stashed" in said:
         ctx.manifest.stash = {k: said[k] for k in ("stashed", "buffers", "files", "seconds", "split") if k in said}
 
 
-def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = False) -> dict:
+def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = False, idle_only: bool = False) -> dict:
     """The kernel writes its large buffers (``gpu_only``: its CUDA tensors alone) into ``ctx.images`` and
     frees them, if it holds ``least`` bytes of them or more: what it said (``stashed``..., or ``aside``).
-    ``bound`` bounds what it may write (for the wait). The undo is registered first: a stash that outlives
-    the wait is read back behind it (the kernel serves requests in order)."""
+    ``bound`` bounds what it may write (for the wait); ``idle_only``: not at a busy cell's safe point. The
+    undo is registered first: a stash that outlives the wait is read back behind it (the kernel serves
+    requests in order)."""
     assert ctx.manifest is not None
     timeout = STASH_WAIT + bound / STASH_RATE
     # The manifest to be first: should this server die while the kernel's buffers are in the stash, the
@@ -86,7 +88,7 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
     said: dict = {}
     ctx.undo(lambda: take_back(ctx, said, timeout))
     try:
-        said.update(ctx.kernel.host_stash(str(ctx.images), least, timeout, gpu_only=gpu_only))
+        said.update(ctx.kernel.host_stash(str(ctx.images), least, timeout, gpu_only=gpu_only, idle_only=idle_only))
     except TimeoutError as exc:
         raise MigrateError(f"The kernel did not finish writing its large buffers within {timeout:.0f} s (a slow "
                            "disk, or a cell that ran first): the operation is undone; the kernel reads back what it "
