@@ -208,7 +208,8 @@ def main() -> int:
 
 
 def table_of(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
-    """The rows as a table: phases, the link's floors, and each trip against issue 18's goal."""
+    """The rows as a table: phases, the link's floors, and each trip against issue 18's goal. Going away, the
+    kernel reads its stash back within the other host's restore; coming home, in its own phase (unstash)."""
     table = []
     for r in rows:
         tls = r["floors_gbps"]["tls"]
@@ -219,11 +220,11 @@ def table_of(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             table.append([r.get("way", "criu"), f"{r['size_gb']:g}", trip, f"{r[trip]['bytes'] / GB:.2f}",
                           f"{r[trip]['total']:.2f}", f"{t.get('stash', 0):.2f}", f"{t.get('dump', 0):.2f}",
                           f"{t.get('transfer', 0):.2f}", f"{t.get('restore', 0):.2f}", f"{t.get('adopt', 0):.2f}",
-                          f"{t.get('take back', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}",
+                          f"{t.get('unstash', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}",
                           f"{floor:.2f}", f"{t.get('transfer', 0) / floor:.2f}", f"{goal:.2f}",
                           f"{r[trip]['total'] / goal:.2f}"])
     return (["way", "GB", "trip", "sent GB", "total s", "stash s", "dump s", "transfer s", "restore s", "adopt s",
-             "take back s", "TCP GB/s", "TLS GB/s", "TLS floor s", "transfer / floor", "goal s", "total / goal"],
+             "unstash s", "TCP GB/s", "TLS GB/s", "TLS floor s", "transfer / floor", "goal s", "total / goal"],
             table)
 
 

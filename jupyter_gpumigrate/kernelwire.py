@@ -13,6 +13,13 @@ from collections.abc import Callable
 import zmq
 from jupyter_client.session import Session
 
+#: Run silently in an idle Python kernel before its GPU memory is checkpointed. One expression, so it
+#: leaves no name behind in the user's namespace; it touches CUDA only if the kernel already did.
+RELEASE_TORCH_CACHE = (
+    "(lambda t: t is not None and t.cuda.is_initialized() and (t.cuda.synchronize(), t.cuda.empty_cache()))"
+    "(__import__('sys').modules.get('torch'))"
+)
+
 #: Evaluated in an idle IPython kernel: the host stash of a suspend or a move to another host, and its way
 #: back (kernel/hoststash.py).
 HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"

@@ -51,7 +51,7 @@ from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.transplant import DETACH_OUTPUT
-from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, evaluate_silently
+from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
 from .relay import RelayClient
 
 log = logging.getLogger(__name__)
@@ -477,7 +477,9 @@ class Guest:
         return True  # its owner checks, through the relay: it has the kernel's key, we need not
 
     def release_gpu_cache(self) -> None:
-        return None  # its owner released it before the first move; without the key we cannot ask
+        # Only with the key, which its owner sends for an idle kernel (and the stash, which releases it too).
+        if self.key:
+            run_silently(self._keyed(), RELEASE_TORCH_CACHE, timeout=5.0)
 
     def invite_stager(self, path: str, token: str) -> str | None:
         return "a kernel hosted for a peer is not moved between GPUs here"
@@ -485,8 +487,10 @@ class Guest:
     def _keyed(self) -> dict:
         return {**self.manifest.connection_info, "key": self.key}
 
-    def _alive(self) -> bool:
-        return self.pid is not None and proctree.is_alive(self.pid)
+    def _alive(self, pid: int | None = None) -> Callable[[], bool]:
+        """Whether the kernel's process (``pid``, by default the one adopted) still runs."""
+        root = pid if pid is not None else self.pid
+        return lambda: root is not None and proctree.is_alive(root)
 
     def host_stash(self, folder: str, min_total: int, timeout: float, gpu_only: bool = False,
                    idle_only: bool = False) -> dict:
@@ -497,14 +501,15 @@ class Guest:
                              "c.MigratableProvisioner.host_stash_min is None)"}
         return json.loads(evaluate_silently(self._keyed(), HOST_STASH_CALL.format(
             folder=folder, min_total=int(min_total), more=", gpu_only=True" if gpu_only else ""), timeout,
-            alive=self._alive))
+            alive=self._alive()))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
         if not self.key:
             raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
                                "it read them back: update jupyter-gpumigrate on the owner's host.")
+        # During a resume, ``pid`` is the restored tree's root, not adopted yet.
         return json.loads(evaluate_silently(self._keyed(), HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
-                                            alive=self._alive))
+                                            alive=self._alive(pid)))
 
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host

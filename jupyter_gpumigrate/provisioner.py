@@ -53,17 +53,11 @@ from .engine.errors import InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, evaluate_silently, kernel_answers, run_silently,
-                         send_silently)
+from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, kernel_answers,
+                         run_silently, send_silently)
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
-#: Run silently in an idle Python kernel before its GPU memory is checkpointed. One expression, so it
-#: leaves no name behind in the user's namespace; it touches CUDA only if the kernel already did.
-RELEASE_TORCH_CACHE = (
-    "(lambda t: t is not None and t.cuda.is_initialized() and (t.cuda.synchronize(), t.cuda.empty_cache()))"
-    "(__import__('sys').modules.get('torch'))"
-)
 
 
 TRANSPLANT_MODULE = "jupyter_gpumigrate.kernel.transplant"
