@@ -36,7 +36,9 @@ import subprocess
 import threading
 import time
 import urllib.parse
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,6 +61,13 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
+#: Image files sent or fetched at once, each over a connection of its own: SHA-256 and TLS each run at about
+#: 1.4 GB/s on one core of the GPU machines (docs/performance.md), so one file at a time, hashed and encrypted
+#: in one thread, moved a third of what the link carries. Each stream takes a core or so on each side: one on
+#: a small machine (on 2 CPUs, four streams were slower than one).
+STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
+#: Files hashed at once for a listing (the way home).
+DIGESTS = 8
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
 TRANSPLANT_ORPHAN = 1800.0
@@ -134,6 +143,55 @@ def digest_file(path: Path) -> tuple[int, str]:
             h.update(block)
             size += len(block)
     return size, h.hexdigest()
+
+
+class FileSink:
+    """Writes and hashes a file's chunks, in order, in a thread of its own: the receiving server's event loop
+    only decrypts and hands them over (a loop that also hashed and wrote received a third of the link's
+    floor). At most :data:`AHEAD` bytes wait; the loop then waits, and TCP slows the sender."""
+
+    AHEAD = 16 * BLOCK
+
+    def __init__(self, fd: int) -> None:
+        self.file = os.fdopen(fd, "wb")
+        self.hash = hashlib.sha256()
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumigrate-sink")
+        self.pending: deque[Future] = deque()
+        self.batch: list[bytes] = []
+        self.batched = 0
+
+    def _write(self, block: bytes) -> None:
+        self.hash.update(block)
+        self.file.write(block)
+
+    async def put(self, chunk: bytes) -> None:
+        """Take ``chunk`` (raises what an earlier write raised: a full disk)."""
+        self.batch.append(chunk)
+        self.batched += len(chunk)
+        if self.batched >= BLOCK:  # one hand-over per MiB, not per 64 KiB read
+            self.pending.append(self.pool.submit(self._write, b"".join(self.batch)))
+            self.batch, self.batched = [], 0
+        while self.pending and (self.pending[0].done() or len(self.pending) * BLOCK > self.AHEAD):
+            await asyncio.wrap_future(self.pending.popleft())
+
+    async def close(self) -> str:
+        """Write what is left and close the file: its SHA-256."""
+        try:
+            if self.batch:
+                self.pending.append(self.pool.submit(self._write, b"".join(self.batch)))
+                self.batch = []
+            while self.pending:
+                await asyncio.wrap_future(self.pending.popleft())
+        finally:
+            self.abort()
+        return self.hash.hexdigest()
+
+    def abort(self) -> None:
+        """Stop: what is queued is dropped; the file is closed (its writer ends before)."""
+        for waiting in self.pending:
+            waiting.cancel()
+        self.pool.shutdown(wait=True)
+        self.file.close()
 
 
 class _Hashing:
@@ -289,12 +347,17 @@ class PeerLink(HostLink):
             raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
 
     def send_images(self, images: Path) -> int:
-        files = [(p, p.stat().st_size) for p in image_files(images)]
+        files = sorted(((p, p.stat().st_size) for p in image_files(images)), key=lambda f: -f[1])
         total = sum(size for _, size in files)
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
-        sent = [{"name": p.name, "size": size, "sha256": self.client.put_file(f"images/{self.kernel_id}/{p.name}", p,
-                                                                                size)}
-                for p, size in files]
+
+        def put(file: tuple[Path, int]) -> dict:
+            path, size = file
+            return {"name": path.name, "size": size,
+                    "sha256": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size)}
+
+        with ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send") as pool:
+            sent = list(pool.map(put, files))  # the largest first; a failure is raised once the others ended
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
 
@@ -407,15 +470,19 @@ class PeerLink(HostLink):
 
     def fetch_images(self, images: Path) -> int:
         listing = self.client.call("GET", f"images/{self.kernel_id}")
-        total = 0
         for entry in listing["files"]:
+            if not _IMAGE_NAME.match(str(entry["name"])):
+                raise PeerError(f"{self.host} listed an image file with an unsafe name: {entry['name']!r}.")
+
+        def get(entry: dict) -> int:
             name = str(entry["name"])
-            if not _IMAGE_NAME.match(name):
-                raise PeerError(f"{self.host} listed an image file with an unsafe name: {name!r}.")
             self.client.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
                                  str(entry["sha256"]))
-            total += int(entry["size"])
-        return total
+            return int(entry["size"])
+
+        entries = sorted(listing["files"], key=lambda e: -int(e["size"]))
+        with ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-fetch") as pool:
+            return sum(pool.map(get, entries))
 
     def signal(self, signum: int) -> None:
         self.client.call("POST", f"kernels/{self.kernel_id}/signal", {"signum": int(signum)})
@@ -817,7 +884,10 @@ class GuestHost:
         folder = self.store.path_for(kernel_id)
         if not (folder / MANIFEST).is_file():
             raise ImageError(f"Kernel {kernel_id} has no images here: dump it first.")
-        return [{"name": p.name, "size": s, "sha256": h} for p in image_files(folder) for s, h in [digest_file(p)]]
+        files = image_files(folder)
+        with ThreadPoolExecutor(max_workers=DIGESTS, thread_name_prefix="gpumigrate-digest") as pool:
+            digests = list(pool.map(digest_file, files))
+        return [{"name": p.name, "size": size, "sha256": h} for p, (size, h) in zip(files, digests)]
 
     # running them (blocking: call from a worker thread)
 

@@ -9,7 +9,7 @@ with their tokens, and a peer cannot call any other route with its token.
 from __future__ import annotations
 
 import asyncio
-import hashlib
+import errno
 import hmac
 import json
 import os
@@ -21,7 +21,7 @@ from tornado.websocket import WebSocketHandler
 
 from ..engine import hostfit
 from ..engine.errors import MigrateError
-from ..peers import SCHEME, GuestHost
+from ..peers import SCHEME, FileSink, GuestHost
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -134,7 +134,7 @@ class ImageFileHandler(PeerHandler):
     in its X-Content-SHA256 header, or, without one, against the sender's list when the images are complete
     (the sender hashes as it sends: one read of each file); GET it back, for the return trip."""
 
-    _file: Any = None
+    _file: FileSink | None = None
 
     async def prepare(self) -> None:  # type: ignore[override]
         await super().prepare()
@@ -146,22 +146,28 @@ class ImageFileHandler(PeerHandler):
         except MigrateError as exc:
             raise web.HTTPError(exc.http_status, str(exc)) from exc
         self.request.connection.set_max_body_size(MAX_IMAGE_FILE)  # type: ignore[union-attr]
-        self._hash = hashlib.sha256()
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        self._file = os.fdopen(fd, "wb")
+        self._file = FileSink(fd)
 
-    def data_received(self, chunk: bytes) -> None:
+    async def data_received(self, chunk: bytes) -> None:
         if self._file is not None:
-            self._file.write(chunk)
-            self._hash.update(chunk)
+            await self._file.put(chunk)
 
     async def put(self, kernel_id: str, name: str) -> None:
-        self._file.close()
-        self._file = None
+        assert self._file is not None
+        sink, self._file = self._file, None
+        try:
+            digest = await sink.close()
+        except OSError as exc:
+            self._path.unlink(missing_ok=True)
+            full = exc.errno == errno.ENOSPC
+            self.send_error_message(507 if full else 500, f"{name} could not be written here "
+                                    f"({exc.strerror or exc}){': free space here and send it again' if full else ''}.")
+            return
         said = self.request.headers.get("X-Content-SHA256")
         if said is None:  # the sender hashed as it sent: checked once all arrived (images/{id}/complete)
-            self.guests.received_file(unquote(kernel_id), unquote(name), self._hash.hexdigest())
-        elif not hmac.compare_digest(self._hash.hexdigest(), said):
+            self.guests.received_file(unquote(kernel_id), unquote(name), digest)
+        elif not hmac.compare_digest(digest, said):
             self._path.unlink(missing_ok=True)
             self.send_error_message(400, f"{name} arrived damaged (its SHA-256 differs); send it again.")
             return
@@ -170,8 +176,8 @@ class ImageFileHandler(PeerHandler):
     def on_connection_close(self) -> None:
         # The sender went away mid-file: drop the partial file, never restore from it.
         if self._file is not None:
-            self._file.close()
-            self._file = None
+            sink, self._file = self._file, None
+            sink.abort()
             self._path.unlink(missing_ok=True)
 
     async def get(self, kernel_id: str, name: str) -> None:
