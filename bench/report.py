@@ -299,6 +299,44 @@ def transplant_section(path: Path) -> str:
                                body), ""])
 
 
+HOST_INTRO = """## Moves to another host: the host stash, against CRIU and the driver alone, and the link
+
+Measured by `bench/host_bench.py --device cuda --ways stash,criu` (through `scripts/gpu-suite.sh run` with
+`GPU_SUITE_BENCH_SCRIPT=bench/host_bench.py`): two hosts on the GPU machine, network namespaces joined by a
+bridge (tests/hosts.py), each with its own HTTPS `jupyter server` and the extension; a real IPython kernel on
+host a holds *N* GB in a tensor on GPU 0, moves to GPU 1 of host b and back, through a's REST API; a digest of
+its bytes is checked after each trip. Ways, in one run, both servers started afresh for each: **stash**, an
+idle kernel writes its large buffers into its images itself (16 threads, pinned buffers) before the dump, and
+reads them back once restored (going away, inside b's **restore**; coming home, in **unstash**); **criu**, the
+stash off: the CUDA driver and CRIU carry every byte. The floors, measured just before each size with as many
+bytes: one TCP and one TLS stream between the namespaces. The goal is issue 18's: downtime <= bytes / the TLS
+floor x 1.3 + 2 s. `bench/results/2026-11-26-host-move.md` says what the runs found.
+"""
+
+
+def host_section(path: Path) -> str:
+    data = json.loads(path.read_text())
+    body = []
+    for r in data["rows"]:
+        tls = r["floors_gbps"]["tls"]
+        for trip in ("away", "home"):
+            t, total, sent = r[trip]["timings"], r[trip]["total"], r[trip]["bytes"] / 10**9
+            goal = sent / tls * 1.3 + 2
+            body.append([r["way"], f"{r['size_gb']:g}", trip, f"{sent:.2f}", f"{total:.2f}",
+                         ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k != "prepare"),
+                         f"{tls:.2f}", f"{t.get('transfer', 0) / (sent / tls):.2f}", f"{goal:.2f}",
+                         f"{total / goal:.2f}"])
+    return (f"### Run `{path.name}`\n\n{data.get('when', '?')}, images {data.get('images', '?')}.\n\n" +
+            md_table(["way", "GB", "trip", "sent GB", "total s", "phases (s)", "TLS floor GB/s", "transfer / floor",
+                      "goal s", "total / goal"], body) + "\n")
+
+
+def newest_host_runs() -> list[Path]:
+    """The newest run of bench/host_bench.py on a GPU (--device cuda)."""
+    found = [p for p in sorted(RESULTS.glob("*-host.json")) if json.loads(p.read_text()).get("device") == "cuda"]
+    return found[-1:]
+
+
 def newest_transplant_runs() -> list[Path]:
     """The newest GPU transplant run for each destination (another GPU, the CPU), oldest first."""
     runs: dict[str, tuple[str, Path]] = {}
@@ -347,12 +385,14 @@ def main(argv: list[str]) -> int:
     suspends = newest_suspend_runs()
     moves = newest_move_run()
     transplants = newest_transplant_runs()
-    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves + transplants)
+    hosts = newest_host_runs()
+    sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves + transplants + hosts)
     DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
                    ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends) +
                    ("\n" + MOVE_INTRO if moves else "") + "".join("\n" + move_section(p) for p in moves) +
                    ("\n" + TRANSPLANT_INTRO if transplants else "") +
-                   "".join("\n" + transplant_section(p) for p in transplants))
+                   "".join("\n" + transplant_section(p) for p in transplants) +
+                   ("\n" + HOST_INTRO if hosts else "") + "".join("\n" + host_section(p) for p in hosts))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 

@@ -61,11 +61,15 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
-#: Image files sent or fetched at once, each over a connection of its own: SHA-256 and TLS each run at about
-#: 1.4 GB/s on one core of the GPU machines (docs/performance.md), so one file at a time, hashed and encrypted
-#: in one thread, moved a third of what the link carries. Each stream takes a core or so on each side: one on
-#: a small machine (on 2 CPUs, four streams were slower than one).
+#: Image files fetched at once (the way home), each over a connection of its own and written and hashed by a
+#: thread of its own here: SHA-256 and TLS each run at about 1.4 GB/s on one core of the GPU machines
+#: (bench/results/2026-11-26-h200x2-host-move.md), and one file at a time moved a third of the link's floor.
+#: Each stream takes a core or so here: one on a small machine (on 2 CPUs, four were slower than one).
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
+#: Files sent at once (going away): one. The receiving server decrypts every stream in its one event-loop
+#: thread, and there four streams of 0.5 GB files moved less (0.50 GB/s) than one of a 9 GB file (0.65 GB/s),
+#: in one run, on 2 x H200.
+SEND_STREAMS = 1
 #: Files hashed at once for a listing (the way home).
 DIGESTS = 8
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
@@ -356,7 +360,7 @@ class PeerLink(HostLink):
             return {"name": path.name, "size": size,
                     "sha256": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size)}
 
-        with ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send") as pool:
+        with ThreadPoolExecutor(max_workers=SEND_STREAMS, thread_name_prefix="gpumigrate-send") as pool:
             sent = list(pool.map(put, files))  # the largest first; a failure is raised once the others ended
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
