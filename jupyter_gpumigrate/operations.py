@@ -490,10 +490,11 @@ class OperationManager:
                     result["way"] = "transplant"
                     child, target = await self._drain_transplant(op, kernel_id, exc)
             except Exception as exc:  # noqa: BLE001  one kernel's failure (a MigrateError, or its dry run's) is its own
+                done = "transplanted" if result["way"] == "transplant" else "moved"
                 if not isinstance(exc, MigrateError):
-                    log.exception("gpumigrate: drain of GPU %s: kernel %s could not be transplanted", op.gpu, kernel_id)
+                    log.exception("gpumigrate: drain of GPU %s: kernel %s could not be %s", op.gpu, kernel_id, done)
                 result.update(status=FAILED, error=str(exc) if isinstance(exc, MigrateError) else
-                              f"It could not be transplanted ({type(exc).__name__}: {exc}); it runs on, on GPU {op.gpu}.")
+                              f"It could not be {done} ({type(exc).__name__}: {exc}); it runs on, on GPU {op.gpu}.")
                 self._emit(op)
                 continue
             op.children.append(child.id)

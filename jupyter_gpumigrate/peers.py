@@ -945,7 +945,9 @@ class GuestHost:
             proctree.kill_tree(guest.pid)
             proctree.wait_gone(guest.pid, timeout=10)
         self.store.remove(kernel_id)
-        self.locks.pop(kernel_id, None)
+        lock = self.locks.get(kernel_id)
+        if lock is not None and not lock.locked():  # one held (by the caller's handler) stays: a request that
+            self.locks.pop(kernel_id, None)          # comes meanwhile must wait on it, not on a new one
 
     def signal(self, kernel_id: str, signum: int) -> None:
         guest = self.guest(kernel_id)

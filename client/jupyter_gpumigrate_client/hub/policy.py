@@ -123,9 +123,11 @@ class IdlePolicy:
         acted = [d for d in decisions if d["suspend"] and "operation" in d]
         carried = sum(1 for d in acted if d.get("action") == "transplant")
         failed = sum(1 for d in decisions if d["suspend"] and "error" in d)
+        waiting = sum(1 for d in decisions if d.get("action") == "wait")
         log.info("idle policy: %d kernel(s) on %d server(s): %d suspended, %d transplanted to the CPU, %d kept, %d "
-                 "could not be suspended; %d server(s) could not be read", len(decisions), len(listed) - unread,
-                 len(acted) - carried, carried, len(decisions) - len(acted) - failed, failed, unread)
+                 "waiting for another transplant of their node, %d could not be suspended; %d server(s) could not "
+                 "be read", len(decisions), len(listed) - unread, len(acted) - carried, carried,
+                 len(decisions) - len(acted) - failed - waiting, waiting, failed, unread)
         return decisions
 
     async def _server(self, servers: Servers, server: UserServer, view: dict, now: datetime) -> list[dict]:
@@ -160,7 +162,7 @@ class IdlePolicy:
                     if self.to_cpu and kernel["gpus"]:
                         action, reason = await self._cpu_or_suspend(servers, server, kernel, why, node)
                     if action == "wait":
-                        decision.update(suspend=False, reason=reason)
+                        decision.update(suspend=False, reason=reason, action="wait")
                         decisions.append(decision)
                         continue
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
