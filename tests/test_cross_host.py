@@ -197,6 +197,50 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     b.start({"a": a.peer_entry()})
 
 
+async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing(hosts):
+    """a's server SIGKILLed while a kernel that stashed its buffers is being sent to b: the kernel is dumped,
+    its images (the stash among them) complete on a; the next server on a finds it suspended, and its resume
+    has it read its buffers back, every byte. b's half-received copy goes at a peer's DELETE."""
+    a, b = hosts
+    peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("import hashlib\nblob = bytearray(b'y') * (1050 << 20); blob[777] = 3\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        seen: list[str] = []
+
+        def kill_a_during_the_transfer() -> None:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            while op["phase"] != "transfer":
+                assert op["status"] in ("pending", "running"), op
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            seen.append(op["phase"])
+            a.stop(signal.SIGKILL)
+
+        await call(kill_a_during_the_transfer)
+        assert seen == ["transfer"] and a.proc.poll() is not None
+        tab.ws.close()
+        await call(a.start, peers)
+        deadline = time.monotonic() + 60  # the next server takes its kernels back as it starts
+        while kernel_id not in [k["id"] for k in await call(a.api, "GET", "api/gpumigrate/kernels")]:
+            assert time.monotonic() < deadline, a.server_log()
+            await asyncio.sleep(0.2)
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "suspended" and not view["remote"], view
+        op = await call(a.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded" and "unstash" in op["timings"], op
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, blob[777], len(blob) >> 20)")
+                ).strip() == "True 3 1050"
+        await call(b.api, "DELETE", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=204,
+                   headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert not guest_images_in_memory(kernel_id) and not (b.root / "state" / "guests" / kernel_id).exists()
+    finally:
+        if a.proc is None or a.proc.poll() is not None:
+            await call(a.start, peers)
+        await end_kernel(a, kernel_id, tab)
+
+
 async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
