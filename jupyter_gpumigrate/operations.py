@@ -309,7 +309,7 @@ class OperationManager:
         if to_host is not None:  # the new process starts there; this host relays the kernel to it
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities)
+                            clients=provisioner.client_identities, idle=provisioner.can_stash_now)
         op = Operation(kernel_id=kernel_id, action="transplant", to_gpu=to_gpu,
                        from_gpu=int(held[0]["index"]) if held else None, to_host=to_host,
                        from_host=self.host_name if to_host is not None else None,
@@ -394,7 +394,7 @@ class OperationManager:
         else:
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities, idle=provisioner.is_idle)
+                            clients=provisioner.client_identities, idle=provisioner.can_stash_now)
         plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=runs_on,
                        phases=list(PHASES[plan]))

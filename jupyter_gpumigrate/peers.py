@@ -332,8 +332,12 @@ class PeerLink(HostLink):
         self.home = home
         self.client = PeerClient(peer)
         self.clients = clients
-        #: whether the kernel is idle (between cells) now: only then may that host ask it for the stash
+        #: whether the kernel can serve the host stash now (idle, and able to run this package's code there)
         self.idle = idle
+        #: that host said it can have the kernel write and read its stash with its key (check, requirements)
+        self.peer_stash = False
+        #: the last dump there was asked with the stash: its undo (resume) needs the key too
+        self._dump_key = False
         self.relay: RelayClient | None = None
         #: a transplant's object files, as sent (name, size, sha256)
         self._sent: list[dict] = []
@@ -349,6 +353,10 @@ class PeerLink(HostLink):
         problems = answer.get("problems") or []
         if problems:
             raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
+        self.peer_stash = bool(answer.get("stash"))
+
+    def takes_stash(self) -> bool:
+        return self.peer_stash
 
     def send_images(self, images: Path) -> int:
         files = sorted(((p, p.stat().st_size) for p in image_files(images)), key=lambda f: -f[1])
@@ -366,12 +374,14 @@ class PeerLink(HostLink):
         return total
 
     def _key(self) -> dict:
-        key = self.info.get("key")
-        return {"key": key.decode() if isinstance(key, bytes) else str(key)} if key else {}
+        """The kernel's connection key for that host, sent only with a call that has the kernel write or read
+        its stash (an empty key: the kernel's messages are not signed)."""
+        key = self.info.get("key") or b""
+        return {"key": key.decode() if isinstance(key, bytes) else str(key)}
 
-    def restore(self, to_gpu: int | None) -> dict:
-        return self.client.call("POST", f"kernels/{self.kernel_id}/restore", {"to_gpu": to_gpu, **self._key()},
-                                timeout=600)
+    def restore(self, to_gpu: int | None, stashed: bool = False) -> dict:
+        return self.client.call("POST", f"kernels/{self.kernel_id}/restore",
+                                {"to_gpu": to_gpu, **(self._key() if stashed else {})}, timeout=600)
 
     def discard(self) -> None:
         self.client.call("DELETE", f"kernels/{self.kernel_id}")
@@ -461,16 +471,21 @@ class PeerLink(HostLink):
     # -- living there, and coming back ---------------------------------------------------------------
 
     def requirements(self) -> hostfit.Requirements:
-        return hostfit.Requirements.from_dict(self.client.call("GET", f"kernels/{self.kernel_id}")["requirements"])
+        info = self.client.call("GET", f"kernels/{self.kernel_id}")
+        self.peer_stash = bool(info.get("stash"))
+        return hostfit.Requirements.from_dict(info["requirements"])
 
     def dump(self, stash_min: int | None = None) -> None:
-        # The stash is asked of an idle kernel only: a busy one would answer only once its cell ends.
-        ask = self._key() if stash_min is not None and self.idle() else {}
-        self.client.call("POST", f"kernels/{self.kernel_id}/dump",
-                         {**ask, "stash_min": int(stash_min)} if ask and stash_min is not None else {}, timeout=600)
+        # The stash is asked of a kernel that can serve it only: a busy one would answer only once its cell
+        # ends; one that cannot run this package's code would fail it. That host bounds its wait for the stash
+        # (and for the stash's undo) by what the kernel holds: a large kernel's may outlast 600 s.
+        self._dump_key = stash_min is not None and self.peer_stash and self.idle()
+        body = {**self._key(), "stash_min": int(stash_min or 0)} if self._dump_key else {}
+        self.client.call("POST", f"kernels/{self.kernel_id}/dump", body, timeout=3600 if self._dump_key else 600)
 
     def resume(self) -> None:
-        self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key(), timeout=600)
+        self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key() if self._dump_key else {},
+                         timeout=3600 if self._dump_key else 600)
 
     def fetch_images(self, images: Path) -> int:
         listing = self.client.call("GET", f"images/{self.kernel_id}")
@@ -549,7 +564,7 @@ class Guest:
 
     def release_gpu_cache(self) -> None:
         # Only with the key, which its owner sends for an idle kernel (and the stash, which releases it too).
-        if self.key:
+        if self.key is not None:
             run_silently(self._keyed(), RELEASE_TORCH_CACHE, timeout=5.0)
 
     def invite_stager(self, path: str, token: str) -> str | None:
@@ -567,17 +582,17 @@ class Guest:
                    idle_only: bool = False) -> dict:
         """Have the kernel write its large buffers into ``folder``, as its owner asked (with the key, only when
         the kernel is idle there: plans/host_move.py); else step aside."""
-        if not self.key:
-            return {"aside": "its owner did not ask for the stash (the kernel is busy, or the owner's "
-                             "c.MigratableProvisioner.host_stash_min is None)"}
+        if self.key is None:
+            return {"aside": "its owner did not ask for the stash (the kernel is busy or cannot run it, or the "
+                             "owner's c.MigratableProvisioner.host_stash_min is None)"}
         return json.loads(evaluate_silently(self._keyed(), HOST_STASH_CALL.format(
             folder=folder, min_total=int(min_total), more=", gpu_only=True" if gpu_only else ""), timeout,
             alive=self._alive()))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
-        if not self.key:
+        if self.key is None:
             raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
-                               "it read them back: update jupyter-gpumigrate on the owner's host.")
+                               "it read them back.")
         # During a resume, ``pid`` is the restored tree's root, not adopted yet.
         return json.loads(evaluate_silently(self._keyed(), HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
                                             alive=self._alive(pid)))
@@ -959,7 +974,7 @@ class GuestHost:
         guest = self.guest(kernel_id)
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
-                                "pid": guest.pid, "peer": guest.peer, "requirements": None}
+                                "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True}
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

@@ -482,9 +482,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def _busy(self) -> bool:
         return getattr(self.parent, "execution_state", None) == "busy"
 
-    def is_idle(self) -> bool:
-        """Between cells, as the server last heard (also while the kernel runs on another host)."""
-        return getattr(self.parent, "execution_state", None) == "idle"
+    def can_stash_now(self) -> bool:
+        """Whether the kernel could serve the host stash between cells now: idle, as the server last heard (also
+        while it runs on another host), and able to run this package's code."""
+        return getattr(self.parent, "execution_state", None) == "idle" and self._cannot_serve("the host stash") is None
 
     def _safe_point(self, name: str, args: dict) -> Claim | None:
         """Ask the busy kernel to run ``name`` at its next safe point: the claim, or None

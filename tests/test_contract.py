@@ -324,6 +324,7 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
              "from": "a"}
     answer = await walk.call("POST", "/peer/check", body=asked, expect=200)
     assert answer["problems"], "the kernel's own PIDs are taken here: the check must say so"
+    assert answer["stash"] is True, "this version has a kernel write and read its stash when sent the key"
     error = await walk.call("POST", "/peer/check", raw=json.dumps({**asked, "extra": 1}), expect=400)
     assert "Unknown field(s) extra" in error["message"]
     error = await walk.call("POST", "/peer/check", raw="[" * 100_000 + "]" * 100_000, expect=400)
@@ -368,7 +369,7 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
                                expect=200)
     assert restored["pid"] and restored["gpus"] == []
     guest = await walk.call("GET", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=200)
-    assert guest["state"] == "running" and guest["requirements"]["ids"]
+    assert guest["state"] == "running" and guest["requirements"]["ids"] and guest["stash"] is True
     error = await walk.call("POST", "/peer/kernels/{kernel_id}/signal", kernel_id=kid, raw='{"signum": 0}',
                             expect=400)
     assert error["message"].startswith("'signum' must be a whole number from 1 to 64"), error

@@ -73,8 +73,7 @@ class KernelProcess(Protocol):
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
         """Have the kernel (its process ``pid``, by default the one adopted; the one on the other host where it
         runs there) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
-        RuntimeError naming ``StashDamaged`` if a file does not hold what was written. ``{"deferred": folder}``
-        where this side cannot ask the kernel (a guest: its owner asks it, through the relay)."""
+        RuntimeError naming ``StashDamaged`` if a file does not hold what was written."""
 
     def transplant_survey(self, timeout: float) -> dict:
         """The dry run of a transplant (kernel/transplant.py's survey): what carries, what not and why.

@@ -79,7 +79,8 @@ class CheckHandler(PeerHandler):
         problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"))
         self.log.info("gpumigrate: peer %s asks to move kernel %s here: %s", self.request.remote_ip,
                       body.get("kernel_id"), "; ".join(problems) or "fine")
-        self.send_json({"problems": problems})
+        # "stash": this host has a kernel write and read back its large buffers when its owner sends the key
+        self.send_json({"problems": problems, "stash": True})
 
 
 class TransplantCheckHandler(PeerHandler):
@@ -135,6 +136,8 @@ class ImageFileHandler(PeerHandler):
     (the sender hashes as it sends: one read of each file); GET it back, for the return trip."""
 
     _file: FileSink | None = None
+    #: the error of a write that failed mid-file (a full disk)
+    _failed: OSError | None = None
 
     async def prepare(self) -> None:  # type: ignore[override]
         await super().prepare()
@@ -150,19 +153,30 @@ class ImageFileHandler(PeerHandler):
         self._file = FileSink(fd)
 
     async def data_received(self, chunk: bytes) -> None:
-        if self._file is not None:
+        if self._file is None:
+            return  # a write failed: the rest of the body is read and dropped, and put() says why
+        try:
             await self._file.put(chunk)
+        except OSError as exc:
+            self._failed = exc
+            sink, self._file = self._file, None
+            sink.abort()
+            self._path.unlink(missing_ok=True)
 
     async def put(self, kernel_id: str, name: str) -> None:
-        assert self._file is not None
-        sink, self._file = self._file, None
-        try:
-            digest = await sink.close()
-        except OSError as exc:
+        failed, digest = self._failed, ""
+        if failed is None and self._file is not None:
+            sink, self._file = self._file, None
+            try:
+                digest = await sink.close()
+            except OSError as exc:
+                failed = exc
+        if failed is not None:
             self._path.unlink(missing_ok=True)
-            full = exc.errno == errno.ENOSPC
-            self.send_error_message(507 if full else 500, f"{name} could not be written here "
-                                    f"({exc.strerror or exc}){': free space here and send it again' if full else ''}.")
+            full = failed.errno == errno.ENOSPC
+            why = failed.strerror or str(failed)
+            then = ": free space here and send the images again" if full else ""
+            self.send_error_message(507 if full else 500, f"{name} could not be written here ({why}){then}.")
             return
         said = self.request.headers.get("X-Content-SHA256")
         if said is None:  # the sender hashed as it sent: checked once all arrived (images/{id}/complete)

@@ -715,6 +715,10 @@ export interface PeerCheckRequest {
  */
 export interface PeerCheckResponse {
   problems: string[];
+  /**
+   * This host has a kernel write its large buffers into its images and read them back (its host stash) when its owner sends the key; absent from older versions, whose owners then do not ask.
+   */
+  stash?: boolean;
 }
 /**
  * POST /peer/images/{id}: images are about to be sent.
@@ -772,6 +776,10 @@ export interface PeerGuest {
    */
   peer: string;
   requirements: Requirements | null;
+  /**
+   * As in PeerCheckResponse: its dump may be asked with the key and stash_min.
+   */
+  stash?: boolean;
 }
 /**
  * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?
@@ -858,7 +866,7 @@ export interface PeerRestoreRequest {
    */
   to_gpu?: number | null;
   /**
-   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   * The kernel's connection key (empty: its messages are not signed), so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
    */
   key?: string;
 }
@@ -867,7 +875,7 @@ export interface PeerRestoreRequest {
  */
 export interface PeerResumeRequest {
   /**
-   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   * The kernel's connection key (empty: its messages are not signed), so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
    */
   key?: string;
 }
@@ -876,7 +884,7 @@ export interface PeerResumeRequest {
  */
 export interface PeerDumpRequest {
   /**
-   * The kernel's connection key, so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
+   * The kernel's connection key (empty: its messages are not signed), so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
    */
   key?: string;
   /**

@@ -65,7 +65,7 @@ def away() -> Saga[HostContext]:
         "move_to_host",
         [
             Step("prepare", prepare_away),
-            Step("stash", stash_between_cells, when=suspend.worth_asking),
+            Step("stash", stash_between_cells, when=lambda ctx: suspend.worth_asking(ctx) and ctx.link.takes_stash()),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
@@ -115,9 +115,13 @@ class HostLink(Protocol):
     def send_images(self, images: Path) -> int:
         """Copy the image folder there; the bytes sent."""
 
-    def restore(self, to_gpu: int | None) -> dict:
-        """Restore the kernel there from the images sent (and onto its GPU; the kernel reads back the buffers
-        it stashed, if it did); what it says of it (pid, gpu, gpus, timings, stash)."""
+    def takes_stash(self) -> bool:
+        """Whether that host can have the kernel write and read back its large buffers (it said so in
+        :meth:`check` or :meth:`requirements`; an older one cannot)."""
+
+    def restore(self, to_gpu: int | None, stashed: bool = False) -> dict:
+        """Restore the kernel there from the images sent (and onto its GPU; ``stashed``: the kernel then reads
+        back the buffers it wrote into them); what it says of it (pid, gpu, gpus, timings, stash)."""
 
     def discard(self) -> None:
         """Kill the kernel there if it runs, and delete its images there."""
@@ -133,8 +137,9 @@ class HostLink(Protocol):
         """What the tree running there needs of a host."""
 
     def dump(self, stash_min: int | None = None) -> None:
-        """Suspend the kernel there; its images stay there. With ``stash_min``, an idle kernel holding that many
-        bytes of large buffers or more writes them into the images first (the suspend's stash)."""
+        """Suspend the kernel there; its images stay there. With ``stash_min``, a kernel that can (idle, and that
+        host able to ask it) holding that many bytes of large buffers or more writes them into the images first
+        (the suspend's stash)."""
 
     def resume(self) -> None:
         """Undo of :meth:`dump`: bring the kernel back to life there."""
@@ -192,7 +197,11 @@ def send_images(ctx: HostContext) -> None:
 
 
 def restore_there(ctx: HostContext) -> None:
-    ctx.there = ctx.link.restore(ctx.to_gpu)
+    try:
+        ctx.there = ctx.link.restore(ctx.to_gpu, stashed="stashed" in ctx.stash)
+    except MigrateError as exc:  # that host's own words (its resume's) end with what it did there: say ours
+        raise MigrateError(f"{exc} The move is undone: the kernel is brought back here, from its images here.") \
+            from exc
     if "stashed" in ctx.stash:
         ctx.stash["unstashed"] = int((ctx.there.get("stash") or {}).get("unstashed") or 0)
     # A kernel runs there now: if it cannot be discarded, two copies may run, which is no litter.
