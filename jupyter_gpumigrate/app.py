@@ -138,7 +138,8 @@ class GPUMigrateApp(ExtensionApp):
         guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not helper_socket else None
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
-                                gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec)
+                                gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
+                                received_expire=self.guest_images_expire)
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -159,6 +160,13 @@ class GPUMigrateApp(ExtensionApp):
         "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
         "says so. Kernels that are already suspended always stay suspended, whatever the policy "
         "(README, 'Kernels outlive their server').",
+    ).tag(config=True)
+
+    guest_images_expire = Float(
+        1800.0, help="How long images a peer sent for a move may wait here, never restored, before they are "
+        "deleted, in seconds: the peer keeps its own copy until the kernel answers from here, so once it died or "
+        "gave up they are litter (memory, in /dev/shm). Images of a kernel dumped here for its way home are never "
+        "deleted so: they may be its only copy.",
     ).tag(config=True)
 
     stop_timeout = Float(

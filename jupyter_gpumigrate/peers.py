@@ -78,6 +78,9 @@ TRANSPLANT_ORPHAN = 1800.0
 #: How long a transplant's new process, once told to go, may run here before its peer relays its channels:
 #: a peer that died as it said go (or whose answer was lost) never will, and its source is the kernel.
 ATTACH_WAIT = 60.0
+#: How long images received for a move may wait here, never restored, before they go (c.GPUMigrateApp.
+#: guest_images_expire): their peer keeps its own copy until the kernel answers from here.
+RECEIVED_EXPIRE = 1800.0
 #: What a transplant's new process was given here, removed once it runs: the key, the source's environment.
 _TRANSPLANT_FILES = ("connection.json", "prelude.json", "ready.json", "started.json", "failed.json",
                      "new-process.log")
@@ -537,6 +540,8 @@ class Guest:
         self.api_listen: tuple[str, int] | None = None
         #: the kernel's connection key, while a call of its owner that needs it runs (never written here)
         self.key: str | None = None
+        #: it ran here once: its images (a dump for its way home) may be its only copy
+        self.ran = False
 
     @property
     def kernel_name(self) -> str:
@@ -609,7 +614,8 @@ class GuestHost:
 
     def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None,
                  memory_root: Path | None = None, images: str = AUTO,
-                 kernelspec: Callable[[str], tuple[list[str], dict]] | None = None) -> None:
+                 kernelspec: Callable[[str], tuple[list[str], dict]] | None = None,
+                 received_expire: float = RECEIVED_EXPIRE) -> None:
         #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
         #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
         self.store = ImageStore(root, memory_root)
@@ -626,8 +632,12 @@ class GuestHost:
         #: transplants' new processes started here, not yet switched to, by kernel id
         self._transplants: dict[str, subprocess.Popen] = {}
         self._transplant_lock = threading.Lock()
-        #: the one pending check of each kernel's new process (its expiry, or its relay's start)
+        #: the one pending check of each kernel's new process (its expiry, or its relay's start), or of images
+        #: being received (their expiry)
         self._timers: dict[str, threading.Timer] = {}
+        self.received_expire = received_expire
+        #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
+        self._receiving: dict[str, object] = {}
 
     def stop_relay(self, kernel_id: str) -> None:
         relay = self.relays.pop(kernel_id, None)
@@ -669,7 +679,25 @@ class GuestHost:
         if size > free:
             self.store.remove(kernel_id)
             raise ImageError(f"The kernel's images need {size} bytes and {path.parent} has {free} free.")
+        receipt = object()
+        with self._transplant_lock:
+            self._receiving[kernel_id] = receipt
+        self._later(kernel_id, self.received_expire, self._expire_received, receipt)
         return path
+
+    def _expire_received(self, kernel_id: str, receipt: object) -> None:
+        """Images received for a move and never restored: their peer died or gave up, and kept its own copy."""
+        with self._transplant_lock:
+            if self._receiving.get(kernel_id) is not receipt:
+                return  # restored, discarded, or received again since
+            guest = self.guests.get(kernel_id)
+            if guest is not None and (guest.ran or guest.state != SUSPENDED):
+                return
+            self._receiving.pop(kernel_id, None)
+        log.warning("gpumigrate: kernel %s: the images its peer sent %.0f s ago were never restored here; deleted "
+                    "(the peer keeps its own copy until the kernel answers from here)", kernel_id,
+                    self.received_expire)
+        self.discard(kernel_id)
 
     def image_path(self, kernel_id: str, name: str) -> Path:
         if not _IMAGE_NAME.match(name) or name in _NOT_SENT:
@@ -920,10 +948,13 @@ class GuestHost:
         """Restore the kernel from the images received (``key``: to have it read back its stash, if it wrote one)."""
         guest = self.guest(kernel_id)
         guest.key = key
+        with self._transplant_lock:
+            self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
         try:
             outcome = self._migration(guest).resume(to_gpu)
         finally:
             guest.key = None
+        guest.ran = True
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
@@ -946,6 +977,7 @@ class GuestHost:
         with self._transplant_lock:
             waiting = self._transplants.pop(kernel_id, None)
             timer = self._timers.pop(kernel_id, None)
+            self._receiving.pop(kernel_id, None)
             proc = proc or waiting
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
