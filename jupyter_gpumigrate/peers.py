@@ -682,7 +682,10 @@ class GuestHost:
         receipt = object()
         with self._transplant_lock:
             self._receiving[kernel_id] = receipt
-        self._later(kernel_id, self.received_expire, self._expire_received, receipt)
+        loop = _running_loop()  # the server's (begin is called by its handler): a timer, not a thread per receipt
+        if loop is not None:
+            loop.call_later(self.received_expire, lambda: loop.run_in_executor(
+                None, self._expire_received, kernel_id, receipt))
         return path
 
     def _expire_received(self, kernel_id: str, receipt: object) -> None:

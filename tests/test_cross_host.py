@@ -220,6 +220,10 @@ async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing
                 assert op["status"] in ("pending", "running"), op
                 op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
             seen.append(op["phase"])
+            deadline = time.monotonic() + 30  # once b has begun to receive
+            while not guest_images_in_memory(kernel_id) and not (b.root / "state" / "guests" / kernel_id).exists():
+                assert time.monotonic() < deadline, "b never began to receive the images"
+                time.sleep(0.01)
             a.stop(signal.SIGKILL)
 
         await call(kill_a_during_the_transfer)
