@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import shutil
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -231,7 +232,8 @@ def disk_full_said(folder: Path, then: str) -> Iterator[None]:
 
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why."""
-    if _disk_full(f"{exc}\n{exc.log_tail}"):
+    # CRIU's own log may be cut short by the full disk it writes to ("page-xfer: Una"): the disk's room says it.
+    if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images.parent):
         raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images") + " The kernel "
                          f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
     raise CriuFailed(
@@ -241,6 +243,14 @@ def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
 
 def _disk_full(text: str) -> bool:
     return "No space left on device" in text or "ENOSPC" in text
+
+
+def _no_room(folder: Path) -> bool:
+    """Whether the disk of ``folder`` is (all but) full: under 1 MiB free."""
+    try:
+        return shutil.disk_usage(folder).free < (1 << 20)
+    except OSError:
+        return False
 
 
 def full_disk(folder: Path, what: str) -> str:
