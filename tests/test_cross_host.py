@@ -61,6 +61,16 @@ async def call(fn, *args, **kwargs):
     return await asyncio.to_thread(fn, *args, **kwargs)
 
 
+async def restart_and_find(host: Host, peers: dict, kernel_id: str) -> dict:
+    """Start ``host``'s server again and wait until it has taken the kernel back (it does as it starts): its view."""
+    await call(host.start, peers)
+    deadline = time.monotonic() + 60
+    while kernel_id not in [k["id"] for k in await call(host.api, "GET", "api/gpumigrate/kernels")]:
+        assert time.monotonic() < deadline, host.server_log()
+        await asyncio.sleep(0.2)
+    return await call(host.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+
+
 async def new_kernel(host: Host) -> tuple[str, WebSocketTab]:
     kernel = await call(host.api, "POST", "api/kernels", {"name": "python3"})
     tab = await open_tab(host, kernel["id"])
@@ -229,12 +239,7 @@ async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing
         await call(kill_a_during_the_transfer)
         assert seen == ["transfer"] and a.proc.poll() is not None
         tab.ws.close()
-        await call(a.start, peers)
-        deadline = time.monotonic() + 60  # the next server takes its kernels back as it starts
-        while kernel_id not in [k["id"] for k in await call(a.api, "GET", "api/gpumigrate/kernels")]:
-            assert time.monotonic() < deadline, a.server_log()
-            await asyncio.sleep(0.2)
-        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        view = await restart_and_find(a, peers, kernel_id)
         assert view["state"] == "suspended" and not view["remote"], view
         op = await call(a.operate, kernel_id, "resume")
         assert op["status"] == "succeeded" and "unstash" in op["timings"], op
@@ -530,12 +535,7 @@ async def test_this_server_killed_while_the_peer_loads_a_transplant_loses_nothin
         assert seen == ["load"] and a.proc.poll() is not None
         tab.ws.close()
         assert os.path.exists(f"/proc/{pid}"), "the source ended with its server"
-        await call(a.start, peers)
-        deadline = time.monotonic() + 60  # the next server takes its kernels back as it starts
-        while kernel_id not in [k["id"] for k in await call(a.api, "GET", "api/gpumigrate/kernels")]:
-            assert time.monotonic() < deadline, a.server_log()
-            await asyncio.sleep(0.2)
-        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        view = await restart_and_find(a, peers, kernel_id)
         assert view["state"] == "running" and view["pid"] == pid and not view["remote"], view
         tab = await open_tab(a, kernel_id)
         assert (await tab.run("print(box.v, next(gen), int(big.sum()))")).strip() == "41 1 100000000"
