@@ -63,7 +63,7 @@ PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
 #: Image files fetched at once (the way home), each over a connection of its own and written and hashed by a
 #: thread of its own here: SHA-256 and TLS each run at about 1.4 GB/s on one core of the GPU machines
-#: (bench/results/2026-11-26-h200x2-host-move.md), and one file at a time moved a third of the link's floor.
+#: (bench/results/2026-11-26-host-move.md), and one file at a time moved a third of the link's floor.
 #: Each stream takes a core or so here: one on a small machine (on 2 CPUs, four were slower than one).
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
 #: Files sent at once (going away): one. The receiving server decrypts every stream in its one event-loop
