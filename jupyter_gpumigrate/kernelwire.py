@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import ast
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 
 import zmq
 from jupyter_client.session import Session
@@ -34,53 +35,81 @@ def _session(info: dict) -> Session:
     return Session(key=_bytes(info.get("key", b"")), signature_scheme=info.get("signature_scheme", "hmac-sha256"))
 
 
-def _socket(info: dict, kind: int, channel: str) -> zmq.Socket:
-    sock = zmq.Context.instance().socket(kind)
-    sock.linger = 0
-    if kind == zmq.SUB:
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-    sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[channel + '_port']}")
-    return sock
+@contextmanager
+def _sockets(info: dict, *wanted: tuple[int, str], linger: float = 0.0) -> Iterator[list[zmq.Socket]]:
+    """Sockets of a ZMQ context of their own on the kernel's channels (``(kind, channel)`` each), closed with
+    that context on the way out, which returns once their messages are delivered (up to ``linger``
+    seconds) and their connections closed.
+
+    Why not the shared context: a socket closed there lets go of its connection a moment later, in ZMQ's
+    I/O thread, and a dump that counts the kernel's clients in that moment (netstate.py) counts it too;
+    the kernel's resume would then wait for a client that never comes back.
+    """
+    context = zmq.Context()
+    sockets = []
+    try:
+        for kind, channel in wanted:
+            sock = context.socket(kind)
+            sock.linger = int(linger * 1000)
+            if kind == zmq.SUB:
+                sock.setsockopt(zmq.SUBSCRIBE, b"")
+            sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[channel + '_port']}")
+            sockets.append(sock)
+        yield sockets
+    finally:
+        for sock in sockets:
+            sock.close()
+        context.term()
+
+
+#: The first wait for a kernel's answer before :func:`kernel_answers` asks again.
+ANSWER_RESEND = 0.05
 
 
 def kernel_answers(connection_info: dict, timeout: float) -> bool:
     """True once the kernel answers kernel_info and its IOPub status reaches a new subscriber.
 
-    The request goes on the control channel, which a kernel busy with a cell still serves.
+    The request goes on the control channel, which a kernel busy with a cell still serves. It is sent
+    again, soon at first (every :data:`ANSWER_RESEND` seconds, doubling up to half a second): the status
+    that answers one goes to the subscribers the kernel has at that moment, and a new subscription takes a
+    moment to reach it (longer through a relay to another host).
     """
-    info = connection_info
-    session = _session(info)
-    control = _socket(info, zmq.DEALER, "control")
-    iopub = _socket(info, zmq.SUB, "iopub")
+    session = _session(connection_info)
+    with _sockets(connection_info, (zmq.DEALER, "control"), (zmq.SUB, "iopub")) as (control, iopub):
+        return _answers(session, control, iopub, timeout)
+
+
+def _answers(session: Session, control: zmq.Socket, iopub: zmq.Socket, timeout: float) -> bool:
     poller = zmq.Poller()
     poller.register(iopub, zmq.POLLIN)
     deadline = time.monotonic() + timeout
-    try:
-        while time.monotonic() < deadline:
-            msg_id = session.send(control, "kernel_info_request", {})["header"]["msg_id"]
-            resend = min(deadline, time.monotonic() + 0.5)
-            while (left := resend - time.monotonic()) > 0:
-                if not poller.poll(int(left * 1000) + 1):
-                    break
-                _, frames = session.feed_identities(iopub.recv_multipart())
-                msg = session.deserialize(frames, content=False)
-                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] == "status":
-                    return True
-        return False
-    finally:
-        control.close()
-        iopub.close()
+    wait, asked = ANSWER_RESEND, set()
+    while time.monotonic() < deadline:
+        asked.add(session.send(control, "kernel_info_request", {})["header"]["msg_id"])
+        resend = min(deadline, time.monotonic() + wait)
+        wait = min(2 * wait, 0.5)
+        while (left := resend - time.monotonic()) > 0:
+            if not poller.poll(int(left * 1000) + 1):
+                break
+            _, frames = session.feed_identities(iopub.recv_multipart())
+            msg = session.deserialize(frames, content=False)
+            if msg["parent_header"].get("msg_id") in asked and msg["msg_type"] == "status":
+                return True
+    return False
+
+
+def _silent(code: str, expressions: dict | None = None) -> dict:
+    """An execute request's content that leaves no trace: no output, no history, no execution count."""
+    return {"code": code, "silent": True, "store_history": False, "user_expressions": expressions or {},
+            "allow_stdin": False, "stop_on_error": False}
 
 
 def run_silently(connection_info: dict, code: str, timeout: float) -> bool:
     """Execute ``code`` silently (no output, no history, no execution count) on the shell channel;
     True if the kernel replied ``ok`` within ``timeout`` seconds."""
     session = _session(connection_info)
-    shell = _socket(connection_info, zmq.DEALER, "shell")
-    try:
-        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
-                   "allow_stdin": False, "stop_on_error": False}
-        msg_id = session.send(shell, "execute_request", content)["header"]["msg_id"]
+    with _sockets(connection_info, (zmq.DEALER, "shell")) as (shell,):
+        msg_id = session.send(shell, "execute_request", _silent(code))["header"]["msg_id"]
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if not shell.poll(int(left * 1000) + 1):
@@ -90,22 +119,14 @@ def run_silently(connection_info: dict, code: str, timeout: float) -> bool:
             if reply["parent_header"].get("msg_id") == msg_id:
                 return reply["content"].get("status") == "ok"
         return False
-    finally:
-        shell.close()
 
 
 def send_silently(connection_info: dict, code: str, linger: float = 2.0) -> None:
-    """Send ``code`` to run silently on the shell channel and do not wait for its reply (the socket
-    lingers up to ``linger`` seconds to deliver the request)."""
+    """Send ``code`` to run silently on the shell channel and do not wait for its reply (returns once the
+    request is delivered, or after ``linger`` seconds)."""
     session = _session(connection_info)
-    shell = _socket(connection_info, zmq.DEALER, "shell")
-    shell.linger = int(linger * 1000)
-    try:
-        content = {"code": code, "silent": True, "store_history": False, "user_expressions": {},
-                   "allow_stdin": False, "stop_on_error": False}
-        session.send(shell, "execute_request", content)
-    finally:
-        shell.close()
+    with _sockets(connection_info, (zmq.DEALER, "shell"), linger=linger) as (shell,):
+        session.send(shell, "execute_request", _silent(code))
 
 
 class KernelGone(ConnectionError):
@@ -120,11 +141,8 @@ def evaluate_silently(connection_info: dict, expression: str, timeout: float,
     Raises TimeoutError if no answer comes within ``timeout`` seconds, :class:`KernelGone` as soon as
     ``alive()`` says the kernel ended, and RuntimeError with the kernel's ``ename: evalue`` if it raised."""
     session = _session(connection_info)
-    shell = _socket(connection_info, zmq.DEALER, "shell")
-    try:
-        content = {"code": "", "silent": True, "store_history": False, "user_expressions": {"r": expression},
-                   "allow_stdin": False, "stop_on_error": False}
-        msg_id = session.send(shell, "execute_request", content)["header"]["msg_id"]
+    with _sockets(connection_info, (zmq.DEALER, "shell")) as (shell,):
+        msg_id = session.send(shell, "execute_request", _silent("", {"r": expression}))["header"]["msg_id"]
         deadline = time.monotonic() + timeout
         while (left := deadline - time.monotonic()) > 0:
             if not shell.poll(int(min(left, 0.5) * 1000) + 1):
@@ -145,5 +163,3 @@ def evaluate_silently(connection_info: dict, expression: str, timeout: float,
             error = result or reply["content"]
             raise RuntimeError(f"{error.get('ename', 'Error')}: {error.get('evalue', '')}")
         raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s")
-    finally:
-        shell.close()

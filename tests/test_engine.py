@@ -224,3 +224,31 @@ def test_doctor_without_criu_fails_with_the_remedy(tmp_path):
     criu = next(c for c in checks if c.name == "criu")
     assert criu.status == doctor.FAIL and "ensure-criu.sh" in criu.remedy
     assert not doctor.can_migrate(checks)
+
+
+def test_a_processs_connections_to_itself_are_not_its_clients():
+    """An ipykernel connects to its own shell port; after a move to another host it dials itself there, not
+    the relay here: a dump counts only clients from outside the kernel's processes (skip_own)."""
+    import socket
+
+    from jupyter_gpumigrate.engine import netstate
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    own = socket.create_connection(("127.0.0.1", port))
+    accepted = [listener.accept()[0]]
+    outside = subprocess.Popen([sys.executable, "-c", "import socket, sys, time\n"
+                                f"s = socket.create_connection(('127.0.0.1', {port})); print('on', flush=True)\n"
+                                "sys.stdin.read()"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert outside.stdout.readline().strip() == "on"
+        accepted.append(listener.accept()[0])
+        assert netstate.client_counts([os.getpid()])[port] == 2
+        assert netstate.client_counts([os.getpid()], skip_own=True)[port] == 1
+        assert netstate.wait_for_clients([os.getpid()], {port: 1}, 5.0, skip_own=True) == {}
+        assert netstate.wait_for_clients([os.getpid()], {port: 2}, 5.0, settle=0.2, skip_own=True) == {port: 1}
+    finally:
+        outside.stdin.close()
+        outside.wait(10)
+        for sock in (own, *accepted, listener):
+            sock.close()

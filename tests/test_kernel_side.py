@@ -360,6 +360,15 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
         with pytest.raises(GpuError, match="The stash helper could not hold 3.0 GB on GPU GPU-unused: .+"):
             await asyncio.to_thread(stash.stash, "GPU-unused", 1 << 40)
         assert helper.proc.poll() is not None, "the helper has ended"
+        # A move has the helper allocate as it starts (what the target has beyond the move): the stash then
+        # takes no more than that, and the same failure is said with the size it was asked for.
+        stash.helper = None
+        stash.warm("GPU-unused", 4 * 10**9)
+        early = stash.helper
+        assert early is not None and early.size == 4 * 10**9
+        with pytest.raises(GpuError, match="The stash helper could not hold 4.0 GB on GPU GPU-unused: .+"):
+            await asyncio.to_thread(stash.stash, "GPU-unused", 1 << 40)
+        assert early.proc.poll() is not None, "the helper has ended"
     finally:
         await asyncio.to_thread(stash.close)
     assert not os.path.exists(stash.path) and not os.path.exists(stash.folder)

@@ -31,8 +31,9 @@ def _socket_inodes(pid: int) -> set[str]:
     return inodes
 
 
-def _tcp_rows(pid: int) -> list[tuple[int, str, str]]:
-    """(local port, state, inode) of every TCP socket in the process's network namespace."""
+def _tcp_rows(pid: int) -> list[tuple[str, str, str, str]]:
+    """(local address, remote address, state, inode) of every TCP socket in the process's network namespace;
+    addresses as /proc writes them (``0100007F:A10D``)."""
     rows = []
     for table in ("tcp", "tcp6"):
         try:
@@ -44,23 +45,31 @@ def _tcp_rows(pid: int) -> list[tuple[int, str, str]]:
             fields = line.split()
             if len(fields) < 10:
                 continue
-            rows.append((int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[9]))
+            rows.append((fields[1], fields[2], fields[3], fields[9]))
     return rows
 
 
-def client_counts(pids: list[int]) -> dict[int, int]:
-    """For each port the processes listen on: how many established connections it has."""
+def _port(address: str) -> int:
+    return int(address.rsplit(":", 1)[1], 16)
+
+
+def client_counts(pids: list[int], skip_own: bool = False) -> dict[int, int]:
+    """For each port the processes listen on: how many established connections it has. With ``skip_own``,
+    a connection whose client is one of the processes too is not counted: an ipykernel connects to its own
+    shell port, and after a restore it dials itself again, wherever it runs, not through a relay here."""
     inodes: set[str] = set()
     for pid in pids:
         inodes |= _socket_inodes(pid)
     if not pids:
         return {}
     rows = _tcp_rows(pids[0])
-    listening = {port for port, state, inode in rows if state == _LISTEN and inode in inodes}
+    listening = {_port(local) for local, _, state, inode in rows if state == _LISTEN and inode in inodes}
+    own = {(local, remote) for local, remote, state, inode in rows if state == _ESTABLISHED and inode in inodes}
     counts = dict.fromkeys(listening, 0)
-    for port, state, inode in rows:
-        if state == _ESTABLISHED and port in listening and inode in inodes:
-            counts[port] += 1
+    for local, remote, state, inode in rows:
+        if state == _ESTABLISHED and _port(local) in listening and inode in inodes:
+            if not (skip_own and (remote, local) in own):
+                counts[_port(local)] += 1
     return counts
 
 
@@ -72,13 +81,14 @@ SETTLE = 1.0
 
 
 def wait_for_clients(pids: list[int], expected: dict[int, int], timeout: float,
-                     settle: float = SETTLE) -> dict[int, int]:
-    """Wait until each port has at least its ``expected`` connections again, or until the counts have not
-    changed for ``settle`` seconds (within ``timeout`` in all); return what is missing."""
+                     settle: float = SETTLE, skip_own: bool = False) -> dict[int, int]:
+    """Wait until each port has at least its ``expected`` connections again (counted as
+    :func:`client_counts` does), or until the counts have not changed for ``settle`` seconds (within
+    ``timeout`` in all); return what is missing."""
     started = time.monotonic()
     deadline, last, changed = started + timeout, None, started
     while True:
-        counts = client_counts(pids)
+        counts = client_counts(pids, skip_own)
         now = time.monotonic()
         if counts != last:
             last, changed = counts, now

@@ -110,10 +110,11 @@ def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
 
 class Helper:
     """The process that holds the stash buffer on the target GPU (see :func:`_hold`). It starts (Python,
-    the CUDA driver, a context on the GPU: about 0.25 s) as soon as the target is known, while the kernel
-    gathers its storages; :meth:`allocate` then only allocates."""
+    the CUDA driver, a context on the GPU: about 0.25 s) as soon as the target is known, and, given
+    ``size``, allocates that much at once, all while the kernel gathers its storages; :meth:`allocate`
+    then only reads its answer."""
 
-    def __init__(self, gpu_uuid: str) -> None:
+    def __init__(self, gpu_uuid: str, size: int = 0) -> None:
         self.gpu_uuid = gpu_uuid
         env = dict(os.environ, CUDA_VISIBLE_DEVICES=gpu_uuid)
         self.proc = subprocess.Popen(
@@ -121,15 +122,29 @@ class Helper:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, text=True,
         )
         self.handle: str | None = None
+        #: bytes asked for (0: not yet)
+        self.size = 0
+        if size:
+            self._ask(size)
 
-    def allocate(self, size: int, timeout: float = 60.0) -> str:
-        """Have the helper allocate ``size`` bytes and export them: the CUDA IPC handle, or a GpuError."""
+    def _ask(self, size: int) -> None:
+        self.size = size
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(f"alloc {size}\n")
             self.proc.stdin.flush()
         except OSError:
             pass  # it has exited already: its last line says why
+
+    def allocate(self, size: int, timeout: float = 60.0) -> str:
+        """The CUDA IPC handle of ``size`` bytes the helper holds (asked now, unless asked for at the start, for
+        at least as much), or a GpuError."""
+        if self.handle is not None and size <= self.size:
+            return self.handle
+        if self.size and size > self.size:
+            raise GpuError(f"The stash helper holds {self.size} bytes, not {size}.")
+        if not self.size:
+            self._ask(size)
         try:
             line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
             answer = json.loads(line) if line.startswith("{") else {}
@@ -139,14 +154,16 @@ class Helper:
             if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
                 answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
             self.stop()
-            raise GpuError(f"The stash helper could not hold {size / 1e9:.1f} GB on GPU {self.gpu_uuid}: "
+            raise GpuError(f"The stash helper could not hold {self.size / 1e9:.1f} GB on GPU {self.gpu_uuid}: "
                            f"{answer.get('error') or 'no answer'}")
         self.handle = str(answer["handle"])
         return self.handle
 
-    def stop(self, orphan: bool = False) -> None:
+    def stop(self, orphan: bool = False, wait: bool = True) -> None:
         """Free the buffer and end the helper (at once, or killed after 10 s). With ``orphan`` (the kernel
-        may still be taking its tensors back), only let go: the helper frees after :data:`ORPHAN_GRACE`."""
+        may still be taking its tensors back), only let go: the helper frees after :data:`ORPHAN_GRACE`.
+        Without ``wait`` (the kernel has taken its tensors back), a thread waits for its end: the move
+        goes on meanwhile."""
         if orphan:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
@@ -157,6 +174,12 @@ class Helper:
                 self.proc.stdin.flush()
         except OSError:
             pass
+        if wait:
+            self._end()
+        else:
+            threading.Thread(target=self._end, daemon=True, name="gpumigrate-stash-helper-end").start()
+
+    def _end(self) -> None:
         try:
             self.proc.wait(10)
         except subprocess.TimeoutExpired:
@@ -205,11 +228,12 @@ class Stash:
         self.reason: str | None = None
         self.seconds: dict[str, float] = {}
 
-    def warm(self, gpu_uuid: str) -> None:
-        """Start the helper on GPU ``gpu_uuid`` now, so that it is ready when the kernel has said what it
-        has (stopped on :meth:`close` if the fast path steps aside)."""
+    def warm(self, gpu_uuid: str, size: int = 0) -> None:
+        """Start the helper on GPU ``gpu_uuid`` now, allocating ``size`` bytes there (0: once asked), so that
+        it is ready when the kernel has said what it has (stopped on :meth:`close` if the fast path steps
+        aside). A stash then takes no more than ``size``."""
         if self.helper is None:
-            self.helper = Helper(gpu_uuid)
+            self.helper = Helper(gpu_uuid, size)
 
     # -- the conversation ---------------------------------------------------------------------------
 
@@ -258,7 +282,10 @@ class Stash:
             self.reason = (f"the kernel holds {sum(self.offer.storages) / 1e9:.1f} GB of large tensors: under "
                            f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
             return 0
-        take, offsets, size = pack(self.offer.storages, budget - HELPER_RESERVE)
+        room = budget - HELPER_RESERVE
+        if self.helper is not None and self.helper.gpu_uuid == gpu_uuid and self.helper.size:
+            room = min(room, self.helper.size)  # what it allocated as it started
+        take, offsets, size = pack(self.offer.storages, room)
         if not take:
             self.reason = (f"the target GPU has no room for a stash beside the kernel "
                            f"({max(budget, 0) / 1e9:.1f} GB free beyond the move)") if self.offer.storages else \
@@ -280,7 +307,14 @@ class Stash:
             return 0
         self.held = self.stashed = int(answer["stashed"])
         self.seconds["stash"] = float(answer.get("seconds", 0))
+        self._parts(answer)
         return self.held
+
+    def _parts(self, answer: dict) -> None:
+        """The kernel's seconds by part (kernel/stager.py): gather, stash_copy, unstash_alloc..."""
+        parts = answer.get("parts")
+        if isinstance(parts, dict):
+            self.seconds.update({str(k): float(v) for k, v in parts.items() if isinstance(v, (int, float))})
 
     def unstash(self) -> None:
         """Have the kernel take its tensors back from the stash (on whatever GPU it is now); then free it."""
@@ -293,7 +327,10 @@ class Stash:
                            f"{answer.get('error', answer)}. They are still in the stash; it is tried again.")
         self.held = 0
         self.seconds["unstash"] = float(answer.get("seconds", 0))
-        self._stop_helper()
+        self._parts(answer)
+        if self.helper is not None:  # nothing of the kernel's is in it any more: it ends as the move goes on
+            self.helper.stop(wait=False)
+            self.helper = None
 
     # -- the end --------------------------------------------------------------------------------------
 

@@ -262,54 +262,78 @@ class Stager:
         self.driver = Driver()
         self.handle: str | None = None
         self.away: list[tuple[Any, int, int]] = []  # (storage, size, offset in the stash)
+        #: seconds by part of the last stash and unstash (said to the server with them)
+        self.parts: dict[str, float] = {}
 
     def _stream(self) -> int:
         return int(self.torch.cuda.current_stream().cuda_stream)
 
     def stash(self, handle: str, take: list[int], offsets: list[int]) -> int:
-        torch = self.torch
+        torch, clock = self.torch, _Clock(self.parts, "stash")
         torch.cuda.synchronize()  # every kernel launched so far has finished with these storages
+        clock("sync")
         try:
             base = self.driver.open(handle)
         except RuntimeError as exc:
             raise StepAside(f"the stash on the target GPU cannot be reached from here ({exc}; no peer access?)")
+        clock("open")
         chosen = [(self.storages[i], self.storages[i].nbytes(), off) for i, off in zip(take, offsets)]
         try:
             stream = self._stream()
             for storage, size, offset in chosen:
                 self.driver.copy(base + offset, storage.data_ptr(), size, stream)
             torch.cuda.synchronize()
+            clock("copy")
         except RuntimeError as exc:
             raise StepAside(f"copying into the stash failed ({exc}); nothing was changed")
         finally:
             self.driver.close(base)  # no mapping of another process's memory may stay for the checkpoint
+        clock("close")
         self.handle = handle
         for storage, size, offset in chosen:
             storage.resize_(0)
             self.away.append((storage, size, offset))
         torch.cuda.empty_cache()  # give the freed blocks back, or the driver would move them anyway
         torch.cuda.synchronize()
+        clock("free")
         return sum(size for _, size, _ in chosen)
 
     def unstash(self) -> int:
-        """Copy every storage back from the stash; a storage brought back stays back if a later one fails,
-        so a second call finishes the job."""
-        torch = self.torch
+        """Copy every storage back from the stash: all are allocated again, then all copied, then one wait.
+        Until that wait returns they stay listed as away, so a second call (after a failure: no memory, a
+        copy) finishes the job; a storage already allocated keeps its allocation."""
+        torch, clock = self.torch, _Clock(self.parts, "unstash")
         assert self.handle is not None
         base = self.driver.open(self.handle)
-        total = 0
+        clock("open")
         try:
+            for storage, size, _ in self.away:
+                if storage.nbytes() != size:
+                    storage.resize_(size)
+            clock("alloc")
             stream = self._stream()
-            while self.away:
-                storage, size, offset = self.away[-1]
-                storage.resize_(size)
+            for storage, size, offset in self.away:
                 self.driver.copy(storage.data_ptr(), base + offset, size, stream)
-                torch.cuda.synchronize()
-                self.away.pop()
-                total += size
+            torch.cuda.synchronize()
+            clock("copy")
+            total = sum(size for _, size, _ in self.away)
+            self.away.clear()
         finally:
             self.driver.close(base)
+        clock("close")
         return total
+
+
+class _Clock:
+    """Seconds since the last call, by part, into ``parts`` (``{prefix}_{part}``): where a stash's time goes."""
+
+    def __init__(self, parts: dict[str, float], prefix: str) -> None:
+        self.parts, self.prefix, self.last = parts, prefix, time.perf_counter()
+
+    def __call__(self, part: str) -> None:
+        now = time.perf_counter()
+        self.parts[f"{self.prefix}_{part}"] = now - self.last
+        self.last = now
 
 
 def _send(out: Any, message: dict) -> None:
@@ -331,10 +355,12 @@ def run(path: str, token: str, safe_point: bool = False) -> dict:
         return {"aside": f"the server's socket is gone ({exc})"}
     with conn, conn.makefile("rwb") as io:
         stager: Stager | None = None
+        gathering = time.perf_counter()
         aside = why_not(torch)
         if aside is None:
             try:
                 stager = Stager(torch)
+                stager.parts["gather"] = time.perf_counter() - gathering
             except OSError as exc:
                 aside = f"the CUDA driver library cannot be loaded ({exc})"
             except StepAside as exc:
@@ -351,7 +377,8 @@ def run(path: str, token: str, safe_point: bool = False) -> dict:
                 if op == "stash" and stager is not None:
                     try:
                         moved = stager.stash(message["handle"], message["take"], message["offsets"])
-                        result = {"stashed": moved, "seconds": time.perf_counter() - started}
+                        result = {"stashed": moved, "seconds": time.perf_counter() - started,
+                                  "parts": dict(stager.parts)}
                     except StepAside as exc:
                         result = {"aside": str(exc)}
                 elif op == "unstash" and stager is not None:
@@ -374,4 +401,4 @@ def _unstash(stager: Stager, started: float) -> dict:
         moved = stager.unstash()
     except Exception as exc:  # said to the server, which rolls back and asks again
         return {"error": f"{exc}"}
-    return {"unstashed": moved, "seconds": time.perf_counter() - started}
+    return {"unstashed": moved, "seconds": time.perf_counter() - started, "parts": dict(stager.parts)}

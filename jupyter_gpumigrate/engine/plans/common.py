@@ -187,7 +187,7 @@ def manifest_of(kernel: KernelProcess, pid: int, held: list[dict], cuda_pids: li
         gpus=held,
         cuda_pids=cuda_pids,
         connection_info=public_connection_info(kernel.kernel_connection_info),
-        clients=netstate.client_counts(proctree.descendants(pid)),
+        clients=netstate.client_counts(proctree.descendants(pid), skip_own=True),  # those a relay gets too
         sessions=list(kernel.sessions),
     )
 
@@ -289,7 +289,7 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     assert ctx.manifest is not None
     timeout = ctx.tools.reconnect_timeout
     expected = {int(port): n for port, n in ctx.manifest.clients.items()}
-    missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout)
+    missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout, skip_own=True)
     if missing:
         log.info("kernel %s: %s client(s) did not reconnect within %.1f s (gone meanwhile?)",
                  ctx.manifest.kernel_id, sum(missing.values()), timeout)

@@ -38,7 +38,7 @@ from ..images import AUTO as WHERE_THERE_IS_ROOM
 from ..images import MEMORY, choose
 from ..kernelproc import KernelProcess
 from ..saga import ALWAYS, ProgressCallback, Saga, Step
-from ..stash import MIN_STASH, Stash
+from ..stash import HELPER_RESERVE, MIN_STASH, Stash
 from . import suspend
 from .common import FastPath, KernelContext, Outcome, Tools, checkpoint, forget_new_images, gpu_use, lock, \
     manifest_of, release_cache, running_pid, unlock
@@ -180,20 +180,24 @@ def stash_tensors(ctx: MoveContext) -> None:
         stash.reason = (f"the kernel holds {move.needed / 1e9:.1f} GB of GPU memory: under "
                         f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
         return
+    # What the target has beyond the move (read in prepare, after the kernel's cache was dropped): the
+    # helper allocates that much, up to what the kernel holds, as it starts, while the kernel gathers.
+    budget = placement.free(move.target) - move.needed
+    early = min(move.needed, budget - HELPER_RESERVE)
     try:
         invited = time.perf_counter()
-        stash.warm(move.target.uuid)  # its helper starts while the kernel gathers its storages
+        stash.warm(move.target.uuid, early if early >= MIN_STASH else 0)
         if ctx.invite:
             stash.reason = ctx.kernel.invite_stager(stash.path, stash.token)
             if stash.reason:
                 return
         offer = stash.accept(timeout=10.0 if ctx.invite else 30.0)
+        stash.seconds["invite"] = time.perf_counter() - invited
         if offer is not None and offer.safe_point:  # a busy cell waits at its safe point from now on
-            stash.seconds["safe_point"] = time.perf_counter() - invited
+            stash.seconds["safe_point"] = stash.seconds["invite"]
         if offer is None or offer.aside:
             return
-        target = next(g for g in ctx.tools.inventory() if g.uuid == move.target.uuid)
-        stash.stash(move.target.uuid, placement.free(target) - move.needed)
+        stash.stash(move.target.uuid, budget)
     except Exception as exc:
         if stash.held or stash.unsure:
             raise  # tensors may be in the stash: closing it has the kernel take them back, not the driver

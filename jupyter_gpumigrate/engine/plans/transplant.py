@@ -253,7 +253,7 @@ def switch(ctx: TransplantContext) -> None:
     if ctx.manifest is not None:
         expected = {int(port): n for port, n in ctx.manifest.clients.items()}
         missing = netstate.wait_for_clients(proctree.descendants(ctx.new_pid), expected,
-                                            ctx.tools.reconnect_timeout)
+                                            ctx.tools.reconnect_timeout, skip_own=True)
         if missing:
             log.info("kernel %s: %s client(s) did not reconnect to its new process within %.1f s (gone meanwhile?)",
                      ctx.kernel.kernel_id, sum(missing.values()), ctx.tools.reconnect_timeout)
