@@ -332,9 +332,9 @@ def host_section(path: Path) -> str:
 
 
 def newest_host_runs() -> list[Path]:
-    """The newest run of bench/host_bench.py on a GPU (--device cuda)."""
-    found = [p for p in sorted(RESULTS.glob("*-host.json")) if json.loads(p.read_text()).get("device") == "cuda"]
-    return found[-1:]
+    """The two newest runs of bench/host_bench.py on a GPU (--device cuda), oldest first (each names its cards)."""
+    found = [(json.loads(p.read_text()).get("when", ""), p) for p in RESULTS.glob("*-host.json")]
+    return [p for when, p in sorted(found) if json.loads(p.read_text()).get("device") == "cuda"][-2:]
 
 
 def newest_transplant_runs() -> list[Path]:
@@ -352,8 +352,9 @@ def newest_transplant_runs() -> list[Path]:
 
 
 def newest_move_run() -> list[Path]:
-    found = sorted(RESULTS.glob("*-move.json"), key=lambda p: p.name)
-    return found[-1:]
+    """The two newest runs of bench/move_bench.py, oldest first (a run may measure some ways only)."""
+    found = sorted(RESULTS.glob("*-move.json"), key=lambda p: json.loads(p.read_text()).get("meta", {}).get("date", ""))
+    return found[-2:]
 
 
 def newest_suspend_runs() -> list[Path]:

@@ -27,6 +27,7 @@ from .engine import proctree
 from .handlers import handlers
 from .engine import gpus as gpus_mod
 from .engine import cudackpt
+from .engine import stash as stash_mod
 from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
 from .engine.images import write_durably
@@ -46,6 +47,13 @@ LATE_GRACE = 15.0
 REVIVE_WAIT = 60.0
 #: True in the task that takes those kernels back.
 REVIVING: contextvars.ContextVar[bool] = contextvars.ContextVar("gpumigrate_reviving", default=False)
+
+
+def _spare_stash_helper() -> None:
+    """Where moves between GPUs can happen (two or more GPUs, the driver's bindings installed), have the fast
+    path's helper ready for the first one (engine/stash.py: Python and the bindings loaded, no GPU touched)."""
+    if len(gpus_mod.snapshot()) >= 2:
+        stash_mod.prestart()
 
 
 class GPUMigrateApp(ExtensionApp):
@@ -385,6 +393,7 @@ class GPUMigrateApp(ExtensionApp):
         finally:
             done.set()
         self._start_retention()
+        await asyncio.to_thread(_spare_stash_helper)
         self._sources_task = asyncio.get_running_loop().create_task(keep_expiring_sources(
             lambda: MigratableProvisioner(config=serverapp.config).images, self.settings["gpumigrate_operations"]))
         if self.memory_low > 0:
@@ -481,6 +490,7 @@ class GPUMigrateApp(ExtensionApp):
                 self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited "
                                  "for", LATE_GRACE)
         await self._images_to_disk()
+        await asyncio.to_thread(stash_mod.end_spare)
         memory = MigratableProvisioner(config=self.serverapp.config).images.memory_root
         if memory is not None:
             try:

@@ -202,16 +202,34 @@ class FileSink:
 
 
 class _Hashing:
-    """A file for http.client to send from, hashed as it is read."""
+    """A file for http.client to send from, hashed as it is read: in a thread of its own, beside the sending
+    thread's encryption (each about 1.4 GB/s on one core of the GPU machine; one after the other, they sent
+    0.65 GB/s). hashlib lets go of the GIL for large blocks; at most :data:`AHEAD` bytes wait for it."""
+
+    AHEAD = 16 * BLOCK
 
     def __init__(self, file: Any) -> None:
         self.file, self.hash, self.size = file, hashlib.sha256(), 0
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumigrate-hash")
+        self.pending: deque[Future] = deque()
 
     def read(self, n: int = -1) -> bytes:
         block = self.file.read(n)
-        self.hash.update(block)
+        self.pending.append(self.pool.submit(self.hash.update, block))
         self.size += len(block)
+        while self.pending and (self.pending[0].done() or len(self.pending) * BLOCK > self.AHEAD):
+            self.pending.popleft().result()
         return block
+
+    def hexdigest(self) -> str:
+        """The SHA-256 of all that was read (waits for the hashing thread)."""
+        self.close()
+        return self.hash.hexdigest()
+
+    def close(self) -> None:
+        while self.pending:
+            self.pending.popleft().result()
+        self.pool.shutdown(wait=True)
 
 
 def image_files(images: Path) -> list[Path]:
@@ -289,13 +307,16 @@ class PeerClient:
         the peer checks against its own when the images are complete (``complete``)."""
         with open(file, "rb") as f:
             body = _Hashing(f)
-            conn, response = self._send("PUT", path, body=body, headers={
-                "Content-Length": str(size), "Content-Type": "application/octet-stream"})
+            try:
+                conn, response = self._send("PUT", path, body=body, headers={
+                    "Content-Length": str(size), "Content-Type": "application/octet-stream"})
+            finally:
+                body.close()
         response.read()
         conn.close()
         if body.size != size:
             raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
-        return body.hash.hexdigest()
+        return body.hexdigest()
 
     def get_file(self, path: str, dest: Path, size: int, sha256: str) -> None:
         conn, response = self._send("GET", path)
