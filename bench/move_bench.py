@@ -13,6 +13,9 @@ Ways:
   driver   fast_path "off": the CUDA driver copies everything
   two      half the size on each of GPUs 0 and 1: swapped live (to_gpus [1, 0], the driver), then suspended
            and resumed swapped again (images in memory)
+  train    a training loop (wide linear layers, Adam, a DataLoader with two spawned workers and pinned memory)
+           holding the size in all, moved 0 -> 1 in the middle of its cell (the fast path at the cell's safe
+           point); its losses must equal those of the same loop run unmoved before, bit for bit
 
 Floors, measured in the same run: the peer copy GPU 0 -> GPU 1 and pinned host <-> GPU copies (GB/s).
 Writes ``<out-dir>/<date>-<tag>-move.json``; the table comes last.
@@ -29,6 +32,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -58,6 +62,58 @@ ok = all(torch.equal(t, part(i, t.numel(), t.device)) for i, t in enumerate(tens
 torch.cuda.empty_cache()
 print(ok)
 """
+# --ways train: a training loop (a model of wide linear layers, Adam, a DataLoader with two worker processes
+# and pinned memory) holding {size} GB in all (parameters, gradients, Adam's two moments: four times the
+# parameters), moved mid-cell; its losses against an unmoved run of the same loop from the same seed.
+TRAIN_SETUP = """
+import os, time, gc
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+torch.use_deterministic_algorithms(True)
+WIDTH = 16384
+LAYERS = max(1, round({size} * 1e9 / 4 / (WIDTH * WIDTH * 4)))  # parameters, gradients, two moments
+_g = torch.Generator().manual_seed(7)
+data = TensorDataset(torch.randn(2048, WIDTH, generator=_g), torch.randint(0, 10, (2048,), generator=_g))
+loader = DataLoader(data, batch_size=64, pin_memory=True, num_workers=2, multiprocessing_context="spawn",
+                    persistent_workers=True)
+
+def make(seed):
+    torch.manual_seed(seed)
+    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+    model = torch.nn.Sequential(*[m for l in layers for m in (l, torch.nn.ReLU())], torch.nn.Linear(WIDTH, 10)).cuda()
+    opt = torch.optim.Adam(model.parameters(), lr=1e-5)
+    return model, opt
+
+def run(model, opt, steps, started=None):
+    losses = []
+    while len(losses) < steps:
+        for x, y in loader:
+            x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+            if started and len(losses) == 3:
+                open(started, "w").close()  # the bench moves the kernel from now on
+            if len(losses) == steps:
+                break
+    return losses
+
+def drop():
+    global m, o
+    m = o = None
+    gc.collect()
+    torch.cuda.empty_cache()
+
+m, o = make(1)
+reference = run(m, o, {steps})
+held = torch.cuda.memory_allocated()
+drop()
+print(len(reference), held)
+"""
+TRAIN_STEPS = 150
 
 
 def peer_floor(nbytes: int = 4 << 30) -> dict:
@@ -80,6 +136,31 @@ def checked(server: Server, kernel_id: str, what: str) -> None:
         raise RuntimeError(f"{what}: the tensors changed")
 
 
+def train_mid_cell(server: Server, kernel_id: str, size: float, root: Path) -> dict:
+    """The ``train`` way: the operation of a move of a training loop mid-cell (0 -> 1), checked against the
+    same loop unmoved."""
+    print(server.run(kernel_id, TRAIN_SETUP.format(size=size, steps=TRAIN_STEPS), timeout=1200).strip(), flush=True)
+    started = root / "started"
+    out: list[str] = []
+    cell = threading.Thread(target=lambda: out.append(server.run(
+        kernel_id, f"m, o = make(1); moved = run(m, o, {TRAIN_STEPS}, {str(started)!r}); print(len(moved))",
+        timeout=1200)))
+    cell.start()
+    deadline = time.monotonic() + 600
+    while not started.exists():
+        if time.monotonic() > deadline or not cell.is_alive():
+            raise RuntimeError(f"the training loop did not start: {out}")
+        time.sleep(0.05)
+    op = server.operate(kernel_id, "migrate", {"to_gpu": 1})
+    busy = cell.is_alive()
+    cell.join(1200)
+    said = server.run(kernel_id, "print(moved == reference, len(moved), torch.cuda.memory_allocated())").split()
+    if said[:2] != ["True", str(TRAIN_STEPS)] or not busy:
+        raise RuntimeError(f"train: the moved loop's losses differ from the unmoved run's, or the move was not "
+                           f"mid-cell (busy: {busy}): {said} {out}")
+    return op
+
+
 def one_way(way: str, size: float, rows: list[dict]) -> None:
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-move-bench-", dir="/tmp"))
     provisioner = {"suspend_to": "memory"}
@@ -88,6 +169,15 @@ def one_way(way: str, size: float, rows: list[dict]) -> None:
     server = Server(root, {"MigratableProvisioner": provisioner})
     try:
         kernel_id = server.api("POST", "api/kernels", {"name": "python3"})["id"]
+        if way == "train":
+            op = train_mid_cell(server, kernel_id, size, root)
+            row = {"way": way, "size_gb": size, "step": "0 -> 1 mid-cell", "total": op["total"],
+                   "timings": op["timings"], "fast_path": op.get("fast_path"), "to_gpus": op.get("to_gpus"),
+                   "to_gpu": op.get("to_gpu"), "bytes": op.get("bytes"), "losses_equal": True}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            server.api("DELETE", f"api/kernels/{kernel_id}")
+            return
         layout = [("cuda:0", size / 2), ("cuda:1", size / 2)] if way == "two" else [("cuda:0", size)]
         server.run(kernel_id, BUILD.format(layout=layout))
         if way == "two":

@@ -352,9 +352,12 @@ def newest_transplant_runs() -> list[Path]:
 
 
 def newest_move_run() -> list[Path]:
-    """The two newest runs of bench/move_bench.py, oldest first (a run may measure some ways only)."""
-    found = sorted(RESULTS.glob("*-move.json"), key=lambda p: json.loads(p.read_text()).get("meta", {}).get("date", ""))
-    return found[-2:]
+    """The newest run of bench/move_bench.py, and before it the newest that measured the driver alone (a run
+    may measure some ways only), oldest first."""
+    found = sorted(RESULTS.glob("*-move.json"),
+                   key=lambda p: (json.loads(p.read_text()).get("meta", {}).get("date", ""), p.name))
+    driver = [p for p in found if any(r.get("way") == "driver" for r in json.loads(p.read_text()).get("rows", []))]
+    return sorted({*found[-1:], *driver[-1:]}, key=found.index)
 
 
 def newest_suspend_runs() -> list[Path]:

@@ -49,11 +49,14 @@ REVIVE_WAIT = 60.0
 REVIVING: contextvars.ContextVar[bool] = contextvars.ContextVar("gpumigrate_reviving", default=False)
 
 
-def _spare_stash_helper() -> None:
+def _spare_stash_helper(log: Any) -> None:
     """Where moves between GPUs can happen (two or more GPUs, the driver's bindings installed), have the fast
     path's helper ready for the first one (engine/stash.py: Python and the bindings loaded, no GPU touched)."""
-    if len(gpus_mod.snapshot()) >= 2:
-        stash_mod.prestart()
+    try:
+        if len(gpus_mod.snapshot()) >= 2:
+            stash_mod.prestart()
+    except OSError as exc:  # no process could start: each move starts its own helper then
+        log.warning("gpumigrate: no spare helper for the fast path (%s)", exc)
 
 
 class GPUMigrateApp(ExtensionApp):
@@ -393,7 +396,7 @@ class GPUMigrateApp(ExtensionApp):
         finally:
             done.set()
         self._start_retention()
-        await asyncio.to_thread(_spare_stash_helper)
+        await asyncio.to_thread(_spare_stash_helper, self.log)
         self._sources_task = asyncio.get_running_loop().create_task(keep_expiring_sources(
             lambda: MigratableProvisioner(config=serverapp.config).images, self.settings["gpumigrate_operations"]))
         if self.memory_low > 0:

@@ -46,15 +46,19 @@ def _sockets(info: dict, *wanted: tuple[int, str], linger: float = 0.0) -> Itera
     the kernel's resume would then wait for a client that never comes back.
     """
     context = zmq.Context()
-    sockets = []
+    sockets: list[zmq.Socket] = []
     try:
         for kind, channel in wanted:
             sock = context.socket(kind)
+            sockets.append(sock)  # closed below even if connecting fails: term() waits for every socket
             sock.linger = int(linger * 1000)
             if kind == zmq.SUB:
                 sock.setsockopt(zmq.SUBSCRIBE, b"")
             sock.connect(f"{info.get('transport', 'tcp')}://{info['ip']}:{info[channel + '_port']}")
-            sockets.append(sock)
+    except BaseException:
+        context.destroy(linger=0)  # a connection info without an address or a port: said, not waited on
+        raise
+    try:
         yield sockets
     finally:
         for sock in sockets:

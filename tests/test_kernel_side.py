@@ -420,3 +420,26 @@ async def test_the_fast_path_field_is_checked(jp_fetch, kernel):
                       body={"to_gpu": 1, "fast_path": "caller"}, expect=400)
     assert "'caller' is for a kernel's own %migrate" in error["message"]
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+
+
+def test_a_connection_info_without_a_port_is_an_error_at_once_not_a_hang():
+    """A kernel's connection info read from a damaged record: the short-lived sockets' own ZMQ context
+    (kernelwire._sockets) must not wait forever for a socket that never connected."""
+    import threading
+
+    from jupyter_gpumigrate.kernelwire import kernel_answers, run_silently
+
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        for info, fn in (({"ip": "127.0.0.1"}, run_silently), ({"ip": "127.0.0.1", "control_port": None}, kernel_answers)):
+            try:
+                fn(info, "", 0.5) if fn is run_silently else fn(info, 0.5)
+            except Exception as exc:  # noqa: BLE001  what the caller gets
+                raised.append(exc)
+
+    caller = threading.Thread(target=call, daemon=True)
+    caller.start()
+    caller.join(20)
+    assert not caller.is_alive(), "a bad connection info hangs the caller"
+    assert [type(e).__name__ for e in raised] == ["KeyError", "ZMQError"], raised

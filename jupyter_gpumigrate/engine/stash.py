@@ -5,8 +5,8 @@ a kernel with 32 GB of tensors takes some 20 s to change GPU, while the two GPUs
 copies at about 400 GB/s. So, before the driver runs:
 
 1. a short-lived helper process (``python -m jupyter_gpumigrate.engine.stash``, this module) allocates
-   one buffer on the *target* GPU, as much as the target has beyond the move, and exports it as a CUDA
-   IPC handle, while the kernel gathers its storages. A spare helper, its Python and the driver's
+   one buffer on the *target* GPU (what the kernel holds there, at most what the target has beyond the
+   move) and exports it as a CUDA IPC handle, while the kernel gathers its storages. A spare helper, its Python and the driver's
    bindings loaded but no GPU touched, waits for each move (:func:`prestart`);
 2. inside the kernel (kernel/stager.py), the large tensor storages are copied into that buffer over
    the peer link and freed: the driver then moves only what is left (the CUDA context, small blocks);
@@ -15,10 +15,10 @@ copies at about 400 GB/s. So, before the driver runs:
    and optimizer state keeps its storage; only addresses change); then the helper frees the buffer,
    while the move goes on.
 
-Where the time goes (an idle kernel, 32 GB, 2 x H100, bench/results/2026-11-26-gpu-move.md): 0.35 s
-until the tensors are in the stash, of which 0.08 s is the copy itself; then the driver's checkpoint and
-remap of what is left (the CUDA context), 0.6 s; then 0.03-0.07 s to copy them back. The operation's
-``fast_path.seconds`` has each part.
+Where the time goes (an idle kernel, 32 GB, 2 x H100, 0.85-0.96 s in all, bench/results/2026-11-26-gpu-move.md):
+0.24-0.26 s until the tensors are in the stash, of which 0.08 s is the copy itself; then the driver's
+checkpoint and remap of what is left (the CUDA context), 0.54-0.57 s; then 0.03-0.08 s to copy them back.
+The operation's ``fast_path.seconds`` has each part.
 
 The kernel's side runs in its main thread and never beside user code; it steps aside, changing
 nothing, when it cannot be sure (kernel/stager.py lists when). The server's side here decides how
@@ -118,10 +118,10 @@ def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
 
 
 class Helper:
-    """The process that holds the stash buffer on the target GPU (see :func:`_hold`). It starts (Python,
-    the CUDA driver, a context on the GPU: about 0.25 s) as soon as the target is known, and, given
-    ``size``, allocates that much at once, all while the kernel gathers its storages; :meth:`allocate`
-    then only reads its answer."""
+    """The process that holds the stash buffer on the target GPU (see :func:`_hold`): the spare, if one
+    waits (Python and the driver's bindings loaded), else one started now. As soon as the target is known it
+    makes its context there (0.13-0.15 s) and, given ``size``, allocates that much, all while the kernel
+    gathers its storages; :meth:`allocate` then only reads its answer."""
 
     def __init__(self, gpu_uuid: str, size: int = 0) -> None:
         self.gpu_uuid = gpu_uuid
@@ -209,15 +209,25 @@ class Helper:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(5)
-        for stream in (self.proc.stdin, self.proc.stdout, self.proc.stderr):
-            if stream is not None:
+        _close(self.proc)
+
+
+def _close(proc: subprocess.Popen) -> None:
+    """Close our ends of a helper's pipes (what is left to write to one that has exited is dropped)."""
+    for stream in (proc.stdin, proc.stdout, proc.stderr):
+        if stream is not None:
+            try:
                 stream.close()
+            except OSError:
+                pass
 
 
 #: A helper started before it is needed, its Python and the driver's bindings loaded, no CUDA context yet
 #: (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a move).
 _SPARE: subprocess.Popen | None = None
 _SPARE_LOCK = threading.Lock()
+#: the server stops: no spare is started any more
+_ENDED = False
 
 
 def _start() -> subprocess.Popen:
@@ -229,7 +239,10 @@ def prestart() -> None:
     """Have a spare helper ready for the next move (one per server; it ends when the server does, with its
     stdin). None without the driver's bindings: a helper would only say that they are missing."""
     global _SPARE
-    if importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+    try:
+        if _ENDED or importlib.util.find_spec("cuda") is None or importlib.util.find_spec("cuda.bindings") is None:
+            return
+    except (ImportError, ValueError):  # a "cuda" that is not a package
         return
     with _SPARE_LOCK:
         if _SPARE is None or _SPARE.poll() is not None:
@@ -238,11 +251,11 @@ def prestart() -> None:
 
 def end_spare() -> None:
     """End the spare helper, if one waits (the server stops)."""
+    global _ENDED
+    _ENDED = True  # a move that ends after this starts no other
     spare = _take_spare()
     if spare is not None:
-        for stream in (spare.stdin, spare.stdout, spare.stderr):
-            if stream is not None:
-                stream.close()  # its stdin's end: it exits
+        _close(spare)  # its stdin's end: it exits
         try:
             spare.wait(5)
         except subprocess.TimeoutExpired:

@@ -300,8 +300,8 @@ class Stager:
 
     def unstash(self) -> int:
         """Copy every storage back from the stash: all are allocated again, then all copied, then one wait.
-        Until that wait returns they stay listed as away, so a second call (after a failure: no memory, a
-        copy) finishes the job; a storage already allocated keeps its allocation."""
+        If any of it fails (no memory, a copy), every storage still away is emptied again (size 0: a tensor
+        never holds what was not copied) and the error raised; a second call does the whole job."""
         torch, clock = self.torch, _Clock(self.parts, "unstash")
         assert self.handle is not None
         base = self.driver.open(self.handle)
@@ -318,6 +318,14 @@ class Stager:
             clock("copy")
             total = sum(size for _, size, _ in self.away)
             self.away.clear()
+        except BaseException:
+            try:
+                torch.cuda.synchronize()  # no copy still reads the stash once it is closed below
+            except RuntimeError:
+                pass
+            for storage, _, _ in self.away:
+                storage.resize_(0)
+            raise
         finally:
             self.driver.close(base)
         clock("close")

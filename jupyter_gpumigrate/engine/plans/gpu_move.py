@@ -182,6 +182,8 @@ def stash_tensors(ctx: MoveContext) -> None:
         return
     # What the target has beyond the move (read in prepare, after the kernel's cache was dropped): the
     # helper allocates that much, up to what the kernel holds, as it starts, while the kernel gathers.
+    # Should another process fill the target meanwhile, the remap finds no room and the move is undone
+    # (as when it fills up between the check and the remap).
     budget = placement.free(move.target) - move.needed
     early = min(move.needed, budget - HELPER_RESERVE)
     try:
