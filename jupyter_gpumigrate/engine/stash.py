@@ -15,7 +15,7 @@ copies at about 400 GB/s. So, before the driver runs:
    and optimizer state keeps its storage; only addresses change); then the helper frees the buffer,
    while the move goes on.
 
-Where the time goes (an idle kernel, 32 GB, 2 x H100, 0.85-0.96 s in all, bench/results/2026-11-26-gpu-move.md):
+Where the time goes (an idle kernel, 32 GB, 2 x H100, 0.84-0.96 s in all, bench/results/2026-11-26-gpu-move.md):
 0.24-0.26 s until the tensors are in the stash, of which 0.08 s is the copy itself; then the driver's
 checkpoint and remap of what is left (the CUDA context), 0.54-0.57 s; then 0.03-0.08 s to copy them back.
 The operation's ``fast_path.seconds`` has each part.
