@@ -153,6 +153,117 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
         await end_kernel(a, kernel_id, tab)
 
 
+def reading_back(pid: int) -> bool:
+    """Whether process ``pid`` has a stash file open (kernel/hoststash.py: it reads its buffers back)."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.path.basename(os.readlink(f"/proc/{pid}/fd/{fd}")).startswith("stash-"):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+async def test_the_kernel_killed_on_the_other_host_while_it_reads_its_buffers_back_runs_here_again(hosts):
+    """SIGKILL of the kernel's process on b while it reads back the buffers it stashed (b restored it: the same
+    PID, the hosts share this machine's PIDs): b's restore fails, the move is undone, and the kernel is
+    restored here from the images this host kept until then, and reads its buffers back here, every byte."""
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1050\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        seen: list[str] = []
+
+        def kill_it_on_b_as_it_reads_back() -> None:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            while op["status"] not in ("succeeded", "failed"):
+                seen.append(op["phase"] or "")
+                if op["phase"] == "restore" and "killed" not in seen:
+                    deadline = time.monotonic() + 60
+                    while not reading_back(pid):
+                        assert time.monotonic() < deadline, "the kernel never read its buffers back on b"
+                        time.sleep(0.001)
+                    os.kill(pid, signal.SIGKILL)
+                    seen.append("killed")
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            seen.append(json.dumps(op))
+
+        await call(kill_it_on_b_as_it_reads_back)
+        op = json.loads(seen[-1])
+        assert "killed" in seen, f"the read back was over before it was seen: {seen}"
+        assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+        assert "The move is undone: the kernel is brought back here" in op["error"], op["error"]
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and view["state"] == "running" and not view["remote"], view
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob) >> 20)")).strip() == \
+            "True 1050"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_runs_on_here(hosts, tmp_path):
+    """b keeps guests' images on a disk (a 600 MB tmpfs here) that another process fills while a's images
+    arrive: b drops the rest of that file and answers 507 naming it; the move is undone, the kernel runs on
+    here with its state, and b keeps nothing of it."""
+    import errno
+
+    from helpers import small_tmpfs
+
+    a, b = hosts
+    saved = dict(b.extra)
+    with small_tmpfs(tmp_path / "small", "600m") as small:
+        b.stop()
+        b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"}}
+        b.start({"a": a.peer_entry()})
+        kernel_id, tab = await new_kernel(a)
+        try:
+            await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 400\n"
+                          "before = hashlib.sha256(blob).hexdigest()")
+            guest = small / "state" / "guests" / kernel_id
+            seen: list[str] = []
+
+            def fill_bs_disk_mid_transfer() -> None:
+                op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+                while op["status"] not in ("succeeded", "failed"):
+                    if op["phase"] == "transfer" and "filled" not in seen:
+                        deadline = time.monotonic() + 60
+                        while not any(f.stat().st_size > (16 << 20) for f in guest.glob("*") if f.is_file()):
+                            assert time.monotonic() < deadline, "b never began to receive"
+                            time.sleep(0.001)
+                        try:  # until the disk is full (b writes on meanwhile: whichever comes first)
+                            with open(small / "filler", "wb") as filler:
+                                while True:
+                                    filler.write(bytes(1 << 20))
+                        except OSError as exc:
+                            assert exc.errno == errno.ENOSPC, exc
+                        seen.append("filled")
+                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+                seen.append(json.dumps(op))
+
+            await call(fill_bs_disk_mid_transfer)
+            op = json.loads(seen[-1])
+            assert "filled" in seen, seen
+            assert op["status"] == "failed" and op["failed_phase"] == "transfer", op
+            assert "could not be written here" in op["error"] and "free space here" in op["error"], op["error"]
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["host"] == "a" and view["state"] == "running", view
+            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+            assert not guest.exists(), list(guest.glob("*"))
+        finally:
+            await end_kernel(a, kernel_id, tab)
+            b.stop()
+            b.extra = saved
+    b.start({"a": a.peer_entry()})
+
+
 async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
