@@ -113,7 +113,8 @@ def describe(op: dict) -> str:
                 f"reaches it through {op.get('from_host')} if that is its home; everything in memory came along.")
     fast = _fast_path(op)
     if fast.get("stashed"):
-        how = f" ({size(fast['stashed'])} of tensors by {_by(fast)}{_mid_cell(fast.get('seconds'))})"
+        rest = f"; the driver carried {fast['left']}" if fast.get("left") else ""
+        how = f" ({size(fast['stashed'])} of tensors by {_by(fast)}{_mid_cell(fast.get('seconds'))}{rest})"
     elif fast.get("reason"):
         how = f" (by the driver alone: {fast['reason']})"
     else:

@@ -26,7 +26,7 @@ import pytest
 from helpers import api, operate, small_tmpfs, wait_operation
 from test_hibernation import cut_dump, notebook_running, tab_on, taken_back
 
-from jupyter_gpumigrate.kernel import hoststash
+from jupyter_gpumigrate.kernel import hoststash, stager
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -269,6 +269,37 @@ def test_a_thread_that_touches_only_what_it_is_handed_runs_on_and_keeps_it(tmp_p
     assert free_blob == bytearray(b"f" * (32 << 20)) and bool((free_tensor == 2.5).all())
 
 
+def test_what_a_handed_thread_holds_is_read_again_if_it_changes_and_else_the_stash_steps_aside() -> None:
+    """A container that a running thread changes while it is read ("deque mutated during iteration": a
+    queue's buffer its feeder empties) is read again; one that keeps changing makes the search give up
+    with a sentence, never an exception out of the kernel's side."""
+
+    class Changing(list):
+        def __init__(self, items: list, fails: int) -> None:
+            super().__init__(items)
+            self.fails = fails
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            if self.fails:
+                self.fails -= 1
+                raise RuntimeError("deque mutated during iteration")
+            return super().__iter__()
+
+    blob = bytearray(1 << 20)
+    held: list[Any] = [Changing([blob], fails=2)]
+    release = threading.Event()
+    worker = threading.Thread(target=lambda box: release.wait(30), args=(held,), name="feeder", daemon=True)
+    worker.start()
+    try:
+        assert stager.reach([worker], None) == {("bytearray", id(blob))}
+        held[0] = Changing([blob], fails=stager.REREAD)
+        with pytest.raises(stager.StepAside, match="what thread 'feeder' holds keeps changing"):
+            stager.reach([worker], None)
+    finally:
+        release.set()
+        worker.join(10)
+
+
 # -- through a real server and kernel -----------------------------------------------------------------
 
 
@@ -290,6 +321,34 @@ async def test_suspend_writes_the_buffers_itself_and_resume_reads_them_back(jp_f
     assert (await kernel.run("print(digest(), alias is blobs[1], len(blobs[0]))")).split() == [digest, "True",
                                                                                            str(96 << 20)]
     assert not folder.exists(), "the images are removed once the kernel runs"
+
+
+async def test_a_handed_thread_in_a_kernel_keeps_what_it_holds_and_no_more(jp_fetch, jp_serverapp, kernel):
+    """In a kernel, a thread's own attributes lead to the whole notebook (``Thread._stderr`` is ipykernel's
+    stream, whose session leads to the shell and its namespace): the search of what a handed thread may
+    touch goes through no Jupyter object, so a logging QueueListener busy with a record keeps that record's
+    buffer and the notebook's others are written, as a DataLoader's pin-memory thread keeps its batch."""
+    digest = (await kernel.run(MAKE)).strip()
+    await kernel.run("""
+import logging, logging.handlers, queue, threading
+held, writing, done = bytearray(b"h" * (48 << 20)), threading.Event(), threading.Event()
+class Slow(logging.Handler):
+    def emit(self, record):
+        writing.set()
+        done.wait(120)
+records = queue.Queue()
+listener = logging.handlers.QueueListener(records, Slow())
+listener.start()
+records.put(logging.LogRecord("x", logging.INFO, "", 1, "%s", (held,), None))
+assert writing.wait(10)
+""")
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded", op
+    manifest = json.loads((_images(jp_serverapp, kernel.id) / "manifest.json").read_text())
+    assert manifest["stash"]["stashed"] == 3 * 96 << 20 and manifest["stash"]["buffers"] == 3, manifest["stash"]
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    said = await kernel.run("done.set(); listener.stop(); print(digest(), held == bytearray(b'h' * (48 << 20)))")
+    assert said.split() == [digest, "True"]
 
 
 async def test_a_damaged_stash_file_fails_the_resume_and_keeps_the_images(jp_fetch, jp_serverapp, kernel):

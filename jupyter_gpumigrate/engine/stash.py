@@ -102,6 +102,20 @@ class Offer:
     aside: str | None = None
     #: served at the safe point of a busy cell
     safe_point: bool = False
+    #: bytes of GPU memory torch had allocated for it, and of large storages left to threads that run on
+    allocated: int = 0
+    spared: int = 0
+
+    def unreached(self) -> str | None:
+        """Why part of what the kernel's torch holds is not offered (it goes with the driver), or None."""
+        said = []
+        if self.spared >= MIN_STASH // 2:
+            said.append(f"{self.spared / 1e9:.1f} GB that a thread running on may touch")
+        rest = self.allocated - sum(self.storages) - self.spared
+        if rest >= MIN_STASH // 2:
+            said.append(f"{rest / 1e9:.1f} GB that its search did not reach (held only by C++, such as autograd's "
+                        "saved tensors and the gradients of a backward pass under way, or in tensors under 1 MiB)")
+        return "; ".join(said) or None
 
 
 def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
@@ -306,6 +320,8 @@ class Stash:
         #: a stash was asked for and no answer came: the kernel may hold tensors there or not
         self.unsure = False
         self.reason: str | None = None
+        #: what the kernel stashed not, and why (it went with the driver), or None
+        self.left: str | None = None
         self.seconds: dict[str, float] = {}
 
     def warm(self, gpu_uuid: str, size: int = 0) -> None:
@@ -348,7 +364,8 @@ class Stash:
             self._hang_up()
             return None
         self.offer = Offer(int(hello.get("pid", 0)), [int(n) for n in hello.get("storages", [])], hello.get("aside"),
-                           bool(hello.get("safe_point")))
+                           bool(hello.get("safe_point")), int(hello.get("allocated") or 0), int(hello.get("spared") or 0))
+        self.left = self.offer.unreached()
         if self.offer.aside:
             self.reason = self.offer.aside
         return self.offer
@@ -366,6 +383,10 @@ class Stash:
         if self.helper is not None and self.helper.gpu_uuid == gpu_uuid and self.helper.size:
             room = min(room, self.helper.size)  # what it allocated as it started
         take, offsets, size = pack(self.offer.storages, room)
+        if 0 < len(take) < len(self.offer.storages):
+            rest = sum(self.offer.storages) - sum(self.offer.storages[i] for i in take)
+            self.left = "; ".join(filter(None, (f"{rest / 1e9:.1f} GB of its tensors did not fit in the stash "
+                                                f"({max(room, 0) / 1e9:.1f} GB of room on the target)", self.left)))
         if not take:
             self.reason = (f"the target GPU has no room for a stash beside the kernel "
                            f"({max(budget, 0) / 1e9:.1f} GB free beyond the move)") if self.offer.storages else \

@@ -61,6 +61,13 @@ HANDED_THREADS = ("torch.utils.data._utils.pin_memory", "multiprocessing.queues"
 MARK = "gpumigrate"
 #: How many objects :func:`reach` looks at before it gives up (the buffers then stay: it steps aside).
 REACH_LIMIT = 200_000
+#: Jupyter's own objects, which :func:`reach` does not go through: they hand a thread no tensor, yet lead
+#: to every one (a thread keeps ``sys.stderr`` as it was when it started, in a kernel ipykernel's stream,
+#: whose session leads to the kernel, its shell and the notebook's namespace).
+JUPYTER = ("ipykernel", "IPython", "zmq", "jupyter_client", "jupyter_core", "comm", "ipywidgets", "debugpy",
+           "traitlets", "jupyter_gpumigrate")
+#: How often :func:`reach` reads a container again that a running thread changed under it.
+REREAD = 5
 _LAZY_ENABLE_PEER_ACCESS = 1
 
 
@@ -111,7 +118,8 @@ def reach(handed: list[threading.Thread], torch: Any, limit: int = REACH_LIMIT) 
     """``("storage", data_ptr)`` of every storage of a tensor, and ``("bytearray", id)`` of every bytearray,
     that the frames of ``handed`` threads reach through their
     local variables, containers and objects' attributes (not through functions, modules or classes: what
-    these threads run touches only what it was handed). Raises :class:`StepAside` past ``limit`` objects."""
+    these threads run touches only what it was handed; nor through Jupyter's objects, :data:`JUPYTER`).
+    Raises :class:`StepAside` past ``limit`` objects, or if a container keeps changing as it is read."""
     frames = sys._current_frames()
     todo: list[Any] = []
     for thread in handed:
@@ -142,16 +150,28 @@ def reach(handed: list[threading.Thread], torch: Any, limit: int = REACH_LIMIT) 
                 pass
             continue
         if isinstance(obj, dict):
-            todo.extend(obj.values())
+            todo.extend(_read(obj.values, handed))
         elif isinstance(obj, containers):
-            todo.extend(obj)
+            todo.extend(_read(obj.__iter__, handed))
         elif isinstance(obj, types.MethodType):
             todo.append(obj.__self__)
-        else:
+        elif not _from(type(obj).__module__ or "", JUPYTER):
             attributes = getattr(obj, "__dict__", None)
             if isinstance(attributes, dict):
-                todo.extend(attributes.values())
+                todo.extend(_read(attributes.values, handed))
     return found
+
+
+def _read(items: Any, handed: list[threading.Thread]) -> list[Any]:
+    """``list(items())``, read again if a thread that runs on changed the container meanwhile (a queue's
+    buffer that its feeder thread empties)."""
+    for _ in range(REREAD):
+        try:
+            return list(items())
+        except RuntimeError:  # "deque mutated during iteration", "dictionary changed size during iteration"
+            continue
+    names = ", ".join(repr(t.name) for t in handed)
+    raise StepAside(f"what thread {names} holds keeps changing: what it may touch cannot be told")
 
 
 def why_not(torch: Any) -> str | None:
@@ -188,12 +208,14 @@ def _parked(thread: threading.Thread) -> bool:
     return work is None or not hasattr(work, "empty") or work.empty()
 
 
-def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
+def large_storages(torch: Any, min_bytes: int = MIN_BYTES, report: dict | None = None) -> list[Any]:
     """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more, largest
     first, less those a handed thread reaches (:func:`threads`). Raises :class:`StepAside` if a storage
-    that cannot be resized aliases one of them."""
+    that cannot be resized aliases one of them. ``report`` gets ``spared``: the bytes of large storages
+    left for the handed threads."""
     spared = reach(threads()[1], torch)
     found: dict[int, Any] = {}
+    left: dict[int, int] = {}
     fixed: dict[int, int] = {}
     tensor = torch.Tensor
     for obj in gc.get_objects():
@@ -210,13 +232,18 @@ def large_storages(torch: Any, min_bytes: int = MIN_BYTES) -> list[Any]:
             continue
         if not storage.resizable():
             fixed[pointer] = size  # memory someone else owns (IPC, DLPack, from_blob): it stays
-        elif size >= min_bytes and ("storage", pointer) not in spared:
-            found[pointer] = storage
+        elif size >= min_bytes:
+            if ("storage", pointer) in spared:
+                left[pointer] = size
+            else:
+                found[pointer] = storage
     taken = sorted((p, p + s.nbytes()) for p, s in found.items())
     for pointer, size in fixed.items():
         if any(start < pointer + size and pointer < end for start, end in taken):
             raise StepAside("a tensor shares GPU memory with another without sharing its storage (DLPack, "
                             "__cuda_array_interface__): it would keep the old address")
+    if report is not None:
+        report["spared"] = sum(left.values())
     return sorted(found.values(), key=lambda s: s.nbytes(), reverse=True)
 
 
@@ -258,7 +285,10 @@ class Stager:
 
     def __init__(self, torch: Any) -> None:
         self.torch = torch
-        self.storages = large_storages(torch)
+        #: what the search saw beside the storages it offers (said to the server: what stays, and why)
+        self.seen: dict[str, int] = {}
+        self.storages = large_storages(torch, report=self.seen)
+        self.seen["allocated"] = int(torch.cuda.memory_allocated())
         self.driver = Driver()
         self.handle: str | None = None
         self.away: list[tuple[Any, int, int]] = []  # (storage, size, offset in the stash)
@@ -376,7 +406,8 @@ def run(path: str, token: str, safe_point: bool = False) -> dict:
         sizes = [s.nbytes() for s in stager.storages] if stager else []
         result = {"aside": aside} if aside else {}
         try:
-            _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside, "safe_point": safe_point})
+            _send(io, {"token": token, "pid": os.getpid(), "storages": sizes, "aside": aside, "safe_point": safe_point,
+                       **(stager.seen if stager else {})})
             conn.settimeout(None)  # the move in between may take as long as the driver needs
             for line in io:
                 message = json.loads(line)

@@ -316,6 +316,10 @@ export interface FastPath {
   reason: string | null;
   seconds: Seconds1;
   /**
+   * Of the GPU memory the kernel's torch held, what the fast path left to the driver and why (tensors that did not fit in the stash, or that its search could not reach, such as those held only by C++); null: nothing worth saying, or it stepped aside.
+   */
+  left?: string | null;
+  /**
    * Where the tensors waited: peer, a stash on the target GPU over the peer link; host, files in memory (GPUs without peer access, or c.MigratableProvisioner.move_stash); null, nowhere: the driver moved everything (a kernel on several GPUs).
    */
   via: 'peer' | 'host' | null;

@@ -60,9 +60,11 @@ class FastPath:
     reason: str | None
     seconds: dict[str, float]
     via: str | None = "peer"
+    #: of what the kernel's torch held, what the fast path left to the driver and why, or None
+    left: str | None = None
 
     def to_dict(self) -> dict:
-        return {"stashed": self.stashed, "reason": self.reason, "via": self.via,
+        return {"stashed": self.stashed, "reason": self.reason, "via": self.via, "left": self.left,
                 "seconds": {k: round(v, 4) for k, v in self.seconds.items()}}
 
 

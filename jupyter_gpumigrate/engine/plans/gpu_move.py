@@ -262,7 +262,8 @@ def run(kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Sta
     move = ctx.move
     assert move is not None
     if ctx.via == PEER and stash is not None:
-        fast_path = FastPath(stash.stashed, stash.reason, dict(stash.seconds), PEER)
+        fast_path = FastPath(stash.stashed, stash.reason, dict(stash.seconds), PEER,
+                             stash.left if stash.stashed else None)
     elif ctx.via == HOST:
         said = ctx.stash_said
         seconds = {k: float(v) for k, v in (("stash", said.get("seconds")), ("unstash", said.get("unstash_seconds")),
