@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import ctypes
 import gc
 import json
 import logging
@@ -121,6 +122,26 @@ def test_a_move_asks_for_cuda_tensors_alone_and_leaves_host_buffers_be(tmp_path:
     assert "aside" in said and "0.0 GB of large buffers" in said["aside"], said
     assert len(ns["blob"]) == 64 << 20 and not list(tmp_path.iterdir()) and not hoststash.away()
     assert [b.kind for b in hoststash.collect(None, 1 << 20)] == ["bytearray"], "a suspend would take it"
+
+
+def test_a_move_writes_no_checksum_and_reads_back_all_the_same(tmp_path: Path) -> None:
+    """The parts' writer and reader as a move between GPUs uses them (``check=False``: its files live in
+    memory for the move alone): no CRC-32 is computed, none is asked for, every byte comes back."""
+    source = bytearray(os.urandom(1 << 20) * 48)
+    target = bytearray(len(source))
+    address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
+    chunks = hoststash.plan_chunks([len(source)], threads=2, chunk=8 << 20)
+    for part in range(2):
+        fd = os.open(tmp_path / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            hoststash.write_part(fd, chunks, part, [address(source)], [False], None, durable=False, check=False)
+        finally:
+            os.close(fd)
+    assert all(c.crc32 is None for c in chunks)
+    for part in range(2):
+        assert hoststash.read_part(tmp_path / hoststash.PART.format(part), chunks, part, [address(target)], [False],
+                                   None) is None
+    assert target == source
 
 
 def test_a_short_file_or_a_foreign_index_is_refused(tmp_path: Path) -> None:

@@ -21,6 +21,10 @@ too little to gain (``min_total``).
 The files, in the image folder:
     stash-NN.bin       one per writer thread; chunks of buffers, each at an offset
     stash-index.json   written last: the session, and per chunk its buffer, place and CRC-32
+A move between GPUs without peer access (``gpu_only``) computes no CRC-32: its files stay in memory
+(tmpfs) for the second of the move and are read back by the process that wrote them, so a checksum would
+check memory against memory, and it costs the move about a second at 32 GB (docs/internals.md). A
+suspend's are computed and checked: its images wait, and may be copied or moved to disk.
 A folder with parts but no index is a stash that did not finish: nothing was freed yet (buffers are
 freed only once every part is written and synced), so the server removes it.
 
@@ -274,7 +278,8 @@ class Chunk:
     size: int
     part: int
     offset: int
-    crc32: int = 0
+    #: None: not computed (a move's stash, see the module's docstring), and not checked
+    crc32: int | None = 0
 
 
 def plan_chunks(sizes: list[int], threads: int, chunk: int = CHUNK) -> list[Chunk]:
@@ -333,9 +338,10 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
 
 
 def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
-               cuda: Cuda | None, durable: bool) -> None:
+               cuda: Cuda | None, durable: bool, check: bool = True) -> None:
     """Write the chunks of file ``part`` to ``fd``, each from its buffer (``addresses``; those ``on_gpu``
-    through the two pinned buffers of a lane of ``cuda``), setting each chunk's CRC-32."""
+    through the two pinned buffers of a lane of ``cuda``), setting each chunk's CRC-32 (None unless
+    ``check``)."""
     mine = [c for c in chunks if c.part == part]
     gpu = [on_gpu[c.buffer] for c in mine]
     if cuda is None and any(gpu):
@@ -354,7 +360,7 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
                 view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
             else:
                 view = _view(addresses[c.buffer] + c.at, c.size)
-            c.crc32 = zlib.crc32(view)
+            c.crc32 = zlib.crc32(view) if check else None
             _io_all(os.pwrite, fd, view, c.offset)
         if durable:
             os.fsync(fd)
@@ -366,8 +372,8 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
 
 def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
               cuda: Cuda | None) -> str | None:
-    """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each CRC-32; what is
-    wrong with the file, or None. A chunk that does not match ends the reading of that file."""
+    """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each CRC-32 (where one was
+    computed); what is wrong with the file, or None. A chunk that does not match ends the reading of that file."""
     mine = [c for c in chunks if c.part == part]
     if not mine:
         return None
@@ -390,7 +396,7 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
                 _io_all(_pread, fd, view, c.offset)
             except OSError as exc:
                 return f"{path.name}: {exc}"
-            if zlib.crc32(view) != c.crc32:
+            if c.crc32 is not None and zlib.crc32(view) != c.crc32:
                 return f"{path.name} at byte {c.offset}: its checksum does not match"
             if gpu:
                 lane.into(i % 2, target, c.size)  # type: ignore[union-attr]
@@ -417,7 +423,7 @@ def run_parts(work: Any, parts: int) -> None:
 def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES,
           safe_point: dict | None = None, gpu_only: bool = False) -> str:
     """Write the kernel's large buffers (``gpu_only``: its CUDA storages alone, for a move between GPUs
-    without peer access) into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
+    without peer access, with no CRC-32) into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
     changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed. With
     ``safe_point`` (kernel/safepoint.py: the cell waits at it), the index says where."""
@@ -461,7 +467,8 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
 
         on_gpu = [b.kind == "cuda" for b in buffers]
         copying = time.perf_counter()
-        run_parts(lambda part: write_part(fds[part], chunks, part, addresses, on_gpu, cuda, durable), parts)
+        check = not gpu_only  # a move's files live in memory for the move alone (the module's docstring)
+        run_parts(lambda part: write_part(fds[part], chunks, part, addresses, on_gpu, cuda, durable, check), parts)
         written = time.perf_counter()
         session = secrets.token_hex(8)
         index = {"format": FORMAT, "session": session, "pid": os.getpid(),
@@ -563,7 +570,7 @@ def out_of_bounds(chunks: list[Chunk], sizes: list[int], parts: int) -> Chunk | 
 
 
 def take_back(folder: str, threads: int = THREADS) -> str:
-    """Bring every buffer back from the stash in ``folder``, checking each chunk against the CRC-32 this
+    """Bring every buffer back from the stash in ``folder``, checking each chunk against the CRC-32 (if any) this
     kernel kept in its own memory. Returns JSON: ``{"unstashed": bytes, "seconds": s}``. Raises
     :class:`StashDamaged` (the index not this stash's, a file missing, short or not matching): the buffers
     that could not be filled are left as they are, and the server kills this process and keeps the images."""

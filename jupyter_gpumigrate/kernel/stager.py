@@ -174,23 +174,46 @@ def _read(items: Any, handed: list[threading.Thread]) -> list[Any]:
     raise StepAside(f"what thread {names} holds keeps changing: what it may touch cannot be told")
 
 
-def why_not(torch: Any) -> str | None:
+class Live:
+    """What one pass over the collector's objects found: the live tensors, and whether a CUDA graph is
+    alive. One pass, each type asked once (a kernel holds some 200,000 objects: :func:`why_not` and
+    :func:`large_storages` looking for themselves took twice as long)."""
+
+    def __init__(self, torch: Any) -> None:
+        tensor = torch.Tensor
+        graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
+        kinds: dict[type, int] = {}
+        self.tensors: list[Any] = []
+        self.graph = False
+        for obj in gc.get_objects():
+            # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
+            kind = type(obj)
+            found = kinds.get(kind)
+            if found is None:
+                found = kinds[kind] = 1 if issubclass(kind, tensor) else \
+                    2 if graph is not None and issubclass(kind, graph) else 0
+            if found == 1:
+                self.tensors.append(obj)
+            elif found == 2:
+                self.graph = True
+
+
+def why_not(torch: Any, live: Live | None = None) -> str | None:
     """Why the fast path must step aside in this process, or None."""
     if torch is None or not torch.cuda.is_initialized():
         return "the kernel does not use CUDA through PyTorch"
-    return unsafe(torch)
+    return unsafe(torch, live)
 
 
-def unsafe(torch: Any) -> str | None:
+def unsafe(torch: Any, live: Live | None = None) -> str | None:
     """Why this process's buffers may not be taken away between two cells or at a safe point (by the fast
     path, or the host stash of a suspend, kernel/hoststash.py), or None: a library that holds CUDA memory
-    by address, a live CUDA graph, or a thread that could touch them (:func:`threads`)."""
+    by address, a live CUDA graph, or a thread that could touch them (:func:`threads`). ``live``: a pass
+    over the objects already made (else one is made here)."""
     loaded = [name for name in FOREIGN_CUDA if name in sys.modules]
     if loaded:
         return f"{', '.join(loaded)} is loaded and may hold GPU memory by address"
-    graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
-    # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
-    if graph is not None and any(issubclass(type(o), graph) for o in gc.get_objects()):
+    if torch is not None and (live or Live(torch)).graph:
         return "a CUDA graph is alive (graphs replay fixed addresses)"
     return threads()[0]
 
@@ -208,7 +231,8 @@ def _parked(thread: threading.Thread) -> bool:
     return work is None or not hasattr(work, "empty") or work.empty()
 
 
-def large_storages(torch: Any, min_bytes: int = MIN_BYTES, report: dict | None = None) -> list[Any]:
+def large_storages(torch: Any, min_bytes: int = MIN_BYTES, report: dict | None = None,
+                   live: Live | None = None) -> list[Any]:
     """Every distinct CUDA storage of a live tensor that can be resized, of ``min_bytes`` or more, largest
     first, less those a handed thread reaches (:func:`threads`). Raises :class:`StepAside` if a storage
     that cannot be resized aliases one of them. ``report`` gets ``spared``: the bytes of large storages
@@ -217,10 +241,7 @@ def large_storages(torch: Any, min_bytes: int = MIN_BYTES, report: dict | None =
     found: dict[int, Any] = {}
     left: dict[int, int] = {}
     fixed: dict[int, int] = {}
-    tensor = torch.Tensor
-    for obj in gc.get_objects():
-        if not issubclass(type(obj), tensor):
-            continue
+    for obj in (live or Live(torch)).tensors:
         try:
             if not obj.is_cuda or obj.layout != torch.strided:
                 continue
@@ -283,11 +304,11 @@ class Driver:
 class Stager:
     """The storages of one session and where they are (here, or in the stash)."""
 
-    def __init__(self, torch: Any) -> None:
+    def __init__(self, torch: Any, live: Live | None = None) -> None:
         self.torch = torch
         #: what the search saw beside the storages it offers (said to the server: what stays, and why)
         self.seen: dict[str, int] = {}
-        self.storages = large_storages(torch, report=self.seen)
+        self.storages = large_storages(torch, report=self.seen, live=live)
         self.seen["allocated"] = int(torch.cuda.memory_allocated())
         self.driver = Driver()
         self.handle: str | None = None
@@ -394,10 +415,11 @@ def run(path: str, token: str, safe_point: bool = False) -> dict:
     with conn, conn.makefile("rwb") as io:
         stager: Stager | None = None
         gathering = time.perf_counter()
-        aside = why_not(torch)
+        live = Live(torch) if torch is not None and torch.cuda.is_initialized() else None
+        aside = why_not(torch, live)
         if aside is None:
             try:
-                stager = Stager(torch)
+                stager = Stager(torch, live)
                 stager.parts["gather"] = time.perf_counter() - gathering
             except OSError as exc:
                 aside = f"the CUDA driver library cannot be loaded ({exc})"
