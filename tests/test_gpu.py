@@ -149,6 +149,37 @@ async def test_a_running_training_loop_moves_and_its_losses_match_an_unmoved_run
     assert fast["stashed"] >= 2 * GIB and "safe_point" in fast["seconds"], "the cell served the fast path at its safe point"
 
 
+#: LOADER's data through worker processes (spawned: they start no CUDA) and pinned memory: its pin-memory
+#: thread and its queues' feeder threads run on through a move (kernel/stager.py's handed threads).
+WORKERS = """
+wloader = DataLoader(data, batch_size=256, pin_memory=True, num_workers=2, multiprocessing_context="spawn",
+                     persistent_workers=True)
+"""
+
+
+async def test_a_training_loop_with_data_loader_workers_moves_mid_cell_by_the_fast_path(jp_fetch, kernel):
+    """The loader's threads run on (they touch only what they are handed, and reach the notebook through
+    no Jupyter object); everything else, the 2 GiB beside the model included, takes the fast path at the
+    cell's safe point, and the losses are those of an unmoved run."""
+    await build(kernel, gib=2)
+    await kernel.run(LOADER + WORKERS)
+    ref = await kernel.run("m, o, _ = make(1); reference = [v for _ in range(12) for v in epoch(m, o, 0, wloader)]; "
+                           "print(len(reference))", timeout=300)
+    assert ref.strip() == "192"
+    cell = await start_busy(jp_fetch, kernel, "m, o, _ = make(1); moved = [v for _ in range(12) for v in "
+                            "epoch(m, o, 0.02, wloader)]; print(len(moved))", settle=1.0)
+    op = await operate(jp_fetch, kernel.id, "migrate", {"to_gpu": 1})
+    assert op["status"] == "succeeded", op
+    assert not cell.done(), "the move happened while the cell ran"
+    fast = op["fast_path"]
+    assert fast["stashed"] >= 2 * GIB and fast["left"] is None and "safe_point" in fast["seconds"], fast
+    result = await cell
+    assert result.status == "ok" and result.out.strip() == "192", result.errors
+    out = await kernel.run("print(moved == reference, state_digest() == before)")
+    assert out.split() == ["True", "True"], "the losses are those of the unmoved run; every value is kept"
+    assert where(kernel.manager.provisioner.pid) == {1}
+
+
 async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
     pid = await build(kernel, gib=4)
     used_before = gpus_mod.snapshot()[0].memory_used
@@ -534,9 +565,9 @@ from torch.utils.data import DataLoader, TensorDataset
 _g = torch.Generator().manual_seed(7)
 data = TensorDataset(torch.randn(4096, 512, generator=_g), torch.randint(0, 10, (4096,), generator=_g))
 
-def epoch(model, opt, pause=0.0):
+def epoch(model, opt, pause=0.0, loader=None):
     losses = []
-    for x, y in DataLoader(data, batch_size=256, pin_memory=True):
+    for x, y in loader if loader is not None else DataLoader(data, batch_size=256, pin_memory=True):
         x, y = x.cuda(non_blocking=True), y.cuda(non_blocking=True)
         loss = torch.nn.functional.cross_entropy(model(x), y)
         opt.zero_grad()
