@@ -1,7 +1,7 @@
 """What the benchmarks share (the text table they print last), and docs/performance.md, made from results.
 
     python3 bench/report.py [RESULTS.json ...]     (default: the newest day's bench/results/*-bench.json,
-                                                    and the newest *-suspend.json and *-move.json)
+                                                    and the newest *-suspend.json and three newest *-move.json)
 
 writes docs/performance.md: how each number was measured, then one table per run, with each method's
 ratio to ours *within that run* (ratios are never taken across runs); then GPU suspend and resume
@@ -355,13 +355,14 @@ def newest_transplant_runs() -> list[Path]:
     return [path for _, path in sorted(runs.values())]
 
 
-def newest_move_run() -> list[Path]:
-    """The newest run of bench/move_bench.py, and before it the newest that measured the driver alone (a run
-    may measure some ways only), oldest first."""
+def newest_move_run(count: int = 3) -> list[Path]:
+    """The ``count`` newest runs of bench/move_bench.py (one machine's card is not another's: several runs show
+    how much they differ), and before them the newest that measured the driver alone (a run may measure
+    some ways only), oldest first."""
     found = sorted(RESULTS.glob("*-move.json"),
                    key=lambda p: (json.loads(p.read_text()).get("meta", {}).get("date", ""), p.name))
     driver = [p for p in found if any(r.get("way") == "driver" for r in json.loads(p.read_text()).get("rows", []))]
-    return sorted({*found[-1:], *driver[-1:]}, key=found.index)
+    return sorted({*found[-count:], *driver[-1:]}, key=found.index)
 
 
 def newest_suspend_runs() -> list[Path]:
