@@ -371,13 +371,13 @@ async def test_an_idle_kernel_serves_the_fast_path_and_a_busy_one_is_not_asked(j
             await asyncio.to_thread(stash.stash, "GPU-unused", 1 << 40)
         assert early.proc.poll() is not None, "the helper has ended"
         # What did not fit is said, for the operation's record (the driver carries it).
-        assert stash.left == "3.0 GB of its tensors did not fit in the stash (4.0 GB of room on the target)"
+        assert stash.left == "3.0 GB of tensors that did not fit in the stash (4.0 GB of room on the target)"
         # So is what the kernel's search did not offer: left to a thread, or out of its reach.
         assert Offer(1, [3 * 10**9], allocated=3 * 10**9 + 10**8).unreached() is None
         assert Offer(1, [3 * 10**9], allocated=9 * 10**9, spared=2 * 10**9).unreached() == (
-            "2.0 GB that a thread running on may touch; 4.0 GB that its search did not reach (held only by C++, "
-            "such as autograd's saved tensors and the gradients of a backward pass under way, or in tensors under "
-            "1 MiB)")
+            "2.0 GB that a thread running on may touch, 4.0 GB that its search did not reach or cannot offer (held "
+            "only by C++, such as autograd's saved tensors and the gradients of a backward pass under way, or in "
+            "tensors small, sparse or wrapped)")
     finally:
         await asyncio.to_thread(stash.close)
     assert not os.path.exists(stash.path) and not os.path.exists(stash.folder)

@@ -113,9 +113,10 @@ class Offer:
             said.append(f"{self.spared / 1e9:.1f} GB that a thread running on may touch")
         rest = self.allocated - sum(self.storages) - self.spared
         if rest >= MIN_STASH // 2:
-            said.append(f"{rest / 1e9:.1f} GB that its search did not reach (held only by C++, such as autograd's "
-                        "saved tensors and the gradients of a backward pass under way, or in tensors under 1 MiB)")
-        return "; ".join(said) or None
+            said.append(f"{rest / 1e9:.1f} GB that its search did not reach or cannot offer (held only by C++, "
+                        "such as autograd's saved tensors and the gradients of a backward pass under way, or in "
+                        "tensors small, sparse or wrapped)")
+        return ", ".join(said) or None
 
 
 def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
@@ -385,7 +386,7 @@ class Stash:
         take, offsets, size = pack(self.offer.storages, room)
         if 0 < len(take) < len(self.offer.storages):
             rest = sum(self.offer.storages) - sum(self.offer.storages[i] for i in take)
-            self.left = "; ".join(filter(None, (f"{rest / 1e9:.1f} GB of its tensors did not fit in the stash "
+            self.left = ", ".join(filter(None, (f"{rest / 1e9:.1f} GB of tensors that did not fit in the stash "
                                                 f"({max(room, 0) / 1e9:.1f} GB of room on the target)", self.left)))
         if not take:
             self.reason = (f"the target GPU has no room for a stash beside the kernel "

@@ -9,7 +9,7 @@ a checkpoint out at about 1.5 GB/s (docs/internals.md): a kernel holding 32 GB t
 of the image folder with many threads (CUDA memory through pinned host buffers), and frees them; the
 driver then checkpoints only the CUDA context and CRIU dumps only what is left. At resume, once the tree
 is restored (and remapped), the buffers are allocated again and read back, each chunk checked against
-its checksum. A buffer keeps its identity (``Storage.resize_`` to 0 and back; a ``bytearray`` resized
+its checksum (a suspend's). A buffer keeps its identity (``Storage.resize_`` to 0 and back; a ``bytearray`` resized
 in place), so every tensor, view, parameter, gradient and optimizer state sharing it sees the same values.
 
 What it takes: PyTorch storages (CUDA or CPU) that can be resized, and ``bytearray`` objects held by a
@@ -21,10 +21,11 @@ too little to gain (``min_total``).
 The files, in the image folder:
     stash-NN.bin       one per writer thread; chunks of buffers, each at an offset
     stash-index.json   written last: the session, and per chunk its buffer, place and CRC-32
-A move between GPUs without peer access (``gpu_only``) computes no CRC-32: its files stay in memory
-(tmpfs) for the second of the move and are read back by the process that wrote them, so a checksum would
-check memory against memory, and it costs the move about a second at 32 GB (docs/internals.md). A
-suspend's are computed and checked: its images wait, and may be copied or moved to disk.
+A move between GPUs without peer access (``gpu_only``) into memory (tmpfs) computes no CRC-32: the process
+that wrote its files reads them back (after the move, or once a restarted server asks), from memory, so a
+checksum would check memory against memory, and it costs the move about a second at 32 GB
+(docs/internals.md). A suspend's are computed and checked, as are a move's on disk: images that wait may
+be copied, or moved to disk. Whether a stash is checked is the kernel's own record, not the index's.
 A folder with parts but no index is a stash that did not finish: nothing was freed yet (buffers are
 freed only once every part is written and synced), so the server removes it.
 
@@ -50,7 +51,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .stager import StepAside, reach as _reach, threads as _threads, unsafe as _unsafe
+from .stager import Live, StepAside, reach as _reach, threads as _threads, unsafe as _unsafe
 
 FORMAT = 1
 INDEX = "stash-index.json"
@@ -107,16 +108,15 @@ def _resize_bytearray(obj: bytearray, size: int) -> None:
         raise MemoryError(f"cannot give a bytearray its {size} bytes back")
 
 
-def collect(torch: Any, min_bytes: int = MIN_BYTES, gpu_only: bool = False) -> list[Buffer]:
+def collect(torch: Any, min_bytes: int = MIN_BYTES, gpu_only: bool = False, live: Live | None = None) -> list[Buffer]:
     """Every distinct buffer of ``min_bytes`` or more that can be freed and given back in place, largest
     first: resizable PyTorch storages of live tensors (CUDA or CPU), and bytearrays nobody holds a view of
     (``gpu_only``: CUDA storages alone); none that a thread which runs on reaches (kernel/stager.py's
-    ``threads`` and ``reach``)."""
+    ``threads`` and ``reach``). ``live``: the tensors, if a pass over the objects found them already."""
     found: dict[tuple[str, int], Buffer] = {}
     spared = _reach(_threads()[1], torch)  # what a thread that runs on may touch stays
-    tracked = gc.get_objects()
     # bytearrays hold no references, so the collector does not track them: look in what holds them.
-    holders = [] if gpu_only else [o for o in tracked if type(o) in (dict, list)]
+    holders = [] if gpu_only else [o for o in gc.get_objects() if type(o) in (dict, list)]
     for obj in gc.get_referents(*holders):
         if type(obj) is bytearray and len(obj) >= min_bytes and ("bytearray", id(obj)) not in found \
                 and ("bytearray", id(obj)) not in spared and _exports(obj) == 0:
@@ -126,10 +126,7 @@ def collect(torch: Any, min_bytes: int = MIN_BYTES, gpu_only: bool = False) -> l
     cuda_on = torch is not None and torch.cuda.is_initialized()
     #: (device, start, end) of storages that stay: one that overlaps a taken one would keep a freed address
     fixed: list[tuple[str, int, int]] = []
-    for obj in tracked:
-        kind = type(obj)
-        if torch is None or not issubclass(kind, torch.Tensor):
-            continue
+    for obj in (live or Live(torch)).tensors if torch is not None else ():
         try:
             if obj.layout != torch.strided or obj.device.type not in ("cuda", "cpu"):
                 continue
@@ -170,10 +167,10 @@ def _exports(obj: bytearray) -> int:
     return 0
 
 
-def why_not(torch: Any) -> str | None:
+def why_not(torch: Any, live: Live | None = None) -> str | None:
     """Why the host stash must step aside in this process, or None. The fast path's rules (threads, CUDA
     graphs, libraries that hold CUDA memory by address), less its need for CUDA: CPU buffers go too."""
-    return _unsafe(torch)
+    return _unsafe(torch, live)
 
 
 # -- the CUDA driver, for CUDA buffers -------------------------------------------------------------------
@@ -278,7 +275,7 @@ class Chunk:
     size: int
     part: int
     offset: int
-    #: None: not computed (a move's stash, see the module's docstring), and not checked
+    #: None: not computed (a move's stash in memory, see the module's docstring)
     crc32: int | None = 0
 
 
@@ -317,10 +314,11 @@ def _fs_type(folder: Path) -> str:
 #: The buffers now in files, in the order of the index, and the session that wrote them.
 #: The buffers of the stash now in files, in the order of the index; its chunks, CRC-32s included (what a
 #: resume checks the files against: the kernel's own memory, which CRIU carries, not the index on disk);
-#: and the session id written into the index.
+#: and the session id written into the index; and whether the chunks carry CRC-32s to check.
 _away: list[Buffer] = []
 _chunks: list[Chunk] = []
 _session: str | None = None
+_checked = True
 
 
 def _io_all(fn: Any, fd: int, view: memoryview, offset: int) -> None:
@@ -371,9 +369,10 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
 
 
 def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
-              cuda: Cuda | None) -> str | None:
-    """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each CRC-32 (where one was
-    computed); what is wrong with the file, or None. A chunk that does not match ends the reading of that file."""
+              cuda: Cuda | None, check: bool = True) -> str | None:
+    """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each CRC-32 (unless
+    ``check`` is False: the caller's own record says none was computed); what is wrong with the file, or
+    None. A chunk that does not match, or has no CRC-32 to check, ends the reading of that file."""
     mine = [c for c in chunks if c.part == part]
     if not mine:
         return None
@@ -396,8 +395,9 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
                 _io_all(_pread, fd, view, c.offset)
             except OSError as exc:
                 return f"{path.name}: {exc}"
-            if c.crc32 is not None and zlib.crc32(view) != c.crc32:
-                return f"{path.name} at byte {c.offset}: its checksum does not match"
+            if check and (c.crc32 is None or zlib.crc32(view) != c.crc32):
+                return f"{path.name} at byte {c.offset}: its checksum " + \
+                    ("is missing" if c.crc32 is None else "does not match")
             if gpu:
                 lane.into(i % 2, target, c.size)  # type: ignore[union-attr]
     finally:
@@ -427,18 +427,22 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
     changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed. With
     ``safe_point`` (kernel/safepoint.py: the cell waits at it), the index says where."""
-    global _session
+    global _session, _checked
     if _away:
         return json.dumps({"aside": "buffers of an earlier stash are still away"})
     torch = sys.modules.get("torch")
-    reason = why_not(torch)
-    if reason:
-        return json.dumps({"aside": reason})
     started = time.perf_counter()
     try:
-        buffers = collect(torch, min_bytes, gpu_only)
+        live = Live(torch) if torch is not None else None  # one pass over the objects, for both
+        reason = why_not(torch, live)
+        if reason:
+            return json.dumps({"aside": reason})
+        buffers = collect(torch, min_bytes, gpu_only, live)
     except StepAside as exc:
         return json.dumps({"aside": str(exc)})
+    except (TypeError, AttributeError, ValueError) as exc:  # an object the search cannot read: nothing changed
+        return json.dumps({"aside": f"the kernel's search for its buffers failed ({type(exc).__name__}: {exc})"})
+    del live
     found = time.perf_counter()
     total = sum(b.size for b in buffers)
     if not buffers or total < max(min_total, 1):
@@ -467,7 +471,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
 
         on_gpu = [b.kind == "cuda" for b in buffers]
         copying = time.perf_counter()
-        check = not gpu_only  # a move's files live in memory for the move alone (the module's docstring)
+        check = not gpu_only or durable  # a move's files in memory are read back from memory (the docstring)
         run_parts(lambda part: write_part(fds[part], chunks, part, addresses, on_gpu, cuda, durable, check), parts)
         written = time.perf_counter()
         session = secrets.token_hex(8)
@@ -483,7 +487,7 @@ def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: in
         # no interrupt (SIGINT) between one buffer freed and the next.
         _away[:] = buffers
         _chunks[:] = chunks
-        _session = session
+        _session, _checked = session, check
         with no_interrupt():
             for b in buffers:
                 try:
@@ -604,7 +608,7 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     on_gpu = [b.kind == "cuda" for b in buffers]
 
     def read(part: int) -> None:
-        wrong = read_part(root / PART.format(part), chunks, part, addresses, on_gpu, cuda)
+        wrong = read_part(root / PART.format(part), chunks, part, addresses, on_gpu, cuda, _checked)
         if wrong:
             with lock:
                 damaged.append(wrong)

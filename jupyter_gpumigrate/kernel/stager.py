@@ -155,11 +155,16 @@ def reach(handed: list[threading.Thread], torch: Any, limit: int = REACH_LIMIT) 
             todo.extend(_read(obj.__iter__, handed))
         elif isinstance(obj, types.MethodType):
             todo.append(obj.__self__)
-        elif not _from(type(obj).__module__ or "", JUPYTER):
+        elif not _from(_module_of(obj), JUPYTER):
             attributes = getattr(obj, "__dict__", None)
             if isinstance(attributes, dict):
                 todo.extend(_read(attributes.values, handed))
     return found
+
+
+def _module_of(obj: Any) -> str:
+    module = getattr(type(obj), "__module__", None)  # a class body may set it to anything
+    return module if isinstance(module, str) else ""
 
 
 def _read(items: Any, handed: list[threading.Thread]) -> list[Any]:
@@ -182,20 +187,28 @@ class Live:
     def __init__(self, torch: Any) -> None:
         tensor = torch.Tensor
         graph = getattr(getattr(torch, "cuda", None), "CUDAGraph", None)
-        kinds: dict[type, int] = {}
+        #: by id(): a metaclass may define __eq__ and no __hash__ (the types live as long as the objects' list)
+        kinds: dict[int, int] = {}
         self.tensors: list[Any] = []
         self.graph = False
         for obj in gc.get_objects():
             # type(), not isinstance(): isinstance asks odd objects for __class__, and some modules warn then.
             kind = type(obj)
-            found = kinds.get(kind)
+            found = kinds.get(id(kind))
             if found is None:
-                found = kinds[kind] = 1 if issubclass(kind, tensor) else \
-                    2 if graph is not None and issubclass(kind, graph) else 0
+                found = kinds[id(kind)] = _kind(kind, tensor, graph)
             if found == 1:
                 self.tensors.append(obj)
             elif found == 2:
                 self.graph = True
+
+
+def _kind(kind: type, tensor: type, graph: type | None) -> int:
+    """1: a tensor's type, 2: a CUDA graph's, 0: neither (or a type that cannot say)."""
+    try:
+        return 1 if issubclass(kind, tensor) else 2 if graph is not None and issubclass(kind, graph) else 0
+    except Exception:  # noqa: BLE001  a metaclass's own __subclasscheck__ that fails: not torch's
+        return 0
 
 
 def why_not(torch: Any, live: Live | None = None) -> str | None:
@@ -309,7 +322,8 @@ class Stager:
         #: what the search saw beside the storages it offers (said to the server: what stays, and why)
         self.seen: dict[str, int] = {}
         self.storages = large_storages(torch, report=self.seen, live=live)
-        self.seen["allocated"] = int(torch.cuda.memory_allocated())
+        devices = {s.device.index for s in self.storages} | {torch.cuda.current_device()}
+        self.seen["allocated"] = sum(int(torch.cuda.memory_allocated(d)) for d in devices if d is not None)
         self.driver = Driver()
         self.handle: str | None = None
         self.away: list[tuple[Any, int, int]] = []  # (storage, size, offset in the stash)
@@ -415,16 +429,19 @@ def run(path: str, token: str, safe_point: bool = False) -> dict:
     with conn, conn.makefile("rwb") as io:
         stager: Stager | None = None
         gathering = time.perf_counter()
-        live = Live(torch) if torch is not None and torch.cuda.is_initialized() else None
-        aside = why_not(torch, live)
-        if aside is None:
-            try:
+        try:
+            live = Live(torch) if torch is not None and torch.cuda.is_initialized() else None
+            aside = why_not(torch, live)
+            if aside is None:
                 stager = Stager(torch, live)
                 stager.parts["gather"] = time.perf_counter() - gathering
-            except OSError as exc:
-                aside = f"the CUDA driver library cannot be loaded ({exc})"
-            except StepAside as exc:
-                aside = str(exc)
+        except OSError as exc:
+            aside = f"the CUDA driver library cannot be loaded ({exc})"
+        except StepAside as exc:
+            aside = str(exc)
+        except Exception as exc:  # noqa: BLE001  an object the search cannot read: the driver moves it all
+            aside = f"the kernel's search for its tensors failed ({type(exc).__name__}: {exc})"
+        live = None  # every tensor it listed, garbage included, would live as long as the session
         sizes = [s.nbytes() for s in stager.storages] if stager else []
         result = {"aside": aside} if aside else {}
         try:

@@ -147,7 +147,8 @@ def host_stash(ctx: MoveContext) -> None:
 
 
 def take_back_host(ctx: MoveContext) -> None:
-    """The kernel, on the target now, reads its tensors back from the host stash, checking each chunk."""
+    """The kernel, on the target now, reads its tensors back from the host stash (files in memory carry no
+    checksum: the kernel reads back from memory what it wrote there; on disk each chunk is checked)."""
     timeout = suspend.STASH_WAIT + int(ctx.stash_said.get("stashed", 0)) / suspend.STASH_RATE
     keep, ctx.keep_images = ctx.keep_images, True  # the files are all there is of them until it has
     try:
