@@ -156,8 +156,9 @@ def report(op: dict, kernel_id: str | None = None) -> str:
                 f"({size(op.get('bytes'))} sent{how}; slowest phase: {slow}).")
     if action == "migrate":
         fast = _fast_path(op)
-        how = (f", {size(fast['stashed'])} of it by {_by(fast)}{_mid_cell(fast.get('seconds'))}" if fast.get("stashed") else
-               f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
+        rest = f"; the driver carried {fast['left']}" if fast.get("left") else ""
+        how = (f", {size(fast['stashed'])} of it by {_by(fast)}{_mid_cell(fast.get('seconds'))}{rest}"
+               if fast.get("stashed") else f"; by the driver alone: {fast['reason']}" if fast.get("reason") else "")
         return (f"{kernel} moved {gpus_moved(op)} {took} "
                 f"({size(op.get('bytes'))} of GPU memory{how}; slowest phase: {slow}).")
     if action == "transplant":

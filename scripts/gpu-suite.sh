@@ -344,7 +344,8 @@ cmd_pack() {
   make_ip_bundle
   # Which code the kit was packed from: run prints it, so that each dated result names its commit.
   { echo "commit $(git rev-parse HEAD)"
-    echo "uncommitted changes: $(git status --porcelain --untracked-files=no | wc -l) files"; } >"$KIT/source.txt"
+    echo "uncommitted changes: $(git status --porcelain --untracked-files=no | wc -l) files"
+    echo "sources $(sources_digest)"; } >"$KIT/source.txt"
   [ "${GPUKIT_NO_CHECK:-0}" = 1 ] || check_kit "$py"
 
   log "wheels carried ($(ls "$KIT"/whl/*.whl | wc -l)):"
@@ -383,9 +384,26 @@ LD_LIBRARY_PATH=/tmp/criu/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH} exec /tmp/cri
   echo "--- criu check";     timeout 60 criu check 2>&1 | tail -n 25 || echo "criu check failed"
 }
 
+# A digest of the two packages' sources as they are in this tree (not git's view: the GPU machine's copy may
+# have no .git). pack records it; run compares, so that a kit packed before a change is not measured as if
+# it held that change (its wheels are what runs there).
+sources_digest() {
+  find jupyter_gpumigrate client/jupyter_gpumigrate_client -type f \
+      \( -name '*.py' -o -name '*.json' -o -name '*.yaml' -o -name '*.html' \) \
+      ! -name _version.py ! -path '*/labextension/*' ! -path '*/__pycache__/*' -print0 \
+    | LC_ALL=C sort -z | xargs -0 sha256sum | sha256sum | cut -c1-16
+}
+
 cmd_run() {
   [ -d "$KIT/whl" ] && [ -x "$KIT/criu/bin/criu" ] \
     || die "$KIT is missing or incomplete: run 'scripts/gpu-suite.sh pack' on the dev machine and carry .gpukit"
+  local packed here
+  packed="$(sed -n 's/^sources //p' "$KIT/source.txt" 2>/dev/null)"
+  here="$(sources_digest)"
+  if [ "$packed" != "$here" ] && [ "${GPUKIT_STALE_OK:-0}" != 1 ]; then
+    die "the kit's wheels were built from other sources (${packed:-unknown}) than this tree's ($here): run" \
+      "'scripts/gpu-suite.sh pack' again on the dev machine (GPUKIT_STALE_OK=1 runs the old wheels anyway)"
+  fi
   OUT="${OUT:-/tmp/gpu-out}"
   mkdir -p "$OUT"
   export OUT PYTHONUNBUFFERED=1

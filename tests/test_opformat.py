@@ -50,6 +50,8 @@ def test_a_move_to_another_gpu_in_both_voices():
     part = op | {"fast_path": {"stashed": 8_000_000_000, "left": "7.5 GB that its search did not reach"}}
     assert "(8.0 GB of tensors by the fast path; the driver carried 7.5 GB that its search did not reach);" in \
         describe(part)
+    assert "8.0 GB of it by the fast path; the driver carried 7.5 GB that its search did not reach; slowest" in \
+        report(part)
     aside = op | {"fast_path": {"stashed": 0, "reason": "the kernel is busy"}}
     assert "(by the driver alone: the kernel is busy);" in describe(aside)
     assert "(8.6 GB of GPU memory; by the driver alone: the kernel is busy; slowest phase: stash)" in report(aside)
