@@ -565,3 +565,22 @@ async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source
     assert not Path(f"/proc/{pid}").exists(), "the source was shut down"
     assert not _scratch_folders_of(images), "no objects' folder is left"
     assert not images.path_for(kernel.id).exists()
+
+
+def test_the_new_process_never_says_starting_even_after_other_statuses() -> None:
+    """ipykernel publishes "starting" as its kernel starts; the server's nudge may be answered (busy, idle)
+    before that. Every "starting" of the new process is said as "idle", whatever came first."""
+    from jupyter_gpumigrate.kernel.transplant import _go_on_idle
+
+    class Kernel:  # ipykernel's Kernel, as far as _go_on_idle touches it
+        def __init__(self) -> None:
+            self.said: list[str] = []
+
+        def _publish_status(self, status: str, channel: str, parent: object = None) -> None:
+            self.said.append(status)
+
+    kernel = Kernel()
+    _go_on_idle(kernel)
+    for status in ("busy", "idle", "starting", "busy", "idle"):
+        kernel._publish_status(status, "shell")
+    assert kernel.said == ["busy", "idle", "idle", "busy", "idle"]

@@ -727,19 +727,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _go_on_idle(kernel: Any) -> None:
-    """The notebook's kernel goes on in this process, idle: its first status says so, not "starting". A
+    """The notebook's kernel goes on in this process, idle: its status says so, never "starting". A
     frontend that hears "starting" (JupyterLab does, when its IOPub is back in time) waits for the "idle" of
     a first request that nobody sends: it shows "Starting" until the next cell, and a client that waits for
-    idle before it sends one waits for ever. (ipykernel's own method, wrapped once: absent, nothing done.)"""
+    idle before it sends one waits for ever. Every "starting" is said as "idle", not only the first status:
+    the server's nudge (a kernel_info_request on a control channel) may be answered, with its own busy and
+    idle, before ipykernel publishes "starting" (seen on the dev machine, 2026-11-26: Galata's runCell then
+    waited for ever). (ipykernel's own method, wrapped: absent, nothing done.)"""
     publish = getattr(kernel, "_publish_status", None)
     if publish is None:
         return
 
-    def first(status: str, channel: str, parent: Any = None) -> None:
-        kernel._publish_status = publish
+    def go_on(status: str, channel: str, parent: Any = None) -> None:
         publish("idle" if status == "starting" else status, channel, parent)
 
-    kernel._publish_status = first
+    kernel._publish_status = go_on
 
 
 if __name__ == "__main__":
