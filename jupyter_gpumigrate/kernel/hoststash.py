@@ -423,7 +423,7 @@ def run_parts(work: Any, parts: int) -> None:
 def stash(folder: str, min_total: int = 0, threads: int = THREADS, min_bytes: int = MIN_BYTES,
           safe_point: dict | None = None, gpu_only: bool = False) -> str:
     """Write the kernel's large buffers (``gpu_only``: its CUDA storages alone, for a move between GPUs
-    without peer access, with no CRC-32) into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
+    without peer access, with no CRC-32 where ``folder`` is in memory) into ``folder`` and free them. Returns JSON: ``{"stashed": bytes,
     "buffers": n, "seconds": s, "files": n}``, or ``{"aside": reason}`` when it steps aside (nothing
     changed). Raises OSError (a full disk, say) with nothing freed and the files it wrote removed. With
     ``safe_point`` (kernel/safepoint.py: the cell waits at it), the index says where."""
