@@ -21,7 +21,6 @@ made from a migration's worker thread, and it streams files in large blocks with
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import hmac
 import http.client
 import ipaddress
@@ -36,6 +35,7 @@ import subprocess
 import threading
 import time
 import urllib.parse
+import zlib
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -61,16 +61,15 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
-#: Image files fetched at once (the way home), each over a connection of its own and written and hashed by a
-#: thread of its own here: SHA-256 and TLS each run at about 1.4 GB/s on one core of the GPU machines
-#: (bench/results/2026-11-26-host-move.md), and one file at a time moved a third of the link's floor.
-#: Each stream takes a core or so here: one on a small machine (on 2 CPUs, four were slower than one).
+#: Image files at least this large go between hosts through a thread of their own on the serving side, off
+#: its event loop (bulk.py); smaller ones share a connection kept open (:class:`Kept`).
+DETACH_MIN = 16 * BLOCK
+#: Image files sent or fetched at once between hosts, each over a connection of its own, and each served
+#: by a thread of its own on the other side (bulk.py) and here: TLS runs at about 1.4 GB/s on one core of the
+#: GPU machines (bench/results/2026-11-26-host-move.md). Each stream takes a core or so on both hosts: one
+#: on a small machine (on 2 CPUs, four were slower than one).
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
-#: Files sent at once (going away): one. The receiving server decrypts every stream in its one event-loop
-#: thread, and there four streams of 0.5 GB files moved less (0.50 GB/s) than one of a 9 GB file (0.65 GB/s),
-#: in one run, on 2 x H200.
-SEND_STREAMS = 1
-#: Files hashed at once for a listing (the way home).
+#: Files checksummed at once for a listing (the way home).
 DIGESTS = 8
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
@@ -143,8 +142,28 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
         return None
 
 
+class Crc32:
+    """The CRC-32 (zlib's) of what is fed to it, in hex: the image files' checksum between hosts.
+
+    Not SHA-256: TLS already authenticates every byte on the wire, and a peer is trusted with the kernel
+    anyway, so the checksum only has to catch an accident (a file that changed as it was read, a bug, a
+    plain-HTTP loopback peer). SHA-256 ran at 0.29 GB/s on one core of the dev machine (no SHA
+    instructions; 1.4 GB/s on the GPU machine) and bounded a transfer there at 0.15 GB/s against a TLS
+    floor of 0.5-0.7; zlib's CRC-32 runs at 2.7 GB/s there, and lets go of the GIL as it runs.
+    """
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, block: bytes) -> None:
+        self.value = zlib.crc32(block, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+
 def digest_file(path: Path) -> tuple[int, str]:
-    h, size = hashlib.sha256(), 0
+    h, size = Crc32(), 0
     with open(path, "rb") as f:
         while block := f.read(BLOCK):
             h.update(block)
@@ -153,42 +172,72 @@ def digest_file(path: Path) -> tuple[int, str]:
 
 
 class FileSink:
-    """Writes and hashes a file's chunks, in order, in a thread of its own: the receiving server's event loop
-    only decrypts and hands them over (a loop that also hashed and wrote received a third of the link's
-    floor). At most :data:`AHEAD` bytes wait; the loop then waits, and TCP slows the sender."""
+    """Writes and checksums a file's chunks, in order, in a thread of its own: the thread that receives them
+    only decrypts and hands them over (a server's event loop that also hashed and wrote received a third of
+    the link's floor). At most :data:`AHEAD` bytes wait; the receiver then waits, and TCP slows the sender.
+    ``put``/``close`` for the event loop, ``put_blocking``/``close_blocking`` for a thread (bulk.py)."""
 
     AHEAD = 16 * BLOCK
 
     def __init__(self, fd: int) -> None:
         self.file = os.fdopen(fd, "wb")
-        self.hash = hashlib.sha256()
+        self.hash = Crc32()
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumigrate-sink")
         self.pending: deque[Future] = deque()
         self.batch: list[bytes] = []
         self.batched = 0
 
-    def _write(self, block: bytes) -> None:
+    def _write(self, block: bytes | bytearray) -> None:
         self.hash.update(block)
         self.file.write(block)
 
-    async def put(self, chunk: bytes) -> None:
-        """Take ``chunk`` (raises what an earlier write raised: a full disk)."""
-        self.batch.append(chunk)
-        self.batched += len(chunk)
-        if self.batched >= BLOCK:  # one hand-over per MiB, not per 64 KiB read
+    def _hand_over(self, chunk: bytes | bytearray, last: bool = False) -> None:
+        if chunk:
+            if not self.batch and len(chunk) >= BLOCK:  # a whole block: as it is, not copied
+                self.pending.append(self.pool.submit(self._write, chunk))
+                return
+            self.batch.append(chunk)
+            self.batched += len(chunk)
+        if self.batch and (last or self.batched >= BLOCK):  # one hand-over per MiB, not per 64 KiB read
             self.pending.append(self.pool.submit(self._write, b"".join(self.batch)))
             self.batch, self.batched = [], 0
-        while self.pending and (self.pending[0].done() or len(self.pending) * BLOCK > self.AHEAD):
-            await asyncio.wrap_future(self.pending.popleft())
+
+    def _waits(self, last: bool = False) -> list[Future]:
+        """The writes to wait for now: the oldest while too much waits (all, at the end); each raises what its
+        write raised (a full disk)."""
+        done = []
+        while self.pending and (last or self.pending[0].done() or len(self.pending) * BLOCK > self.AHEAD):
+            done.append(self.pending.popleft())
+        return done
+
+    async def put(self, chunk: bytes) -> None:
+        """Take ``chunk`` (raises what an earlier write raised: a full disk)."""
+        self._hand_over(chunk)
+        for waiting in self._waits():
+            await asyncio.wrap_future(waiting)
+
+    def put_blocking(self, chunk: bytes | bytearray) -> None:
+        """:meth:`put`, from a thread; ``chunk`` must not change after."""
+        self._hand_over(chunk)
+        for waiting in self._waits():
+            waiting.result()
 
     async def close(self) -> str:
-        """Write what is left and close the file: its SHA-256."""
+        """Write what is left and close the file: its CRC-32 (:class:`Crc32`)."""
         try:
-            if self.batch:
-                self.pending.append(self.pool.submit(self._write, b"".join(self.batch)))
-                self.batch = []
-            while self.pending:
-                await asyncio.wrap_future(self.pending.popleft())
+            self._hand_over(b"", last=True)
+            for waiting in self._waits(last=True):
+                await asyncio.wrap_future(waiting)
+        finally:
+            self.abort()
+        return self.hash.hexdigest()
+
+    def close_blocking(self) -> str:
+        """:meth:`close`, from a thread."""
+        try:
+            self._hand_over(b"", last=True)
+            for waiting in self._waits(last=True):
+                waiting.result()
         finally:
             self.abort()
         return self.hash.hexdigest()
@@ -202,14 +251,16 @@ class FileSink:
 
 
 class _Hashing:
-    """A file for http.client to send from, hashed as it is read: in a thread of its own, beside the sending
-    thread's encryption (each about 1.4 GB/s on one core of the GPU machine; one after the other, they sent
-    0.65 GB/s). hashlib lets go of the GIL for large blocks; at most :data:`AHEAD` bytes wait for it."""
+    """A file for http.client to send from, checksummed as it is read: in a thread of its own, beside the
+    sending thread's encryption (one after the other, a hash and TLS sent 0.65 GB/s on the GPU machine).
+    zlib lets go of the GIL for large blocks; at most :data:`AHEAD` bytes wait for it."""
 
     AHEAD = 16 * BLOCK
 
-    def __init__(self, file: Any) -> None:
-        self.file, self.hash, self.size = file, hashlib.sha256(), 0
+    def __init__(self, file: Any, size: int = 0) -> None:
+        self.file, self.hash, self.size = file, Crc32(), 0
+        #: the size the request says (Content-Length), and the file's name, for what goes wrong
+        self.size_said, self.name = size, Path(getattr(file, "name", "") or "").name
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumigrate-hash")
         self.pending: deque[Future] = deque()
 
@@ -222,7 +273,7 @@ class _Hashing:
         return block
 
     def hexdigest(self) -> str:
-        """The SHA-256 of all that was read (waits for the hashing thread)."""
+        """The checksum of all that was read (waits for the checksumming thread)."""
         self.close()
         return self.hash.hexdigest()
 
@@ -238,6 +289,72 @@ def image_files(images: Path) -> list[Path]:
                   and not p.name.endswith(".tmp"))
 
 
+def _read_head(sock: Any) -> tuple[int, str, int]:
+    """Read a response's head off ``sock`` (byte by byte: what follows stays for http.client): its status,
+    reason and Content-Length (0 if it says none)."""
+    head = bytearray()
+    while not head.endswith(b"\r\n\r\n"):
+        byte = sock.recv(1)
+        if not byte or len(head) > 65536:
+            raise http.client.BadStatusLine(head.decode("latin-1", "replace")[:200])
+        head += byte
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+        raise http.client.BadStatusLine(lines[0][:200])
+    length = 0
+    for line in lines[1:]:
+        name, _, value = line.partition(":")
+        if name.strip().lower() == "content-length" and value.strip().isdigit():
+            length = int(value.strip())
+    return int(parts[1]), parts[2] if len(parts) > 2 else "", length
+
+
+def _read_exactly(sock: Any, n: int) -> bytes:
+    data = bytearray()
+    while len(data) < n and (chunk := sock.recv(n - len(data))):
+        data += chunk
+    return bytes(data)
+
+
+class Kept:
+    """Connections to a peer kept open between the requests of one transfer: a new HTTPS connection costs
+    a TLS handshake, and a CRIU dump is dozens of small files (0.65 s for 60 files of 4 KiB, one connection
+    each, on the dev machine). Each is used by one thread at a time; :meth:`close` closes those given back."""
+
+    def __init__(self) -> None:
+        self._idle: list[http.client.HTTPConnection] = []
+        self._lock = threading.Lock()
+
+    def take(self) -> http.client.HTTPConnection | None:
+        with self._lock:
+            return self._idle.pop() if self._idle else None
+
+    def give(self, conn: http.client.HTTPConnection) -> None:
+        with self._lock:
+            self._idle.append(conn)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def __enter__(self) -> Kept:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _done_with(conn: http.client.HTTPConnection, response: http.client.HTTPResponse, kept: Kept | None) -> None:
+    """A request is over, its response read: keep its connection for the next one, where it may be."""
+    if kept is not None and not response.will_close:
+        kept.give(conn)
+    else:
+        conn.close()
+
+
 class PeerClient:
     """Requests to one peer, from a worker thread."""
 
@@ -250,7 +367,9 @@ class PeerClient:
         self.base = parts.path.rstrip("/") + "/"
         self.context = ssl.create_default_context(cafile=peer.ca_file) if self.https else None
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, kept: Kept | None = None) -> http.client.HTTPConnection:
+        if kept is not None and (conn := kept.take()) is not None:
+            return conn
         if self.https:
             return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.context,
                                                blocksize=BLOCK)
@@ -263,16 +382,22 @@ class PeerClient:
         scheme = ("wss" if self.https else "ws") if websocket else ("https" if self.https else "http")
         return f"{scheme}://{self.host}:{self.port}{self.base}{PEER_API}/{path}"
 
-    def _send(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None
-              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        conn = self._connection()
+    def _send(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
+              kept: Kept | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = self._connection(kept)
         all_headers = {**self.headers(), **(headers or {})}
         if isinstance(body, (dict, list)):
             body = json.dumps(body).encode()
             all_headers["Content-Type"] = "application/json"
         try:
-            conn.request(method, f"{self.base}{PEER_API}/{path}", body=body, headers=all_headers)
+            if isinstance(body, _Hashing) and body.size_said >= DETACH_MIN:
+                self._send_after_continue(conn, method, path, body, all_headers)
+            else:
+                conn.request(method, f"{self.base}{PEER_API}/{path}", body=body, headers=all_headers)
             response = conn.getresponse()
+        except PeerError:
+            conn.close()
+            raise
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
             reason = exc.reason if isinstance(exc, ssl.SSLError) else exc
@@ -280,15 +405,36 @@ class PeerClient:
         if response.status >= 400:
             text = response.read()
             conn.close()
-            try:
-                message = json.loads(text).get("message") or response.reason
-            except ValueError:
-                message = response.reason
-            if response.status in (401, 403):
-                message = (f"peer {self.peer.name} refused our credential ({message}): check that its "
-                           f"c.GPUMigrateApp.peer_token is the token configured for it here")
-            raise PeerError(f"{self.peer.name}: {message}")
+            raise self._refused(response.status, text, response.reason)
         return conn, response
+
+    def _refused(self, status: int, text: bytes, reason: str) -> PeerError:
+        try:
+            message = json.loads(text).get("message") or reason
+        except (ValueError, AttributeError):
+            message = reason
+        if status in (401, 403):
+            message = (f"peer {self.peer.name} refused our credential ({message}): check that its "
+                       f"c.GPUMigrateApp.peer_token is the token configured for it here")
+        return PeerError(f"{self.peer.name}: {message}")
+
+    def _send_after_continue(self, conn: http.client.HTTPConnection, method: str, path: str, body: _Hashing,
+                             headers: dict[str, str]) -> None:
+        """Send a large file's request with ``Expect: 100-continue``, and its body once the peer said
+        ``100 Continue``: the peer then reads it in a thread of its own (bulk.py). A final answer instead
+        (a refusal) is raised as :class:`PeerError`."""
+        conn.putrequest(method, f"{self.base}{PEER_API}/{path}", skip_accept_encoding=True)
+        for name, value in {**headers, "Expect": "100-continue"}.items():
+            conn.putheader(name, value)
+        conn.endheaders()
+        assert conn.sock is not None
+        status, reason, length = _read_head(conn.sock)
+        if status != 100:
+            text = _read_exactly(conn.sock, length) if length else b""
+            raise self._refused(status, text, reason) if status >= 400 else \
+                PeerError(f"{self.peer.name} answered {status} {reason} before it took {body.name}.")
+        while block := body.read(BLOCK):
+            conn.send(block)
 
     def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         saved, self.timeout = self.timeout, timeout or self.timeout
@@ -302,25 +448,26 @@ class PeerClient:
             conn.close()
         return json.loads(data) if data else None
 
-    def put_file(self, path: str, file: Path, size: int) -> str:
-        """Send ``file`` (``size`` bytes), hashing it as it goes: one read of it, not two; its SHA-256, which
-        the peer checks against its own when the images are complete (``complete``)."""
+    def put_file(self, path: str, file: Path, size: int, kept: Kept | None = None) -> str:
+        """Send ``file`` (``size`` bytes), checksumming it as it goes: one read of it, not two; its CRC-32,
+        which the peer checks against its own when the images are complete (``complete``). With ``kept``,
+        over one of its connections, given back after."""
         with open(file, "rb") as f:
-            body = _Hashing(f)
+            body = _Hashing(f, size)
             try:
                 conn, response = self._send("PUT", path, body=body, headers={
-                    "Content-Length": str(size), "Content-Type": "application/octet-stream"})
+                    "Content-Length": str(size), "Content-Type": "application/octet-stream"}, kept=kept)
             finally:
                 body.close()
         response.read()
-        conn.close()
+        _done_with(conn, response, kept)
         if body.size != size:
             raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
         return body.hexdigest()
 
-    def get_file(self, path: str, dest: Path, size: int, sha256: str) -> None:
-        conn, response = self._send("GET", path)
-        h, got = hashlib.sha256(), 0
+    def get_file(self, path: str, dest: Path, size: int, crc32: str, kept: Kept | None = None) -> None:
+        conn, response = self._send("GET", path, kept=kept)
+        h, got = Crc32(), 0
         try:
             fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
             with os.fdopen(fd, "wb") as out:
@@ -329,10 +476,10 @@ class PeerClient:
                     h.update(block)
                     got += len(block)
         except (OSError, http.client.HTTPException) as exc:
-            raise PeerError(f"Receiving {dest.name} from {self.peer.name} failed ({exc}).") from None
-        finally:
             conn.close()
-        if got != size or h.hexdigest() != sha256:
+            raise PeerError(f"Receiving {dest.name} from {self.peer.name} failed ({exc}).") from None
+        _done_with(conn, response, kept)
+        if got != size or h.hexdigest() != crc32:
             raise PeerError(f"{dest.name} arrived from {self.peer.name} damaged ({got} of {size} bytes, or another "
                             "checksum); nothing was changed there.")
 
@@ -363,7 +510,7 @@ class PeerLink(HostLink):
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
-        #: a transplant's object files, as sent (name, size, sha256)
+        #: a transplant's object files, as sent (name, size, crc32)
         self._sent: list[dict] = []
 
     # -- moving there --------------------------------------------------------------------------------
@@ -390,9 +537,10 @@ class PeerLink(HostLink):
         def put(file: tuple[Path, int]) -> dict:
             path, size = file
             return {"name": path.name, "size": size,
-                    "sha256": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size)}
+                    "crc32": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, kept)}
 
-        with ThreadPoolExecutor(max_workers=SEND_STREAMS, thread_name_prefix="gpumigrate-send") as pool:
+        with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send") \
+                as pool:
             sent = list(pool.map(put, files))  # the largest first; a failure is raised once the others ended
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
@@ -430,9 +578,10 @@ class PeerLink(HostLink):
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
         # The objects' pickle goes last: the rest is what it refers to.
         files.sort(key=lambda entry: entry[0].name == "objects.pkl")
-        self._sent = [{"name": p.name, "size": size,
-                       "sha256": self.client.put_file(f"images/{self.kernel_id}/{p.name}", p, size)}
-                      for p, size in files]
+        with Kept() as kept:
+            self._sent = [{"name": p.name, "size": size,
+                           "crc32": self.client.put_file(f"images/{self.kernel_id}/{p.name}", p, size, kept)}
+                          for p, size in files]
         return total
 
     def load_objects(self, kernel_name: str, connection_info: dict, to_gpu: int | None, wait: float) -> dict:
@@ -520,11 +669,11 @@ class PeerLink(HostLink):
         def get(entry: dict) -> int:
             name = str(entry["name"])
             self.client.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
-                                 str(entry["sha256"]))
+                                 str(entry["crc32"]), kept)
             return int(entry["size"])
 
         entries = sorted(listing["files"], key=lambda e: -int(e["size"]))
-        with ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-fetch") as pool:
+        with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-fetch") as pool:
             return sum(pool.map(get, entries))
 
     def signal(self, signum: int) -> None:
@@ -646,7 +795,7 @@ class GuestHost:
         self.guests: dict[str, Guest] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.relays: dict[str, Any] = {}
-        #: kernel id -> image file name -> the SHA-256 of what arrived (checked when the images are complete)
+        #: kernel id -> image file name -> the CRC-32 of what arrived (checked when the images are complete)
         self.received: dict[str, dict[str, str]] = {}
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
         self.kernelspec = kernelspec
@@ -731,21 +880,21 @@ class GuestHost:
             raise ImageError(f"No images are being received for kernel {kernel_id}: start with POST images/{kernel_id}.")
         return folder / name
 
-    def received_file(self, kernel_id: str, name: str, sha256: str) -> None:
-        """``name`` arrived, hashing to ``sha256``: checked against the sender's word in :meth:`complete`."""
-        self.received.setdefault(kernel_id, {})[name] = sha256
+    def received_file(self, kernel_id: str, name: str, crc32: str) -> None:
+        """``name`` arrived, its CRC-32 ``crc32``: checked against the sender's word in :meth:`complete`."""
+        self.received.setdefault(kernel_id, {})[name] = crc32
 
     def _check_received(self, kernel_id: str, files: list[dict]) -> None:
-        """Every file the sender lists arrived whole, hashing as the sender says; :class:`ImageError` if not."""
+        """Every file the sender lists arrived whole, its checksum as the sender says; :class:`ImageError` if not."""
         received = self.received.get(kernel_id, {})
         for entry in files:
             path = self.image_path(kernel_id, str(entry["name"]))
             if not path.is_file() or path.stat().st_size != int(entry["size"]):
                 raise ImageError(f"{path.name} did not arrive whole; send the images again.")
             got = received.get(path.name)
-            if got is not None and not hmac.compare_digest(got, str(entry.get("sha256", ""))):
+            if got is not None and not hmac.compare_digest(got, str(entry.get("crc32", ""))):
                 path.unlink(missing_ok=True)
-                raise ImageError(f"{path.name} arrived damaged (its SHA-256 is not the sender's); send the images "
+                raise ImageError(f"{path.name} arrived damaged (its CRC-32 is not the sender's); send the images "
                                  "again.")
         self.received.pop(kernel_id, None)
 
@@ -958,7 +1107,7 @@ class GuestHost:
         files = image_files(folder)
         with ThreadPoolExecutor(max_workers=DIGESTS, thread_name_prefix="gpumigrate-digest") as pool:
             digests = list(pool.map(digest_file, files))
-        return [{"name": p.name, "size": size, "sha256": h} for p, (size, h) in zip(files, digests)]
+        return [{"name": p.name, "size": size, "crc32": h} for p, (size, h) in zip(files, digests)]
 
     # running them (blocking: call from a worker thread)
 

@@ -549,3 +549,12 @@ def transplant_processes() -> list[int]:
             except OSError:
                 pass
     return found
+
+
+def peer_server_config(tmp_path: Path, peer_token: str) -> dict:
+    """conftest's in-process server, with a peer token: it is its own peer for the peer routes."""
+    return {
+        "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
+        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
+        "GPUMigrateApp": {"peer_token": peer_token},
+    }

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import operate
+from helpers import operate, peer_server_config
 from jsonschema import Draft202012Validator
 from jupyter_client.asynchronous import AsyncKernelClient
 from servers import free_port
@@ -40,12 +40,7 @@ DONE = ("succeeded", "failed")
 
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict:
-    # conftest's server, with a peer token: this server is its own peer for the peer routes.
-    return {
-        "ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}},
-        "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
-        "GPUMigrateApp": {"peer_token": PEER_TOKEN},
-    }
+    return peer_server_config(tmp_path, PEER_TOKEN)
 
 
 def check(name: str, data: Any) -> None:
@@ -339,17 +334,17 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
                             expect=201))["kernel_id"] == kid
     first = files[0][0]
     error = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name,
-                            raw=first.read_bytes(), headers={"X-Content-SHA256": "0" * 64}, expect=400)
+                            raw=first.read_bytes(), headers={"X-Content-CRC32": "0" * 8}, expect=400)
     assert "arrived damaged" in error["message"]
-    for path, _, sha in files:
+    for path, _, crc in files:
         stored = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=path.name,
-                                 raw=path.read_bytes(), headers={"X-Content-SHA256": sha}, expect=201)
+                                 raw=path.read_bytes(), headers={"X-Content-CRC32": crc}, expect=201)
         assert stored["name"] == path.name
-    sent = [{"name": p.name, "size": s, "sha256": h} for p, s, h in files]
+    sent = [{"name": p.name, "size": s, "crc32": h} for p, s, h in files]
     # Sent as the peers send it: no checksum up front (they hash as they send); the list at the end is checked.
     await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name, raw=first.read_bytes(),
                     expect=201)
-    wrong = [{**f, "sha256": "0" * 64} if f["name"] == first.name else f for f in sent]
+    wrong = [{**f, "crc32": "0" * 8} if f["name"] == first.name else f for f in sent]
     error = await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": wrong},
                             expect=400)
     assert f"{first.name} arrived damaged" in error["message"] and "send the images again" in error["message"]
@@ -403,12 +398,12 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     files = [(p, *digest_file(p)) for p in image_files(objects)]
     await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=gid, body={"bytes": sum(f[1] for f in files)},
                     expect=201)
-    for path, _, sha in files:
+    for path, _, crc in files:
         await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=gid, name=path.name,
-                        raw=path.read_bytes(), headers={"X-Content-SHA256": sha}, expect=201)
+                        raw=path.read_bytes(), headers={"X-Content-CRC32": crc}, expect=201)
     info = {"ip": "127.0.0.1", "transport": "tcp", "key": os.urandom(16).hex(), "signature_scheme": "hmac-sha256",
             **{f"{c}_port": free_port() for c in ("shell", "iopub", "stdin", "control", "hb")}}
-    body = {"files": [{"name": p.name, "size": s, "sha256": h} for p, s, h in files], "kernel_name": "python3",
+    body = {"files": [{"name": p.name, "size": s, "crc32": h} for p, s, h in files], "kernel_name": "python3",
             "connection_info": info, "to_gpu": None, "wait": 60}
     loaded = await walk.call("POST", "/peer/kernels/{kernel_id}/transplant", kernel_id=gid, body=body, expect=200)
     assert loaded["pid"] and loaded["gpu"] is None and loaded["loaded"]["names"] >= 1, loaded

@@ -24,7 +24,8 @@ from tornado.websocket import WebSocketHandler
 
 from ..engine import hostfit
 from ..engine.errors import MigrateError
-from ..peers import BLOCK, SCHEME, FileSink, GuestHost
+from .. import bulk
+from ..peers import BLOCK, DETACH_MIN, SCHEME, FileSink, GuestHost
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -164,9 +165,9 @@ def read_body_whole(connection: Any) -> None:
 
 @web.stream_request_body
 class ImageFileHandler(PeerHandler):
-    """PUT one image file, streamed to disk (0600) as it arrives and hashed: checked against the SHA-256
-    in its X-Content-SHA256 header, or, without one, against the sender's list when the images are complete
-    (the sender hashes as it sends: one read of each file); GET it back, for the return trip."""
+    """PUT one image file, streamed to disk (0600) as it arrives and checksummed: checked against the CRC-32
+    in its X-Content-CRC32 header (8 hex digits), or, without one, against the sender's list when the images
+    are complete (the sender checksums as it sends: one read of each file); GET it back, for the return trip."""
 
     _file: FileSink | None = None
     #: the error of a write that failed mid-file (a full disk)
@@ -181,6 +182,9 @@ class ImageFileHandler(PeerHandler):
             self._path = self.guests.image_path(kernel_id, name)
         except MigrateError as exc:
             raise web.HTTPError(exc.http_status, str(exc)) from exc
+        if self.request.headers.get("Expect", "").lower() == "100-continue":
+            self._in_thread(kernel_id, name)
+            return
         self.request.connection.set_max_body_size(MAX_IMAGE_FILE)  # type: ignore[union-attr]
         read_body_whole(self.request.connection)
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -197,6 +201,28 @@ class ImageFileHandler(PeerHandler):
             sink.abort()
             self._path.unlink(missing_ok=True)
 
+    def _in_thread(self, kernel_id: str, name: str) -> None:
+        """The body goes into the file in a thread of its own, off the event loop (bulk.py)."""
+        try:
+            length = int(self.request.headers.get("Content-Length", ""))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_IMAGE_FILE:
+            raise web.HTTPError(411, "An image file's PUT says its Content-Length.")
+        path = self._path
+        sock, leftover = bulk.detach(self)
+        bulk.in_thread(lambda: bulk.receive(sock, leftover, length, path,
+                                            lambda crc: self._verdict(kernel_id, name, crc)), name)
+
+    def _verdict(self, kernel_id: str, name: str, digest: str) -> tuple[int, dict]:
+        """(status, answer) for ``name``, arrived whole with this CRC-32."""
+        said = self.request.headers.get("X-Content-CRC32")
+        if said is None:  # the sender checksummed as it sent: checked once all arrived (images/{id}/complete)
+            self.guests.received_file(kernel_id, name, digest)
+        elif not hmac.compare_digest(digest, said):
+            return 400, bulk.error(400, f"{name} arrived damaged (its CRC-32 differs); send it again.")
+        return 201, {"name": name}
+
     async def put(self, kernel_id: str, name: str) -> None:
         failed, digest = self._failed, ""
         if failed is None and self._file is not None:
@@ -212,14 +238,10 @@ class ImageFileHandler(PeerHandler):
             then = ": free space here and send the images again" if full else ""
             self.send_error_message(507 if full else 500, f"{name} could not be written here ({why}){then}.")
             return
-        said = self.request.headers.get("X-Content-SHA256")
-        if said is None:  # the sender hashed as it sent: checked once all arrived (images/{id}/complete)
-            self.guests.received_file(unquote(kernel_id), unquote(name), digest)
-        elif not hmac.compare_digest(digest, said):
+        status, answer = self._verdict(unquote(kernel_id), unquote(name), digest)
+        if status >= 400:
             self._path.unlink(missing_ok=True)
-            self.send_error_message(400, f"{name} arrived damaged (its SHA-256 differs); send it again.")
-            return
-        self.send_json({"name": name}, status=201)
+        self.send_json(answer, status=status)
 
     def on_connection_close(self) -> None:
         # The sender went away mid-file: drop the partial file, never restore from it.
@@ -237,8 +259,13 @@ class ImageFileHandler(PeerHandler):
         if not path.is_file() or path.is_symlink():
             self.send_error_message(404, f"Kernel {kernel_id} has no image file {name} here.")
             return
+        size = path.stat().st_size
+        if size >= DETACH_MIN:  # sent by a thread of its own, off the event loop (bulk.py)
+            sock, _ = bulk.detach(self)
+            bulk.in_thread(lambda: bulk.send(sock, path, size), name)
+            return
         self.set_header("Content-Type", "application/octet-stream")
-        self.set_header("Content-Length", str(path.stat().st_size))
+        self.set_header("Content-Length", str(size))
         with open(path, "rb") as f:
             while block := f.read(1 << 20):
                 self.write(block)

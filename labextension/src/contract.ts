@@ -746,9 +746,9 @@ export interface PeerImageFile {
   name: string;
   size: Bytes;
   /**
-   * the file's SHA-256, in hex
+   * the file's CRC-32 (zlib's), in hex
    */
-  sha256: string;
+  crc32: string;
 }
 /**
  * GET /peer/images/{id}: the kernel's image files.

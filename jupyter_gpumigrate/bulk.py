@@ -1,0 +1,159 @@
+"""A large image file between hosts, off the server's event loop.
+
+A tornado server decrypts and encrypts every connection in its one event-loop thread. A move's images,
+gigabytes, went through it at 0.5-0.65 GB/s where one TLS stream between two plain threads ran at 1.4 GB/s,
+and four streams into one loop moved no more than one (2 x H200, bench/results/2026-11-26-host-move.md).
+So a large image file's request leaves tornado: its handler detaches the connection (as a websocket
+handshake does, tornado's ``RequestHandler.detach``), and a thread of its own reads the body into the file
+or writes the file out on the blocking socket, then answers the request itself and closes the connection.
+Each transfer thus has a core of its own, on both hosts, and several files can go at once.
+
+For a body to arrive here, the peer's client (``PeerClient.put_file``) asks with ``Expect: 100-continue``
+and sends the body only once this side said ``100 Continue``: tornado has then read no byte of it. A client
+that does not wait (curl waits a second, then sends) is served too: what tornado read already is taken from
+its buffer first.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable, Iterator
+from http import HTTPStatus
+from pathlib import Path
+from typing import Any
+
+from tornado.ioloop import IOLoop
+
+from .peers import BLOCK, FileSink
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+#: Seconds a transfer thread waits on the socket before it gives up on the peer.
+TIMEOUT = 60.0
+
+
+def detach(handler: Any) -> tuple[socket.socket, bytes]:
+    """Take ``handler``'s connection from tornado (call it in ``prepare``, or in a ``get``): its socket,
+    blocking, no longer watched by the event loop, and the bytes tornado had read past the headers."""
+    stream = handler.detach()
+    # tornado keeps what it read past the request's head in its stream's buffer; no public call returns it
+    # without reading on. It is empty when the client waited for 100 Continue.
+    buffered = int(getattr(stream, "_read_buffer_size", 0) or 0)
+    leftover = bytes(stream._read_buffer[:buffered]) if buffered else b""
+    sock = stream.socket
+    IOLoop.current().remove_handler(sock.fileno())
+    sock.setblocking(True)
+    sock.settimeout(TIMEOUT)
+    return sock, leftover
+
+
+def in_thread(work: Callable[[], None], name: str) -> None:
+    threading.Thread(target=work, name=f"gpumigrate-bulk-{name}", daemon=True).start()
+
+
+def respond(sock: socket.socket, status: int, payload: dict | None = None) -> None:
+    """Answer a detached request with a JSON body (jupyter_server's error shape where ``status`` >= 400),
+    and close the connection."""
+    try:
+        body = json.dumps(payload or {}).encode()
+        head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
+        sock.sendall(head.encode() + body)
+    except OSError:
+        pass  # the peer went away: it sees a closed connection
+    finally:
+        sock.close()
+
+
+def error(status: int, message: str) -> dict:
+    return {"message": message, "reason": HTTPStatus(status).phrase}
+
+
+def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
+            done: Callable[[str], tuple[int, dict]]) -> None:
+    """Read a ``length``-byte body into ``path`` (0600, replaced), checksumming it; then answer with what
+    ``done(crc32)`` says (status, JSON). A write that fails (a full disk) drops the file and reads the rest
+    of the body, to answer 507 or 500; a peer that goes away mid-file leaves no file."""
+    failed: OSError | None = None
+    sink: FileSink | None = None
+    try:
+        sink = FileSink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
+    except OSError as exc:
+        failed = exc
+    try:
+        sock.sendall(CONTINUE)
+        for block in _body(sock, leftover, length):
+            if sink is not None:
+                try:
+                    sink.put_blocking(block)
+                except OSError as exc:
+                    failed, sink = exc, _abort(sink, path)
+        crc = ""
+        if sink is not None:
+            try:
+                crc = sink.close_blocking()
+            except OSError as exc:
+                failed = exc
+            sink = None
+    except (OSError, ConnectionError):  # the peer went away, or stalled: no half file stays
+        _abort(sink, path)
+        sock.close()
+        return
+    if failed is None:
+        status, payload = done(crc)
+    else:
+        full = failed.errno == errno.ENOSPC
+        status = 507 if full else 500
+        then = ": free space here and send the images again" if full else ""
+        payload = error(status, f"{path.name} could not be written here ({failed.strerror or failed}){then}.")
+    if status >= 400:
+        _abort(None, path)
+    respond(sock, status, payload)
+
+
+def _body(sock: socket.socket, leftover: bytes, length: int) -> Iterator[bytes | bytearray]:
+    """The body's blocks: what tornado read already, then a MiB at a time (each a buffer of its own, handed
+    on as it is)."""
+    got = 0
+    if leftover:
+        got = len(leftover := leftover[:length])
+        yield leftover
+    while got < length:
+        block = bytearray(min(BLOCK, length - got))
+        view, filled = memoryview(block), 0
+        while filled < len(block):
+            n = sock.recv_into(view[filled:])
+            if not n:
+                raise ConnectionError("the peer closed the connection mid-file")
+            filled += n
+        got += filled
+        yield block
+
+
+def _abort(sink: FileSink | None, path: Path) -> None:
+    """Stop writing ``path`` and remove it."""
+    if sink is not None:
+        sink.abort()
+    try:
+        path.unlink()
+    except OSError:
+        pass
+
+
+def send(sock: socket.socket, path: Path, size: int) -> None:
+    """Answer a detached GET with the file at ``path`` (``size`` bytes, as said before), then close."""
+    try:
+        with open(path, "rb") as f:
+            sock.sendall((f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {size}\r\n"
+                          "Connection: close\r\n\r\n").encode())
+            left = size
+            while left > 0 and (block := f.read(min(BLOCK, left))):
+                sock.sendall(block)
+                left -= len(block)
+    except OSError:
+        pass  # the peer sees fewer bytes than said, and refuses the file
+    finally:
+        sock.close()
