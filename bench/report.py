@@ -150,7 +150,7 @@ on the GPU with one rebuilt from its seed (`torch.equal`). Ways:
 
 - **stash**: the host stash (`jupyter_gpumigrate/kernel/hoststash.py`): the kernel's own threads write its
   large storages into the image folder (GPU -> two pinned buffers per thread -> one file per thread,
-  CRC-32 per 32 MiB chunk) and free them; the CUDA driver then checkpoints only the context and CRIU
+  a checksum per 32 MiB chunk: CRC-32 until 2026-11-26, XXH3-64 since) and free them; the CUDA driver then checkpoints only the context and CRIU
   dumps only the rest. Resume: CRIU restore, remap, unlock, then the threads read the files back
   (checking each chunk) straight into the storages.
 - **criu**: the stash off (`c.MigratableProvisioner.host_stash_min = None`): the driver copies all GPU

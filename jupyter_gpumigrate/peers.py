@@ -38,7 +38,7 @@ import urllib.parse
 import zlib
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -467,21 +467,60 @@ class PeerClient:
 
     def get_file(self, path: str, dest: Path, size: int, crc32: str, kept: Kept | None = None) -> None:
         conn, response = self._send("GET", path, kept=kept)
-        h, got = Crc32(), 0
-        try:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "wb") as out:
-                while block := response.read(BLOCK):
-                    out.write(block)
-                    h.update(block)
-                    got += len(block)
+        got, sink = 0, None
+        try:  # this thread decrypts; the sink's writes and checksums
+            sink = FileSink(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            while block := response.read(BLOCK):
+                sink.put_blocking(block)
+                got += len(block)
+            sink, digest = None, sink.close_blocking()
         except (OSError, http.client.HTTPException) as exc:
+            if sink is not None:
+                sink.abort()
             conn.close()
             raise PeerError(f"Receiving {dest.name} from {self.peer.name} failed ({exc}).") from None
         _done_with(conn, response, kept)
-        if got != size or h.hexdigest() != crc32:
+        if got != size or digest != crc32:
             raise PeerError(f"{dest.name} arrived from {self.peer.name} damaged ({got} of {size} bytes, or another "
                             "checksum); nothing was changed there.")
+
+
+def _sized(images: Path) -> list[tuple[Path, int]]:
+    """The image files to send and their sizes, the largest first."""
+    return sorted(((p, p.stat().st_size) for p in image_files(images)), key=lambda f: -f[1])
+
+
+class _Sending:
+    """Image files on their way to a peer, :data:`STREAMS` at a time, over connections kept for them."""
+
+    def __init__(self, client: PeerClient, kernel_id: str) -> None:
+        self.client, self.kernel_id = client, kernel_id
+        self.kept = Kept()
+        self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send")
+        #: file name -> its send: {name, size, crc32}
+        self.sends: dict[str, Future] = {}
+
+    def send(self, files: list[tuple[Path, int]]) -> None:
+        """Send those of ``files`` not sent yet, in this order."""
+        for path, size in files:
+            if path.name not in self.sends:
+                self.sends[path.name] = self.pool.submit(self._put, path, size)
+
+    def _put(self, path: Path, size: int) -> dict:
+        return {"name": path.name, "size": size,
+                "crc32": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, self.kept)}
+
+    def results(self) -> list[dict]:
+        """What was sent, once all ended; the first failure is raised once the others ended."""
+        wait(self.sends.values())
+        return [future.result() for future in self.sends.values()]
+
+    def stop(self) -> None:
+        """Send nothing more; return once the files on their way ended (their connections closed)."""
+        for future in self.sends.values():
+            future.cancel()
+        self.pool.shutdown(wait=True)
+        self.kept.close()
 
 
 class PeerLink(HostLink):
@@ -510,6 +549,8 @@ class PeerLink(HostLink):
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
+        #: image files on their way there since start_sending, not yet waited for by send_images
+        self._sending: _Sending | None = None
         #: a transplant's object files, as sent (name, size, crc32)
         self._sent: list[dict] = []
 
@@ -529,19 +570,29 @@ class PeerLink(HostLink):
     def takes_stash(self) -> bool:
         return self.peer_stash
 
+    def start_sending(self, images: Path, expect: int) -> None:
+        self.stop_sending()
+        self.client.call("POST", f"images/{self.kernel_id}", {"bytes": int(expect)})
+        self._sending = _Sending(self.client, self.kernel_id)
+        self._sending.send(_sized(images))
+
+    def stop_sending(self) -> None:
+        sending, self._sending = self._sending, None
+        if sending is not None:
+            sending.stop()
+
     def send_images(self, images: Path) -> int:
-        files = sorted(((p, p.stat().st_size) for p in image_files(images)), key=lambda f: -f[1])
+        files = _sized(images)
         total = sum(size for _, size in files)
-        self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
-
-        def put(file: tuple[Path, int]) -> dict:
-            path, size = file
-            return {"name": path.name, "size": size,
-                    "crc32": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, kept)}
-
-        with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send") \
-                as pool:
-            sent = list(pool.map(put, files))  # the largest first; a failure is raised once the others ended
+        sending, self._sending = self._sending, None
+        if sending is None:
+            self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
+            sending = _Sending(self.client, self.kernel_id)
+        try:
+            sending.send(files)  # what start_sending did not send yet
+            sent = sending.results()
+        finally:
+            sending.stop()
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         return total
 

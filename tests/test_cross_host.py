@@ -140,7 +140,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
         for there, dest in ((b, "b"), (a, "a")):
             op = await call(a.operate, kernel_id, "migrate", {"to_host": dest})
             assert op["status"] == "succeeded", op
-            phases = (["prepare", "stash", "dump", "transfer", "restore", "adopt"] if dest == "b" else
+            phases = (["prepare", "stash", "send stash", "dump", "transfer", "restore", "adopt"] if dest == "b" else
                       ["prepare", "dump", "transfer", "restore", "unstash", "adopt"])
             assert list(op["timings"]) == phases, op
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
@@ -284,7 +284,10 @@ async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 
 
-async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts):
+@pytest.mark.parametrize("when", ["stash arriving", "transfer"])
+async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts, when):
+    """b is killed as the stash's files arrive there (they go while the dump runs: 'send stash'), or in the
+    transfer phase (the rest of the images)."""
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     # 1.1 GB of touched memory, over c.MigratableProvisioner.host_stash_min: the kernel writes it into its
@@ -293,8 +296,18 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     await tab.run("blob = bytearray(b'x') * (1050 << 20); blob[12345] = 7; kept = 'still here'")
     seen: list[str] = []
 
-    def kill_b_during_transfer() -> None:
+    def arriving() -> bool:
+        return any(f.name.startswith("stash-") and f.stat().st_size > 0
+                   for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
+                   if folder.is_dir() for f in folder.iterdir())
+
+    def kill_b() -> None:
         op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+        if when == "stash arriving":
+            deadline = time.monotonic() + 120
+            while not arriving() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            b.stop(signal.SIGKILL)
         while op["status"] not in ("succeeded", "failed"):
             seen.append(op["phase"] or "")
             if op["phase"] == "transfer" and b.proc.poll() is None:
@@ -302,12 +315,12 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
             op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
         seen.append(json.dumps(op))
 
-    await call(kill_b_during_transfer)
+    await call(kill_b)
     op = json.loads(seen[-1])
     assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
     assert op["status"] == "failed" and op["failed_phase"] in ("transfer", "restore"), op
     assert "cannot be reached" in op["error"] or "b:" in op["error"], op["error"]
-    assert "stash" in op["timings"], op
+    assert "stash" in op["timings"] and "send stash" in op["timings"], op
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "a" and view["state"] == "running" and not view["remote"]
     assert (await tab.run("print(kept, blob[12345], len(blob) >> 20, blob.count(b'x'))")).strip() == \

@@ -126,7 +126,7 @@ def test_a_move_asks_for_cuda_tensors_alone_and_leaves_host_buffers_be(tmp_path:
 
 def test_a_move_writes_no_checksum_and_reads_back_all_the_same(tmp_path: Path) -> None:
     """The parts' writer and reader as a move between GPUs uses them (``check=False``: its files live in
-    memory for the move alone): no CRC-32 is computed, none is asked for, every byte comes back."""
+    memory for the move alone): no checksum is computed, none is asked for, every byte comes back."""
     source = bytearray(os.urandom(1 << 20) * 48)
     target = bytearray(len(source))
     address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
@@ -137,12 +137,12 @@ def test_a_move_writes_no_checksum_and_reads_back_all_the_same(tmp_path: Path) -
             hoststash.write_part(fd, chunks, part, [address(source)], [False], None, durable=False, check=False)
         finally:
             os.close(fd)
-    assert all(c.crc32 is None for c in chunks)
+    assert all(c.xxh3 is None for c in chunks)
     for part in range(2):
         assert hoststash.read_part(tmp_path / hoststash.PART.format(part), chunks, part, [address(target)], [False],
                                    None, check=False) is None
     assert target == source
-    # Whether to check is the reader's own record, not the table's: a table without CRC-32s (a transplant's
+    # Whether to check is the reader's own record, not the table's: a table without checksums (a transplant's
     # edited on disk, say) is refused where a check is due.
     said = hoststash.read_part(tmp_path / hoststash.PART.format(0), chunks, 0, [address(target)], [False], None)
     assert said == f"{hoststash.PART.format(0)} at byte 0: its checksum is missing"

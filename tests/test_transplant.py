@@ -489,7 +489,7 @@ async def test_a_dry_run_queued_behind_a_failing_cell_says_so(jp_fetch, kernel):
 
 
 async def test_a_storage_file_damaged_after_the_export_is_refused_by_the_new_process(kernel, tmp_path):
-    """The storages go into files by many threads, each chunk with its CRC-32: a byte changed between the
+    """The storages go into files by many threads, each chunk with its checksum: a byte changed between the
     export and the load is found, and the new process refuses the objects (the server then keeps the source
     running, as for any object the new process cannot take: above)."""
     folder = tmp_path / "objects"

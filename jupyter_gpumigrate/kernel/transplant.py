@@ -9,7 +9,7 @@ In the source kernel, evaluated between cells by the server (kernelwire.evaluate
     export(folder)  writes what carries into ``folder``: ``objects.pkl`` (cloudpickle, protocol 5),
                     ``storage-NN.bin``, the raw bytes of every PyTorch storage, written by up to 16 threads (CUDA
                     ones through pinned host buffers, as the suspend's host stash writes them, each chunk
-                    with its CRC-32), and ``data.bin``, those of every out-of-band buffer (NumPy arrays'
+                    with its checksum), and ``data.bin``, those of every out-of-band buffer (NumPy arrays'
                     among them), so that no tensor is pickled by value; with the history, execution
                     count, RNG states, working folder, environment and sys.path. ``folder`` must exist: an export that runs after its transplant was given
                     up (it waited behind a long cell) writes nothing.
@@ -500,7 +500,7 @@ def load(folder: Path, namespace: dict) -> dict:
 
 def _read_storages(folder: Path, table: dict) -> list:
     """Every storage, allocated where it goes (this process's GPU, or host memory where it has none) and
-    filled from ``storage-NN.bin`` in parallel, each chunk checked against its CRC-32."""
+    filled from ``storage-NN.bin`` in parallel, each chunk checked against its checksum."""
     if not table["storages"]:
         return []
     import torch

@@ -19,6 +19,7 @@ export type Phase =
   | 'host stash'
   | 'take back'
   | 'verify'
+  | 'send stash'
   | 'transfer'
   | 'start'
   | 'export'

@@ -118,6 +118,8 @@ class KernelContext(Context):
         #: where new images went (memory or disk), and why
         self.images_where = DISK
         self.images_why = ""
+        #: the bytes the images were judged to take when they were made (the tree's memory and GPU memory)
+        self.estimate = 0
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()
@@ -166,7 +168,7 @@ def new_images(ctx: KernelContext, pid: int, images: str = DISK) -> None:
     if gpu_use(ctx, pid)[0]:
         release_cache(ctx)
     cuda_pids, held, gpus = gpu_use(ctx, pid)
-    estimate = proctree.memory(pid) + sum(int(h["memory_used"]) for h in held)
+    ctx.estimate = estimate = proctree.memory(pid) + sum(int(h["memory_used"]) for h in held)
     ctx.images_where, ctx.images_why = choose(store, images, estimate, pid)
     ctx.images = store.create(kernel.kernel_id, ctx.images_where)
     ctx.undo(lambda: forget_new_images(ctx), cleanup=True)

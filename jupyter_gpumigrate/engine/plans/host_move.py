@@ -6,10 +6,12 @@ Away (``move_to_host``):
                 folder and manifest here
     stash       an idle kernel writes its large buffers into the  undo: the kernel reads them back
                 images and frees them (the suspend's host stash)
+    send stash  the stash's files start going there, while the    undo: stop sending; that host
+                driver and CRIU run (if the kernel stashed)       discards what it has
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it here, from the images
-    transfer    the images go there                               undo: that host discards them
+    transfer    the rest of the images go there                   undo: that host discards them
     restore     that host restores the tree (onto its GPU), and   undo: that host discards it
                 the kernel reads its buffers back there
     adopt       this host relays the kernel's ports there, and    undo: stop relaying
@@ -66,6 +68,7 @@ def away() -> Saga[HostContext]:
         [
             Step("prepare", prepare_away),
             Step("stash", stash_between_cells, when=lambda ctx: suspend.worth_asking(ctx) and ctx.link.takes_stash()),
+            Step("send stash", send_stash, when=lambda ctx: "stashed" in ctx.stash),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump),
@@ -113,7 +116,14 @@ class HostLink(Protocol):
         """Refuse, with every reason, if that host cannot restore the tree (PIDs, ports, files, GPU)."""
 
     def send_images(self, images: Path) -> int:
-        """Copy the image folder there; the bytes sent."""
+        """Copy the image folder there (what :meth:`start_sending` has not sent); the bytes sent in all."""
+
+    def start_sending(self, images: Path, expect: int) -> None:
+        """Begin sending the files now in ``images`` there, in the background; ``expect``: the bytes the whole
+        images are judged to take (that host places them by it, and checks its room)."""
+
+    def stop_sending(self) -> None:
+        """Send no more of what :meth:`start_sending` began; return once the files on their way ended."""
 
     def takes_stash(self) -> bool:
         """Whether that host can have the kernel write and read back its large buffers (it said so in
@@ -188,6 +198,14 @@ def stash_between_cells(ctx: HostContext) -> None:
     """The suspend's stash (suspend.stash), asked of an idle kernel only: a busy cell's safe point is
     released through a folder of this host, which the kernel there cannot see."""
     suspend.stash(ctx, idle_only=True)
+
+
+def send_stash(ctx: HostContext) -> None:
+    """The stash's files are written: they go now, over the link, while the driver checkpoints and CRIU
+    dumps the rest (a second or more of a GPU kernel's move), instead of after the dump."""
+    ctx.undo(ctx.link.discard, cleanup=True)
+    ctx.link.start_sending(ctx.images, ctx.estimate)
+    ctx.undo(ctx.link.stop_sending)
 
 
 def send_images(ctx: HostContext) -> None:
