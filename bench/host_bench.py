@@ -152,7 +152,18 @@ def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu") -> di
     return {"way": way, "device": device, "size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
             "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"],
                      "stash": away.get("stash")},
-            "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"]}}
+            "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"]},
+            # what each server said of this kernel: the transfer's split, the other host's own phases
+            "said": {h.name: said_of(h, kernel_id) for h in (a, b)}}
+
+
+def said_of(host: Host, kernel_id: str) -> list[str]:
+    """The server's log lines about ``kernel_id`` from the extension (their text after the level and time)."""
+    try:
+        text = (host.root / "server.log").read_text(errors="replace")
+    except OSError:
+        return []
+    return [line.split("] ", 1)[-1] for line in text.splitlines() if kernel_id in line and "gpumigrate:" in line]
 
 
 def main() -> int:

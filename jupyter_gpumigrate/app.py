@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import signal
 import socket
 import sys
@@ -105,6 +106,12 @@ class GPUMigrateApp(ExtensionApp):
         return proposal["value"]
 
     def initialize_settings(self) -> None:
+        # The package's module loggers (the engine's, the peers', ...) write into this server's log, as
+        # jupyter_server hooks tornado's up: without it their info lines went nowhere.
+        package = logging.getLogger(__package__)
+        package.propagate = True
+        package.parent = self.log
+        package.setLevel(self.log.level)
         factory = KernelProvisionerFactory.instance(parent=self.serverapp.kernel_manager)
         # Ours by default (jupyter_server reads only the extension list from jupyter-config/'s folder, so
         # the choice is made here); a server configured with another one keeps it, and is told what that

@@ -75,7 +75,7 @@ def error(status: int, message: str) -> dict:
 def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
             done: Callable[[str], tuple[int, dict]]) -> None:
     """Read a ``length``-byte body into ``path`` (0600, replaced), checksumming it; then answer with what
-    ``done(crc32)`` says (status, JSON). A write that fails (a full disk) drops the file and reads the rest
+    ``done(checksum)`` says (status, JSON). A write that fails (a full disk) drops the file and reads the rest
     of the body, to answer 507 or 500; a peer that goes away mid-file leaves no file."""
     failed: OSError | None = None
     sink: FileSink | None = None
@@ -91,10 +91,10 @@ def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
                     sink.put_blocking(block)
                 except OSError as exc:
                     failed, sink = exc, _abort(sink, path)
-        crc = ""
+        digest = ""
         if sink is not None:
             try:
-                crc = sink.close_blocking()
+                digest = sink.close_blocking()
             except OSError as exc:
                 failed = exc
             sink = None
@@ -103,7 +103,7 @@ def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
         sock.close()
         return
     if failed is None:
-        status, payload = done(crc)
+        status, payload = done(digest)
     else:
         full = failed.errno == errno.ENOSPC
         status = 507 if full else 500

@@ -12,8 +12,9 @@ import os
 import socket
 import time
 import uuid
-import zlib
 from pathlib import Path
+
+import xxhash
 
 import pytest
 
@@ -30,8 +31,8 @@ def jp_server_config(tmp_path: Path) -> dict:
     return peer_server_config(tmp_path, PEER_TOKEN)
 
 
-def crc_of(data: bytes) -> str:
-    return f"{zlib.crc32(data):08x}"
+def checksum_of(data: bytes) -> str:
+    return xxhash.xxh3_64_hexdigest(data)
 
 
 def raw_put(port: int, base: str, path: str, head_extra: dict[str, str], body: bytes, send: int | None = None) -> str:
@@ -65,20 +66,20 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     # As a peer sends it: the head, then the body once the server said 100 Continue.
     with Kept() as kept:
         said = await asyncio.to_thread(client.put_file, f"images/{kid}/pages-1.img", source, SIZE, kept)
-    assert said == crc_of(data)
+    assert said == checksum_of(data)
     assert (folder / "pages-1.img").read_bytes() == data
     assert oct((folder / "pages-1.img").stat().st_mode & 0o777) == "0o600"
 
     # A client that sends all at once: what tornado read past the head is not lost.
     answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-2.img",
-                                     {"X-Content-CRC32": crc_of(data)}, data)
+                                     {"X-Content-XXH3": checksum_of(data)}, data)
     assert answer.startswith("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created"), answer[:200]
     assert (folder / "pages-2.img").read_bytes() == data
 
     # A checksum that differs: refused, and the file is not kept.
     answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
-                                     {"X-Content-CRC32": "00000000"}, data)
-    assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged (its CRC-32 differs)" in answer, answer[:400]
+                                     {"X-Content-XXH3": "0" * 16}, data)
+    assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged (its checksum differs)" in answer, answer[:400]
     assert not (folder / "pages-3.img").exists()
 
     # A sender gone mid-file leaves no half file.
@@ -96,10 +97,10 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
 
     # And back, as the way home fetches it (a thread of its own there too), checked against its checksum.
     back = tmp_path / "back.img"
-    await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, crc_of(data))
+    await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, checksum_of(data))
     assert back.read_bytes() == data
     with pytest.raises(PeerError, match="damaged"):
-        await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, "00000000")
+        await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, "0" * 16)
 
     # The server's loop went on serving meanwhile, and still does.
     response = await jp_fetch("api", "gpumigrate", "gpus", method="GET")

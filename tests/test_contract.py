@@ -334,17 +334,17 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
                             expect=201))["kernel_id"] == kid
     first = files[0][0]
     error = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name,
-                            raw=first.read_bytes(), headers={"X-Content-CRC32": "0" * 8}, expect=400)
+                            raw=first.read_bytes(), headers={"X-Content-XXH3": "0" * 16}, expect=400)
     assert "arrived damaged" in error["message"]
-    for path, _, crc in files:
+    for path, _, digest in files:
         stored = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=path.name,
-                                 raw=path.read_bytes(), headers={"X-Content-CRC32": crc}, expect=201)
+                                 raw=path.read_bytes(), headers={"X-Content-XXH3": digest}, expect=201)
         assert stored["name"] == path.name
-    sent = [{"name": p.name, "size": s, "crc32": h} for p, s, h in files]
+    sent = [{"name": p.name, "size": s, "xxh3": h} for p, s, h in files]
     # Sent as the peers send it: no checksum up front (they hash as they send); the list at the end is checked.
     await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name, raw=first.read_bytes(),
                     expect=201)
-    wrong = [{**f, "crc32": "0" * 8} if f["name"] == first.name else f for f in sent]
+    wrong = [{**f, "xxh3": "0" * 16} if f["name"] == first.name else f for f in sent]
     error = await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": wrong},
                             expect=400)
     assert f"{first.name} arrived damaged" in error["message"] and "send the images again" in error["message"]
@@ -398,12 +398,12 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     files = [(p, *digest_file(p)) for p in image_files(objects)]
     await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=gid, body={"bytes": sum(f[1] for f in files)},
                     expect=201)
-    for path, _, crc in files:
+    for path, _, digest in files:
         await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=gid, name=path.name,
-                        raw=path.read_bytes(), headers={"X-Content-CRC32": crc}, expect=201)
+                        raw=path.read_bytes(), headers={"X-Content-XXH3": digest}, expect=201)
     info = {"ip": "127.0.0.1", "transport": "tcp", "key": os.urandom(16).hex(), "signature_scheme": "hmac-sha256",
             **{f"{c}_port": free_port() for c in ("shell", "iopub", "stdin", "control", "hb")}}
-    body = {"files": [{"name": p.name, "size": s, "crc32": h} for p, s, h in files], "kernel_name": "python3",
+    body = {"files": [{"name": p.name, "size": s, "xxh3": h} for p, s, h in files], "kernel_name": "python3",
             "connection_info": info, "to_gpu": None, "wait": 60}
     loaded = await walk.call("POST", "/peer/kernels/{kernel_id}/transplant", kernel_id=gid, body=body, expect=200)
     assert loaded["pid"] and loaded["gpu"] is None and loaded["loaded"]["names"] >= 1, loaded

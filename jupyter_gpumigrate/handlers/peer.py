@@ -165,8 +165,8 @@ def read_body_whole(connection: Any) -> None:
 
 @web.stream_request_body
 class ImageFileHandler(PeerHandler):
-    """PUT one image file, streamed to disk (0600) as it arrives and checksummed: checked against the CRC-32
-    in its X-Content-CRC32 header (8 hex digits), or, without one, against the sender's list when the images
+    """PUT one image file, streamed to disk (0600) as it arrives and checksummed: checked against the XXH3-64
+    in its X-Content-XXH3 header (16 hex digits), or, without one, against the sender's list when the images
     are complete (the sender checksums as it sends: one read of each file); GET it back, for the return trip."""
 
     _file: FileSink | None = None
@@ -212,15 +212,15 @@ class ImageFileHandler(PeerHandler):
         path = self._path
         sock, leftover = bulk.detach(self)
         bulk.in_thread(lambda: bulk.receive(sock, leftover, length, path,
-                                            lambda crc: self._verdict(kernel_id, name, crc)), name)
+                                            lambda digest: self._verdict(kernel_id, name, digest)), name)
 
     def _verdict(self, kernel_id: str, name: str, digest: str) -> tuple[int, dict]:
-        """(status, answer) for ``name``, arrived whole with this CRC-32."""
-        said = self.request.headers.get("X-Content-CRC32")
+        """(status, answer) for ``name``, arrived whole with this checksum (peers.Checksum)."""
+        said = self.request.headers.get("X-Content-XXH3")
         if said is None:  # the sender checksummed as it sent: checked once all arrived (images/{id}/complete)
             self.guests.received_file(kernel_id, name, digest)
         elif not hmac.compare_digest(digest, said):
-            return 400, bulk.error(400, f"{name} arrived damaged (its CRC-32 differs); send it again.")
+            return 400, bulk.error(400, f"{name} arrived damaged (its checksum differs); send it again.")
         return 201, {"name": name}
 
     async def put(self, kernel_id: str, name: str) -> None:
@@ -321,7 +321,9 @@ class GuestActionHandler(PeerHandler):
             else:  # resume: the undo of a dump
                 result = await self.run(self.guests.restore, kernel_id, None, body.get("key"))
         if result is not None:
-            self.log.info("gpumigrate: kernel %s hosted for a peer: %s done", kernel_id, action)
+            timings = result.get("timings") if isinstance(result, dict) else None
+            self.log.info("gpumigrate: kernel %s hosted for a peer: %s done%s", kernel_id, action,
+                          f" ({', '.join(f'{k} {v:.2f} s' for k, v in timings.items())})" if timings else "")
             self.send_json(result)
 
 

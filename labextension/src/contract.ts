@@ -747,9 +747,9 @@ export interface PeerImageFile {
   name: string;
   size: Bytes;
   /**
-   * the file's CRC-32 (zlib's), in hex
+   * the file's XXH3-64, in hex
    */
-  crc32: string;
+  xxh3: string;
 }
 /**
  * GET /peer/images/{id}: the kernel's image files.
