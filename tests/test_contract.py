@@ -355,7 +355,11 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     assert (await walk.call("POST", "/peer/images/{kernel_id}/complete", kernel_id=kid, body={"files": sent},
                             expect=200))["kernel_id"] == kid
     listing = await walk.call("GET", "/peer/images/{kernel_id}", kernel_id=kid, expect=200)
-    assert sorted(f["name"] for f in listing["files"]) == sorted(f["name"] for f in sent)
+    assert sorted(listing["files"], key=lambda f: f["name"]) == sorted(sent, key=lambda f: f["name"])
+    quick = await walk.call("GET", "/peer/images/{kernel_id}", kernel_id=kid, params={"checksums": "false"},
+                            expect=200)  # names and sizes at once: the way home fetches as the checksums come
+    assert sorted(quick["files"], key=lambda f: f["name"]) == \
+        sorted(({"name": f["name"], "size": f["size"]} for f in sent), key=lambda f: f["name"])
     got = await walk.call("GET", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name, expect=200)
     assert got == first.read_bytes()
 

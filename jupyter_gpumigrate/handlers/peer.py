@@ -100,7 +100,8 @@ class TransplantCheckHandler(PeerHandler):
 
 
 class ImagesHandler(PeerHandler):
-    """POST: start receiving a kernel's images (replacing any old ones); GET: list them with checksums."""
+    """POST: start receiving a kernel's images (replacing any old ones); GET: list them with checksums
+    (``?checksums=false``: names and sizes only, at once)."""
 
     async def post(self, kernel_id: str) -> None:
         body = self.json_body("PeerImagesRequest")
@@ -114,7 +115,8 @@ class ImagesHandler(PeerHandler):
         self.send_json({"kernel_id": kernel_id}, status=201)
 
     async def get(self, kernel_id: str) -> None:
-        files = await self.run(self.guests.listing, kernel_id)
+        checksums = self.get_query_argument("checksums", "true").lower() not in ("false", "0", "no")
+        files = await self.run(self.guests.listing, kernel_id, checksums)
         if files is not None:
             self.send_json({"files": files})
 

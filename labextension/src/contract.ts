@@ -747,9 +747,9 @@ export interface PeerImageFile {
   name: string;
   size: Bytes;
   /**
-   * the file's XXH3-64, in hex
+   * the file's XXH3-64, in hex (absent from a listing asked with ?checksums=false)
    */
-  xxh3: string;
+  xxh3?: string;
 }
 /**
  * GET /peer/images/{id}: the kernel's image files.
