@@ -528,30 +528,32 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     two_gpus()
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32); s0 = float(t.sum())\n"
-                  "small = torch.full((1000,), 3.0, device='cuda')")
-    same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
-            "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert [g["index"] for g in view["gpus"]] == [0], view
-    op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
-    assert op["status"] == "succeeded", op
-    assert ["stash", "lock", "checkpoint", "dump", "transfer", "restore"] == list(op["timings"])[1:7], op
-    assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
-    assert op["to_gpu"] == 1
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
-    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-    assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
-    op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
-    assert op["status"] == "succeeded", op
-    assert {"remap", "unlock", "unstash"} <= set(op["timings"]) and op["to_gpu"] == 0, op
-    assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
-    assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
-    tab.ws.close()
-    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+    try:
+        await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32)\n"
+                      "s0 = float(t.sum()); small = torch.full((1000,), 3.0, device='cuda')")
+        same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
+                "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert [g["index"] for g in view["gpus"]] == [0], view
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
+        assert op["status"] == "succeeded", op
+        assert ["stash", "send stash", "lock", "checkpoint", "dump", "transfer", "restore"] == \
+            list(op["timings"])[1:8], op
+        assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
+        assert op["to_gpu"] == 1
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
+        assert op["status"] == "succeeded", op
+        assert {"remap", "unlock", "unstash"} <= set(op["timings"]) and op["to_gpu"] == 0, op
+        assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
+        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 @pytest.mark.gpu
@@ -560,24 +562,25 @@ async def test_a_gpu_kernel_transplanted_to_the_other_hosts_gpu_keeps_every_valu
     two_gpus()
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    digest = ("import hashlib; print(hashlib.sha256(b''.join(x.detach().cpu().numpy().tobytes() for x in "
-              "(t, model.weight, model.bias))).hexdigest(), t.device)")
-    await tab.run("import torch; torch.manual_seed(3); t = torch.randn(1 << 22, device='cuda'); "
-                  "model = torch.nn.Linear(64, 8).cuda()")
-    before = (await tab.run(digest)).split()
-    op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 1})
-    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
-    assert {"lock", "checkpoint", "dump", "switch"} <= set(op["timings"]) and op["to_gpu"] == 1, op
-    view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-    assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
-    assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-    assert (await tab.run(digest)).split() == before
-    # Home by a move of that process, onto a's GPU 0, every value kept.
-    op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
-    assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
-    assert (await tab.run(digest)).split() == before
-    tab.ws.close()
-    await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+    try:
+        digest = ("import hashlib; print(hashlib.sha256(b''.join(x.detach().cpu().numpy().tobytes() for x in "
+                  "(t, model.weight, model.bias))).hexdigest(), t.device)")
+        await tab.run("import torch; torch.manual_seed(3); t = torch.randn(1 << 22, device='cuda'); "
+                      "model = torch.nn.Linear(64, 8).cuda()")
+        before = (await tab.run(digest)).split()
+        op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_gpu": 1})
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        assert {"lock", "checkpoint", "dump", "switch"} <= set(op["timings"]) and op["to_gpu"] == 1, op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert (await tab.run(digest)).split() == before
+        # Home by a move of that process, onto a's GPU 0, every value kept.
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        assert (await tab.run(digest)).split() == before
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 def test_a_guests_images_go_to_memory_where_there_is_room(tmp_path):
