@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import socket
 import threading
@@ -29,6 +30,8 @@ from typing import Any
 from tornado.ioloop import IOLoop
 
 from .peers import BLOCK, FileSink
+
+log = logging.getLogger(__name__)
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Seconds a transfer thread waits on the socket before it gives up on the peer.
@@ -51,6 +54,8 @@ def detach(handler: Any) -> tuple[socket.socket, bytes]:
 
 
 def in_thread(work: Callable[[], None], name: str) -> None:
+    """Run ``work`` (:func:`receive` or :func:`send`, which answer and close the socket whatever happens) in a
+    thread of its own."""
     threading.Thread(target=work, name=f"gpumigrate-bulk-{name}", daemon=True).start()
 
 
@@ -75,14 +80,27 @@ def error(status: int, message: str) -> dict:
 def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
             done: Callable[[str], tuple[int, dict]]) -> None:
     """Read a ``length``-byte body into ``path`` (0600, replaced), checksumming it; then answer with what
-    ``done(checksum)`` says (status, JSON). A write that fails (a full disk) drops the file and reads the rest
-    of the body, to answer 507 or 500; a peer that goes away mid-file leaves no file."""
+    ``done(checksum)`` says (status, JSON). A file that cannot be opened is refused before ``100 Continue``; a
+    write that fails (a full disk) drops the file and reads the rest of the body, to answer 507 or 500; a
+    peer that goes away mid-file leaves no file; anything else that goes wrong here is a 500, and no file."""
+    try:
+        _receive(sock, leftover, length, path, done)
+    except Exception as exc:  # never a peer left waiting, nor a file kept unchecked
+        log.exception("gpumigrate: receiving %s failed", path.name)
+        _abort(None, path)
+        respond(sock, 500, error(500, f"{path.name} could not be taken here ({type(exc).__name__}: {exc}); "
+                                      "send the images again."))
+
+
+def _receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
+             done: Callable[[str], tuple[int, dict]]) -> None:
     failed: OSError | None = None
     sink: FileSink | None = None
     try:
         sink = FileSink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
     except OSError as exc:
-        failed = exc
+        respond(sock, *_write_error(path, exc))  # before 100 Continue: the sender sends no body
+        return
     try:
         sock.sendall(CONTINUE)
         for block in _body(sock, leftover, length):
@@ -102,16 +120,17 @@ def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
         _abort(sink, path)
         sock.close()
         return
-    if failed is None:
-        status, payload = done(digest)
-    else:
-        full = failed.errno == errno.ENOSPC
-        status = 507 if full else 500
-        then = ": free space here and send the images again" if full else ""
-        payload = error(status, f"{path.name} could not be written here ({failed.strerror or failed}){then}.")
+    status, payload = done(digest) if failed is None else _write_error(path, failed)
     if status >= 400:
         _abort(None, path)
     respond(sock, status, payload)
+
+
+def _write_error(path: Path, failed: OSError) -> tuple[int, dict]:
+    full = failed.errno == errno.ENOSPC
+    status = 507 if full else 500
+    then = ": free space here and send the images again" if full else ""
+    return status, error(status, f"{path.name} could not be written here ({failed.strerror or failed}){then}.")
 
 
 def _body(sock: socket.socket, leftover: bytes, length: int) -> Iterator[bytes | bytearray]:
@@ -145,7 +164,7 @@ def _abort(sink: FileSink | None, path: Path) -> None:
 
 def send(sock: socket.socket, path: Path, size: int) -> None:
     """Answer a detached GET with the file at ``path`` (``size`` bytes, as said before), then close."""
-    try:
+    try:  # an error mid-file: the peer sees fewer bytes than said, and refuses the file
         with open(path, "rb") as f:
             sock.sendall((f"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {size}\r\n"
                           "Connection: close\r\n\r\n").encode())
@@ -153,7 +172,7 @@ def send(sock: socket.socket, path: Path, size: int) -> None:
             while left > 0 and (block := f.read(min(BLOCK, left))):
                 sock.sendall(block)
                 left -= len(block)
-    except OSError:
-        pass  # the peer sees fewer bytes than said, and refuses the file
+    except Exception:
+        log.exception("gpumigrate: sending %s failed", path.name)
     finally:
         sock.close()

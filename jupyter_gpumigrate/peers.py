@@ -37,7 +37,7 @@ import time
 import urllib.parse
 from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifes
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
+from . import __version__ as _VERSION
 from .relay import RelayClient
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,10 @@ log = logging.getLogger(__name__)
 SCHEME = "gpumigrate-peer"
 PEER_API = "api/gpumigrate/peer"
 BLOCK = 1 << 20
+#: The image files' checksum between hosts (:class:`Checksum`), as each host says it in its answers to
+#: ``peer/check``, ``peer/transplants/check`` and ``GET peer/kernels/{id}``: a peer that says another, or none
+#: (a version before it), is refused before anything moves.
+CHECKSUM = "xxh3"
 #: Image files at least this large go between hosts through a thread of their own on the serving side, off
 #: its event loop (bulk.py); smaller ones share a connection kept open (:class:`Kept`).
 DETACH_MIN = 16 * BLOCK
@@ -518,8 +523,15 @@ class _Sending:
                 "xxh3": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, self.kept)}
 
     def results(self) -> list[dict]:
-        """What was sent, once all ended; the first failure is raised once the others ended."""
-        wait(self.sends.values())
+        """What was sent, once all ended; at the first failure, the files not begun yet are not sent, and the
+        failure is raised once those on their way ended."""
+        done, _ = wait(self.sends.values(), return_when=FIRST_EXCEPTION)
+        if any(future.exception() is not None for future in done):
+            for future in self.sends.values():
+                future.cancel()
+            wait(self.sends.values())
+            raise next(f.exception() for f in self.sends.values()
+                       if not f.cancelled() and f.exception() is not None)  # type: ignore[misc]
         return [future.result() for future in self.sends.values()]
 
     def stop(self) -> None:
@@ -572,7 +584,16 @@ class PeerLink(HostLink):
         problems = answer.get("problems") or []
         if problems:
             raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
+        self._same_checksum(answer, "It runs here as before.")
         self.peer_stash = bool(answer.get("stash"))
+
+    def _same_checksum(self, answer: dict, then: str) -> None:
+        """Refuse a peer whose image files carry another checksum than this version's (an older one)."""
+        said = answer.get("checksum")
+        if said != CHECKSUM:
+            raise InvalidState(f"{self.host} runs another version of jupyter-gpumigrate, whose image files carry "
+                               f"{'no' if said is None else repr(said)} checksum where this one's carry {CHECKSUM!r}:"
+                               f" install the same version on both hosts ({_VERSION} here). {then}")
 
     def takes_stash(self) -> bool:
         return self.peer_stash
@@ -633,6 +654,7 @@ class PeerLink(HostLink):
         if problems:
             raise InvalidState(f"{self.host} cannot take the kernel's objects: {'; '.join(problems)}. It runs here "
                                "as before.")
+        self._same_checksum(answer, "It runs here as before.")
 
     def send_objects(self, folder: Path) -> int:
         files = [(p, p.stat().st_size) for p in image_files(folder)]
@@ -707,6 +729,7 @@ class PeerLink(HostLink):
 
     def requirements(self) -> hostfit.Requirements:
         info = self.client.call("GET", f"kernels/{self.kernel_id}")
+        self._same_checksum(info, f"The kernel runs on {self.host} as before.")
         self.peer_stash = bool(info.get("stash"))
         return hostfit.Requirements.from_dict(info["requirements"])
 
@@ -746,7 +769,7 @@ class PeerLink(HostLink):
             checksums = {str(e["name"]): str(e.get("xxh3", "")) for e in said.result()["files"]}
         for entry in entries:
             name = str(entry["name"])
-            if not hmac.compare_digest(got[name], checksums.get(name, "")):
+            if not hmac.compare_digest(got[name].encode(), checksums.get(name, "").encode("utf-8", "replace")):
                 raise PeerError(f"{name} arrived from {self.host} damaged (its checksum is not the one {self.host} "
                                 "lists); nothing was changed there.")
         total = sum(int(e["size"]) for e in entries)
@@ -1262,7 +1285,8 @@ class GuestHost:
         guest = self.guest(kernel_id)
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
-                                "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True}
+                                "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
+                                "checksum": CHECKSUM}
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

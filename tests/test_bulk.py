@@ -82,6 +82,18 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged (its checksum differs)" in answer, answer[:400]
     assert not (folder / "pages-3.img").exists()
 
+    # A checksum header that is not even hex: refused, not a thread that dies and a peer left waiting.
+    answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
+                                     {"X-Content-XXH3": "\u00e9t\u00e9"}, data)
+    assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged" in answer, answer[:400]
+    assert not (folder / "pages-3.img").exists()
+
+    # A file that cannot be made here is refused before 100 Continue: the sender sends no byte of it.
+    (folder / "pages-6.img").mkdir()
+    with pytest.raises(PeerError, match="pages-6.img could not be written here"):
+        await asyncio.to_thread(client.put_file, f"images/{kid}/pages-6.img", source, SIZE)
+    (folder / "pages-6.img").rmdir()
+
     # A sender gone mid-file leaves no half file.
     await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-4.img", {}, data, SIZE // 3)
     deadline = time.monotonic() + 30
@@ -105,3 +117,51 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     # The server's loop went on serving meanwhile, and still does.
     response = await jp_fetch("api", "gpumigrate", "gpus", method="GET")
     assert response.code == 200
+
+
+def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_moves():
+    """A peer that answers its check as versions before XXH3 did (no "checksum": they carry SHA-256) is refused
+    with a sentence that says what to do, before any image is made or sent. The older peer is played by a
+    plain HTTP server that answers as those versions' /peer/check did."""
+    import http.server
+    import json
+    import threading
+
+    from jupyter_gpumigrate.engine import hostfit
+    from jupyter_gpumigrate.engine.errors import InvalidState
+    from jupyter_gpumigrate.peers import PeerLink
+
+    asked: list[str] = []
+
+    class OlderPeer(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+            asked.append(self.path)
+            self.rfile.read(int(self.headers["Content-Length"]))
+            body = json.dumps({"problems": [], "stash": True}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OlderPeer)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    loop = None
+    try:
+        peer = Peer("old", f"http://127.0.0.1:{server.server_address[1]}/", PEER_TOKEN)
+        loop = asyncio.new_event_loop()  # the relay's, never used here
+        link = PeerLink(peer, str(uuid.uuid4()), {}, loop, None, "here")
+        with pytest.raises(InvalidState, match="old runs another version of jupyter-gpumigrate, whose image files "
+                                               "carry no checksum where this one's carry 'xxh3': install the same "
+                                               "version on both hosts"):
+            link.check(hostfit.Requirements(ids=[1]), None, None)
+        assert asked == ["/api/gpumigrate/peer/check"]
+    finally:
+        if loop is not None:
+            loop.close()
+        server.shutdown()
+        server.server_close()

@@ -25,7 +25,7 @@ from tornado.websocket import WebSocketHandler
 from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
-from ..peers import BLOCK, DETACH_MIN, SCHEME, FileSink, GuestHost
+from ..peers import BLOCK, CHECKSUM, DETACH_MIN, SCHEME, FileSink, GuestHost
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -83,8 +83,9 @@ class CheckHandler(PeerHandler):
         problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"))
         self.log.info("gpumigrate: peer %s asks to move kernel %s here: %s", self.request.remote_ip,
                       body.get("kernel_id"), "; ".join(problems) or "fine")
-        # "stash": this host has a kernel write and read back its large buffers when its owner sends the key
-        self.send_json({"problems": problems, "stash": True})
+        # "stash": this host has a kernel write and read back its large buffers when its owner sends the key;
+        # "checksum": the image files' checksum it takes and gives (an older peer says none: it is refused)
+        self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM})
 
 
 class TransplantCheckHandler(PeerHandler):
@@ -96,7 +97,7 @@ class TransplantCheckHandler(PeerHandler):
                                            body["listens"], body["bytes"], body["gpu_bytes"], body["to_gpu"])
         self.log.info("gpumigrate: peer %s asks to take kernel %s's objects here: %s", self.request.remote_ip,
                       body["kernel_id"], "; ".join(problems) or "fine")
-        self.send_json({"problems": problems})
+        self.send_json({"problems": problems, "checksum": CHECKSUM})
 
 
 class ImagesHandler(PeerHandler):
@@ -221,7 +222,7 @@ class ImageFileHandler(PeerHandler):
         said = self.request.headers.get("X-Content-XXH3")
         if said is None:  # the sender checksummed as it sent: checked once all arrived (images/{id}/complete)
             self.guests.received_file(kernel_id, name, digest)
-        elif not hmac.compare_digest(digest, said):
+        elif not hmac.compare_digest(digest.encode(), said.strip().encode("utf-8", "replace")):
             return 400, bulk.error(400, f"{name} arrived damaged (its checksum differs); send it again.")
         return 201, {"name": name}
 

@@ -724,6 +724,10 @@ export interface PeerCheckResponse {
    * This host has a kernel write its large buffers into its images and read them back (its host stash) when its owner sends the key; absent from older versions, whose owners then do not ask.
    */
   stash?: boolean;
+  /**
+   * The checksum its image files carry between hosts (XXH3-64); absent from older versions (SHA-256), which are refused before anything moves.
+   */
+  checksum?: 'xxh3';
 }
 /**
  * POST /peer/images/{id}: images are about to be sent.
@@ -785,6 +789,10 @@ export interface PeerGuest {
    * As in PeerCheckResponse: its dump may be asked with the key and stash_min.
    */
   stash?: boolean;
+  /**
+   * As in PeerCheckResponse.
+   */
+  checksum?: 'xxh3';
 }
 /**
  * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?
