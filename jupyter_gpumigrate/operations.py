@@ -598,6 +598,7 @@ class OperationManager:
             steps["transplant"] = lambda: migration.transplant_to_host(link, op.to_gpu, accept_left)
         op.status = RUNNING_OP
         self._emit(op)
+        migration.spare_pids(op.action)  # here, before a thread of the server may take one of the kernel's PIDs
         try:
             if op.action == "suspend":
                 outcome = await asyncio.to_thread(steps[op.action])

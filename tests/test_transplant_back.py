@@ -101,6 +101,7 @@ async def test_a_kernel_running_a_cell_does_not_go_back(jp_fetch, jp_serverapp, 
 
 
 async def test_a_pid_of_the_source_taken_refuses_and_the_kernel_runs_on(jp_fetch, jp_serverapp, kernel):
+    images = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner.images
     pid, view = await _transplanted(jp_fetch, kernel)
     holder = hold_pid(pid)
     try:
@@ -109,9 +110,14 @@ async def test_a_pid_of_the_source_taken_refuses_and_the_kernel_runs_on(jp_fetch
         assert f"PID {pid}" in op["error"] and "runs on, unchanged" in op["error"], op
         assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == view["pid"]
         assert (await kernel.run("print(marker, after)")).split() == ["new", "1"]
+        # The back moved the PID cursor past the source's numbers before it started a thread: none of the
+        # server's threads (nor anything else) took one of the others meanwhile.
+        source = images.read_manifest_at(images.kept(kernel.id)[0])
+        assert proctree.first_holder([i for i in source.ids if i != pid]) is None
     finally:
         holder.stop()
-    assert (await operate(jp_fetch, kernel.id, "back"))["status"] == "succeeded"
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "succeeded", op
     assert (await kernel.run("print(marker)")).strip() == "source"
 
 

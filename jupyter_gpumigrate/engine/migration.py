@@ -33,9 +33,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 from . import gpus as gpus_mod
+from . import proctree
 from .criu import Criu
 from .gpus import GpuInfo
-from .images import ImageStore
+from .images import ImageError, ImageStore
 from .kernelproc import (BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED, KernelProcess, kernel_listens,
                          public_connection_info)
 from .plans import back, gpu_move, host_move, host_transplant, resume, suspend, transplant
@@ -104,3 +105,22 @@ class Migration:
     def back(self) -> Outcome:
         """Go back to the process that the kernel's last transplant replaced (kept ``keep_source`` seconds)."""
         return back.run(self.kernel, self.tools, self.progress)
+
+    def spare_pids(self, action: str) -> bool:
+        """Before the caller starts a thread for ``action`` ("resume" or "back"): move the PID cursor past
+        the numbers that CRIU will give back to the tree, if the next ones handed out fall among them.
+
+        A thread is a number too: one that the server starts for the operation would otherwise take
+        one of them for as long as it lives, and the restore could never be. The plan steers again
+        before CRIU runs; this is for the threads born before it. True if the cursor moved."""
+        kernel_id = self.kernel.kernel_id
+        try:
+            if action == "resume":
+                ids = self.tools.store.read_manifest(kernel_id).ids
+            elif action == "back" and (kept := self.tools.store.kept(kernel_id)) is not None:
+                ids = self.tools.store.read_manifest_at(kept[0]).ids
+            else:
+                return False
+        except (ImageError, ValueError):
+            return False  # the plan says what is wrong
+        return proctree.steer_pid_allocation(ids)
