@@ -315,8 +315,9 @@ reads them back once restored (going away, inside b's **restore**; coming home, 
 stash off: the CUDA driver and CRIU carry every byte. The floors, measured just before each size with as many
 bytes: one TCP and one TLS stream between the namespaces. The goal is issue 18's: downtime <= bytes / the TLS
 floor x 1.3 + 2 s. Since commit 71e60a6 the stash's files go while the driver checkpoints and CRIU dumps
-(**send stash**): **transfer** is then what is left after the dump, and transfer / floor reads low; total /
-goal is the measure. `bench/results/2026-11-26-host-move.md` says what the runs found.
+(the phase **send stash**, named **stream** since it also sends CRIU's pages files as the dump writes them):
+**transfer** is then what is left after the dump, and transfer / floor reads low; total / goal is the
+measure. `bench/results/2026-11-26-host-move.md` says what the runs found.
 """
 
 

@@ -20,6 +20,7 @@ import errno
 import json
 import logging
 import os
+import re
 import socket
 import threading
 from collections.abc import Callable, Iterator
@@ -77,9 +78,10 @@ def error(status: int, message: str) -> dict:
     return {"message": message, "reason": HTTPStatus(status).phrase}
 
 
-def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
+def receive(sock: socket.socket, leftover: bytes, length: int | None, path: Path,
             done: Callable[[str], tuple[int, dict]]) -> None:
-    """Read a ``length``-byte body into ``path`` (0600, replaced), checksumming it; then answer with what
+    """Read a ``length``-byte body (None: a chunked one, at most :data:`MAX_CHUNKED` bytes: a file sent as it
+    grows) into ``path`` (0600, replaced), checksumming it; then answer with what
     ``done(checksum)`` says (status, JSON). A file that cannot be opened is refused before ``100 Continue``; a
     write that fails (a full disk) drops the file and reads the rest of the body, to answer 507 or 500; a
     peer that goes away mid-file leaves no file; anything else that goes wrong here is a 500, and no file."""
@@ -92,7 +94,7 @@ def receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
                                       "send the images again."))
 
 
-def _receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
+def _receive(sock: socket.socket, leftover: bytes, length: int | None, path: Path,
              done: Callable[[str], tuple[int, dict]]) -> None:
     failed: OSError | None = None
     sink: FileSink | None = None
@@ -103,7 +105,7 @@ def _receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
         return
     try:
         sock.sendall(CONTINUE)
-        for block in _body(sock, leftover, length):
+        for block in _body(sock, leftover, length) if length is not None else _chunks(sock, leftover):
             if sink is not None:
                 try:
                     sink.put_blocking(block)
@@ -119,6 +121,11 @@ def _receive(sock: socket.socket, leftover: bytes, length: int, path: Path,
     except (OSError, ConnectionError):  # the peer went away, or stalled: no half file stays
         _abort(sink, path)
         sock.close()
+        return
+    except ValueError as exc:  # a chunked body that is not one
+        _abort(sink, path)
+        respond(sock, 400, error(400, f"{path.name} did not arrive as a chunked body ({exc}); nothing of it is "
+                                      "kept."))
         return
     status, payload = done(digest) if failed is None else _write_error(path, failed)
     if status >= 400:
@@ -150,6 +157,73 @@ def _body(sock: socket.socket, leftover: bytes, length: int) -> Iterator[bytes |
             filled += n
         got += filled
         yield block
+
+
+#: The most a chunked body may bring (a file sent as it grows): a CRIU pages file, one process's memory.
+MAX_CHUNKED = 1 << 40
+#: The largest chunk taken (the sender's are a block at most): each is read into a buffer of its own.
+MAX_CHUNK = 16 * BLOCK
+_CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
+
+
+class _Reader:
+    """Buffered reads off a blocking socket, what tornado had read first."""
+
+    def __init__(self, sock: socket.socket, leftover: bytes) -> None:
+        self.sock, self.buffer = sock, bytearray(leftover)
+
+    def _fill(self) -> None:
+        data = self.sock.recv(BLOCK)
+        if not data:
+            raise ConnectionError("the peer closed the connection mid-file")
+        self.buffer += data
+
+    def line(self, limit: int = 1024) -> bytes:
+        while (end := self.buffer.find(b"\r\n")) < 0:
+            if len(self.buffer) > limit:
+                raise ValueError("a chunk's size line is too long")
+            self._fill()
+        line = bytes(self.buffer[:end])
+        del self.buffer[:end + 2]
+        return line
+
+    def exactly(self, n: int) -> bytearray:
+        """``n`` bytes, in one buffer of their own."""
+        if len(self.buffer) >= n:
+            block = self.buffer[:n]
+            del self.buffer[:n]
+            return block
+        block, filled = bytearray(n), len(self.buffer)
+        block[:filled] = self.buffer
+        self.buffer = bytearray()
+        view = memoryview(block)
+        while filled < n:
+            got = self.sock.recv_into(view[filled:])
+            if not got:
+                raise ConnectionError("the peer closed the connection mid-file")
+            filled += got
+        return block
+
+
+def _chunks(sock: socket.socket, leftover: bytes) -> Iterator[bytes | bytearray]:
+    """A chunked body's blocks (RFC 9112 7.1): each chunk's data as a buffer of its own; extensions and
+    trailers are read and dropped. ValueError for what is not a chunked body, or one over MAX_CHUNKED."""
+    reader, got = _Reader(sock, leftover), 0
+    while True:
+        said = reader.line().split(b";", 1)[0].strip()
+        if not _CHUNK_SIZE.fullmatch(said):
+            raise ValueError(f"a chunk's size is not a hex number of at most 8 digits: {said[:40]!r}")
+        size = int(said, 16)
+        if size > MAX_CHUNK or got + size > MAX_CHUNKED:
+            raise ValueError(f"a chunk of {size} bytes, over {MAX_CHUNK}, or a body over {MAX_CHUNKED}")
+        if size == 0:
+            while reader.line(65536):  # trailers, up to the empty line
+                pass
+            return
+        yield reader.exactly(size)
+        got += size
+        if reader.line() != b"":
+            raise ValueError("a chunk does not end where its size says")
 
 
 def _abort(sink: FileSink | None, path: Path) -> None:

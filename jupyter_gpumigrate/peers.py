@@ -76,6 +76,9 @@ DETACH_MIN = 16 * BLOCK
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
 #: Files checksummed at once for a listing (the way home).
 DIGESTS = 8
+#: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
+#: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
+GROWING = "pages-*.img"
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
 TRANSPLANT_ORPHAN = 1800.0
@@ -265,14 +268,19 @@ class _Hashing:
 
     AHEAD = 16 * BLOCK
 
-    def __init__(self, file: Any, size: int = 0) -> None:
+    def __init__(self, file: Any, size: int = 0, stop: threading.Event | None = None) -> None:
         self.file, self.hash, self.size = file, Checksum(), 0
-        #: the size the request says (Content-Length), and the file's name, for what goes wrong
+        #: the size the request says (Content-Length; 0: sent in chunks, as the file grows), and the file's
+        #: name, for what goes wrong
         self.size_said, self.name = size, Path(getattr(file, "name", "") or "").name
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gpumigrate-hash")
         self.pending: deque[Future] = deque()
+        #: set: the transfer is called off, the next read raises (the connection is then closed)
+        self.stop = stop
 
     def read(self, n: int = -1) -> bytes:
+        if self.stop is not None and self.stop.is_set():
+            raise PeerError(f"Sending {self.name} was called off.")
         block = self.file.read(n)
         self.pending.append(self.pool.submit(self.hash.update, block))
         self.size += len(block)
@@ -289,6 +297,38 @@ class _Hashing:
         while self.pending:
             self.pending.popleft().result()
         self.pool.shutdown(wait=True)
+
+
+class _GrowingFile:
+    """A file that a dump is still appending to, read as it grows: :meth:`read` waits for a whole block,
+    or for ``final`` (the dump is over, the file has its last size), and returns b"" only at that end.
+
+    Safe for files that are only appended to (:data:`GROWING`): the kernel makes a write's bytes readable
+    before it moves the file's size past them, and no byte read changes after."""
+
+    WAIT = 0.005
+
+    def __init__(self, file: Any, final: threading.Event, stop: threading.Event,
+                 progress: dict[str, int] | None = None) -> None:
+        self.file, self.final, self.stop = file, final, stop
+        self.name = file.name
+        self.offset = 0
+        self.progress = progress if progress is not None else {}
+
+    def read(self, n: int = BLOCK) -> bytes:
+        while True:
+            final = self.final.is_set()  # before the size: once the dump is over, the size read is the last
+            available = os.fstat(self.file.fileno()).st_size - self.offset
+            if available >= n or (final and available > 0):
+                block = self.file.read(min(n, available))
+                self.offset += len(block)
+                self.progress[Path(self.name).name] = self.offset
+                return block
+            if final:
+                return b""
+            if self.stop.is_set():
+                raise PeerError(f"Sending {Path(self.name).name} was called off.")
+            self.final.wait(self.WAIT)
 
 
 def image_files(images: Path) -> list[Path]:
@@ -398,7 +438,7 @@ class PeerClient:
             body = json.dumps(body).encode()
             all_headers["Content-Type"] = "application/json"
         try:
-            if isinstance(body, _Hashing) and body.size_said >= DETACH_MIN:
+            if isinstance(body, _Hashing) and (body.size_said >= DETACH_MIN or "Transfer-Encoding" in all_headers):
                 self._send_after_continue(conn, method, path, body, all_headers)
             else:
                 conn.request(method, f"{self.base}{PEER_API}/{path}", body=body, headers=all_headers)
@@ -430,7 +470,8 @@ class PeerClient:
                              headers: dict[str, str]) -> None:
         """Send a large file's request with ``Expect: 100-continue``, and its body once the peer said
         ``100 Continue``: the peer then reads it in a thread of its own (bulk.py). A final answer instead
-        (a refusal) is raised as :class:`PeerError`."""
+        (a refusal) is raised as :class:`PeerError`. With ``Transfer-Encoding: chunked`` in ``headers`` (a file
+        that grows as it is sent), each block goes as a chunk, and an empty chunk ends it."""
         conn.putrequest(method, f"{self.base}{PEER_API}/{path}", skip_accept_encoding=True)
         for name, value in {**headers, "Expect": "100-continue"}.items():
             conn.putheader(name, value)
@@ -441,8 +482,11 @@ class PeerClient:
             text = _read_exactly(conn.sock, length) if length else b""
             raise self._refused(status, text, reason) if status >= 400 else \
                 PeerError(f"{self.peer.name} answered {status} {reason} before it took {body.name}.")
+        chunked = headers.get("Transfer-Encoding") == "chunked"
         while block := body.read(BLOCK):
-            conn.send(block)
+            conn.send(b"%x\r\n%b\r\n" % (len(block), block) if chunked else block)
+        if chunked:
+            conn.send(b"0\r\n\r\n")
 
     def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         saved, self.timeout = self.timeout, timeout or self.timeout
@@ -456,12 +500,13 @@ class PeerClient:
             conn.close()
         return json.loads(data) if data else None
 
-    def put_file(self, path: str, file: Path, size: int, kept: Kept | None = None) -> str:
+    def put_file(self, path: str, file: Path, size: int, kept: Kept | None = None,
+                 stop: threading.Event | None = None) -> str:
         """Send ``file`` (``size`` bytes), checksumming it as it goes: one read of it, not two; its checksum,
         which the peer checks against its own when the images are complete (``complete``). With ``kept``,
-        over one of its connections, given back after."""
+        over one of its connections, given back after; ``stop``, once set, calls it off."""
         with open(file, "rb") as f:
-            body = _Hashing(f, size)
+            body = _Hashing(f, size, stop)
             try:
                 conn, response = self._send("PUT", path, body=body, headers={
                     "Content-Length": str(size), "Content-Type": "application/octet-stream"}, kept=kept)
@@ -472,6 +517,22 @@ class PeerClient:
         if body.size != size:
             raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
         return body.hexdigest()
+
+    def put_growing(self, path: str, file: Path, final: threading.Event, stop: threading.Event,
+                    progress: dict[str, int] | None = None) -> tuple[int, str]:
+        """Send ``file`` while a dump appends to it (:class:`_GrowingFile`), in chunks, until ``final`` is set
+        and all of it went: its size and checksum (checked as :meth:`put_file`'s). ``stop`` calls it off;
+        ``progress[file.name]`` says how far it got."""
+        with open(file, "rb") as f:
+            body = _Hashing(_GrowingFile(f, final, stop, progress), 0, stop)
+            try:
+                conn, response = self._send("PUT", path, body=body, headers={
+                    "Transfer-Encoding": "chunked", "Content-Type": "application/octet-stream"})
+            finally:
+                body.close()
+        response.read()
+        conn.close()
+        return body.size, body.hexdigest()
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Kept | None = None) -> str:
         """Receive a file into ``dest`` (0600), checking its size and, if given, its ``checksum``; its
@@ -502,7 +563,9 @@ def _sized(images: Path) -> list[tuple[Path, int]]:
 
 
 class _Sending:
-    """Image files on their way to a peer, :data:`STREAMS` at a time, over connections kept for them."""
+    """Image files on their way to a peer, :data:`STREAMS` at a time, over connections kept for them; and,
+    once :meth:`follow` was called, the files a dump appends to (:data:`GROWING`) as they grow, each over a
+    connection of its own, until :meth:`dumped`."""
 
     def __init__(self, client: PeerClient, kernel_id: str) -> None:
         self.client, self.kernel_id = client, kernel_id
@@ -511,22 +574,58 @@ class _Sending:
         #: file name -> its send: {name, size, xxh3}
         self.sends: dict[str, Future] = {}
         self.began = time.monotonic()
+        #: set once the dump is over (the files followed have their last size); set to call everything off
+        self.final, self.stopped = threading.Event(), threading.Event()
+        self.watcher: threading.Thread | None = None
+        #: file followed -> the bytes of it read to be sent so far
+        self.progress: dict[str, int] = {}
+        self._lock = threading.Lock()
 
     def send(self, files: list[tuple[Path, int]]) -> None:
         """Send those of ``files`` not sent yet, in this order."""
-        for path, size in files:
-            if path.name not in self.sends:
-                self.sends[path.name] = self.pool.submit(self._put, path, size)
+        with self._lock:
+            for path, size in files:
+                if path.name not in self.sends:
+                    self.sends[path.name] = self.pool.submit(self._put, path, size)
 
     def _put(self, path: Path, size: int) -> dict:
-        return {"name": path.name, "size": size,
-                "xxh3": self.client.put_file(f"images/{self.kernel_id}/{path.name}", path, size, self.kept)}
+        return {"name": path.name, "size": size, "xxh3": self.client.put_file(
+            f"images/{self.kernel_id}/{path.name}", path, size, self.kept, self.stopped)}
+
+    def follow(self, images: Path) -> None:
+        """Send the files a dump into ``images`` appends to, from when each appears (looked for every 10 ms)."""
+        self.watcher = threading.Thread(target=self._watch, args=(images,), name="gpumigrate-follow", daemon=True)
+        self.watcher.start()
+
+    def _watch(self, images: Path) -> None:
+        while not self.final.is_set() and not self.stopped.is_set():
+            with self._lock:
+                for path in sorted(images.glob(GROWING)):
+                    if path.name not in self.sends:
+                        self.sends[path.name] = self.pool.submit(self._put_growing, path)
+            self.final.wait(0.01)
+
+    def _put_growing(self, path: Path) -> dict:
+        size, digest = self.client.put_growing(f"images/{self.kernel_id}/{path.name}", path, self.final,
+                                               self.stopped, self.progress)
+        return {"name": path.name, "size": size, "xxh3": digest}
+
+    def dumped(self) -> tuple[int, int]:
+        """The dump is over: the files followed end at their size now, and no other is looked for. How many
+        were followed, and the bytes of them sent by then."""
+        self.final.set()
+        if self.watcher is not None:
+            self.watcher.join()
+            self.watcher = None
+        with self._lock:
+            return sum(1 for name in self.sends if Path(name).match(GROWING)), sum(self.progress.values())
 
     def results(self) -> list[dict]:
         """What was sent, once all ended; at the first failure, the files not begun yet are not sent, and the
         failure is raised once those on their way ended."""
         done, _ = wait(self.sends.values(), return_when=FIRST_EXCEPTION)
         if any(future.exception() is not None for future in done):
+            self.stopped.set()  # those on their way end at their next block
             for future in self.sends.values():
                 future.cancel()
             wait(self.sends.values())
@@ -534,10 +633,22 @@ class _Sending:
                        if not f.cancelled() and f.exception() is not None)  # type: ignore[misc]
         return [future.result() for future in self.sends.values()]
 
+    def failure(self) -> BaseException | None:
+        """What the first send that failed so far raised, or None."""
+        with self._lock:
+            futures = list(self.sends.values())
+        return next((f.exception() for f in futures if f.done() and not f.cancelled() and f.exception()), None)
+
     def stop(self) -> None:
-        """Send nothing more; return once the files on their way ended (their connections closed)."""
-        for future in self.sends.values():
-            future.cancel()
+        """Send nothing more: the files on their way are called off at their next block; return once they
+        ended (their connections closed)."""
+        self.stopped.set()
+        if self.watcher is not None:
+            self.watcher.join()
+            self.watcher = None
+        with self._lock:
+            for future in self.sends.values():
+                future.cancel()
         self.pool.shutdown(wait=True)
         self.kept.close()
 
@@ -565,6 +676,8 @@ class PeerLink(HostLink):
         self.idle = idle
         #: that host said it can have the kernel write and read its stash with its key (check, requirements)
         self.peer_stash = False
+        #: that host takes a file sent as it grows (check): a dump's pages go while it runs
+        self.peer_growing = False
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
@@ -586,6 +699,7 @@ class PeerLink(HostLink):
             raise InvalidState(f"{self.host} cannot take the kernel: {'; '.join(problems)}. It runs here as before.")
         self._same_checksum(answer, "It runs here as before.")
         self.peer_stash = bool(answer.get("stash"))
+        self.peer_growing = bool(answer.get("growing"))
 
     def _same_checksum(self, answer: dict, then: str) -> None:
         """Refuse a peer whose image files carry another checksum than this version's (an older one)."""
@@ -598,11 +712,21 @@ class PeerLink(HostLink):
     def takes_stash(self) -> bool:
         return self.peer_stash
 
-    def start_sending(self, images: Path, expect: int) -> None:
+    def takes_growing(self) -> bool:
+        return self.peer_growing
+
+    def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         self.stop_sending()
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": int(expect)})
         self._sending = _Sending(self.client, self.kernel_id)
         self._sending.send(_sized(images))
+        if follow:
+            self._sending.follow(images)
+
+    def check_sending(self) -> None:
+        failed = self._sending.failure() if self._sending is not None else None
+        if failed is not None:
+            raise failed
 
     def stop_sending(self) -> None:
         sending, self._sending = self._sending, None
@@ -616,16 +740,18 @@ class PeerLink(HostLink):
         if sending is None:
             self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
             sending = _Sending(self.client, self.kernel_id)
-        early = len(sending.sends)
         try:
+            followed, by_then = sending.dumped()
+            early = len(sending.sends) - followed
             sending.send(files)  # what start_sending did not send yet
             sent = sending.results()
         finally:
             sending.stop()
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         log.info("gpumigrate: kernel %s: %d image files, %.2f GB, sent to %s in %.2f s since the first began "
-                 "(%d of them before the dump ended)", self.kernel_id, len(sent), total / 1e9, self.host,
-                 time.monotonic() - sending.began, early)
+                 "(%d of them before the dump ended; %d while it wrote them, %.2f GB of those by its end)",
+                 self.kernel_id, len(sent), total / 1e9, self.host, time.monotonic() - sending.began, early,
+                 followed, by_then / 1e9)
         return total
 
     def _key(self) -> dict:

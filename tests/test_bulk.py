@@ -119,6 +119,84 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     assert response.code == 200
 
 
+def raw_chunked(port: int, base: str, path: str, body: bytes) -> str:
+    """A chunked PUT (``body`` framed by the caller) on a plain socket, sent at once; what the server answered."""
+    head = (f"PUT {base}api/gpumigrate/peer/{path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n"
+            f"Authorization: {SCHEME} {PEER_TOKEN}\r\nTransfer-Encoding: chunked\r\nExpect: 100-continue\r\n\r\n")
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(head.encode() + body)
+        answer = bytearray()
+        while chunk := sock.recv(1 << 16):
+            answer += chunk
+    return answer.decode("latin-1")
+
+
+async def test_a_file_that_a_dump_still_writes_is_sent_as_it_grows_and_arrives_whole(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    """A CRIU pages file goes while the dump appends to it (``PeerClient.put_growing``, chunked): here a thread
+    appends pieces of random sizes, pausing between them; the file arrives whole, with the checksum of all of
+    it, once the writer is done. Called off mid-file, or sent as something that is not a chunked body, no file
+    stays there."""
+    import threading
+
+    kid = str(uuid.uuid4())
+    client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    await asyncio.to_thread(client.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    data = os.urandom(3 * SIZE)
+    source = tmp_path / "pages-1.img"
+    source.write_bytes(b"")
+    final, stop = threading.Event(), threading.Event()
+    sent_while_writing: list[int] = []
+    progress: dict[str, int] = {}
+
+    def dump() -> None:  # appends, as CRIU does, in pieces that are not whole blocks
+        with open(source, "ab") as f:
+            at = 0
+            while at < len(data):
+                piece = data[at:at + 3_000_017]
+                f.write(piece)
+                f.flush()
+                at += len(piece)
+                time.sleep(0.02)
+        sent_while_writing.append(progress.get("pages-1.img", 0))
+        final.set()
+
+    writer = threading.Thread(target=dump)
+    writer.start()
+    size, said = await asyncio.to_thread(client.put_growing, f"images/{kid}/pages-1.img", source, final, stop,
+                                         progress)
+    writer.join()
+    assert size == len(data) and said == checksum_of(data)
+    assert (folder / "pages-1.img").read_bytes() == data
+    assert sent_while_writing[0] > 0, "nothing went before the writer was done"
+
+    # Called off mid-file (a move undone): the sender raises, and the server keeps no half file.
+    source.write_bytes(data[:SIZE])
+    final2, stop2 = threading.Event(), threading.Event()
+    asyncio.get_running_loop().call_later(0.5, stop2.set)
+    with pytest.raises(PeerError, match="called off"):
+        await asyncio.to_thread(client.put_growing, f"images/{kid}/pages-2.img", source, final2, stop2)
+    deadline = time.monotonic() + 30
+    while (folder / "pages-2.img").exists():
+        assert time.monotonic() < deadline, "the half file stayed"
+        await asyncio.sleep(0.05)
+
+    # What is not a chunked body is refused, and nothing of it is kept.
+    for body, why in [(b"zz\r\nab\r\n0\r\n\r\n", "not a hex number"),
+                      (b"-5\r\nab\r\n0\r\n\r\n", "not a hex number"),
+                      (b"%x\r\n" % (1 << 30), "over"),
+                      (b"2\r\nabc\r\n0\r\n\r\n", "does not end where its size says")]:
+        answer = await asyncio.to_thread(raw_chunked, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img", body)
+        assert "HTTP/1.1 400 Bad Request" in answer and why in answer, (body, answer[:400])
+        assert not (folder / "pages-3.img").exists()
+    # A well-formed one from another client, with an extension and a trailer, is taken.
+    answer = await asyncio.to_thread(raw_chunked, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
+                                     b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n")
+    assert "HTTP/1.1 201 Created" in answer, answer[:400]
+    assert (folder / "pages-3.img").read_bytes() == b"abcde"
+
+
 def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_moves():
     """A peer that answers its check as versions before XXH3 did (no "checksum": they carry SHA-256) is refused
     with a sentence that says what to do, before any image is made or sent. The older peer is played by a

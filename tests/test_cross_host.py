@@ -95,7 +95,7 @@ async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_exe
 
     op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "dump", "transfer", "restore", "adopt"]
+    assert list(op["timings"]) == ["prepare", "stream", "dump", "transfer", "restore", "adopt"], op
     assert op["from_host"] == "a" and op["to_host"] == "b" and op["bytes"] > 1_000_000
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "b" and view["remote"] and view["state"] == "running" and view["pid"] is None
@@ -140,7 +140,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
         for there, dest in ((b, "b"), (a, "a")):
             op = await call(a.operate, kernel_id, "migrate", {"to_host": dest})
             assert op["status"] == "succeeded", op
-            phases = (["prepare", "stash", "send stash", "dump", "transfer", "restore", "adopt"] if dest == "b" else
+            phases = (["prepare", "stash", "stream", "dump", "transfer", "restore", "adopt"] if dest == "b" else
                       ["prepare", "dump", "transfer", "restore", "unstash", "adopt"])
             assert list(op["timings"]) == phases, op
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
@@ -286,7 +286,7 @@ async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
 
 @pytest.mark.parametrize("when", ["stash arriving", "transfer"])
 async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts, when):
-    """b is killed as the stash's files arrive there (they go while the dump runs: 'send stash'), or in the
+    """b is killed as the stash's files arrive there (they go while the dump runs: 'stream'), or in the
     transfer phase (the rest of the images)."""
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
@@ -320,7 +320,7 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
     assert op["status"] == "failed" and op["failed_phase"] in ("transfer", "restore"), op
     assert "cannot be reached" in op["error"] or "b:" in op["error"], op["error"]
-    assert "stash" in op["timings"] and "send stash" in op["timings"], op
+    assert "stash" in op["timings"] and "stream" in op["timings"], op
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "a" and view["state"] == "running" and not view["remote"]
     assert (await tab.run("print(kept, blob[12345], len(blob) >> 20, blob.count(b'x'))")).strip() == \
@@ -329,6 +329,67 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
     b.start({"a": a.peer_entry()})
+
+
+async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_kernel_running_here(hosts):
+    """CRIU's pages go to b as the dump writes them (phase 'stream'). CRIU is SIGKILLed once b holds some of
+    them: the dump fails, the file on its way is called off, b deletes what it got, and the kernel runs on
+    here, the same process, with its state."""
+    from test_hibernation import criu_of
+
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        # 400 MB that the stash does not take (bytes, under host_stash_min): CRIU writes it into its pages.
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 1_600_000\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+        def pages_there() -> bool:
+            return any(f.stat().st_size > 0 for folder in [b.root / "state" / "guests" / kernel_id,
+                                                           *guest_images_in_memory(kernel_id)]
+                       if folder.is_dir() for f in folder.glob("pages-*.img"))
+
+        def kill_criu_once_pages_arrive() -> tuple[bool, dict]:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            criu = criu_of(a.proc.pid, b"dump", 60)
+            killed = False
+            deadline = time.monotonic() + 60
+            while criu is not None and not pages_there() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if criu is not None and pages_there():
+                try:
+                    os.kill(criu, signal.SIGKILL)
+                    killed = True
+                except ProcessLookupError:
+                    pass
+            while op["status"] not in ("succeeded", "failed"):
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return killed, op
+
+        for _ in range(3):
+            killed, op = await call(kill_criu_once_pages_arrive)
+            if killed and op["status"] == "failed":
+                break
+            assert op["status"] == "succeeded", op  # the dump won the race: home, and again
+            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+            pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        else:
+            pytest.skip("CRIU dumped the kernel before its pages reached b, three times")
+        assert op["failed_phase"] == "dump" and "SIGKILL" in op["error"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and view["state"] == "running" and view["pid"] == pid, view
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+            "True 409600000"
+        deadline = time.monotonic() + 30
+        while (b.root / "state" / "guests" / kernel_id).exists() or guest_images_in_memory(kernel_id):
+            assert time.monotonic() < deadline, "b kept the pages it got"
+            await asyncio.sleep(0.1)
+        # And the next move goes through.
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing(hosts):
@@ -537,7 +598,7 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
         assert [g["index"] for g in view["gpus"]] == [0], view
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
         assert op["status"] == "succeeded", op
-        assert ["stash", "send stash", "lock", "checkpoint", "dump", "transfer", "restore"] == \
+        assert ["stash", "stream", "lock", "checkpoint", "dump", "transfer", "restore"] == \
             list(op["timings"])[1:8], op
         assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
         assert op["to_gpu"] == 1

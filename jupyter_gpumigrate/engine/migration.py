@@ -4,7 +4,7 @@
     resume:           prepare -> restore -> [remap -> unlock] -> adopt                plans/resume.py
     move to a GPU:    prepare -> [stash | host stash] -> lock -> checkpoint -> remap
                       -> unlock -> [unstash | take back] -> verify                    plans/gpu_move.py
-    move to a host:   prepare -> [stash] -> [lock -> checkpoint] -> dump -> transfer
+    move to a host:   prepare -> [stash] -> [stream] -> [lock -> checkpoint] -> dump -> transfer
                       -> restore (there, the stash read back) -> adopt                plans/host_move.py
     come back home:   prepare -> dump (there, [stash] first) -> transfer -> restore
                       -> [remap -> unlock] -> [unstash] -> adopt                      plans/host_move.py

@@ -85,7 +85,8 @@ class CheckHandler(PeerHandler):
                       body.get("kernel_id"), "; ".join(problems) or "fine")
         # "stash": this host has a kernel write and read back its large buffers when its owner sends the key;
         # "checksum": the image files' checksum it takes and gives (an older peer says none: it is refused)
-        self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM})
+        # "growing": it takes an image file sent in chunks as a dump writes it
+        self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM, "growing": True})
 
 
 class TransplantCheckHandler(PeerHandler):
@@ -206,12 +207,16 @@ class ImageFileHandler(PeerHandler):
 
     def _in_thread(self, kernel_id: str, name: str) -> None:
         """The body goes into the file in a thread of its own, off the event loop (bulk.py)."""
-        try:
-            length = int(self.request.headers.get("Content-Length", ""))
-        except ValueError:
-            length = -1
-        if not 0 <= length <= MAX_IMAGE_FILE:
-            raise web.HTTPError(411, "An image file's PUT says its Content-Length.")
+        length: int | None
+        if self.request.headers.get("Transfer-Encoding", "").lower() == "chunked":
+            length = None  # a file sent as it grows (a dump's pages): its end says its size
+        else:
+            try:
+                length = int(self.request.headers.get("Content-Length", ""))
+            except ValueError:
+                length = -1
+            if not 0 <= length <= MAX_IMAGE_FILE:
+                raise web.HTTPError(411, "An image file's PUT says its Content-Length, or comes in chunks.")
         path = self._path
         sock, leftover = bulk.detach(self)
         bulk.in_thread(lambda: bulk.receive(sock, leftover, length, path,

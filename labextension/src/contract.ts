@@ -19,7 +19,7 @@ export type Phase =
   | 'host stash'
   | 'take back'
   | 'verify'
-  | 'send stash'
+  | 'stream'
   | 'transfer'
   | 'start'
   | 'export'
@@ -728,6 +728,10 @@ export interface PeerCheckResponse {
    * The checksum its image files carry between hosts (XXH3-64); absent from older versions (SHA-256), which are refused before anything moves.
    */
   checksum?: 'xxh3';
+  /**
+   * This host takes an image file PUT in chunks (Transfer-Encoding: chunked) as a dump writes it: the move's CRIU pages then go while the dump runs; absent from older versions, to which they go after it.
+   */
+  growing?: boolean;
 }
 /**
  * POST /peer/images/{id}: images are about to be sent.

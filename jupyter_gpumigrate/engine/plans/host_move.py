@@ -6,11 +6,13 @@ Away (``move_to_host``):
                 folder and manifest here
     stash       an idle kernel writes its large buffers into the  undo: the kernel reads them back
                 images and frees them (the suspend's host stash)
-    send stash  the stash's files start going there, while the    undo: stop sending; that host
-                driver and CRIU run (if the kernel stashed)       discards what it has
+    stream      the images start going there: the stash's files   undo: stop sending; that host
+                now, CRIU's pages as the dump writes them (while  discards what it has
+                the driver and CRIU run)
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
-    dump        CRIU writes the tree and kills it                 undo: restore it here, from the images
+    dump        CRIU writes the tree and kills it (not if a file  undo: restore it here, from the images
+                sent early failed)
     transfer    the rest of the images go there                   undo: that host discards them
     restore     that host restores the tree (onto its GPU), and   undo: that host discards it
                 the kernel reads its buffers back there
@@ -68,10 +70,10 @@ def away() -> Saga[HostContext]:
         [
             Step("prepare", prepare_away),
             Step("stash", stash_between_cells, when=lambda ctx: suspend.worth_asking(ctx) and ctx.link.takes_stash()),
-            Step("send stash", send_stash, when=lambda ctx: "stashed" in ctx.stash),
+            Step("stream", stream, when=lambda ctx: "stashed" in ctx.stash or ctx.link.takes_growing()),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
-            Step("dump", dump),
+            Step("dump", dump_away),
             Step("transfer", send_images),
             Step("restore", restore_there),
             Step("adopt", adopt_there),
@@ -118,12 +120,19 @@ class HostLink(Protocol):
     def send_images(self, images: Path) -> int:
         """Copy the image folder there (what :meth:`start_sending` has not sent); the bytes sent in all."""
 
-    def start_sending(self, images: Path, expect: int) -> None:
+    def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         """Begin sending the files now in ``images`` there, in the background; ``expect``: the bytes the whole
-        images are judged to take (that host places them by it, and checks its room)."""
+        images are judged to take (that host places them by it, and checks its room). ``follow``: also send
+        the files the dump will append to, as it writes them (:meth:`send_images` ends them)."""
+
+    def check_sending(self) -> None:
+        """Raise what went wrong with a file sent since :meth:`start_sending`, if anything did so far."""
 
     def stop_sending(self) -> None:
         """Send no more of what :meth:`start_sending` began; return once the files on their way ended."""
+
+    def takes_growing(self) -> bool:
+        """Whether that host takes a file sent as it grows (it said so in :meth:`check`)."""
 
     def takes_stash(self) -> bool:
         """Whether that host can have the kernel write and read back its large buffers (it said so in
@@ -200,12 +209,20 @@ def stash_between_cells(ctx: HostContext) -> None:
     suspend.stash(ctx, idle_only=True)
 
 
-def send_stash(ctx: HostContext) -> None:
-    """The stash's files are written: they go now, over the link, while the driver checkpoints and CRIU
-    dumps the rest (a second or more of a GPU kernel's move), instead of after the dump."""
+def stream(ctx: HostContext) -> None:
+    """The images start going there before the dump, instead of after it: the stash's files, written
+    already, now; CRIU's pages files as the dump writes them (if that host takes files that grow). The
+    driver's checkpoint and CRIU's dump then run while the bytes travel."""
     ctx.undo(ctx.link.discard, cleanup=True)
-    ctx.link.start_sending(ctx.images, ctx.estimate)
+    ctx.link.start_sending(ctx.images, ctx.estimate, follow=ctx.link.takes_growing())
     ctx.undo(ctx.link.stop_sending)
+
+
+def dump_away(ctx: HostContext) -> None:
+    """CRIU's dump, unless a file sent early failed already (that host's disk full, say): the dump ends the
+    process, and undoing it costs a restore here."""
+    ctx.link.check_sending()
+    dump(ctx)
 
 
 def send_images(ctx: HostContext) -> None:
