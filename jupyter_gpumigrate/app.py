@@ -144,6 +144,7 @@ class GPUMigrateApp(ExtensionApp):
             peers=peers,
             api_address=lambda: self._kernel_api_address,
             session_manager=getattr(self.serverapp, "session_manager", None),
+            stream_dump=self.stream_dump,
         )
         self.settings["gpumigrate_operations"] = operations
         #: the records not taken back at start (revive.py), for GET /refused
@@ -185,6 +186,12 @@ class GPUMigrateApp(ExtensionApp):
         "deleted, in seconds: the peer keeps its own copy until the kernel answers from here, so once it died or "
         "gave up they are litter (memory, in /dev/shm). Images of a kernel dumped here for its way home are never "
         "deleted so: they may be its only copy.",
+    ).tag(config=True)
+
+    stream_dump = Bool(
+        True, help="Whether a move to another host sends CRIU's pages files while the dump writes them (phase "
+        "'stream'), where that host takes them so, instead of once the dump is over. On by default; off to "
+        "compare (bench/host_bench.py --ways criu-after) or to rule it out (docs/cross-host.md).",
     ).tag(config=True)
 
     stop_timeout = Float(

@@ -12,6 +12,13 @@ For a body to arrive here, the peer's client (``PeerClient.put_file``) asks with
 and sends the body only once this side said ``100 Continue``: tornado has then read no byte of it. A client
 that does not wait (curl waits a second, then sends) is served too: what tornado read already is taken from
 its buffer first.
+
+A CRIU pages file sent while the dump writes it (``PeerClient.put_growing``) comes as a chunked body
+(``Transfer-Encoding: chunked``): its size is known only at its end. Its chunks are parsed here, at most a
+block each; it may go quiet while CRIU dumps other processes, so its socket waits longer, with TCP
+keepalive; a write that fails is answered at once (the sender looks for an early answer before each
+block), and any error answer lets the sender's last bytes drain before the connection closes, so that it
+reads the answer rather than a reset.
 """
 
 from __future__ import annotations
@@ -37,6 +44,9 @@ log = logging.getLogger(__name__)
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 #: Seconds a transfer thread waits on the socket before it gives up on the peer.
 TIMEOUT = 60.0
+#: The same for a file sent as a dump writes it: it may go quiet for as long as CRIU dumps the tree's other
+#: processes; the sender closes the connection when the move is undone, and TCP keepalive finds a dead host.
+GROWING_TIMEOUT = 1800.0
 
 
 def detach(handler: Any) -> tuple[socket.socket, bytes]:
@@ -68,10 +78,19 @@ def respond(sock: socket.socket, status: int, payload: dict | None = None) -> No
         head = (f"HTTP/1.1 {status} {HTTPStatus(status).phrase}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n")
         sock.sendall(head.encode() + body)
+        if status >= 400:  # what the peer still sends is read a moment, so that it reads the answer, not a reset
+            _drain(sock)
     except OSError:
         pass  # the peer went away: it sees a closed connection
     finally:
         sock.close()
+
+
+def _drain(sock: socket.socket, seconds: float = 2.0, most: int = 64 * BLOCK) -> None:
+    sock.settimeout(seconds)
+    got = 0
+    while got < most and (data := sock.recv(BLOCK)):
+        got += len(data)
 
 
 def error(status: int, message: str) -> dict:
@@ -103,6 +122,9 @@ def _receive(sock: socket.socket, leftover: bytes, length: int | None, path: Pat
     except OSError as exc:
         respond(sock, *_write_error(path, exc))  # before 100 Continue: the sender sends no body
         return
+    if length is None:
+        sock.settimeout(GROWING_TIMEOUT)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     try:
         sock.sendall(CONTINUE)
         for block in _body(sock, leftover, length) if length is not None else _chunks(sock, leftover):
@@ -111,6 +133,8 @@ def _receive(sock: socket.socket, leftover: bytes, length: int | None, path: Pat
                     sink.put_blocking(block)
                 except OSError as exc:
                     failed, sink = exc, _abort(sink, path)
+            if failed is not None and length is None:
+                break  # a file that grows may go on for long: say it at once (the sender stops)
         digest = ""
         if sink is not None:
             try:
@@ -162,7 +186,9 @@ def _body(sock: socket.socket, leftover: bytes, length: int) -> Iterator[bytes |
 #: The most a chunked body may bring (a file sent as it grows): a CRIU pages file, one process's memory.
 MAX_CHUNKED = 1 << 40
 #: The largest chunk taken (the sender's are a block at most): each is read into a buffer of its own.
-MAX_CHUNK = 16 * BLOCK
+MAX_CHUNK = BLOCK
+#: The most trailer lines taken after the last chunk (the sender sends none).
+MAX_TRAILERS = 16
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,8}")
 
 
@@ -179,9 +205,9 @@ class _Reader:
         self.buffer += data
 
     def line(self, limit: int = 1024) -> bytes:
-        while (end := self.buffer.find(b"\r\n")) < 0:
+        while (end := self.buffer.find(b"\r\n", 0, limit + 2)) < 0:
             if len(self.buffer) > limit:
-                raise ValueError("a chunk's size line is too long")
+                raise ValueError("a chunk's size line or a trailer is too long")
             self._fill()
         line = bytes(self.buffer[:end])
         del self.buffer[:end + 2]
@@ -217,9 +243,10 @@ def _chunks(sock: socket.socket, leftover: bytes) -> Iterator[bytes | bytearray]
         if size > MAX_CHUNK or got + size > MAX_CHUNKED:
             raise ValueError(f"a chunk of {size} bytes, over {MAX_CHUNK}, or a body over {MAX_CHUNKED}")
         if size == 0:
-            while reader.line(65536):  # trailers, up to the empty line
-                pass
-            return
+            for _ in range(MAX_TRAILERS + 1):  # trailers, up to the empty line
+                if not reader.line(8192):
+                    return
+            raise ValueError(f"more than {MAX_TRAILERS} trailer lines")
         yield reader.exactly(size)
         got += size
         if reader.line() != b"":

@@ -126,8 +126,10 @@ class OperationManager:
     def __init__(self, kernel_manager: Any, emit: Emit | None = None, criu_path: str | None = None,
                  host_name: str | None = None, peers: dict[str, Peer] | None = None,
                  api_address: Callable[[], tuple[str, int] | None] = lambda: None,
-                 session_manager: Any = None) -> None:
+                 session_manager: Any = None, stream_dump: bool = True) -> None:
         self.kernel_manager = kernel_manager
+        #: a move to another host sends CRIU's pages as the dump writes them (c.GPUMigrateApp.stream_dump)
+        self.stream_dump = stream_dump
         self.session_manager = session_manager
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
@@ -394,7 +396,8 @@ class OperationManager:
         else:
             link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
                             asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities, idle=provisioner.can_stash_now)
+                            clients=provisioner.client_identities, idle=provisioner.can_stash_now,
+                            stream=self.stream_dump)
         plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=runs_on,
                        phases=list(PHASES[plan]))
@@ -598,12 +601,12 @@ class OperationManager:
             steps["transplant"] = lambda: migration.transplant_to_host(link, op.to_gpu, accept_left)
         op.status = RUNNING_OP
         self._emit(op)
-        migration.spare_pids(op.action)  # here, before a thread of the server may take one of the kernel's PIDs
         try:
             if op.action == "suspend":
                 outcome = await asyncio.to_thread(steps[op.action])
             else:
                 async with self._placing:
+                    migration.spare_pids(op.action)  # before a thread of the server may take one of its PIDs
                     outcome = await asyncio.to_thread(steps[op.action])
         except PhaseFailed as exc:
             await asyncio.sleep(0)  # let the last progress callbacks land first

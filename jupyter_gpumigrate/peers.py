@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import re
+import select
 import shutil
 import signal as signal_mod
 import ssl
@@ -358,6 +359,12 @@ def _read_head(sock: Any) -> tuple[int, str, int]:
     return int(parts[1]), parts[2] if len(parts) > 2 else "", length
 
 
+def _answered(sock: Any) -> bool:
+    """Whether the peer answered already (before it had the whole body: only a refusal can come so)."""
+    pending = getattr(sock, "pending", None)
+    return bool(pending and pending()) or bool(select.select([sock], [], [], 0)[0])
+
+
 def _read_exactly(sock: Any, n: int) -> bytes:
     data = bytearray()
     while len(data) < n and (chunk := sock.recv(n - len(data))):
@@ -484,9 +491,28 @@ class PeerClient:
                 PeerError(f"{self.peer.name} answered {status} {reason} before it took {body.name}.")
         chunked = headers.get("Transfer-Encoding") == "chunked"
         while block := body.read(BLOCK):
+            if _answered(conn.sock) and (refusal := self._early_answer(conn.sock, body.name)) is not None:
+                raise refusal  # the peer refused mid-body (a full disk): its answer says why
             conn.send(b"%x\r\n%b\r\n" % (len(block), block) if chunked else block)
         if chunked:
             conn.send(b"0\r\n\r\n")
+
+    def _early_answer(self, sock: Any, name: str) -> PeerError | None:
+        """The peer's answer that came before the whole body went, as the error to raise; None if what came was
+        no answer (a TLS record of no data: the read times out, and the body goes on)."""
+        saved = sock.gettimeout()
+        sock.settimeout(1.0)
+        try:
+            status, reason, length = _read_head(sock)
+            text = _read_exactly(sock, length) if length else b""
+        except TimeoutError:
+            return None
+        except (OSError, http.client.HTTPException) as exc:
+            return PeerError(f"{self.peer.name} closed the connection while it took {name} ({exc}).")
+        finally:
+            sock.settimeout(saved)
+        return self._refused(status, text, reason) if status >= 400 else \
+            PeerError(f"{self.peer.name} answered {status} {reason} before it had all of {name}.")
 
     def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
         saved, self.timeout = self.timeout, timeout or self.timeout
@@ -512,8 +538,7 @@ class PeerClient:
                     "Content-Length": str(size), "Content-Type": "application/octet-stream"}, kept=kept)
             finally:
                 body.close()
-        response.read()
-        _done_with(conn, response, kept)
+        self._finish(conn, response, file.name, kept)
         if body.size != size:
             raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
         return body.hexdigest()
@@ -530,9 +555,18 @@ class PeerClient:
                     "Transfer-Encoding": "chunked", "Content-Type": "application/octet-stream"})
             finally:
                 body.close()
-        response.read()
-        conn.close()
+        self._finish(conn, response, file.name)
         return body.size, body.hexdigest()
+
+    def _finish(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, name: str,
+                kept: Kept | None = None) -> None:
+        """Read a PUT's answer, and keep or close its connection."""
+        try:
+            response.read()
+        except (OSError, http.client.HTTPException) as exc:
+            conn.close()
+            raise PeerError(f"{self.peer.name} did not answer for {name} ({exc}).") from None
+        _done_with(conn, response, kept)
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Kept | None = None) -> str:
         """Receive a file into ``dest`` (0600), checking its size and, if given, its ``checksum``; its
@@ -661,8 +695,8 @@ class PeerLink(HostLink):
 
     def __init__(self, peer: Peer, kernel_id: str, connection_info: dict, loop: asyncio.AbstractEventLoop,
                  api_address: tuple[str, int] | None, home: str,
-                 clients: Callable[[], list[tuple[str, bytes]]] = list, idle: Callable[[], bool] = lambda: False
-                 ) -> None:
+                 clients: Callable[[], list[tuple[str, bytes]]] = list, idle: Callable[[], bool] = lambda: False,
+                 stream: bool = True) -> None:
         self.peer = peer
         self.host = peer.name
         self.kernel_id = kernel_id
@@ -676,8 +710,9 @@ class PeerLink(HostLink):
         self.idle = idle
         #: that host said it can have the kernel write and read its stash with its key (check, requirements)
         self.peer_stash = False
-        #: that host takes a file sent as it grows (check): a dump's pages go while it runs
-        self.peer_growing = False
+        #: that host takes a file sent as it grows (check), and this one sends them so (``stream``): a dump's
+        #: pages go while it runs
+        self.peer_growing, self.stream = False, stream
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
@@ -713,7 +748,7 @@ class PeerLink(HostLink):
         return self.peer_stash
 
     def takes_growing(self) -> bool:
-        return self.peer_growing
+        return self.peer_growing and self.stream
 
     def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         self.stop_sending()
@@ -747,6 +782,11 @@ class PeerLink(HostLink):
             sent = sending.results()
         finally:
             sending.stop()
+        sizes = {path.name: size for path, size in files}
+        for file in sent:  # a file sent as it grew ends where the dump left it, or it changed meanwhile
+            if sizes.get(file["name"]) != file["size"]:
+                raise PeerError(f"{file['name']} changed while it was sent ({file['size']} bytes sent, "
+                                f"{sizes.get(file['name'])} there now): send the images again.")
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
         log.info("gpumigrate: kernel %s: %d image files, %.2f GB, sent to %s in %.2f s since the first began "
                  "(%d of them before the dump ended; %d while it wrote them, %.2f GB of those by its end)",

@@ -197,6 +197,43 @@ async def test_a_file_that_a_dump_still_writes_is_sent_as_it_grows_and_arrives_w
     assert (folder / "pages-3.img").read_bytes() == b"abcde"
 
 
+async def test_a_full_disk_under_a_growing_file_is_said_at_once_not_when_the_dump_ends(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    """The other host's disk fills while a file that grows is sent: it answers 507 at once, and the sender,
+    which looks for an early answer before each block, raises it while the dump (here a writer thread that
+    goes on until told) still writes; the half file is gone."""
+    import threading
+
+    from helpers import small_tmpfs
+
+    kid = str(uuid.uuid4())
+    client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    await asyncio.to_thread(client.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    source = tmp_path / "pages-1.img"
+    source.write_bytes(b"")
+    final, stop, done = threading.Event(), threading.Event(), threading.Event()
+
+    def dump() -> None:  # appends until the test is over: the sender never sees the file end
+        with open(source, "ab") as f:
+            while not done.is_set() and f.tell() < 64 * SIZE:
+                f.write(os.urandom(1 << 20))
+                f.flush()
+                time.sleep(0.01)
+
+    writer = threading.Thread(target=dump)
+    with small_tmpfs(folder, "8m"):
+        writer.start()
+        try:
+            with pytest.raises(PeerError, match="pages-1.img could not be written here .*free space here"):
+                await asyncio.to_thread(client.put_growing, f"images/{kid}/pages-1.img", source, final, stop)
+            assert writer.is_alive() and not final.is_set(), "said before the writer was done"
+            assert not (folder / "pages-1.img").exists()
+        finally:
+            done.set()
+            writer.join()
+
+
 def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_moves():
     """A peer that answers its check as versions before XXH3 did (no "checksum": they carry SHA-256) is refused
     with a sentence that says what to do, before any image is made or sent. The older peer is played by a

@@ -8,10 +8,12 @@ server the whole time, as a browser tab would.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -392,19 +394,97 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
         await end_kernel(a, kernel_id, tab)
 
 
+async def forgotten(b: Host, kernel_id: str) -> None:
+    """Wait until b holds nothing of ``kernel_id``'s images (it deletes them once it waited for a restore)."""
+    deadline = time.monotonic() + 60
+    while guest_images_in_memory(kernel_id) or (b.root / "state" / "guests" / kernel_id).exists():
+        assert time.monotonic() < deadline, b.server_log()
+        await asyncio.sleep(0.5)
+
+
+@contextlib.asynccontextmanager
+async def a_killable_b_forgetting(a: Host, b: Host) -> AsyncIterator[tuple[dict, list]]:
+    """For tests that SIGKILL a's server mid-move: b deletes what it received once it waited
+    c.GPUMigrateApp.guest_images_expire (20 s here) for a restore. Yields a's peers (to start it again) and a
+    list for the test's (kernel id, tab); at the end a runs again if it was killed, those kernels end, and b
+    is as it was."""
+    peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
+    saved = dict(b.extra)
+    b.stop()
+    b.extra = {**saved, "GPUMigrateApp": {"guest_images_expire": 20}}
+    b.start({"a": a.peer_entry()})
+    kernels: list[tuple[str, WebSocketTab]] = []
+    try:
+        yield peers, kernels
+    finally:
+        if a.proc is None or a.proc.poll() is not None:
+            await call(a.start, peers)
+        for kernel_id, tab in kernels:
+            await end_kernel(a, kernel_id, tab)
+        b.stop()
+        b.extra = saved
+        b.start({"a": a.peer_entry()})
+
+
+async def test_this_server_killed_while_the_pages_stream_to_the_other_host_loses_nothing(hosts):
+    """a's server SIGKILLed during the dump, once b holds some of the kernel's pages: CRIU dies with it and
+    gives the kernel back, which runs on; the next server on a adopts it, the same process with its state;
+    b deletes the half file it got at once (its sender went away mid-file) and the rest once it waited
+    c.GPUMigrateApp.guest_images_expire (here 20 s) for a restore that never comes."""
+    from test_hibernation import criu_of
+
+    from jupyter_gpumigrate.engine import proctree
+
+    a, b = hosts
+    async with a_killable_b_forgetting(a, b) as (peers, kernels):
+        kernel_id, tab = await new_kernel(a)
+        kernels.append((kernel_id, tab))
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 4_000_000\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+        def guest() -> list[Path]:
+            return [f for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
+                    if folder.is_dir() for f in folder.glob("pages-*.img")]
+
+        def kill_a_once_pages_arrive() -> bool:
+            a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            criu = criu_of(a.proc.pid, b"dump", 60)
+            deadline = time.monotonic() + 60
+            while criu is not None and proctree.is_alive(criu) and time.monotonic() < deadline:
+                if any(f.stat().st_size > 0 for f in guest()):
+                    a.stop(signal.SIGKILL)
+                    return proctree.wait_gone(criu, 10)
+                time.sleep(0.001)
+            return False
+
+        cut = await call(kill_a_once_pages_arrive)
+        tab.ws.close()
+        if not cut:  # the dump ended before the pages reached b: nothing to test, and no kernel to lose
+            pytest.skip("CRIU's dump ended before any of its pages reached b")
+        assert proctree.is_alive(pid), "the kernel runs on: CRIU gave it back"
+        deadline = time.monotonic() + 30
+        while guest():
+            assert time.monotonic() < deadline, "b kept the half pages file"
+            await asyncio.sleep(0.1)
+        view = await restart_and_find(a, peers, kernel_id)
+        assert view["state"] == "running" and view["pid"] == pid and view["host"] == "a", view
+        tab = await open_tab(a, kernel_id)
+        kernels[:] = [(kernel_id, tab)]
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+            "True 1024000000"
+        await forgotten(b, kernel_id)
+
+
 async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing(hosts):
     """a's server SIGKILLed while a kernel that stashed its buffers is being sent to b: the kernel is dumped,
     its images (the stash among them) complete on a; the next server on a finds it suspended, and its resume
     has it read its buffers back, every byte. b deletes its half-received copy by itself once it has waited
     c.GPUMigrateApp.guest_images_expire (here 20 s) without a restore."""
     a, b = hosts
-    peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
-    saved = dict(b.extra)
-    b.stop()
-    b.extra = {**saved, "GPUMigrateApp": {"guest_images_expire": 20}}
-    b.start({"a": a.peer_entry()})
-    kernel_id, tab = await new_kernel(a)
-    try:
+    async with a_killable_b_forgetting(a, b) as (peers, kernels):
+        kernel_id, tab = await new_kernel(a)
+        kernels.append((kernel_id, tab))
         await tab.run("import hashlib\nblob = bytearray(b'y') * (1050 << 20); blob[777] = 3\n"
                       "before = hashlib.sha256(blob).hexdigest()")
         seen: list[str] = []
@@ -429,20 +509,11 @@ async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing
         op = await call(a.operate, kernel_id, "resume")
         assert op["status"] == "succeeded" and "unstash" in op["timings"], op
         tab = await open_tab(a, kernel_id)
+        kernels[:] = [(kernel_id, tab)]
         assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, blob[777], len(blob) >> 20)")
                 ).strip() == "True 3 1050"
-        deadline = time.monotonic() + 60
-        while guest_images_in_memory(kernel_id) or (b.root / "state" / "guests" / kernel_id).exists():
-            assert time.monotonic() < deadline, b.server_log()
-            await asyncio.sleep(0.5)
+        await forgotten(b, kernel_id)
         assert "were never restored here; deleted" in b.server_log()
-    finally:
-        if a.proc is None or a.proc.poll() is not None:
-            await call(a.start, peers)
-        await end_kernel(a, kernel_id, tab)
-        b.stop()
-        b.extra = saved
-        b.start({"a": a.peer_entry()})
 
 
 async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(hosts):

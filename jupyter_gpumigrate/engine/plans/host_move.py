@@ -222,6 +222,7 @@ def dump_away(ctx: HostContext) -> None:
     """CRIU's dump, unless a file sent early failed already (that host's disk full, say): the dump ends the
     process, and undoing it costs a restore here."""
     ctx.link.check_sending()
+    ctx.undo(ctx.link.stop_sending)  # a failed dump stops the pages on their way before the rest is undone
     dump(ctx)
 
 
