@@ -13,9 +13,10 @@ uses: HTTPS, less HTTP and the files). The last thing printed is a table; --out 
 Ways, each with both hosts started afresh for it, in the same run: ``stash``, the kernel writes its large
 buffers into the images itself (the host stash, ``c.MigratableProvisioner.host_stash_min`` set to
 ``--stash-min``) and reads them back there; ``criu``, the stash off: CRIU carries every byte. A way
-named with ``-after`` (``criu-after``, ``stash-after``) is the same with ``c.GPUMigrateApp.stream_dump``
-off: CRIU's pages files go once the dump is over, not as it writes them (phase ``stream``); side by side
-with its way, in one run, it says what the streaming gains on this machine.
+named with ``-stream`` (``criu-stream``, ``stash-stream``) has ``c.GPUMigrateApp.stream_dump`` on: CRIU's
+pages files go as the dump writes them (phase ``stream``), either way; with ``-after``, off: once the dump is
+over; without either, as 'auto' decides on this machine (on with 8 CPUs or more). Side by side in one run,
+``criu-stream,criu-after`` says what the streaming gains here.
 The goal column is issue 18's bound on a move's downtime: bytes / the TLS floor x 1.3 + 2 s.
 
     .venv/bin/python bench/host_bench.py [--sizes 1,4] [--ways stash,criu] [--images auto|disk|memory]
@@ -175,8 +176,9 @@ def main() -> int:
     parser.add_argument("--images", choices=("auto", "disk", "memory"), default="auto",
                         help="the hosts' suspend_to, which a move's images follow (auto: memory where there is room)")
     parser.add_argument("--ways", default="stash,criu",
-                        help="stash, criu or both, comma-separated; a way named with '-after' (criu-after, "
-                             "stash-after) has CRIU's pages sent once the dump is over, not as it writes them")
+                        help="stash, criu or both, comma-separated; '-stream' (criu-stream, stash-stream) has "
+                             "CRIU's pages carried as the dump writes them, '-after' once it is over, neither: as "
+                             "c.GPUMigrateApp.stream_dump 'auto' decides on this machine")
     parser.add_argument("--stash-min", type=int, default=5 * 10**8,
                         help="the stash way's c.MigratableProvisioner.host_stash_min, in bytes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
@@ -199,7 +201,8 @@ def main() -> int:
                 host.stop()
                 host.extra = {"MigratableProvisioner": {"suspend_to": args.images, "host_stash_min":
                                                         args.stash_min if way.startswith("stash") else None},
-                              "GPUMigrateApp": {"stream_dump": not way.endswith("-after")}}
+                              "GPUMigrateApp": {"stream_dump": "off" if way.endswith("-after") else
+                                                "on" if way.endswith("-stream") else "auto"}}
             a.start({"b": b.peer_entry()})
             b.start({"a": a.peer_entry()})
             for size in (float(s) for s in args.sizes.split(",")):

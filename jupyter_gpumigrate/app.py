@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
+import os
 import signal
 import socket
 import sys
@@ -144,7 +145,7 @@ class GPUMigrateApp(ExtensionApp):
             peers=peers,
             api_address=lambda: self._kernel_api_address,
             session_manager=getattr(self.serverapp, "session_manager", None),
-            stream_dump=self.stream_dump,
+            stream_dump=self.stream_dump == "on" or (self.stream_dump == "auto" and (os.cpu_count() or 1) >= 8),
         )
         self.settings["gpumigrate_operations"] = operations
         #: the records not taken back at start (revive.py), for GET /refused
@@ -188,10 +189,13 @@ class GPUMigrateApp(ExtensionApp):
         "deleted so: they may be its only copy.",
     ).tag(config=True)
 
-    stream_dump = Bool(
-        True, help="Whether a move to another host sends CRIU's pages files while the dump writes them (phase "
-        "'stream'), where that host takes them so, instead of once the dump is over. On by default; off to "
-        "compare (bench/host_bench.py --ways criu-after) or to rule it out (docs/cross-host.md).",
+    stream_dump = Enum(
+        ["auto", "on", "off"], default_value="auto",
+        help="Whether a move to another host, either way, carries CRIU's pages files while the dump writes "
+        "them (phase 'stream'), where the other host serves them so, instead of once the dump is over. 'auto': "
+        "on a host of 8 CPUs or more, where the transfer's threads do not take CRIU's (on the 2 CPUs of the "
+        "dev machine it gained in some runs and lost in others); 'on', 'off': always, never "
+        "(bench/host_bench.py --ways criu-stream,criu-after compares them; docs/cross-host.md).",
     ).tag(config=True)
 
     stop_timeout = Float(

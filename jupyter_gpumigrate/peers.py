@@ -31,6 +31,7 @@ import re
 import select
 import shutil
 import signal as signal_mod
+import socket
 import ssl
 import subprocess
 import threading
@@ -300,7 +301,7 @@ class _Hashing:
         self.pool.shutdown(wait=True)
 
 
-class _GrowingFile:
+class GrowingFile:
     """A file that a dump is still appending to, read as it grows: :meth:`read` waits for a whole block,
     or for ``final`` (the dump is over, the file has its last size), and returns b"" only at that end.
 
@@ -514,16 +515,20 @@ class PeerClient:
         return self._refused(status, text, reason) if status >= 400 else \
             PeerError(f"{self.peer.name} answered {status} {reason} before it had all of {name}.")
 
-    def call(self, method: str, path: str, body: Any = None, timeout: float | None = None) -> Any:
+    def call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
+             kept: Kept | None = None) -> Any:
+        """A JSON request; its answer. With ``kept``, over one of its connections, given back after."""
         saved, self.timeout = self.timeout, timeout or self.timeout
         try:
-            conn, response = self._send(method, path, body)
+            conn, response = self._send(method, path, body, kept=kept)
         finally:
             self.timeout = saved
         try:
             data = response.read()
-        finally:
+        except BaseException:
             conn.close()
+            raise
+        _done_with(conn, response, kept)
         return json.loads(data) if data else None
 
     def put_file(self, path: str, file: Path, size: int, kept: Kept | None = None,
@@ -545,11 +550,11 @@ class PeerClient:
 
     def put_growing(self, path: str, file: Path, final: threading.Event, stop: threading.Event,
                     progress: dict[str, int] | None = None) -> tuple[int, str]:
-        """Send ``file`` while a dump appends to it (:class:`_GrowingFile`), in chunks, until ``final`` is set
+        """Send ``file`` while a dump appends to it (:class:`GrowingFile`), in chunks, until ``final`` is set
         and all of it went: its size and checksum (checked as :meth:`put_file`'s). ``stop`` calls it off;
         ``progress[file.name]`` says how far it got."""
         with open(file, "rb") as f:
-            body = _Hashing(_GrowingFile(f, final, stop, progress), 0, stop)
+            body = _Hashing(GrowingFile(f, final, stop, progress), 0, stop)
             try:
                 conn, response = self._send("PUT", path, body=body, headers={
                     "Transfer-Encoding": "chunked", "Content-Type": "application/octet-stream"})
@@ -567,6 +572,35 @@ class PeerClient:
             conn.close()
             raise PeerError(f"{self.peer.name} did not answer for {name} ({exc}).") from None
         _done_with(conn, response, kept)
+
+    def get_growing(self, path: str, dest: Path, stop: threading.Event,
+                    conns: set[http.client.HTTPConnection] | None = None) -> tuple[int, str]:
+        """Receive a file that the peer's dump still writes (a chunked answer, until its dump is over) into
+        ``dest`` (0600): its size and checksum. ``stop`` calls it off; its connection is in ``conns`` meanwhile
+        (shut it down to end a wait)."""
+        conn, response = self._send("GET", path)
+        if conns is not None:
+            conns.add(conn)
+        got, sink = 0, None
+        try:
+            sink = FileSink(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            while block := response.read(BLOCK):
+                if stop.is_set():
+                    raise PeerError(f"Receiving {dest.name} was called off.")
+                sink.put_blocking(block)
+                got += len(block)
+            sink, digest = None, sink.close_blocking()
+        except (OSError, ValueError, http.client.HTTPException, PeerError) as exc:
+            if sink is not None:
+                sink.abort()
+            dest.unlink(missing_ok=True)
+            raise PeerError(f"Receiving {dest.name} from {self.peer.name} as it was written failed ({exc}).") \
+                from None
+        finally:
+            conn.close()
+            if conns is not None:
+                conns.discard(conn)
+        return got, digest
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Kept | None = None) -> str:
         """Receive a file into ``dest`` (0600), checking its size and, if given, its ``checksum``; its
@@ -687,6 +721,57 @@ class _Sending:
         self.kept.close()
 
 
+class _Fetching:
+    """The pages files of the other host's dump, fetched as it writes them: a watcher asks that host every
+    50 ms which it has begun (``GET images/{id}?growing=true``), and each is fetched (``?growing=true``: a
+    chunked answer that ends with the dump), :data:`STREAMS` at a time. One that fails is fetched again
+    after the dump, as the other files are."""
+
+    def __init__(self, client: PeerClient, kernel_id: str, images: Path) -> None:
+        self.client, self.kernel_id, self.images = client, kernel_id, images
+        self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-follow")
+        self.gets: dict[str, Future] = {}
+        self.final, self.stopped = threading.Event(), threading.Event()
+        self.conns: set[http.client.HTTPConnection] = set()
+        self.watcher = threading.Thread(target=self._watch, name="gpumigrate-follow", daemon=True)
+        self.watcher.start()
+
+    def _watch(self) -> None:
+        with Kept() as kept:
+            while not self.final.is_set() and not self.stopped.is_set():
+                try:
+                    answer = self.client.call("GET", f"images/{self.kernel_id}?growing=true", timeout=10, kept=kept)
+                except MigrateError:
+                    answer = {}
+                for entry in (answer or {}).get("files") or []:
+                    name = str(entry.get("name", ""))
+                    if _IMAGE_NAME.match(name) and Path(name).match(GROWING) and name not in self.gets:
+                        self.gets[name] = self.pool.submit(self.client.get_growing,
+                                                           f"images/{self.kernel_id}/{name}?growing=true",
+                                                           self.images / name, self.stopped, self.conns)
+                self.final.wait(0.05)
+
+    def dumped(self) -> dict[str, tuple[int, str]]:
+        """That host's dump is over: what was fetched whole as it was written (name: size, checksum)."""
+        self.final.set()
+        self.watcher.join()
+        wait(self.gets.values())
+        self.pool.shutdown(wait=True)
+        return {name: future.result() for name, future in self.gets.items() if future.exception() is None}
+
+    def stop(self) -> None:
+        """Fetch nothing more; return once the fetches on their way ended (their files removed)."""
+        self.stopped.set()
+        self.watcher.join()
+        for conn in list(self.conns):
+            try:
+                if conn.sock is not None:  # the plain socket's: its TLS layer is left to the reading thread
+                    socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self.pool.shutdown(wait=True)
+
+
 class PeerLink(HostLink):
     """A's view of one kernel moved to (or living on) a peer: the :class:`HostLink` a plan drives.
 
@@ -718,6 +803,8 @@ class PeerLink(HostLink):
         self.relay: RelayClient | None = None
         #: image files on their way there since start_sending, not yet waited for by send_images
         self._sending: _Sending | None = None
+        #: the pages of that host's dump, on their way here since start_fetching, until fetch_images
+        self._fetching: _Fetching | None = None
         #: a transplant's object files, as sent (name, size, xxh3)
         self._sent: list[dict] = []
 
@@ -897,7 +984,17 @@ class PeerLink(HostLink):
         info = self.client.call("GET", f"kernels/{self.kernel_id}")
         self._same_checksum(info, f"The kernel runs on {self.host} as before.")
         self.peer_stash = bool(info.get("stash"))
+        self.peer_growing = bool(info.get("growing"))
         return hostfit.Requirements.from_dict(info["requirements"])
+
+    def start_fetching(self, images: Path) -> None:
+        self.stop_fetching()
+        self._fetching = _Fetching(self.client, self.kernel_id, images)
+
+    def stop_fetching(self) -> None:
+        fetching, self._fetching = self._fetching, None
+        if fetching is not None:
+            fetching.stop()
 
     def dump(self, stash_min: int | None = None) -> None:
         # The stash is asked of a kernel that can serve it only: a busy one would answer only once its cell
@@ -916,11 +1013,17 @@ class PeerLink(HostLink):
         host computes by reading them all (0.9 s a GB on the dev machine's two cores), come meanwhile, from a
         second listing, and each file is checked against its own once both are here."""
         began = time.monotonic()
+        fetching, self._fetching = self._fetching, None
+        streamed = fetching.dumped() if fetching is not None else {}
         listing = self.client.call("GET", f"images/{self.kernel_id}?checksums=false")
         for entry in listing["files"]:
             if not _IMAGE_NAME.match(str(entry["name"])):
                 raise PeerError(f"{self.host} listed an image file with an unsafe name: {entry['name']!r}.")
         entries = sorted(listing["files"], key=lambda e: -int(e["size"]))
+        # a file fetched as the dump wrote it is kept if it is as large as the dump left it (its checksum is
+        # checked below, with the others')
+        whole = {str(e["name"]): streamed[str(e["name"])][1] for e in entries
+                 if str(e["name"]) in streamed and streamed[str(e["name"])][0] == int(e["size"])}
 
         def get(entry: dict) -> tuple[str, str]:
             name = str(entry["name"])
@@ -930,7 +1033,7 @@ class PeerLink(HostLink):
         with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS + 1, thread_name_prefix="gpumigrate-fetch") \
                 as pool:
             said = pool.submit(lambda: PeerClient(self.peer).call("GET", f"images/{self.kernel_id}", timeout=600))
-            got = dict(pool.map(get, entries))
+            got = {**dict(pool.map(get, [e for e in entries if str(e["name"]) not in whole])), **whole}
             fetched = time.monotonic()
             checksums = {str(e["name"]): str(e.get("xxh3", "")) for e in said.result()["files"]}
         for entry in entries:
@@ -939,9 +1042,10 @@ class PeerLink(HostLink):
                 raise PeerError(f"{name} arrived from {self.host} damaged (its checksum is not the one {self.host} "
                                 "lists); nothing was changed there.")
         total = sum(int(e["size"]) for e in entries)
-        log.info("gpumigrate: kernel %s: %d image files, %.2f GB, fetched from %s in %.2f s (their checksums there: "
-                 "%.2f s after)", self.kernel_id, len(entries), total / 1e9, self.host, fetched - began,
-                 time.monotonic() - fetched)
+        log.info("gpumigrate: kernel %s: %d image files, %.2f GB, fetched from %s in %.2f s after its dump (%d "
+                 "of them, %.2f GB, while the dump wrote them; their checksums there: %.2f s after)", self.kernel_id,
+                 len(entries), total / 1e9, self.host, fetched - began, len(whole),
+                 sum(streamed[name][0] for name in whole) / 1e9, time.monotonic() - fetched)
         return total
 
     def signal(self, signum: int) -> None:
@@ -1065,6 +1169,8 @@ class GuestHost:
         self.relays: dict[str, Any] = {}
         #: kernel id -> image file name -> the checksum of what arrived (checked when the images are complete)
         self.received: dict[str, dict[str, str]] = {}
+        #: kernels whose dump for their way home runs here: set once it is over (:meth:`growing`, bulk.py)
+        self.dumping: dict[str, threading.Event] = {}
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
         self.kernelspec = kernelspec
         #: transplants' new processes started here, not yet switched to, by kernel id
@@ -1411,11 +1517,29 @@ class GuestHost:
         written into its images first."""
         guest = self.guest(kernel_id)
         guest.key = key
+        over = self.dumping[kernel_id] = threading.Event()  # its pages are served as they are written till then
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
         finally:
             guest.key = None
+            over.set()
+            if self.dumping.get(kernel_id) is over:
+                del self.dumping[kernel_id]
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
+
+    def growing(self, kernel_id: str) -> dict:
+        """While the kernel's dump for its way home runs here: the pages files it has begun, by name and size so
+        far (``dumping``: whether it still runs)."""
+        over = self.dumping.get(kernel_id)
+        folder = self.store.path_for(kernel_id)
+        files = []
+        for path in sorted(folder.glob(GROWING)) if over is not None and folder.is_dir() else []:
+            try:
+                if path.is_file() and not path.is_symlink():
+                    files.append({"name": path.name, "size": path.stat().st_size})
+            except OSError:
+                continue  # removed meanwhile (a dump that failed)
+        return {"files": files, "dumping": over is not None and not over.is_set()}
 
     def discard(self, kernel_id: str, proc: subprocess.Popen | None = None) -> None:
         """Kill the kernel (or a transplant's new process, ``proc`` when known) and delete what it had here."""
@@ -1452,7 +1576,7 @@ class GuestHost:
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
-                                "checksum": CHECKSUM}
+                                "checksum": CHECKSUM, "growing": True}
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

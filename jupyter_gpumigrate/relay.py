@@ -298,6 +298,15 @@ class RelayClient:
             log.debug("relay: dropped a message while the WebSocket is down")
 
     async def _read(self) -> None:
+        try:
+            await self._read_on()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("relay: the reader stopped")
+            raise
+
+    async def _read_on(self) -> None:
         while not self._closing:
             msg = await self.ws.read_message()
             if msg is None:
@@ -317,6 +326,10 @@ class RelayClient:
         while not self._closing and loop.time() < deadline:
             try:
                 self.ws = await self.connect()
+                # The other end is new: its IOPub socket holds none of the subscriptions that this end's
+                # clients sent when they connected, and the kernel would publish nothing to it. Jupyter's
+                # clients take every topic: subscribe to all on their behalf.
+                await self._send(pack_frames(CHANNELS.index("iopub"), [b"\x01"]))
                 log.info("relay: reconnected")
                 return True
             except Exception as exc:

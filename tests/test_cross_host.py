@@ -34,8 +34,9 @@ def hosts(tmp_path_factory):
     a = b = None
     try:
         a, b = host_pair(net, root)
-        for host in (a, b):  # a move's images in memory where there is room, as by default (images.choose)
-            host.extra = {"MigratableProvisioner": {"suspend_to": "auto"}}
+        for host in (a, b):  # a move's images in memory where there is room, as by default (images.choose);
+            # CRIU's pages carried as the dump writes them, as by default on a host of 8 CPUs or more
+            host.extra = {"MigratableProvisioner": {"suspend_to": "auto"}, "GPUMigrateApp": {"stream_dump": "on"}}
         # "c" is b with a wrong credential.
         a.start({"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)})
         b.start({"a": a.peer_entry()})
@@ -143,7 +144,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             op = await call(a.operate, kernel_id, "migrate", {"to_host": dest})
             assert op["status"] == "succeeded", op
             phases = (["prepare", "stash", "stream", "dump", "transfer", "restore", "adopt"] if dest == "b" else
-                      ["prepare", "dump", "transfer", "restore", "unstash", "adopt"])
+                      ["prepare", "stream", "dump", "transfer", "restore", "unstash", "adopt"])
             assert list(op["timings"]) == phases, op
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
             assert (await tab.run(WHERE)).strip() == f"{there.ip}/24"
@@ -389,6 +390,94 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
             await asyncio.sleep(0.1)
         # And the next move goes through.
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+async def test_a_dump_that_fails_on_the_other_host_leaves_the_kernel_answering_there(hosts):
+    """The kernel opens an io_uring instance on b, which CRIU cannot dump: its way home fails in b's dump,
+    and the same tab goes on with it there. b closed the relay for the dump; a dialled again, and b's new end
+    had no IOPub subscription until a subscribed it to all (the tab waited for output for ever before)."""
+    from helpers import OPEN_IO_URING
+
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("x = 41")
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        await tab.run(OPEN_IO_URING)
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "failed" and op["failed_phase"] == "dump" and "runs on" in op["error"], op
+        assert (await tab.run("print(x + 1)")).strip() == "42"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        await tab.run("os.close(ring)")
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+        assert (await tab.run("print(x + 1)")).strip() == "42"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_the_kernel_running_there(hosts):
+    """Coming home, b's pages come to a as b's dump writes them (phase 'stream'). CRIU is SIGKILLed on b once
+    a holds some of them: b's dump fails, the kernel runs on there, the same process with its state, and
+    answers the same tab through the relay (which b closed for the dump: a dialled again, and subscribed b's
+    new end to all of the kernel's IOPub); a keeps nothing of what came, and the next move home works."""
+    from test_hibernation import criu_of
+
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 1_600_000\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+
+        def pages_here() -> list[Path]:
+            return [f for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img") if f.stat().st_size > 0]
+
+        def kill_bs_criu_once_pages_arrive() -> tuple[bool, dict, int | None]:
+            guest_pid = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                              headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})["pid"]
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
+            criu = criu_of(b.proc.pid, b"dump", 60)
+            killed = False
+            deadline = time.monotonic() + 60
+            while criu is not None and not pages_here() and time.monotonic() < deadline:
+                time.sleep(0.001)
+            if criu is not None and pages_here():
+                try:
+                    os.kill(criu, signal.SIGKILL)
+                    killed = True
+                except ProcessLookupError:
+                    pass
+            while op["status"] not in ("succeeded", "failed"):
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return killed, op, guest_pid
+
+        for _ in range(3):
+            killed, op, guest_pid = await call(kill_bs_criu_once_pages_arrive)
+            if killed and op["status"] == "failed":
+                break
+            assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
+            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        else:
+            pytest.skip("b's dump ended before its pages reached a, three times")
+        assert op["failed_phase"] == "dump" and "stream" in op["timings"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        there = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert there["pid"] == guest_pid and there["state"] == "running", there
+        try:
+            out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")
+        except BaseException:
+            print("A LOG", a.server_log()[-6000:])
+            print("B LOG", b.server_log()[-6000:])
+            raise
+        assert out.strip() == "True 409600000"
+        assert not list((a.root / "state").glob(f"**/{kernel_id}/pages-*.img"))
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
         assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
     finally:
         await end_kernel(a, kernel_id, tab)

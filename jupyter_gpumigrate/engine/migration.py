@@ -6,7 +6,7 @@
                       -> unlock -> [unstash | take back] -> verify                    plans/gpu_move.py
     move to a host:   prepare -> [stash] -> [stream] -> [lock -> checkpoint] -> dump -> transfer
                       -> restore (there, the stash read back) -> adopt                plans/host_move.py
-    come back home:   prepare -> dump (there, [stash] first) -> transfer -> restore
+    come back home:   prepare -> [stream] -> dump (there, [stash] first) -> transfer -> restore
                       -> [remap -> unlock] -> [unstash] -> adopt                      plans/host_move.py
     transplant:       prepare -> start -> export -> load -> [stash] -> [lock -> checkpoint] -> dump
                       -> switch                                                       plans/transplant.py

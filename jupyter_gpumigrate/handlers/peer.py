@@ -14,6 +14,7 @@ import errno
 import hmac
 import json
 import os
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -25,7 +26,7 @@ from tornado.websocket import WebSocketHandler
 from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
-from ..peers import BLOCK, CHECKSUM, DETACH_MIN, SCHEME, FileSink, GuestHost
+from ..peers import BLOCK, CHECKSUM, DETACH_MIN, GROWING, SCHEME, FileSink, GuestHost
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -117,10 +118,17 @@ class ImagesHandler(PeerHandler):
         self.send_json({"kernel_id": kernel_id}, status=201)
 
     async def get(self, kernel_id: str) -> None:
-        checksums = self.get_query_argument("checksums", "true").lower() not in ("false", "0", "no")
+        if _flag(self.get_query_argument("growing", "false")):  # the pages its dump has begun, while it runs
+            self.send_json(self.guests.growing(kernel_id))
+            return
+        checksums = _flag(self.get_query_argument("checksums", "true"))
         files = await self.run(self.guests.listing, kernel_id, checksums)
         if files is not None:
             self.send_json({"files": files})
+
+
+def _flag(value: str) -> bool:
+    return value.lower() not in ("false", "0", "no")
 
 
 class CompleteHandler(PeerHandler):
@@ -266,6 +274,12 @@ class ImageFileHandler(PeerHandler):
             return
         if not path.is_file() or path.is_symlink():
             self.send_error_message(404, f"Kernel {kernel_id} has no image file {name} here.")
+            return
+        over = self.guests.dumping.get(unquote(kernel_id))
+        if _flag(self.get_query_argument("growing", "false")) and over is not None and Path(name).match(GROWING):
+            # its dump still writes it: sent in chunks, as it grows, until the dump is over (bulk.py)
+            sock, _ = bulk.detach(self)
+            bulk.in_thread(lambda: bulk.send_growing(sock, path, over), name)
             return
         size = path.stat().st_size
         if size >= DETACH_MIN:  # sent by a thread of its own, off the event loop (bulk.py)

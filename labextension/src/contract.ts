@@ -764,6 +764,10 @@ export interface PeerImageFile {
  */
 export interface PeerImageListing {
   files: PeerImageFile[];
+  /**
+   * With ?growing=true: whether the kernel's dump for its way home runs here; files are then the pages files it has begun (name, size so far), each served as it grows by GET /peer/images/{id}/{name}?growing=true (chunked).
+   */
+  dumping?: boolean;
 }
 /**
  * POST /peer/images/{id}/complete: every file was sent.
@@ -797,6 +801,10 @@ export interface PeerGuest {
    * As in PeerCheckResponse.
    */
   checksum?: 'xxh3';
+  /**
+   * Its dump for the way home serves its pages files as it writes them (GET /peer/images/{id}?growing=true); absent from older versions.
+   */
+  growing?: boolean;
 }
 /**
  * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?

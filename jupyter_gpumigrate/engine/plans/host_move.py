@@ -23,9 +23,13 @@ Away (``move_to_host``):
 Home (``return_home``):
 
     prepare     this host can take the tree back; images folder   undo: remove it (logs kept)
+    stream      the pages files of that host's dump come here as  undo: stop fetching
+                it writes them (if that host serves them so)
     dump        that host dumps the kernel (its images stay       undo: that host resumes it
                 there), an idle one's large buffers written first
-    transfer    the images come here; choose the GPU               (the folder goes with prepare's undo)
+    transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
+                came whole as it was written is kept); choose
+                the GPU
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
@@ -90,6 +94,7 @@ def home() -> Saga[HostContext]:
         "return_home",
         [
             Step("prepare", prepare_home),
+            Step("stream", stream_home, when=lambda ctx: ctx.link.takes_growing()),
             Step("dump", dump_there),
             Step("transfer", fetch_images),
             Step("restore", restore_here),
@@ -162,6 +167,13 @@ class HostLink(Protocol):
 
     def resume(self) -> None:
         """Undo of :meth:`dump`: bring the kernel back to life there."""
+
+    def start_fetching(self, images: Path) -> None:
+        """Begin fetching into ``images`` the files that host's dump appends to, as it writes them (it said
+        it serves them so: :meth:`takes_growing`); :meth:`fetch_images` takes what came whole."""
+
+    def stop_fetching(self) -> None:
+        """Fetch no more of what :meth:`start_fetching` began; return once the fetches on their way ended."""
 
     def fetch_images(self, images: Path) -> int:
         """Copy the kernel's images from there into ``images``; the bytes received."""
@@ -280,6 +292,12 @@ def prepare_home(ctx: HostContext) -> None:
     store, kernel_id = ctx.tools.store, ctx.kernel.kernel_id
     store.create(kernel_id)
     ctx.undo(lambda: store.remove(kernel_id, keep_logs=True), cleanup=True)
+
+
+def stream_home(ctx: HostContext) -> None:
+    """The pages files of that host's dump come as it writes them, instead of after it."""
+    ctx.link.start_fetching(ctx.images)
+    ctx.undo(ctx.link.stop_fetching)
 
 
 def dump_there(ctx: HostContext) -> None:
