@@ -145,7 +145,7 @@ class GPUMigrateApp(ExtensionApp):
             peers=peers,
             api_address=lambda: self._kernel_api_address,
             session_manager=getattr(self.serverapp, "session_manager", None),
-            stream_dump=self.stream_dump == "on" or (self.stream_dump == "auto" and (os.cpu_count() or 1) >= 8),
+            stream_dump=self._streams_dumps(),
         )
         self.settings["gpumigrate_operations"] = operations
         #: the records not taken back at start (revive.py), for GET /refused
@@ -160,6 +160,7 @@ class GPUMigrateApp(ExtensionApp):
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
                                 received_expire=self.guest_images_expire)
+        self.guests.serve_growing = self._streams_dumps()
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -190,12 +191,13 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     stream_dump = Enum(
-        ["auto", "on", "off"], default_value="auto",
-        help="Whether a move to another host, either way, carries CRIU's pages files while the dump writes "
-        "them (phase 'stream'), where the other host serves them so, instead of once the dump is over. 'auto': "
-        "on a host of 8 CPUs or more, where the transfer's threads do not take CRIU's (on the 2 CPUs of the "
-        "dev machine it gained in some runs and lost in others); 'on', 'off': always, never "
-        "(bench/host_bench.py --ways criu-stream,criu-after compares them; docs/cross-host.md).",
+        ["auto", "on", "off", True, False], default_value="auto",
+        help="Whether this host's dumps for a move to another host (its own kernels going away, and its guests "
+        "going home) have their CRIU pages files carried while the dump writes them (phase 'stream'), instead of "
+        "once the dump is over. 'auto': where this process may run on 8 CPUs or more, so that the transfer's "
+        "threads do not take CRIU's (on the 2 CPUs of the dev machine it gained in some runs and lost in "
+        "others); 'on' (or true), 'off' (or false): always, never (bench/host_bench.py --ways "
+        "criu-stream,criu-after compares them; docs/cross-host.md).",
     ).tag(config=True)
 
     stop_timeout = Float(
@@ -328,6 +330,15 @@ class GPUMigrateApp(ExtensionApp):
         if argv and argv[0] in {"python", f"python{sys.version_info[0]}", "python%d.%d" % sys.version_info[:2]}:
             argv[0] = sys.executable  # as jupyter_client's KernelManager does: this server's Python
         return argv, dict(spec.env or {})
+
+    def _streams_dumps(self) -> bool:
+        """c.GPUMigrateApp.stream_dump, decided: 'auto' counts the CPUs this process may run on (a container's
+        share, not the host's)."""
+        if self.stream_dump in ("on", True):
+            return True
+        if self.stream_dump in ("off", False):
+            return False
+        return len(os.sched_getaffinity(0)) >= 8
 
     def _keep_culler_off_moving_kernels(self) -> None:
         # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.

@@ -37,7 +37,7 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, FileSink, GrowingFile
+from .peers import BLOCK, DumpRun, FileSink, GrowingFile
 
 log = logging.getLogger(__name__)
 
@@ -279,22 +279,26 @@ def send(sock: socket.socket, path: Path, size: int) -> None:
         sock.close()
 
 
-def send_growing(sock: socket.socket, path: Path, over: threading.Event) -> None:
+def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[], None]) -> None:
     """Answer a detached GET with a file that a dump still writes (a CRIU pages file), in chunks as it grows,
-    until ``over`` is set and all of it went; then close. The peer checks it against the final listing."""
+    until the dump is over (``run``) and all of it went; then close, and call ``done``. A dump that failed
+    gets no last chunk: the peer sees a cut answer, never a whole file. The peer checks what it got against
+    the final listing."""
     stop = threading.Event()
     sock.settimeout(GROWING_TIMEOUT)
     try:
         with open(path, "rb") as f:
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n"
                          b"Connection: close\r\n\r\n")
-            growing = GrowingFile(f, over, stop)
+            growing = GrowingFile(f, run.over, stop)
             while block := growing.read(BLOCK):
                 sock.sendall(b"%x\r\n%b\r\n" % (len(block), block))
-            sock.sendall(b"0\r\n\r\n")
+            if run.ok:
+                sock.sendall(b"0\r\n\r\n")
     except OSError:
         pass  # the peer went away or called it off: it fetches the file again after the dump, or not at all
     except Exception:
         log.exception("gpumigrate: sending %s as it grows failed", path.name)
     finally:
         sock.close()
+        done()

@@ -40,7 +40,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -423,13 +423,16 @@ class PeerClient:
         self.base = parts.path.rstrip("/") + "/"
         self.context = ssl.create_default_context(cafile=peer.ca_file) if self.https else None
 
-    def _connection(self, kept: Kept | None = None) -> http.client.HTTPConnection:
+    def _connection(self, kept: Kept | None = None, timeout: float | None = None) -> http.client.HTTPConnection:
         if kept is not None and (conn := kept.take()) is not None:
+            if conn.sock is not None:
+                conn.sock.settimeout(timeout or self.timeout)
             return conn
+        timeout = timeout or self.timeout
         if self.https:
-            return http.client.HTTPSConnection(self.host, self.port, timeout=self.timeout, context=self.context,
+            return http.client.HTTPSConnection(self.host, self.port, timeout=timeout, context=self.context,
                                                blocksize=BLOCK)
-        return http.client.HTTPConnection(self.host, self.port, timeout=self.timeout, blocksize=BLOCK)
+        return http.client.HTTPConnection(self.host, self.port, timeout=timeout, blocksize=BLOCK)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"{SCHEME} {self.peer.token}"}
@@ -439,8 +442,9 @@ class PeerClient:
         return f"{scheme}://{self.host}:{self.port}{self.base}{PEER_API}/{path}"
 
     def _send(self, method: str, path: str, body: Any = None, headers: dict[str, str] | None = None,
-              kept: Kept | None = None) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
-        conn = self._connection(kept)
+              kept: Kept | None = None, timeout: float | None = None
+              ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse]:
+        conn = self._connection(kept, timeout)
         all_headers = {**self.headers(), **(headers or {})}
         if isinstance(body, (dict, list)):
             body = json.dumps(body).encode()
@@ -518,11 +522,7 @@ class PeerClient:
     def call(self, method: str, path: str, body: Any = None, timeout: float | None = None,
              kept: Kept | None = None) -> Any:
         """A JSON request; its answer. With ``kept``, over one of its connections, given back after."""
-        saved, self.timeout = self.timeout, timeout or self.timeout
-        try:
-            conn, response = self._send(method, path, body, kept=kept)
-        finally:
-            self.timeout = saved
+        conn, response = self._send(method, path, body, kept=kept, timeout=timeout)  # threads share this client
         try:
             data = response.read()
         except BaseException:
@@ -578,6 +578,8 @@ class PeerClient:
         """Receive a file that the peer's dump still writes (a chunked answer, until its dump is over) into
         ``dest`` (0600): its size and checksum. ``stop`` calls it off; its connection is in ``conns`` meanwhile
         (shut it down to end a wait)."""
+        if stop.is_set():
+            raise PeerError(f"Receiving {dest.name} was called off.")
         conn, response = self._send("GET", path)
         if conns is not None:
             conns.add(conn)
@@ -737,12 +739,18 @@ class _Fetching:
         self.watcher.start()
 
     def _watch(self) -> None:
+        seen_dumping = False
         with Kept() as kept:
             while not self.final.is_set() and not self.stopped.is_set():
                 try:
                     answer = self.client.call("GET", f"images/{self.kernel_id}?growing=true", timeout=10, kept=kept)
                 except MigrateError:
-                    answer = {}
+                    self.final.wait(1.0)  # that host is busy or gone: the dump's own call says which
+                    continue
+                dumping = bool((answer or {}).get("dumping"))
+                if seen_dumping and not dumping:
+                    return  # its dump is over: what it wrote is fetched after it, if not yet
+                seen_dumping = seen_dumping or dumping
                 for entry in (answer or {}).get("files") or []:
                     name = str(entry.get("name", ""))
                     if _IMAGE_NAME.match(name) and Path(name).match(GROWING) and name not in self.gets:
@@ -769,7 +777,7 @@ class _Fetching:
                     socket.socket.shutdown(conn.sock, socket.SHUT_RDWR)
             except OSError:
                 pass
-        self.pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class PeerLink(HostLink):
@@ -1036,9 +1044,17 @@ class PeerLink(HostLink):
             got = {**dict(pool.map(get, [e for e in entries if str(e["name"]) not in whole])), **whole}
             fetched = time.monotonic()
             checksums = {str(e["name"]): str(e.get("xxh3", "")) for e in said.result()["files"]}
+        for name in set(streamed) - {str(e["name"]) for e in entries}:
+            (images / name).unlink(missing_ok=True)  # fetched as it grew, but not among the images: not kept
         for entry in entries:
             name = str(entry["name"])
-            if not hmac.compare_digest(got[name].encode(), checksums.get(name, "").encode("utf-8", "replace")):
+            said = checksums.get(name, "")
+            if name in whole and not hmac.compare_digest(got[name].encode(), said.encode("utf-8", "replace")):
+                log.warning("gpumigrate: kernel %s: %s, fetched as %s's dump wrote it, differs from the file there; "
+                            "fetched again", self.kernel_id, name, self.host)
+                got[name] = self.client.get_file(f"images/{self.kernel_id}/{name}", images / name,
+                                                 int(entry["size"]), None)
+            if not hmac.compare_digest(got[name].encode(), said.encode("utf-8", "replace")):
                 raise PeerError(f"{name} arrived from {self.host} damaged (its checksum is not the one {self.host} "
                                 "lists); nothing was changed there.")
         total = sum(int(e["size"]) for e in entries)
@@ -1151,6 +1167,14 @@ class Guest:
         raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")
 
 
+@dataclass
+class DumpRun:
+    """A guest's dump for its way home, while it runs: ``over`` is set once it ended, ``ok`` if it succeeded."""
+
+    over: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
 class GuestHost:
     """The kernels this server hosts for its peers, with their images under ``root`` (0700)."""
 
@@ -1169,8 +1193,12 @@ class GuestHost:
         self.relays: dict[str, Any] = {}
         #: kernel id -> image file name -> the checksum of what arrived (checked when the images are complete)
         self.received: dict[str, dict[str, str]] = {}
-        #: kernels whose dump for their way home runs here: set once it is over (:meth:`growing`, bulk.py)
-        self.dumping: dict[str, threading.Event] = {}
+        #: kernels whose dump for their way home runs here (:meth:`growing`, bulk.py)
+        self.dumping: dict[str, DumpRun] = {}
+        #: whether this host serves its dumps' pages files as they are written (c.GPUMigrateApp.stream_dump)
+        self.serve_growing = True
+        #: (kernel, file) sent as it grows now, by a thread of its own: one at a time each
+        self.serving: set[tuple[str, str]] = set()
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
         self.kernelspec = kernelspec
         #: transplants' new processes started here, not yet switched to, by kernel id
@@ -1517,29 +1545,30 @@ class GuestHost:
         written into its images first."""
         guest = self.guest(kernel_id)
         guest.key = key
-        over = self.dumping[kernel_id] = threading.Event()  # its pages are served as they are written till then
+        run = self.dumping[kernel_id] = DumpRun()  # its pages are served as they are written till it is over
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
+            run.ok = True
         finally:
             guest.key = None
-            over.set()
-            if self.dumping.get(kernel_id) is over:
+            run.over.set()
+            if self.dumping.get(kernel_id) is run:
                 del self.dumping[kernel_id]
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
 
     def growing(self, kernel_id: str) -> dict:
         """While the kernel's dump for its way home runs here: the pages files it has begun, by name and size so
         far (``dumping``: whether it still runs)."""
-        over = self.dumping.get(kernel_id)
+        run = self.dumping.get(kernel_id) if self.serve_growing else None
         folder = self.store.path_for(kernel_id)
         files = []
-        for path in sorted(folder.glob(GROWING)) if over is not None and folder.is_dir() else []:
+        for path in sorted(folder.glob(GROWING)) if run is not None and folder.is_dir() else []:
             try:
                 if path.is_file() and not path.is_symlink():
                     files.append({"name": path.name, "size": path.stat().st_size})
             except OSError:
                 continue  # removed meanwhile (a dump that failed)
-        return {"files": files, "dumping": over is not None and not over.is_set()}
+        return {"files": files, "dumping": run is not None and not run.over.is_set()}
 
     def discard(self, kernel_id: str, proc: subprocess.Popen | None = None) -> None:
         """Kill the kernel (or a transplant's new process, ``proc`` when known) and delete what it had here."""
@@ -1576,7 +1605,7 @@ class GuestHost:
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
-                                "checksum": CHECKSUM, "growing": True}
+                                "checksum": CHECKSUM, "growing": self.serve_growing}
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

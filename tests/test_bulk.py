@@ -190,6 +190,11 @@ async def test_a_file_that_a_dump_still_writes_is_sent_as_it_grows_and_arrives_w
         answer = await asyncio.to_thread(raw_chunked, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img", body)
         assert "HTTP/1.1 400 Bad Request" in answer and why in answer, (body, answer[:400])
         assert not (folder / "pages-3.img").exists()
+    # The way home's listing of a dump's growing pages: none while no dump runs; a flag that is not one is a 400.
+    assert await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=true") == {"files": [],
+                                                                                         "dumping": False}
+    with pytest.raises(PeerError, match="takes true or false"):
+        await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=maybe")
     # A well-formed one from another client, with an extension and a trailer, is taken.
     answer = await asyncio.to_thread(raw_chunked, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
                                      b"3;x=y\r\nabc\r\n2\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n")

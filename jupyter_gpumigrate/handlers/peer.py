@@ -118,17 +118,28 @@ class ImagesHandler(PeerHandler):
         self.send_json({"kernel_id": kernel_id}, status=201)
 
     async def get(self, kernel_id: str) -> None:
-        if _flag(self.get_query_argument("growing", "false")):  # the pages its dump has begun, while it runs
-            self.send_json(self.guests.growing(kernel_id))
+        growing, checksums = _flag(self, "growing", False), _flag(self, "checksums", True)
+        if growing is None or checksums is None:
             return
-        checksums = _flag(self.get_query_argument("checksums", "true"))
+        if growing:  # the pages its dump has begun, while it runs
+            answer = await self.run(self.guests.growing, kernel_id)
+            if answer is not None:
+                self.send_json(answer)
+            return
         files = await self.run(self.guests.listing, kernel_id, checksums)
         if files is not None:
             self.send_json({"files": files})
 
 
-def _flag(value: str) -> bool:
-    return value.lower() not in ("false", "0", "no")
+def _flag(handler: PeerHandler, name: str, default: bool) -> bool | None:
+    """A true/false query argument; None once a 400 said that it is neither."""
+    value = handler.get_query_argument(name, "true" if default else "false").lower()
+    if value in ("true", "1", "yes"):
+        return True
+    if value in ("false", "0", "no"):
+        return False
+    handler.send_error_message(400, f"?{name}= takes true or false, not {value[:40]!r}.")
+    return None
 
 
 class CompleteHandler(PeerHandler):
@@ -275,11 +286,20 @@ class ImageFileHandler(PeerHandler):
         if not path.is_file() or path.is_symlink():
             self.send_error_message(404, f"Kernel {kernel_id} has no image file {name} here.")
             return
-        over = self.guests.dumping.get(unquote(kernel_id))
-        if _flag(self.get_query_argument("growing", "false")) and over is not None and Path(name).match(GROWING):
+        growing = _flag(self, "growing", False)
+        if growing is None:
+            return
+        run = self.guests.dumping.get(unquote(kernel_id)) if self.guests.serve_growing else None
+        if growing and run is not None and Path(name).match(GROWING):
             # its dump still writes it: sent in chunks, as it grows, until the dump is over (bulk.py)
+            key = (unquote(kernel_id), name)
+            if key in self.guests.serving:
+                self.send_error_message(409, f"{name} is being sent as it grows already.")
+                return
+            self.guests.serving.add(key)
             sock, _ = bulk.detach(self)
-            bulk.in_thread(lambda: bulk.send_growing(sock, path, over), name)
+            bulk.in_thread(lambda: bulk.send_growing(sock, path, run, lambda: self.guests.serving.discard(key)),
+                           name)
             return
         size = path.stat().st_size
         if size >= DETACH_MIN:  # sent by a thread of its own, off the event loop (bulk.py)
