@@ -247,6 +247,11 @@ async def route(data: bytes, zmq_end: ZmqEnd, streams: Streams) -> None:
         await streams.deliver(data)
 
 
+#: A WebSocket that the other end closes sooner than this after it opened did not bring the relay back: the
+#: dials go on from where they were (a second apart), within the same patience.
+QUICK_CLOSE = 5.0
+
+
 class RelayClient:
     """A's end: binds the kernel's ports here and relays them over a WebSocket that ``connect`` opens.
 
@@ -264,6 +269,10 @@ class RelayClient:
         self.lost = False
         self._closing = False
         self._reader: asyncio.Task | None = None
+        #: when the WebSocket last opened, and since when it has been down (kept across dials that the other
+        #: end closes at once: a guest gone there answers each with 4004)
+        self._opened: float | None = None
+        self._down_since: float | None = None
         self.zmq = ZmqEnd(connection_info, A_SIDE, self._send)
         self.streams = Streams(self._send, dial=self._dial)
 
@@ -274,6 +283,7 @@ class RelayClient:
 
     async def start(self) -> None:
         self.ws = await self.connect()
+        self._opened = asyncio.get_running_loop().time()
         try:
             self.zmq.open(bind=True)
         except zmq.ZMQError:
@@ -322,10 +332,15 @@ class RelayClient:
         self.ws = None
         self.streams.close()
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.patience
+        if self._down_since is not None and self._opened is not None and loop.time() - self._opened < QUICK_CLOSE:
+            await asyncio.sleep(1.0)  # the last dial's WebSocket closed as soon as it opened: still down
+        else:
+            self._down_since = loop.time()
+        deadline = self._down_since + self.patience
         while not self._closing and loop.time() < deadline:
             try:
                 self.ws = await self.connect()
+                self._opened = loop.time()
                 # The other end is new: its IOPub socket holds none of the subscriptions that this end's
                 # clients sent when they connected, and the kernel would publish nothing to it. Jupyter's
                 # clients take every topic: subscribe to all on their behalf.

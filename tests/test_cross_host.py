@@ -483,6 +483,26 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
         await end_kernel(a, kernel_id, tab)
 
 
+async def test_a_relay_whose_other_end_is_gone_gives_up_after_its_patience_without_hammering_it(hosts):
+    """The kernel on b is discarded there behind a's back: b answers each of a's dials with 4004 (no such
+    guest) as soon as it opens. a dials again a second apart, within one patience (30 s), then counts the
+    kernel as lost, and stops. (It dialled in a tight loop for ever before: each open counted as success.)"""
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        before = a.server_log().count("relay: reconnected")
+        await call(b.api, "DELETE", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=204,
+                   headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        await asyncio.sleep(40)  # past the patience
+        dials = a.server_log().count("relay: reconnected") - before
+        assert 1 <= dials <= 40, f"{dials} dials in 40 s"
+        await asyncio.sleep(3)
+        assert a.server_log().count("relay: reconnected") - before == dials, "it gave up"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
 async def forgotten(b: Host, kernel_id: str) -> None:
     """Wait until b holds nothing of ``kernel_id``'s images (it deletes them once it waited for a restore)."""
     deadline = time.monotonic() + 60
