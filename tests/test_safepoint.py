@@ -260,25 +260,25 @@ def test_an_interrupt_while_the_cell_waits_is_held_until_its_buffers_are_back(tm
     images.mkdir()
     me = os.getpid()
 
-    # The server, a process of its own (a thread here would make the stash step aside): it releases the wait
-    # a second after it began, once the alarm has gone off.
+    # The server, a process of its own (a thread here would make the stash step aside): once the stash has
+    # answered (the buffers are away, the cell waits), it sets off the alarm, and releases the wait a second
+    # later. (A timer of 0.5 s went off in the stash itself on a loaded machine: the test then failed.)
     server = subprocess.Popen([sys.executable, "-c", f"""
-import time
+import os, signal, time
 from pathlib import Path
 from jupyter_gpumigrate.engine.safepoint import write_whole
 points = Path({str(points)!r})
-while not (points / "waiting-{me}.json").exists():
+while not (points / "reply-r1.json").exists():
     time.sleep(0.01)
+os.kill({me}, signal.SIGALRM)
 time.sleep(1.0)
 write_whole(points / "release-{me}.json", {{"id": "back", "for": "r1", "args": {{"folder": {str(images)!r}}}}})
 """])
     old = signal.signal(signal.SIGALRM, ring)  # (pytest-timeout's own is put back after)
     try:
-        signal.setitimer(signal.ITIMER_REAL, 0.5)
         deferred = kernel_safepoint._serve(points, me, {"id": "r1", "call": "hoststash",
                                                         "args": {"folder": str(images), "min_total": 1}})
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
         server.kill()
         server.wait()
