@@ -137,7 +137,9 @@ class HostLink(Protocol):
         """Send no more of what :meth:`start_sending` began; return once the files on their way ended."""
 
     def takes_growing(self) -> bool:
-        """Whether that host takes a file sent as it grows (it said so in :meth:`check`)."""
+        """Whether a dump's pages files travel as they are written: going away, that host takes them so (it said
+        so in :meth:`check`) and this host's setting lets them; coming home, that host serves them so (it said
+        so in :meth:`requirements`, by its own setting) and this host's setting lets them."""
 
     def takes_stash(self) -> bool:
         """Whether that host can have the kernel write and read back its large buffers (it said so in
