@@ -13,7 +13,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import pytest
@@ -334,6 +334,33 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     b.start({"a": a.peer_entry()})
 
 
+def finished(host: Host, op: dict) -> dict:
+    """Operation ``op`` of ``host``, once it succeeded or failed."""
+    while op["status"] not in ("succeeded", "failed"):
+        op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    return op
+
+
+def kill_once_pages_arrive(a: Host, kernel_id: str, to_host: str, victim: Callable[[], int | None],
+                           arrived: Callable[[], bool]) -> tuple[bool, dict]:
+    """Move the kernel to ``to_host`` (through a's server), and SIGKILL the process ``victim()`` finds (waited
+    for as the move begins: a dump's CRIU, say) once ``arrived()`` says pages of the dump reached the other
+    side. Whether it was killed (not if it was over before), and the operation once it ended."""
+    op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": to_host})
+    pid = victim()
+    killed = False
+    deadline = time.monotonic() + 60
+    while pid is not None and not arrived() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    if pid is not None and arrived():
+        try:
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+        except ProcessLookupError:
+            pass
+    return killed, finished(a, op)
+
+
 async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_kernel_running_here(hosts):
     """CRIU's pages go to b as the dump writes them (phase 'stream'). CRIU is SIGKILLed once b holds some of
     them: the dump fails, the file on its way is called off, b deletes what it got, and the kernel runs on
@@ -353,25 +380,9 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
                                                            *guest_images_in_memory(kernel_id)]
                        if folder.is_dir() for f in folder.glob("pages-*.img"))
 
-        def kill_criu_once_pages_arrive() -> tuple[bool, dict]:
-            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
-            criu = criu_of(a.proc.pid, b"dump", 60)
-            killed = False
-            deadline = time.monotonic() + 60
-            while criu is not None and not pages_there() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if criu is not None and pages_there():
-                try:
-                    os.kill(criu, signal.SIGKILL)
-                    killed = True
-                except ProcessLookupError:
-                    pass
-            while op["status"] not in ("succeeded", "failed"):
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return killed, op
-
         for _ in range(3):
-            killed, op = await call(kill_criu_once_pages_arrive)
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b",
+                                    lambda: criu_of(a.proc.pid, b"dump", 60), pages_there)
             if killed and op["status"] == "failed":
                 break
             assert op["status"] == "succeeded", op  # the dump won the race: home, and again
@@ -435,27 +446,11 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
         def pages_here() -> list[Path]:
             return [f for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img") if f.stat().st_size > 0]
 
-        def kill_bs_criu_once_pages_arrive() -> tuple[bool, dict, int | None]:
-            guest_pid = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
-                              headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})["pid"]
-            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
-            criu = criu_of(b.proc.pid, b"dump", 60)
-            killed = False
-            deadline = time.monotonic() + 60
-            while criu is not None and not pages_here() and time.monotonic() < deadline:
-                time.sleep(0.001)
-            if criu is not None and pages_here():
-                try:
-                    os.kill(criu, signal.SIGKILL)
-                    killed = True
-                except ProcessLookupError:
-                    pass
-            while op["status"] not in ("succeeded", "failed"):
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return killed, op, guest_pid
-
         for _ in range(3):
-            killed, op, guest_pid = await call(kill_bs_criu_once_pages_arrive)
+            guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a",
+                                    lambda: criu_of(b.proc.pid, b"dump", 60), lambda: bool(pages_here()))
             if killed and op["status"] == "failed":
                 break
             assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
