@@ -81,6 +81,14 @@ async def new_kernel(host: Host) -> tuple[str, WebSocketTab]:
     return kernel["id"], tab
 
 
+async def kernel_with_bytes(host: Host, n: int = 1_600_000) -> tuple[str, WebSocketTab, int]:
+    """A kernel on ``host`` holding ``blob``, 256 * ``n`` bytes (400 MB by default) that the stash does not take
+    (bytes, under host_stash_min): CRIU writes them into its pages. ``before`` is their digest. Its tab, PID."""
+    kernel_id, tab = await new_kernel(host)
+    await tab.run(f"import hashlib\nblob = bytes(range(256)) * {n}\nbefore = hashlib.sha256(blob).hexdigest()")
+    return kernel_id, tab, (await call(host.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+
 async def end_kernel(host: Host, kernel_id: str, tab: WebSocketTab) -> None:
     """The test's kernel goes, whatever state the test left it in (a failed assertion included)."""
     tab.ws.close()
@@ -341,6 +349,13 @@ def finished(host: Host, op: dict) -> dict:
     return op
 
 
+def pages_on(b: Host, kernel_id: str, any_size: bool = False) -> bool:
+    """Whether b holds pages of the kernel's (received as its dump writes them): a file not empty, or any."""
+    return any(any_size or f.stat().st_size > 0
+               for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
+               if folder.is_dir() for f in folder.glob("pages-*.img"))
+
+
 def kill_once_pages_arrive(a: Host, kernel_id: str, to_host: str, victim: Callable[[], int | None],
                            arrived: Callable[[], bool]) -> tuple[bool, dict]:
     """Move the kernel to ``to_host`` (through a's server), and SIGKILL the process ``victim()`` finds (waited
@@ -368,21 +383,12 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
     from test_hibernation import criu_of
 
     a, b = hosts
-    kernel_id, tab = await new_kernel(a)
+    kernel_id, tab, pid = await kernel_with_bytes(a)
     try:
-        # 400 MB that the stash does not take (bytes, under host_stash_min): CRIU writes it into its pages.
-        await tab.run("import hashlib\nblob = bytes(range(256)) * 1_600_000\n"
-                      "before = hashlib.sha256(blob).hexdigest()")
-        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
-
-        def pages_there() -> bool:
-            return any(f.stat().st_size > 0 for folder in [b.root / "state" / "guests" / kernel_id,
-                                                           *guest_images_in_memory(kernel_id)]
-                       if folder.is_dir() for f in folder.glob("pages-*.img"))
 
         for _ in range(3):
             killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b",
-                                    lambda: criu_of(a.proc.pid, b"dump", 60), pages_there)
+                                    lambda: criu_of(a.proc.pid, b"dump", 60), lambda: pages_on(b, kernel_id))
             if killed and op["status"] == "failed":
                 break
             assert op["status"] == "succeeded", op  # the dump won the race: home, and again
@@ -402,6 +408,62 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
         # And the next move goes through.
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
         assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_said_dead_and_restarted(hosts):
+    """The kernel's own process SIGKILLed (a user's kernel dying) during the dump, once b holds some of its
+    pages: CRIU fails on it, and the operation says that the kernel died and its state is lost (it said "The
+    kernel runs on, unchanged" before); the file on its way is called off and b keeps nothing; Jupyter's
+    restarter starts the kernel again, as after any kernel death, and the same tab talks to the new one."""
+    from test_hibernation import criu_of
+
+    a, b = hosts
+    kernel_id, tab, pid = await kernel_with_bytes(a)
+    try:
+
+        def the_kernel_once_dumped() -> int | None:
+            return pid if criu_of(a.proc.pid, b"dump", 60) is not None else None
+
+        for _ in range(3):
+            began = time.monotonic()
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b", the_kernel_once_dumped,
+                                    lambda: pages_on(b, kernel_id))
+            took = time.monotonic() - began
+            if killed and op["status"] == "failed":
+                break
+            # CRIU had all of it before the kill (it kills the tree itself at the end): the move went through
+            assert op["status"] == "succeeded", op
+            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+            pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        else:
+            pytest.skip("CRIU's dump was over before the kernel's pages reached b, three times")
+        assert took < 30, f"the failed move took {took:.1f} s"
+        assert op["failed_phase"] == "dump", op
+        assert f"The kernel's process {pid} ended while CRIU dumped it" in op["error"], op["error"]
+        assert "Jupyter restarts it" in op["error"] and "runs on, unchanged" not in op["error"], op["error"]
+        # b keeps nothing of it: no images, no guest.
+        deadline = time.monotonic() + 30
+        while pages_on(b, kernel_id, any_size=True) or (b.root / "state" / "guests" / kernel_id).exists():
+            assert time.monotonic() < deadline, "b kept the pages it got"
+            await asyncio.sleep(0.1)
+        await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=404,
+                   headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        # Jupyter's restarter finds the kernel dead and starts it again, here; the same tab reaches the new
+        # one, which holds none of the old one's state.
+        deadline = time.monotonic() + 30
+        while True:
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            if view["pid"] not in (None, pid) and view["state"] == "running":
+                break
+            assert time.monotonic() < deadline, f"the dead kernel was not restarted: {view}"
+            await asyncio.sleep(0.2)
+        assert view["host"] == "a" and not view["remote"], view
+        assert "restarting kernel" in a.server_log(), a.server_log()[-3000:]
+        assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
+        assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
     finally:
         await end_kernel(a, kernel_id, tab)
 
@@ -937,3 +999,4 @@ def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     assert "no kernel type 'nope' here" in guests.check_transplant("k", "nope", [], 0, 0, None)[0]
     assert "not started with python -m ipykernel_launcher" in guests.check_transplant("k", "other", [], 0, 0, None)[0]
     assert "of memory available" in guests.check_transplant("k", "python3", [], 10**15, 0, None)[0]
+

@@ -235,7 +235,14 @@ def disk_full_said(folder: Path, then: str) -> Iterator[None]:
 
 
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
-    """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why."""
+    """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why; or, where the
+    kernel's process itself is gone (killed meanwhile: CRIU's failure is then its death), say that instead."""
+    assert ctx.manifest is not None
+    if not proctree.is_alive(ctx.manifest.pid):
+        raise CriuFailed(
+            f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so what it held is lost: "
+            f"the kernel is dead, and Jupyter restarts it (or restart it yourself). CRIU said: {exc}",
+            exc.log_path, exc.log_tail) from exc
     # CRIU's own log may be cut short by the full disk it writes to ("page-xfer: Una"): the disk's room says it.
     if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images.parent):
         raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images") + " The kernel "
