@@ -356,13 +356,17 @@ def pages_on(b: Host, kernel_id: str, any_size: bool = False) -> bool:
                if folder.is_dir() for f in folder.glob("pages-*.img"))
 
 
-def kill_once_pages_arrive(a: Host, kernel_id: str, to_host: str, victim: Callable[[], int | None],
-                           arrived: Callable[[], bool]) -> tuple[bool, dict]:
-    """Move the kernel to ``to_host`` (through a's server), and SIGKILL the process ``victim()`` finds (waited
-    for as the move begins: a dump's CRIU, say) once ``arrived()`` says pages of the dump reached the other
-    side. Whether it was killed (not if it was over before), and the operation once it ended."""
+def kill_once_pages_arrive(a: Host, kernel_id: str, to_host: str, dumper: Host, arrived: Callable[[], bool],
+                           victim: int | None = None) -> tuple[bool, dict]:
+    """Move the kernel to ``to_host`` (through a's server), and SIGKILL ``dumper``'s CRIU dump (or, once that
+    runs, ``victim``: a PID, or a process group as -PGID) once ``arrived()`` says pages of the dump reached
+    the other side. Whether it was killed (not if the dump was over before), and the operation once it ended,
+    which it must within 30 s of the kill."""
+    from test_hibernation import criu_of
+
     op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": to_host})
-    pid = victim()
+    criu = criu_of(dumper.proc.pid, b"dump", 60)
+    pid = criu if victim is None or criu is None else victim
     killed = False
     deadline = time.monotonic() + 60
     while pid is not None and not arrived() and time.monotonic() < deadline:
@@ -373,22 +377,25 @@ def kill_once_pages_arrive(a: Host, kernel_id: str, to_host: str, victim: Callab
             killed = True
         except ProcessLookupError:
             pass
-    return killed, finished(a, op)
+    began = time.monotonic()
+    op = finished(a, op)
+    took = time.monotonic() - began
+    assert took < 30, f"the operation ended {took:.1f} s after the kill"
+    return killed, op
 
 
 async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_kernel_running_here(hosts):
     """CRIU's pages go to b as the dump writes them (phase 'stream'). CRIU is SIGKILLed once b holds some of
     them: the dump fails, the file on its way is called off, b deletes what it got, and the kernel runs on
     here, the same process, with its state."""
-    from test_hibernation import criu_of
 
     a, b = hosts
     kernel_id, tab, pid = await kernel_with_bytes(a)
     try:
 
         for _ in range(3):
-            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b",
-                                    lambda: criu_of(a.proc.pid, b"dump", 60), lambda: pages_on(b, kernel_id))
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b", a,
+                                    lambda: pages_on(b, kernel_id))
             if killed and op["status"] == "failed":
                 break
             assert op["status"] == "succeeded", op  # the dump won the race: home, and again
@@ -417,20 +424,13 @@ async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_sai
     pages: CRIU fails on it, and the operation says that the kernel died and its state is lost (it said "The
     kernel runs on, unchanged" before); the file on its way is called off and b keeps nothing; Jupyter's
     restarter starts the kernel again, as after any kernel death, and the same tab talks to the new one."""
-    from test_hibernation import criu_of
 
     a, b = hosts
     kernel_id, tab, pid = await kernel_with_bytes(a)
     try:
-
-        def the_kernel_once_dumped() -> int | None:
-            return pid if criu_of(a.proc.pid, b"dump", 60) is not None else None
-
         for _ in range(3):
-            began = time.monotonic()
-            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b", the_kernel_once_dumped,
-                                    lambda: pages_on(b, kernel_id))
-            took = time.monotonic() - began
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "b", a,
+                                    lambda: pages_on(b, kernel_id), pid)
             if killed and op["status"] == "failed":
                 break
             # CRIU had all of it before the kill (it kills the tree itself at the end): the move went through
@@ -440,7 +440,6 @@ async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_sai
             pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         else:
             pytest.skip("CRIU's dump was over before the kernel's pages reached b, three times")
-        assert took < 30, f"the failed move took {took:.1f} s"
         assert op["failed_phase"] == "dump", op
         assert f"The kernel's process {pid} ended while CRIU dumped it" in op["error"], op["error"]
         assert "Jupyter restarts it" in op["error"] and "runs on, unchanged" not in op["error"], op["error"]
@@ -496,7 +495,6 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
     a holds some of them: b's dump fails, the kernel runs on there, the same process with its state, and
     answers the same tab through the relay (which b closed for the dump: a dialled again, and subscribed b's
     new end to all of the kernel's IOPub); a keeps nothing of what came, and the next move home works."""
-    from test_hibernation import criu_of
 
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
@@ -505,14 +503,11 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
                       "before = hashlib.sha256(blob).hexdigest()")
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
 
-        def pages_here() -> list[Path]:
-            return [f for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img") if f.stat().st_size > 0]
-
         for _ in range(3):
             guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
                                     headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
-            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a",
-                                    lambda: criu_of(b.proc.pid, b"dump", 60), lambda: bool(pages_here()))
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a", b,
+                                    lambda: pages_home(a, kernel_id))
             if killed and op["status"] == "failed":
                 break
             assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
@@ -538,6 +533,73 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
         assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
     finally:
         await end_kernel(a, kernel_id, tab)
+
+
+def pages_home(a: Host, kernel_id: str) -> bool:
+    """Whether a holds pages of the kernel's, fetched as b's dump writes them (a file not empty)."""
+    return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img"))
+
+
+def running_state(pid: int) -> str:
+    """The state letter of process ``pid`` (/proc/{pid}/stat), or "gone"."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_the_kernel_runs_on_there(hosts):
+    """b's server (and its CRIU with it: the process group, as a service manager stops it) SIGKILLed once a
+    holds some of the pages b's dump serves home: the move fails at once, saying b cannot be reached; a keeps
+    nothing, and the kernel's process runs on b with its state (CRIU let go of it), not frozen. What we want
+    next, that b's next server takes it back so that the same tab reaches it, with its state, is not so today:
+    b's server takes back no guest of a dead server (revive.py takes back a host's own kernels only), so a's
+    relay gives up after its patience (30 s), a restarts the kernel afresh, and the old process stays on b,
+    orphaned (this test ends it)."""
+
+    a, b = hosts
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    guest_pid = 0
+    try:
+        for _ in range(3):
+            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+            guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+            # b's server's process group: the server, and the CRIU it runs
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a", b,
+                                    lambda: pages_home(a, kernel_id), -b.proc.pid)
+            if killed and op["status"] == "failed":
+                break
+            assert op["status"] == "succeeded", op  # b's dump was over first: the kernel is home; again
+            if killed:
+                await call(b.start, {"a": a.peer_entry()})
+        else:
+            pytest.skip("b's dump was over before its pages reached a, three times")
+        assert b.proc.wait(10) == -signal.SIGKILL
+        assert op["failed_phase"] == "dump" and "cannot be reached" in op["error"], op
+        assert not list((a.root / "state").glob(f"**/{kernel_id}/*.img")), "a kept what it fetched"
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        # The kernel runs on there, untouched by a dump that never ended: not stopped, not traced.
+        assert running_state(guest_pid) in ("S", "R"), running_state(guest_pid)
+
+        await call(b.start, {"a": a.peer_entry()})
+        try:
+            out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=15)
+        except (AssertionError, TimeoutError) as exc:
+            assert running_state(guest_pid) in ("S", "R"), "the kernel's process on b ended"
+            pytest.xfail("b's new server does not take back the kernel its dead server hosted (its process "
+                         f"runs on there, orphaned), so the tab cannot reach it ({type(exc).__name__}); "
+                         "after 30 s a restarts the kernel afresh")
+        assert out.strip() == "True 409600000"
+    finally:
+        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+            os.kill(guest_pid, signal.SIGKILL)
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)  # b's images of its dump go with the kernel's end
 
 
 async def test_a_relay_whose_other_end_is_gone_gives_up_after_its_patience_without_hammering_it(hosts):
@@ -999,4 +1061,5 @@ def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     assert "no kernel type 'nope' here" in guests.check_transplant("k", "nope", [], 0, 0, None)[0]
     assert "not started with python -m ipykernel_launcher" in guests.check_transplant("k", "other", [], 0, 0, None)[0]
     assert "of memory available" in guests.check_transplant("k", "python3", [], 10**15, 0, None)[0]
+
 
