@@ -220,11 +220,22 @@ async def test_the_kernel_killed_on_the_other_host_while_it_reads_its_buffers_ba
         await end_kernel(a, kernel_id, tab)
 
 
+def fill(disk: Path) -> None:
+    """Fill ``disk`` up (a file ``filler`` on it, written until there is no room left)."""
+    import errno
+
+    try:
+        with open(disk / "filler", "wb") as filler:
+            while True:
+                filler.write(bytes(1 << 20))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+
+
 async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_runs_on_here(hosts, tmp_path):
     """b keeps guests' images on a disk (a 600 MB tmpfs here) that another process fills while a's images
     arrive: b drops the rest of that file and answers 507 naming it; the move is undone, the kernel runs on
     here with its state, and b keeps nothing of it."""
-    import errno
 
     from helpers import small_tmpfs
 
@@ -249,12 +260,7 @@ async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_r
                         while not any(f.stat().st_size > (16 << 20) for f in guest.glob("*") if f.is_file()):
                             assert time.monotonic() < deadline, "b never began to receive"
                             time.sleep(0.001)
-                        try:  # until the disk is full (b writes on meanwhile: whichever comes first)
-                            with open(small / "filler", "wb") as filler:
-                                while True:
-                                    filler.write(bytes(1 << 20))
-                        except OSError as exc:
-                            assert exc.errno == errno.ENOSPC, exc
+                        fill(small)  # b writes on meanwhile: whichever comes first
                         seen.append("filled")
                     op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
                 seen.append(json.dumps(op))
@@ -600,6 +606,60 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_th
             await call(b.start, {"a": a.peer_entry()})
         await end_kernel(a, kernel_id, tab)
         await forgotten(b, kernel_id)  # b's images of its dump go with the kernel's end
+
+
+async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_kernel_runs_on_there(hosts):
+    """a keeps its images on a disk (a 600 MB tmpfs on its images folder here: the kernel's log stays beside,
+    where b sees it) that another process fills once some of the pages
+    b's dump serves home arrived: the way home fails, saying so; b resumes the kernel, which answers the same
+    tab there with its state, and a keeps no image of it (b keeps its own, the kernel's)."""
+
+    from helpers import small_tmpfs
+
+    a, b = hosts
+    saved = dict(a.extra)
+    peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
+    a.stop()  # a's server sees the mount only if it starts after it
+    with small_tmpfs(a.root / "state" / "images", "600m") as small:
+        a.extra = {"MigratableProvisioner": {"suspend_to": "disk"}, "GPUMigrateApp": {"stream_dump": "on"}}
+        a.start(peers)
+        kernel_id, tab, _ = await kernel_with_bytes(a)
+        try:
+            away = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+            assert away["status"] == "succeeded", away["error"]
+
+            def pages_here() -> bool:
+                return any(f.stat().st_size > 16 << 20 for f in small.glob(f"{kernel_id}/pages-*"))
+
+            def fill_as_pages_come() -> tuple[bool, dict]:
+                op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
+                deadline = time.monotonic() + 60
+                while not pages_here() and op["status"] in ("pending", "running") and \
+                        time.monotonic() < deadline:
+                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}")
+                    time.sleep(0.001)
+                filled = pages_here()
+                if filled:
+                    fill(small)  # a writes on meanwhile: whichever comes first
+                return filled, finished(a, op)
+
+            filled, op = await call(fill_as_pages_come)
+            if not filled:
+                pytest.skip(f"b's dump was over before its pages reached a: {op['status']}")
+            assert op["status"] == "failed" and op["failed_phase"] in ("dump", "transfer"), op
+            assert "No space left on device" in op["error"], op["error"]
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+            same = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")
+            assert same.strip() == "True 409600000"
+            assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+            assert not list(small.glob(f"{kernel_id}/*.img")), "a kept what it fetched"
+        finally:
+            (small / "filler").unlink(missing_ok=True)
+            await end_kernel(a, kernel_id, tab)
+            a.stop()
+            a.extra = saved
+    a.start(peers)
 
 
 async def test_a_relay_whose_other_end_is_gone_gives_up_after_its_patience_without_hammering_it(hosts):
