@@ -81,6 +81,12 @@ DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
 #: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
 GROWING = "pages-*.img"
+#: Files followed at once as a dump writes them (:data:`GROWING`), each over a connection and a thread of its
+#: own, apart from the :data:`STREAMS`: each waits on its file most of the time, and the dump ends them all at
+#: once. Held to the STREAMS, a tree of more processes than STREAMS sent nothing of the later processes' pages
+#: while the dump ran (a GPU kernel's tree on the GPU machine: 0.01 of 9 GB went during the dump, its largest
+#: file waiting behind four small ones). A tree of more processes sends the rest as each of these ends.
+FOLLOWED = 16
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
 TRANSPLANT_ORPHAN = 1800.0
@@ -635,12 +641,13 @@ def _sized(images: Path) -> list[tuple[Path, int]]:
 class _Sending:
     """Image files on their way to a peer, :data:`STREAMS` at a time, over connections kept for them; and,
     once :meth:`follow` was called, the files a dump appends to (:data:`GROWING`) as they grow, each over a
-    connection of its own, until :meth:`dumped`."""
+    connection of its own (:data:`FOLLOWED` at a time, apart from the STREAMS), until :meth:`dumped`."""
 
     def __init__(self, client: PeerClient, kernel_id: str) -> None:
         self.client, self.kernel_id = client, kernel_id
         self.kept = Kept()
         self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send")
+        self.followers = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-grow")
         #: file name -> its send: {name, size, xxh3}
         self.sends: dict[str, Future] = {}
         self.began = time.monotonic()
@@ -672,7 +679,7 @@ class _Sending:
             with self._lock:
                 for path in sorted(images.glob(GROWING)):
                     if path.name not in self.sends:
-                        self.sends[path.name] = self.pool.submit(self._put_growing, path)
+                        self.sends[path.name] = self.followers.submit(self._put_growing, path)
             self.final.wait(0.01)
 
     def _put_growing(self, path: Path) -> dict:
@@ -720,18 +727,19 @@ class _Sending:
             for future in self.sends.values():
                 future.cancel()
         self.pool.shutdown(wait=True)
+        self.followers.shutdown(wait=True)
         self.kept.close()
 
 
 class _Fetching:
     """The pages files of the other host's dump, fetched as it writes them: a watcher asks that host every
     50 ms which it has begun (``GET images/{id}?growing=true``), and each is fetched (``?growing=true``: a
-    chunked answer that ends with the dump), :data:`STREAMS` at a time. One that fails is fetched again
+    chunked answer that ends with the dump), :data:`FOLLOWED` at a time. One that fails is fetched again
     after the dump, as the other files are."""
 
     def __init__(self, client: PeerClient, kernel_id: str, images: Path) -> None:
         self.client, self.kernel_id, self.images = client, kernel_id, images
-        self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-follow")
+        self.pool = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-follow")
         self.gets: dict[str, Future] = {}
         self.final, self.stopped = threading.Event(), threading.Event()
         self.conns: set[http.client.HTTPConnection] = set()
