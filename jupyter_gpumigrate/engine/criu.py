@@ -201,9 +201,10 @@ class Criu:
     def _mode(self) -> list[str]:
         return ["--unprivileged"] if self.unprivileged else []
 
-    def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str) -> None:
-        cmd = [self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir), "--log-file", str(log_path),
-               "-v4"]
+    def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str, enter: list[str] | None = None
+             ) -> None:
+        cmd = [*(enter or []), self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir),
+               "--log-file", str(log_path), "-v4"]
         key = str(Path(images_dir).resolve())
         with _RUNS_LOCK:
             if key in _CANCELLED:
@@ -244,7 +245,27 @@ class Criu:
         On failure CRIU resumes the tree: it keeps running as before.
         """
         args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
-        self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}")
+        self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}",
+                  enter=self._mount_namespace_of(pid))
+
+    def _mount_namespace_of(self, pid: int) -> list[str]:
+        """Where the tree lives in another mount namespace than this process: the command that runs CRIU in
+        the tree's (``nsenter``), as root only. A kernel that an earlier server restored, and that this server
+        took back, lives in that server's mount namespace if the two started in different ones (``ip netns
+        exec``, a service's private /tmp): CRIU run from here would dump that namespace's mounts too, and
+        refuses one whose sharing it cannot follow. Run in it, CRIU sees the tree's mounts as its own; the
+        folder of the images must be visible there (it is, unless it was mounted after the namespace was
+        made)."""
+        if self.unprivileged:
+            return []
+        try:
+            theirs, ours = os.stat(f"/proc/{pid}/ns/mnt"), os.stat("/proc/self/ns/mnt")
+        except OSError:
+            return []
+        if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
+            return []
+        nsenter = shutil.which("nsenter")
+        return [nsenter, f"--mount=/proc/{pid}/ns/mnt", "--"] if nsenter else []
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         """Restore the tree from ``images_dir``, detached; returns the PID of its root.
