@@ -38,7 +38,7 @@ from .peers import GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .memorywatch import keep_relieving
 from .retention import discard_expired, keep_discarding, keep_expiring_sources
-from .revive import lock_state, revive_all
+from .revive import let_cuda_run, lock_state, revive_all
 from .sharing import Sharing
 
 
@@ -159,8 +159,10 @@ class GPUMigrateApp(ExtensionApp):
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
-                                received_expire=self.guest_images_expire)
+                                received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire)
         self.guests.serve_growing = self._streams_dumps()
+        for kernel_id, pid in self.guests.take_back():
+            let_cuda_run(kernel_id, pid)  # a GPU guest's dump cut short by this server's death leaves it locked
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -188,6 +190,13 @@ class GPUMigrateApp(ExtensionApp):
         "deleted, in seconds: the peer keeps its own copy until the kernel answers from here, so once it died or "
         "gave up they are litter (memory, in /dev/shm). Images of a kernel dumped here for its way home are never "
         "deleted so: they may be its only copy.",
+    ).tag(config=True)
+
+    guest_unclaimed_expire = Float(
+        600.0, help="A kernel this host ran for a peer outlives this server (killed or stopped): the next server "
+        "takes it back, and the peer's relay dials it again. One that its peer does not relay within this many "
+        "seconds of that start is discarded: its peer gave up on it (it restarts a kernel it counts lost after its "
+        "relay's 30 s of patience) or went too (docs/cross-host.md).",
     ).tag(config=True)
 
     stream_dump = Enum(

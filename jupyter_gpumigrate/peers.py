@@ -40,7 +40,7 @@ import urllib.parse
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, Future, ThreadPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,8 @@ from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
-from .engine.images import AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory
+from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
+                            write_durably)
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
@@ -81,6 +82,12 @@ DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
 #: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
 GROWING = "pages-*.img"
+#: The folder, under the guests' images, of the records of guests that run here (GuestHost.take_back).
+RUNNING_GUESTS = ".running"
+#: How long a guest taken back at start waits for its peer to relay its channels before it is discarded
+#: (seconds): a peer that is up dials again within its relay's patience (30 s); one that gave up restarted
+#: the kernel at home, and one whose server went takes back no kernel it had moved away.
+UNCLAIMED = 600.0
 #: Files followed at once as a dump writes them (:data:`GROWING`), each over a connection and a thread of its
 #: own, apart from the :data:`STREAMS`: each waits on its file most of the time, and the dump ends them all at
 #: once. Held to the STREAMS, a tree of more processes than STREAMS sent nothing of the later processes' pages
@@ -1108,6 +1115,8 @@ class Guest:
         self.key: str | None = None
         #: it ran here once: its images (a dump for its way home) may be its only copy
         self.ran = False
+        #: its peer relayed its channels here (ChannelsHandler) since this server has it
+        self.relayed = False
 
     @property
     def kernel_name(self) -> str:
@@ -1189,7 +1198,7 @@ class GuestHost:
     def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None,
                  memory_root: Path | None = None, images: str = AUTO,
                  kernelspec: Callable[[str], tuple[list[str], dict]] | None = None,
-                 received_expire: float = RECEIVED_EXPIRE) -> None:
+                 received_expire: float = RECEIVED_EXPIRE, unclaimed: float = UNCLAIMED) -> None:
         #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
         #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
         self.store = ImageStore(root, memory_root)
@@ -1216,6 +1225,8 @@ class GuestHost:
         #: being received (their expiry)
         self._timers: dict[str, threading.Timer] = {}
         self.received_expire = received_expire
+        #: how long a guest taken back at start waits for its peer's relay (take_back)
+        self.unclaimed = unclaimed
         #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
         self._receiving: dict[str, object] = {}
 
@@ -1223,6 +1234,69 @@ class GuestHost:
         relay = self.relays.pop(kernel_id, None)
         if relay is not None:
             relay.stop()
+
+    # the guests that run here, on disk: a server killed or stopped leaves them running, and the next takes
+    # them back (its peer's relay dials again meanwhile)
+
+    @property
+    def records(self) -> Path:
+        """``<root>/.running/<id>.json`` (0700; no image folder's name begins with a dot)."""
+        return self.store.root / RUNNING_GUESTS
+
+    def _remember(self, guest: Guest) -> None:
+        """Write down a guest that now runs here: its manifest, its peer, its process (PID and start time)."""
+        if guest.pid is None:
+            return
+        try:  # it runs here now, whatever this says: a failure costs its life after this server's only
+            self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
+            write_durably(self.records / f"{guest.kernel_id}.json", json.dumps({
+                "manifest": asdict(guest.manifest), "peer": guest.peer, "pid": guest.pid,
+                "started": proctree.start_time(guest.pid)}))
+        except OSError as exc:
+            log.warning("gpumigrate: kernel %s, hosted for peer %s, runs here, but its record could not be written "
+                        "(%s): it will not outlive this server", guest.kernel_id, guest.peer, exc)
+
+    def _forget(self, kernel_id: str) -> None:
+        (self.records / f"{kernel_id}.json").unlink(missing_ok=True)
+
+    def take_back(self) -> list[tuple[str, int]]:
+        """At start: the guests an earlier server of this state folder left running (killed, or stopped), taken
+        back as they run, the same processes (PID and start time); a record whose process is gone is removed,
+        one that cannot be read is left, and logged. What was taken: (kernel id, PID)."""
+        taken: list[tuple[str, int]] = []
+        for path in sorted(self.records.glob("*.json")) if self.records.is_dir() else []:
+            kernel_id = path.stem
+            try:
+                record = json.loads(path.read_text())
+                manifest = Manifest.from_dict(record["manifest"])
+                pid, started, peer = int(record["pid"]), record["started"], str(record["peer"])
+                if manifest.kernel_id != kernel_id or manifest.wrong_types():
+                    raise ValueError(f"it is not kernel {kernel_id}'s")
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.error("gpumigrate: the record of kernel %s, hosted for a peer, cannot be read (%s): left in %s",
+                          kernel_id, exc, path)
+                continue
+            if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
+                log.warning("gpumigrate: kernel %s, hosted for peer %s, no longer runs here: its record goes",
+                            kernel_id, peer)
+                path.unlink(missing_ok=True)
+                continue
+            stopped = [p for p in proctree.descendants(pid)
+                       if (found := proctree.info(p)) is not None and found.state in ("t", "T")]
+            for process in stopped:  # a dump's CRIU killed with its server: a kernel never stops itself
+                try:
+                    os.kill(process, signal_mod.SIGCONT)
+                except ProcessLookupError:
+                    pass
+            guest = Guest(manifest, peer)
+            guest.adopt(pid)
+            guest.state, guest.ran = RUNNING, True
+            self.guests[kernel_id] = guest
+            self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
+            taken.append((kernel_id, pid))
+            log.info("gpumigrate: kernel %s, hosted for peer %s, taken back: its process %d runs on%s", kernel_id,
+                     peer, pid, f" (it was stopped: {stopped}, continued)" if stopped else "")
+        return taken
 
     def lock(self, kernel_id: str) -> asyncio.Lock:
         return self.locks.setdefault(kernel_id, asyncio.Lock())
@@ -1458,6 +1532,14 @@ class GuestHost:
                         "relayed its channels; discarded (the peer's source is the kernel)", kernel_id)
             self.discard(kernel_id)
 
+    def _unclaimed(self, kernel_id: str, pid: int) -> None:
+        guest = self.guests.get(kernel_id)
+        if guest is not None and guest.pid == pid and not guest.relayed:
+            log.warning("gpumigrate: kernel %s, taken back for peer %s, was not relayed by it within %.0f s: it "
+                        "counted the kernel lost (and restarted it there), or its server went too; discarded",
+                        kernel_id, guest.peer, self.unclaimed)
+            self.discard(kernel_id)
+
     def _later(self, kernel_id: str, seconds: float, check: Callable[[str, Any], None], arg: Any) -> None:
         """``check(kernel_id, arg)`` in ``seconds``, unless the kernel is discarded here first."""
         timer = threading.Timer(seconds, check, (kernel_id, arg))
@@ -1542,6 +1624,7 @@ class GuestHost:
         finally:
             guest.key = None
         guest.ran = True
+        self._remember(guest)
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
@@ -1557,6 +1640,7 @@ class GuestHost:
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
             run.ok = True
+            self._forget(kernel_id)  # it runs here no more: its images are its state
         finally:
             guest.key = None
             run.over.set()
@@ -1597,6 +1681,7 @@ class GuestHost:
         if guest is not None and guest.pid is not None and proctree.is_alive(guest.pid):
             proctree.kill_tree(guest.pid)
             proctree.wait_gone(guest.pid, timeout=10)
+        self._forget(kernel_id)
         self.store.remove(kernel_id)
         lock = self.locks.get(kernel_id)
         if lock is not None and not lock.locked():  # one held (by the caller's handler) stays: a request that

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 import logging
 import struct
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -250,13 +251,18 @@ async def route(data: bytes, zmq_end: ZmqEnd, streams: Streams) -> None:
 #: A WebSocket that the other end closes sooner than this after it opened did not bring the relay back: the
 #: dials go on from where they were (a second apart), within the same patience.
 QUICK_CLOSE = 5.0
+#: What A's clients send while the WebSocket is down and A dials again, held (in bytes) and sent once it
+#: is back: a cell run meanwhile runs then, instead of waiting for a reply that never comes. Beyond this,
+#: the oldest go (as on a network blip).
+HELD_MAX = 64 << 20
 
 
 class RelayClient:
     """A's end: binds the kernel's ports here and relays them over a WebSocket that ``connect`` opens.
 
-    If the WebSocket drops, it dials again for ``patience`` seconds (what the kernel sends meanwhile
-    is lost, as on a network blip); after that the kernel counts as lost (:attr:`lost`).
+    If the WebSocket drops, it dials again for ``patience`` seconds: what the kernel sends meanwhile is
+    lost, as on a network blip; what the clients send is held (up to :data:`HELD_MAX` bytes) and sent once
+    it is back. After that the kernel counts as lost (:attr:`lost`).
     """
 
     def __init__(self, connection_info: dict, connect: Callable[[], Awaitable[Any]],
@@ -275,6 +281,9 @@ class RelayClient:
         self._down_since: float | None = None
         self.zmq = ZmqEnd(connection_info, A_SIDE, self._send)
         self.streams = Streams(self._send, dial=self._dial)
+        #: the clients' messages while the WebSocket is down (between a drop and :meth:`_redial`'s success)
+        self._held: deque[bytes] = deque()
+        self._held_bytes = 0
 
     async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.api_target is None:
@@ -301,11 +310,22 @@ class RelayClient:
     async def _send(self, data: bytes) -> None:
         ws = self.ws
         if ws is None:
+            self._hold(data)
             return
         try:
             await ws.write_message(data, binary=True)
-        except Exception:  # closed: dropped, as a network would; _read dials again
-            log.debug("relay: dropped a message while the WebSocket is down")
+        except Exception:  # closed: held until _read has dialled again
+            self._hold(data)
+
+    def _hold(self, data: bytes) -> None:
+        if self._closing or self.lost or not data or data[0] >= len(CHANNELS):
+            return  # a stream's frames are not held: its connections end with the WebSocket (_redial)
+        self._held.append(data)
+        self._held_bytes += len(data)
+        while self._held_bytes > HELD_MAX:
+            self._held_bytes -= len(self._held.popleft())
+            log.warning("relay: dropped a client's message held while the other host is away (over %d bytes held)",
+                        HELD_MAX)
 
     async def _read(self) -> None:
         try:
@@ -345,12 +365,17 @@ class RelayClient:
                 # clients sent when they connected, and the kernel would publish nothing to it. Jupyter's
                 # clients take every topic: subscribe to all on their behalf.
                 await self._send(pack_frames(CHANNELS.index("iopub"), [b"\x01"]))
-                log.info("relay: reconnected")
+                held, self._held, self._held_bytes = self._held, deque(), 0
+                for data in held:  # in order, after the subscription: a cell's outputs reach its client
+                    await self._send(data)
+                log.info("relay: reconnected%s", f"; sent {len(held)} message(s) held meanwhile" if held else "")
                 return True
             except Exception as exc:
                 log.warning("relay: the other host does not answer (%s); trying again", exc)
                 await asyncio.sleep(1.0)
         self.lost = not self._closing
+        self._held.clear()
+        self._held_bytes = 0
         return False
 
     async def stop(self) -> None:

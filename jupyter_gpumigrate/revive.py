@@ -134,7 +134,7 @@ def _running_kernel(manifest: Manifest, kill_stuck: bool = True) -> int | None:
     return pid
 
 
-def _let_cuda_run(kernel_id: str, pid: int) -> None:
+def let_cuda_run(kernel_id: str, pid: int) -> None:
     """A server killed during a GPU move or a GPU suspend's first phases leaves its kernel's CUDA processes
     locked, or checkpointed (their GPU memory in host memory): put each back on the GPU it was on, and let
     its CUDA calls go on. Best effort: a process that cannot be is named in the log."""
@@ -364,7 +364,7 @@ async def _stash_left_in(store: ImageStore, name: str, safe_points: Path) -> Fou
     pid = _running_kernel(pending, kill_stuck=False)
     if pid is None:
         return None  # the kernel is gone, its buffers with it: an unfinished dump
-    await asyncio.to_thread(_let_cuda_run, name, pid)
+    await asyncio.to_thread(let_cuda_run, name, pid)
     error = await asyncio.to_thread(_give_back_stash, _connection(store, name, pending), folder, pid, safe_points)
     if error is None:
         log.warning("gpumigrate: kernel %s read back the buffers it had written to %s before its server "
@@ -457,7 +457,7 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
             path.unlink(missing_ok=True)  # it ended with its server, or was suspended since (its images tell)
             continue
-        await asyncio.to_thread(_let_cuda_run, kernel_id, pid)
+        await asyncio.to_thread(let_cuda_run, kernel_id, pid)
         revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
                           record.get("credential"), record.get("api_url"), pid)
         why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)

@@ -12,8 +12,9 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, transplant
 from hosts import Host, Network, host_pair
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
+
+from jupyter_gpumigrate.engine import proctree
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -546,6 +549,25 @@ def pages_home(a: Host, kernel_id: str) -> bool:
     return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img"))
 
 
+@contextlib.contextmanager
+def collecting(session: int) -> Iterator[None]:
+    """Meanwhile, collect the exited processes of a kernel's session that came to this process (a subreaper)
+    when their server was killed, as a machine's init would."""
+    done = threading.Event()
+
+    def collect() -> None:
+        while not done.wait(0.05):
+            proctree.reap_orphans({session}, set())
+
+    thread = threading.Thread(target=collect, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
 def running_state(pid: int) -> str:
     """The state letter of process ``pid`` (/proc/{pid}/stat), or "gone"."""
     try:
@@ -555,16 +577,21 @@ def running_state(pid: int) -> str:
         return "gone"
 
 
-async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_the_kernel_runs_on_there(hosts):
+async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_and_its_next_takes_the_kernel_back(
+        hosts):
     """b's server (and its CRIU with it: the process group, as a service manager stops it) SIGKILLed once a
     holds some of the pages b's dump serves home: the move fails at once, saying b cannot be reached; a keeps
-    nothing, and the kernel's process runs on b with its state (CRIU let go of it), not frozen. What we want
-    next, that b's next server takes it back so that the same tab reaches it, with its state, is not so today:
-    b's server takes back no guest of a dead server (revive.py takes back a host's own kernels only), so a's
-    relay gives up after its patience (30 s), a restarts the kernel afresh, and the old process stays on b,
-    orphaned (this test ends it)."""
+    nothing, and the kernel's process runs on b with its state (CRIU let go of it), not frozen. b's next
+    server takes it back (GuestHost.take_back: the record b wrote when it restored the kernel), a's relay
+    dials it again within its patience, and the same tab reaches the same process, with its state; then the
+    kernel comes home.
+
+    b's server killed, the kernel is an orphan; b's next dump ends it, and its PID must be free for a's restore
+    (both hosts share one PID space here). This machine's PID 1 collects no orphan, so this test's process
+    stands in for a machine's init, as in test_hibernation.py (collecting)."""
 
     a, b = hosts
+    assert proctree.become_subreaper()
     kernel_id, tab, _ = await kernel_with_bytes(a)
     guest_pid = 0
     try:
@@ -591,14 +618,19 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_th
         assert running_state(guest_pid) in ("S", "R"), running_state(guest_pid)
 
         await call(b.start, {"a": a.peer_entry()})
-        try:
-            out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=15)
-        except (AssertionError, TimeoutError) as exc:
-            assert running_state(guest_pid) in ("S", "R"), "the kernel's process on b ended"
-            pytest.xfail("b's new server does not take back the kernel its dead server hosted (its process "
-                         f"runs on there, orphaned), so the tab cannot reach it ({type(exc).__name__}); "
-                         "after 30 s a restarts the kernel afresh")
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+        out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=30)
         assert out.strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        with collecting(os.getsid(guest_pid)):
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "succeeded", op
+        out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=30)
+        assert out.strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b still holds its record"
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
             os.kill(guest_pid, signal.SIGKILL)
@@ -606,6 +638,93 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_th
             await call(b.start, {"a": a.peer_entry()})
         await end_kernel(a, kernel_id, tab)
         await forgotten(b, kernel_id)  # b's images of its dump go with the kernel's end
+
+
+async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_was_down_runs(hosts):
+    """b's server SIGKILLed (its process group, as a service manager stops it) while it hosts a kernel: the
+    kernel runs on, an orphan. A cell run in its tab meanwhile is held by a's relay; b's next server takes
+    the kernel back (GuestHost.take_back), a's relay dials it again, and the cell runs there, in the same
+    process, with its state. Ended from a, the kernel goes on b, with its record."""
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    guest_pid = 0
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+        records = list((b.root / "state").glob(f"**/.running/{kernel_id}.json"))
+        assert len(records) == 1 and records[0].stat().st_mode & 0o077 == 0, records
+        os.killpg(b.proc.pid, signal.SIGKILL)
+        assert b.proc.wait(10) == -signal.SIGKILL
+        cell = asyncio.ensure_future(tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))",
+                                             timeout=90))
+        await asyncio.sleep(1)
+        assert not cell.done() and running_state(guest_pid) in ("S", "R")
+        await call(b.start, {"a": a.peer_entry()})
+        assert (await cell).strip() == "True 409600000"
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert "taken back: its process" in (b.root / "server.log").read_text()
+        with collecting(os.getsid(guest_pid)):
+            await end_kernel(a, kernel_id, tab)
+            await forgotten(b, kernel_id)
+            deadline = time.monotonic() + 10
+            while running_state(guest_pid) != "gone":
+                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
+                await asyncio.sleep(0.1)
+        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b kept its record"
+        guest_pid = 0
+    finally:
+        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+            os.kill(guest_pid, signal.SIGKILL)
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        if guest_pid:
+            await end_kernel(a, kernel_id, tab)
+            await forgotten(b, kernel_id)
+
+
+async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes_there_once_it_is_back(hosts):
+    """b's server SIGKILLed while it hosts a kernel, which its user then ends on a: a cannot tell b, and
+    forgets the kernel. b's next server takes the orphan back, and since no relay claims it within
+    c.GPUMigrateApp.guest_unclaimed_expire (here 5 s), discards it: no process, no record, no image stays."""
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    saved = {section: dict(values) for section, values in b.extra.items()}
+    guest_pid = 0
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+        os.killpg(b.proc.pid, signal.SIGKILL)
+        assert b.proc.wait(10) == -signal.SIGKILL
+        await end_kernel(a, kernel_id, tab)
+        kernels = await call(a.api, "GET", "api/kernels")
+        assert kernel_id not in [k["id"] for k in kernels], kernels
+        assert running_state(guest_pid) in ("S", "R")
+        b.extra.setdefault("GPUMigrateApp", {})["guest_unclaimed_expire"] = 5
+        with collecting(os.getsid(guest_pid)):
+            await call(b.start, {"a": a.peer_entry()})
+            deadline = time.monotonic() + 30
+            while running_state(guest_pid) != "gone":
+                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
+                await asyncio.sleep(0.2)
+        guest_pid = 0
+        await forgotten(b, kernel_id)
+        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b kept its record"
+        assert "was not relayed by it within 5 s" in (b.root / "server.log").read_text()
+    finally:
+        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+            os.kill(guest_pid, signal.SIGKILL)
+        b.extra = saved
+        b.stop()
+        await call(b.start, {"a": a.peer_entry()})
 
 
 async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_kernel_runs_on_there(hosts):
@@ -720,8 +839,6 @@ async def test_this_server_killed_while_the_pages_stream_to_the_other_host_loses
     b deletes the half file it got at once (its sender went away mid-file) and the rest once it waited
     c.GPUMigrateApp.guest_images_expire (here 20 s) for a restore that never comes."""
     from test_hibernation import criu_of
-
-    from jupyter_gpumigrate.engine import proctree
 
     a, b = hosts
     async with a_killable_b_forgetting(a, b) as (peers, kernels):
@@ -1123,3 +1240,58 @@ def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     assert "of memory available" in guests.check_transplant("k", "python3", [], 10**15, 0, None)[0]
 
 
+
+
+
+def test_a_host_takes_back_only_the_guests_whose_own_process_runs(tmp_path, caplog):
+    """GuestHost.take_back at a server's start: a record whose process runs (the same PID and start time)
+    is taken back, running, and discarded if no relay claims it in time; one whose process is gone, or whose
+    PID another process took since (another start time), is removed; one that cannot be read is left where
+    it is, and said in the log."""
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from jupyter_gpumigrate.engine.images import Manifest
+    from jupyter_gpumigrate.peers import RUNNING_GUESTS, GuestHost
+
+    root = tmp_path / "guests"
+    records = root / RUNNING_GUESTS
+    records.mkdir(parents=True)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        def record(kernel_id: str, pid: int, started: int | None) -> None:
+            manifest = Manifest(kernel_id=kernel_id, kernel_name="python3", pid=pid, ids=[pid])
+            (records / f"{kernel_id}.json").write_text(json.dumps(
+                {"manifest": asdict(manifest), "peer": "10.0.0.1", "pid": pid, "started": started}))
+
+        record("runs", alive.pid, proctree.start_time(alive.pid))
+        record("reused", alive.pid, (proctree.start_time(alive.pid) or 0) + 1)
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        record("gone", gone.pid, 1)
+        (records / "garbage.json").write_text("{not json")
+        (records / "list.json").write_text(json.dumps({"manifest": [1], "peer": "x", "pid": 1, "started": 1}))
+        record("other", alive.pid, proctree.start_time(alive.pid))
+        (records / "misnamed.json").write_text((records / "other.json").read_text())
+        (records / "other.json").unlink()
+
+        guests = GuestHost(root, lambda: None, unclaimed=1.0)
+        with caplog.at_level("INFO", logger="jupyter_gpumigrate.peers"):
+            assert guests.take_back() == [("runs", alive.pid)]
+        assert guests.guest("runs").state == "running" and guests.guest("runs").pgid == alive.pid
+        assert sorted(p.name for p in records.iterdir()) == ["garbage.json", "list.json", "misnamed.json",
+                                                             "runs.json"]
+        assert "garbage, hosted for a peer, cannot be read" in caplog.text
+        assert "it is not kernel misnamed's" in caplog.text
+        # No relay claims it: discarded, its process killed and its record gone.
+        assert alive.wait(timeout=15) == -signal.SIGKILL
+        deadline = time.monotonic() + 10
+        while (records / "runs.json").exists():
+            assert time.monotonic() < deadline, "the record stayed"
+            time.sleep(0.05)
+        assert "runs" not in guests.guests
+    finally:
+        if alive.poll() is None:
+            alive.kill()
+            alive.wait()

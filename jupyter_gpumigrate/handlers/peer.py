@@ -403,6 +403,7 @@ class ChannelsHandler(WebSocketHandler):
         self.end = RelayServerEnd(guest.kernel_connection_info, self._send, guest.api_listen)
         await self.end.start()
         self.guests.relays[kernel_id] = self
+        guest.relayed = True
 
     async def _send(self, data: bytes) -> None:
         await self.write_message(data, binary=True)
