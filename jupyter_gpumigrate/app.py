@@ -159,10 +159,9 @@ class GPUMigrateApp(ExtensionApp):
         self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
-                                received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire)
+                                received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,
+                                records=Path(defaults.state_dir) / "guests-running")
         self.guests.serve_growing = self._streams_dumps()
-        for kernel_id, pid in self.guests.take_back():
-            let_cuda_run(kernel_id, pid)  # a GPU guest's dump cut short by this server's death leaves it locked
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -407,6 +406,15 @@ class GPUMigrateApp(ExtensionApp):
     def initialize_handlers(self) -> None:
         self.handlers.extend(handlers())
 
+    def _take_back_guests(self) -> None:
+        """The kernels an earlier server of this state folder ran for its peers (GuestHost.take_back): only
+        once this server holds the folder, or it would take those of a server that still runs."""
+        try:
+            for kernel_id, pid in self.guests.take_back():
+                let_cuda_run(kernel_id, pid)  # a GPU guest's dump cut short by its server's death leaves it locked
+        except Exception:  # noqa: BLE001  the server runs; what is not taken back is left as it is
+            self.log.exception("gpumigrate: could not take back the kernels an earlier server ran for its peers")
+
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Once the server runs: take back the kernels an earlier server left suspended (revive.py)."""
         if not (sys.stdin and sys.stdin.isatty()) and signal.getsignal(signal.SIGINT) is signal.default_int_handler:
@@ -419,6 +427,7 @@ class GPUMigrateApp(ExtensionApp):
         if self._state_lock is None:
             self.log.warning("gpumigrate: %s", why_not)
             return
+        await asyncio.to_thread(self._take_back_guests)
         done = self._hold_sessions_until_revived()
         REVIVING.set(True)  # this task's own session calls are not held
         sharing = None

@@ -21,6 +21,7 @@ made from a migration's worker thread, and it streams files in large blocks with
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import http.client
 import ipaddress
@@ -48,6 +49,7 @@ import xxhash
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
+from .credentials import ENV_KERNEL_ID
 from .engine import gpus as gpus_mod
 from .engine import hostfit, netstate, placement, proctree
 from .engine.criu import Criu
@@ -1098,6 +1100,17 @@ def _said(log_path: Path, lines: int = 3) -> str:
     return f"; it said: {' | '.join(tail)}" if tail else ""
 
 
+def _kernel_of(pid: int) -> str | None:
+    """The kernel id in the environment of process ``pid`` (its launcher set it where the kernel started), or
+    None."""
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return None
+    prefix = f"{ENV_KERNEL_ID}=".encode()
+    return next((v[len(prefix):].decode(errors="replace") for v in environ if v.startswith(prefix)), None)
+
+
 class Guest:
     """A kernel restored here for a peer: the :class:`KernelProcess` that B's plans drive."""
 
@@ -1198,7 +1211,8 @@ class GuestHost:
     def __init__(self, root: Path, criu: Callable[[], Criu], inventory: Callable[[], list] | None = None,
                  memory_root: Path | None = None, images: str = AUTO,
                  kernelspec: Callable[[str], tuple[list[str], dict]] | None = None,
-                 received_expire: float = RECEIVED_EXPIRE, unclaimed: float = UNCLAIMED) -> None:
+                 received_expire: float = RECEIVED_EXPIRE, unclaimed: float = UNCLAIMED,
+                 records: Path | None = None) -> None:
         #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
         #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
         self.store = ImageStore(root, memory_root)
@@ -1227,6 +1241,9 @@ class GuestHost:
         self.received_expire = received_expire
         #: how long a guest taken back at start waits for its peer's relay (take_back)
         self.unclaimed = unclaimed
+        #: the records of the guests that run here (take_back): one folder per state folder (the images' root
+        #: is one per user with the node helper, whatever the state folder)
+        self.records = records if records is not None else root / RUNNING_GUESTS
         #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
         self._receiving: dict[str, object] = {}
 
@@ -1237,11 +1254,6 @@ class GuestHost:
 
     # the guests that run here, on disk: a server killed or stopped leaves them running, and the next takes
     # them back (its peer's relay dials again meanwhile)
-
-    @property
-    def records(self) -> Path:
-        """``<root>/.running/<id>.json`` (0700; no image folder's name begins with a dot)."""
-        return self.store.root / RUNNING_GUESTS
 
     def _remember(self, guest: Guest) -> None:
         """Write down a guest that now runs here: its manifest, its peer, its process (PID and start time)."""
@@ -1260,11 +1272,26 @@ class GuestHost:
         (self.records / f"{kernel_id}.json").unlink(missing_ok=True)
 
     def take_back(self) -> list[tuple[str, int]]:
-        """At start: the guests an earlier server of this state folder left running (killed, or stopped), taken
-        back as they run, the same processes (PID and start time); a record whose process is gone is removed,
-        one that cannot be read is left, and logged. What was taken: (kernel id, PID)."""
+        """At start, once this server holds its state folder: the guests an earlier server of it left (killed,
+        or stopped). One whose process runs, the same process (PID, start time, and its kernel id in its
+        environment), is taken back running; one whose process is gone but whose dump for its way home is here
+        whole (its manifest) is taken back suspended: its images are its only copy, and its peer fetches them
+        or has it resumed. Any other record is removed; one that cannot be read is left, and logged. What was
+        taken back running: (kernel id, PID)."""
         taken: list[tuple[str, int]] = []
-        for path in sorted(self.records.glob("*.json")) if self.records.is_dir() else []:
+        try:
+            info = os.lstat(self.records)
+            if not os.path.isdir(self.records) or os.path.islink(self.records):
+                raise OSError(f"{self.records} is not a folder")
+            if info.st_uid != os.geteuid() or info.st_mode & 0o077:
+                raise OSError(f"{self.records} is not a private folder of this user's")
+            paths = sorted(self.records.glob("*.json"))
+        except FileNotFoundError:
+            return taken
+        except OSError as exc:
+            log.error("gpumigrate: the kernels hosted for peers by an earlier server are not taken back: %s", exc)
+            return taken
+        for path in paths:
             kernel_id = path.stem
             try:
                 record = json.loads(path.read_text())
@@ -1276,27 +1303,46 @@ class GuestHost:
                 log.error("gpumigrate: the record of kernel %s, hosted for a peer, cannot be read (%s): left in %s",
                           kernel_id, exc, path)
                 continue
-            if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
-                log.warning("gpumigrate: kernel %s, hosted for peer %s, no longer runs here: its record goes",
-                            kernel_id, peer)
-                path.unlink(missing_ok=True)
-                continue
+            try:
+                kept = self._take_back_one(kernel_id, manifest, peer, pid, started)
+                if kept == RUNNING:
+                    taken.append((kernel_id, pid))
+                elif not kept:
+                    path.unlink(missing_ok=True)
+            except (OSError, MigrateError) as exc:  # gone meanwhile, or unreadable: left for the next start
+                log.error("gpumigrate: kernel %s, hosted for peer %s, could not be taken back (%s)", kernel_id,
+                          peer, exc)
+        return taken
+
+    def _take_back_one(self, kernel_id: str, manifest: Manifest, peer: str, pid: int, started: Any) -> str:
+        """Take one guest back (see :meth:`take_back`): its state, or "" if nothing of it is left here."""
+        if proctree.is_alive(pid) and proctree.start_time(pid) == started \
+                and _kernel_of(pid) in (kernel_id, None):  # None: launched without the kernel's credential
             stopped = [p for p in proctree.descendants(pid)
                        if (found := proctree.info(p)) is not None and found.state in ("t", "T")]
-            for process in stopped:  # a dump's CRIU killed with its server: a kernel never stops itself
-                try:
-                    os.kill(process, signal_mod.SIGCONT)
-                except ProcessLookupError:
-                    pass
             guest = Guest(manifest, peer)
             guest.adopt(pid)
+            for process in stopped:  # a dump's CRIU killed with its server: a kernel never stops itself
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(process, signal_mod.SIGCONT)
             guest.state, guest.ran = RUNNING, True
             self.guests[kernel_id] = guest
             self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
-            taken.append((kernel_id, pid))
             log.info("gpumigrate: kernel %s, hosted for peer %s, taken back: its process %d runs on%s", kernel_id,
                      peer, pid, f" (it was stopped: {stopped}, continued)" if stopped else "")
-        return taken
+            return RUNNING
+        if (self.store.path_for(kernel_id) / MANIFEST).is_file():
+            dumped = self.store.read_manifest(kernel_id)
+            if dumped.kernel_id == kernel_id:
+                guest = Guest(dumped, peer)
+                guest.ran = True  # its images may be its only copy: never expired
+                self.guests[kernel_id] = guest
+                log.info("gpumigrate: kernel %s, hosted for peer %s, taken back suspended: its dump for its way "
+                         "home is here whole", kernel_id, peer)
+                return SUSPENDED
+        log.warning("gpumigrate: kernel %s, hosted for peer %s, no longer runs here: its record goes", kernel_id,
+                    peer)
+        return ""
 
     def lock(self, kernel_id: str) -> asyncio.Lock:
         return self.locks.setdefault(kernel_id, asyncio.Lock())
@@ -1534,7 +1580,9 @@ class GuestHost:
 
     def _unclaimed(self, kernel_id: str, pid: int) -> None:
         guest = self.guests.get(kernel_id)
-        if guest is not None and guest.pid == pid and not guest.relayed:
+        lock = self.locks.get(kernel_id)
+        if guest is not None and guest.pid == pid and not guest.relayed and kernel_id not in self.dumping \
+                and (lock is None or not lock.locked()):  # a request for it runs: its peer has it
             log.warning("gpumigrate: kernel %s, taken back for peer %s, was not relayed by it within %.0f s: it "
                         "counted the kernel lost (and restarted it there), or its server went too; discarded",
                         kernel_id, guest.peer, self.unclaimed)
@@ -1639,8 +1687,7 @@ class GuestHost:
         run = self.dumping[kernel_id] = DumpRun()  # its pages are served as they are written till it is over
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
-            run.ok = True
-            self._forget(kernel_id)  # it runs here no more: its images are its state
+            run.ok = True  # its record stays until it is discarded: its images here may be its only copy
         finally:
             guest.key = None
             run.over.set()

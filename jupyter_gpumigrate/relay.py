@@ -320,12 +320,12 @@ class RelayClient:
     def _hold(self, data: bytes) -> None:
         if self._closing or self.lost or not data or data[0] >= len(CHANNELS):
             return  # a stream's frames are not held: its connections end with the WebSocket (_redial)
+        if self._held_bytes + len(data) > HELD_MAX:  # the newest go: those held stay whole and in order
+            log.warning("relay: dropped a client's message while the other host is away (%d bytes held already)",
+                        self._held_bytes)
+            return
         self._held.append(data)
         self._held_bytes += len(data)
-        while self._held_bytes > HELD_MAX:
-            self._held_bytes -= len(self._held.popleft())
-            log.warning("relay: dropped a client's message held while the other host is away (over %d bytes held)",
-                        HELD_MAX)
 
     async def _read(self) -> None:
         try:
@@ -358,19 +358,25 @@ class RelayClient:
             self._down_since = loop.time()
         deadline = self._down_since + self.patience
         while not self._closing and loop.time() < deadline:
+            ws = None
             try:
-                self.ws = await self.connect()
+                ws = await self.connect()
                 self._opened = loop.time()
                 # The other end is new: its IOPub socket holds none of the subscriptions that this end's
                 # clients sent when they connected, and the kernel would publish nothing to it. Jupyter's
                 # clients take every topic: subscribe to all on their behalf.
-                await self._send(pack_frames(CHANNELS.index("iopub"), [b"\x01"]))
-                held, self._held, self._held_bytes = self._held, deque(), 0
-                for data in held:  # in order, after the subscription: a cell's outputs reach its client
-                    await self._send(data)
-                log.info("relay: reconnected%s", f"; sent {len(held)} message(s) held meanwhile" if held else "")
+                await ws.write_message(pack_frames(CHANNELS.index("iopub"), [b"\x01"]), binary=True)
+                sent = 0
+                while self._held:  # in order, after the subscription; what comes meanwhile is held behind them
+                    await ws.write_message(self._held[0], binary=True)
+                    self._held_bytes -= len(self._held.popleft())
+                    sent += 1
+                self.ws = ws
+                log.info("relay: reconnected%s", f"; sent {sent} message(s) held meanwhile" if sent else "")
                 return True
             except Exception as exc:
+                if ws is not None:
+                    ws.close()
                 log.warning("relay: the other host does not answer (%s); trying again", exc)
                 await asyncio.sleep(1.0)
         self.lost = not self._closing
@@ -380,6 +386,8 @@ class RelayClient:
 
     async def stop(self) -> None:
         self._closing = True
+        self._held.clear()
+        self._held_bytes = 0
         if self._reader is not None:
             self._reader.cancel()
         self.zmq.close()

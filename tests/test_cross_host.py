@@ -630,7 +630,7 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_an
         out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=30)
         assert out.strip() == "True 409600000"
         assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b still holds its record"
+        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b still holds its record"
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
             os.kill(guest_pid, signal.SIGKILL)
@@ -654,7 +654,7 @@ async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
         guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
                                 headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
-        records = list((b.root / "state").glob(f"**/.running/{kernel_id}.json"))
+        records = list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json"))
         assert len(records) == 1 and records[0].stat().st_mode & 0o077 == 0, records
         os.killpg(b.proc.pid, signal.SIGKILL)
         assert b.proc.wait(10) == -signal.SIGKILL
@@ -676,7 +676,7 @@ async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_
             while running_state(guest_pid) != "gone":
                 assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
                 await asyncio.sleep(0.1)
-        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b kept its record"
+        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
         guest_pid = 0
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
@@ -717,7 +717,7 @@ async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes
                 await asyncio.sleep(0.2)
         guest_pid = 0
         await forgotten(b, kernel_id)
-        assert not list((b.root / "state").glob(f"**/.running/{kernel_id}.json")), "b kept its record"
+        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
         assert "was not relayed by it within 5 s" in (b.root / "server.log").read_text()
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
@@ -1244,54 +1244,70 @@ def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
 
 
 def test_a_host_takes_back_only_the_guests_whose_own_process_runs(tmp_path, caplog):
-    """GuestHost.take_back at a server's start: a record whose process runs (the same PID and start time)
-    is taken back, running, and discarded if no relay claims it in time; one whose process is gone, or whose
-    PID another process took since (another start time), is removed; one that cannot be read is left where
-    it is, and said in the log."""
+    """GuestHost.take_back at a server's start: a record whose process runs (the same PID, start time and
+    kernel id) is taken back, running, and discarded if no relay claims it in time; one whose process is
+    gone but whose dump for its way home is here whole is taken back suspended, its images kept; one whose
+    process is gone otherwise, or whose PID another process has now (another start time, another kernel's
+    id), is removed; one that cannot be read is left where it is, and said in the log. A records folder that
+    others can write is not read at all."""
     import subprocess
     import sys
     from dataclasses import asdict
 
-    from jupyter_gpumigrate.engine.images import Manifest
+    from jupyter_gpumigrate.credentials import ENV_KERNEL_ID
+    from jupyter_gpumigrate.engine.images import MANIFEST, Manifest
     from jupyter_gpumigrate.peers import RUNNING_GUESTS, GuestHost
 
     root = tmp_path / "guests"
     records = root / RUNNING_GUESTS
-    records.mkdir(parents=True)
-    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    records.mkdir(parents=True, mode=0o700)
+    alive = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True,
+                             env={**os.environ, ENV_KERNEL_ID: "runs"})
     try:
-        def record(kernel_id: str, pid: int, started: int | None) -> None:
+        def record(kernel_id: str, pid: int, started: int | None) -> Manifest:
             manifest = Manifest(kernel_id=kernel_id, kernel_name="python3", pid=pid, ids=[pid])
             (records / f"{kernel_id}.json").write_text(json.dumps(
                 {"manifest": asdict(manifest), "peer": "10.0.0.1", "pid": pid, "started": started}))
+            return manifest
 
-        record("runs", alive.pid, proctree.start_time(alive.pid))
-        record("reused", alive.pid, (proctree.start_time(alive.pid) or 0) + 1)
+        started = proctree.start_time(alive.pid)
+        record("runs", alive.pid, started)
+        record("reused", alive.pid, (started or 0) + 1)
+        record("another", alive.pid, started)  # the same process, which says it is kernel runs
         gone = subprocess.Popen(["true"])
         gone.wait()
         record("gone", gone.pid, 1)
+        dumped = record("dumped", gone.pid, 1)
+        (root / "dumped").mkdir(mode=0o700)
+        (root / "dumped" / MANIFEST).write_text(json.dumps(asdict(dumped)))
         (records / "garbage.json").write_text("{not json")
         (records / "list.json").write_text(json.dumps({"manifest": [1], "peer": "x", "pid": 1, "started": 1}))
-        record("other", alive.pid, proctree.start_time(alive.pid))
+        record("other", alive.pid, started)
         (records / "misnamed.json").write_text((records / "other.json").read_text())
         (records / "other.json").unlink()
 
-        guests = GuestHost(root, lambda: None, unclaimed=1.0)
+        records.chmod(0o777)
+        assert GuestHost(root, lambda: None).take_back() == []
+        assert len(list(records.iterdir())) == 8, "a folder others can write was read"
+        records.chmod(0o700)
+
+        guests = GuestHost(root, lambda: None, unclaimed=3.0)
         with caplog.at_level("INFO", logger="jupyter_gpumigrate.peers"):
             assert guests.take_back() == [("runs", alive.pid)]
         assert guests.guest("runs").state == "running" and guests.guest("runs").pgid == alive.pid
-        assert sorted(p.name for p in records.iterdir()) == ["garbage.json", "list.json", "misnamed.json",
-                                                             "runs.json"]
+        assert guests.guest("dumped").state == "suspended" and guests.guest("dumped").ran
+        assert sorted(p.name for p in records.iterdir()) == ["dumped.json", "garbage.json", "list.json",
+                                                             "misnamed.json", "runs.json"]
         assert "garbage, hosted for a peer, cannot be read" in caplog.text
         assert "it is not kernel misnamed's" in caplog.text
-        # No relay claims it: discarded, its process killed and its record gone.
-        assert alive.wait(timeout=15) == -signal.SIGKILL
-        deadline = time.monotonic() + 10
-        while (records / "runs.json").exists():
-            assert time.monotonic() < deadline, "the record stayed"
+        assert "not a private folder" in caplog.text
+        # No relay claims it: discarded, its process killed and its record gone; the suspended one stays.
+        deadline = time.monotonic() + 20
+        while (records / "runs.json").exists() or proctree.is_alive(alive.pid):
+            assert time.monotonic() < deadline, "the unclaimed kernel stayed"
             time.sleep(0.05)
-        assert "runs" not in guests.guests
+        assert "runs" not in guests.guests and (records / "dumped.json").exists()
     finally:
         if alive.poll() is None:
             alive.kill()
-            alive.wait()
+        alive.wait()

@@ -252,3 +252,35 @@ def test_a_processs_connections_to_itself_are_not_its_clients():
         outside.wait(10)
         for sock in (own, *accepted, listener):
             sock.close()
+
+
+def test_a_tree_in_another_mount_namespace_is_dumped_from_inside_it_only_where_its_folders_are_ours(
+        criu_binary, tmp_path):
+    """A kernel that an earlier server restored lives in that server's mount namespace. CRIU then runs in
+    the tree's namespace (nsenter), where the images' folder must be the same folder as here: a process in a
+    namespace of its own (unshare -m) that sees our folder gets nsenter; once a tmpfs hides that folder
+    from it, the dump is refused before CRIU runs, saying why, and the process runs on."""
+    folder = tmp_path / "images"
+    folder.mkdir()
+    ready = tmp_path / "ready"
+    proc = subprocess.Popen(["unshare", "--mount", "--propagation", "private", "sh", "-c",
+                             f"touch {ready}; read line; mount -t tmpfs none {folder} && echo mounted; exec sleep 60"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not ready.exists():
+            assert time.monotonic() < deadline and proc.poll() is None, "unshare did not start"
+            time.sleep(0.02)
+        criu = Criu(criu_binary)
+        enter = criu._mount_namespace_of(proc.pid, [folder, Path(criu.binary.path)])
+        assert enter[1:] == [f"--mount=/proc/{proc.pid}/ns/mnt", "--"] and enter[0].endswith("nsenter"), enter
+        assert criu._mount_namespace_of(os.getpid(), [folder]) == []  # our own namespace: as before
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        assert proc.stdout.readline().strip() == "mounted"
+        with pytest.raises(CriuFailed, match=f"{folder} there is not this server's: CRIU cannot dump it"):
+            criu.dump(proc.pid, folder)
+        assert proc.poll() is None and not list(folder.iterdir())
+    finally:
+        proc.kill()
+        proc.wait()

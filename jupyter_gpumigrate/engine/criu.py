@@ -245,17 +245,18 @@ class Criu:
         On failure CRIU resumes the tree: it keeps running as before.
         """
         args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
-        self._run(args, images_dir, log_path or images_dir / DUMP_LOG, f"dump process {pid}",
-                  enter=self._mount_namespace_of(pid))
+        log_path = log_path or images_dir / DUMP_LOG
+        self._run(args, images_dir, log_path, f"dump process {pid}",
+                  enter=self._mount_namespace_of(pid, [images_dir, log_path.parent, Path(self.binary.path)]))
 
-    def _mount_namespace_of(self, pid: int) -> list[str]:
+    def _mount_namespace_of(self, pid: int, paths: list[Path]) -> list[str]:
         """Where the tree lives in another mount namespace than this process: the command that runs CRIU in
-        the tree's (``nsenter``), as root only. A kernel that an earlier server restored, and that this server
+        the tree's (``nsenter``, as root only). A kernel that an earlier server restored, and that this server
         took back, lives in that server's mount namespace if the two started in different ones (``ip netns
         exec``, a service's private /tmp): CRIU run from here would dump that namespace's mounts too, and
-        refuses one whose sharing it cannot follow. Run in it, CRIU sees the tree's mounts as its own; the
-        folder of the images must be visible there (it is, unless it was mounted after the namespace was
-        made)."""
+        refuses one whose sharing it cannot follow. Run in it, CRIU must find there the same ``paths`` as here
+        (the images' folder, the log's, CRIU itself): where one is another file there, or missing, or nsenter
+        is, the dump is refused before CRIU runs, and the tree runs on."""
         if self.unprivileged:
             return []
         try:
@@ -264,8 +265,23 @@ class Criu:
             return []
         if (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino):
             return []
-        nsenter = shutil.which("nsenter")
-        return [nsenter, f"--mount=/proc/{pid}/ns/mnt", "--"] if nsenter else []
+        why = "nsenter, which runs CRIU in its namespace, is not installed here" if shutil.which("nsenter") is None \
+            else ""
+        for path in paths if not why else []:
+            try:
+                there, here = os.stat(f"/proc/{pid}/root{path.resolve()}"), os.stat(path)
+            except OSError:
+                why = f"{path} is not there"
+                break
+            if (there.st_dev, there.st_ino) != (here.st_dev, here.st_ino):
+                why = f"{path} there is not this server's"
+                break
+        if why:
+            raise CriuFailed(f"Process {pid} lives in another mount namespace than this server (an earlier server "
+                             f"restored it, and ran in a namespace of its own), and {why}: CRIU cannot dump it "
+                             "from here. It runs on, unchanged; start the server in the same mount namespace as "
+                             "the one before it (the same service settings), or end the kernel.")
+        return [str(shutil.which("nsenter")), f"--mount=/proc/{pid}/ns/mnt", "--"]
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         """Restore the tree from ``images_dir``, detached; returns the PID of its root.

@@ -399,11 +399,11 @@ class ChannelsHandler(WebSocketHandler):
         except (MigrateError, ValueError, TypeError, IndexError, RecursionError) as exc:
             self.close(4004, str(exc)[:120])
             return
+        guest.relayed = True  # its peer has it: not discarded as unclaimed (GuestHost.take_back)
         self.guests.stop_relay(kernel_id)
         self.end = RelayServerEnd(guest.kernel_connection_info, self._send, guest.api_listen)
         await self.end.start()
         self.guests.relays[kernel_id] = self
-        guest.relayed = True
 
     async def _send(self, data: bytes) -> None:
         await self.write_message(data, binary=True)
