@@ -1100,6 +1100,14 @@ def _said(log_path: Path, lines: int = 3) -> str:
     return f"; it said: {' | '.join(tail)}" if tail else ""
 
 
+def _boot_id() -> str:
+    """This boot of the host (a PID and a start time name a process within one boot only)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
 def _kernel_of(pid: int) -> str | None:
     """The kernel id in the environment of process ``pid`` (its launcher set it where the kernel started), or
     None."""
@@ -1263,7 +1271,7 @@ class GuestHost:
             self.records.mkdir(mode=0o700, parents=True, exist_ok=True)
             write_durably(self.records / f"{guest.kernel_id}.json", json.dumps({
                 "manifest": asdict(guest.manifest), "peer": guest.peer, "pid": guest.pid,
-                "started": proctree.start_time(guest.pid)}))
+                "started": proctree.start_time(guest.pid), "boot": _boot_id()}))
         except OSError as exc:
             log.warning("gpumigrate: kernel %s, hosted for peer %s, runs here, but its record could not be written "
                         "(%s): it will not outlive this server", guest.kernel_id, guest.peer, exc)
@@ -1299,6 +1307,8 @@ class GuestHost:
                 pid, started, peer = int(record["pid"]), record["started"], str(record["peer"])
                 if manifest.kernel_id != kernel_id or manifest.wrong_types():
                     raise ValueError(f"it is not kernel {kernel_id}'s")
+                if record.get("boot") != _boot_id():
+                    pid = 0  # written before the host started again: its process is gone, whatever has its PID
             except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.error("gpumigrate: the record of kernel %s, hosted for a peer, cannot be read (%s): left in %s",
                           kernel_id, exc, path)
@@ -1316,7 +1326,7 @@ class GuestHost:
 
     def _take_back_one(self, kernel_id: str, manifest: Manifest, peer: str, pid: int, started: Any) -> str:
         """Take one guest back (see :meth:`take_back`): its state, or "" if nothing of it is left here."""
-        if proctree.is_alive(pid) and proctree.start_time(pid) == started \
+        if pid > 0 and proctree.is_alive(pid) and proctree.start_time(pid) == started \
                 and _kernel_of(pid) in (kernel_id, None):  # None: launched without the kernel's credential
             stopped = [p for p in proctree.descendants(pid)
                        if (found := proctree.info(p)) is not None and found.state in ("t", "T")]
@@ -1371,6 +1381,12 @@ class GuestHost:
     # receiving images
 
     def begin(self, kernel_id: str, size: int) -> Path:
+        stale = self.guests.get(kernel_id)
+        if stale is not None and stale.state == SUSPENDED and stale.pid is None and kernel_id not in self.dumping:
+            # A dump kept for a way home that never ended (this server's predecessor died meanwhile): its peer,
+            # which moves the kernel here again, has it at home.
+            log.warning("gpumigrate: kernel %s comes here again from its peer: the dump kept of it goes", kernel_id)
+            self.discard(kernel_id)
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             raise InvalidState(f"Kernel {kernel_id} already lives here.")
         self.received[kernel_id] = {}
@@ -1580,13 +1596,16 @@ class GuestHost:
 
     def _unclaimed(self, kernel_id: str, pid: int) -> None:
         guest = self.guests.get(kernel_id)
+        if guest is None or guest.pid != pid or guest.relayed:
+            return
         lock = self.locks.get(kernel_id)
-        if guest is not None and guest.pid == pid and not guest.relayed and kernel_id not in self.dumping \
-                and (lock is None or not lock.locked()):  # a request for it runs: its peer has it
-            log.warning("gpumigrate: kernel %s, taken back for peer %s, was not relayed by it within %.0f s: it "
-                        "counted the kernel lost (and restarted it there), or its server went too; discarded",
-                        kernel_id, guest.peer, self.unclaimed)
-            self.discard(kernel_id)
+        if kernel_id in self.dumping or (lock is not None and lock.locked()):  # a request for it runs: look again
+            self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
+            return
+        log.warning("gpumigrate: kernel %s, taken back for peer %s, was not relayed by it within %.0f s: it "
+                    "counted the kernel lost (and restarted it there), or its server went too; discarded",
+                    kernel_id, guest.peer, self.unclaimed)
+        self.discard(kernel_id)
 
     def _later(self, kernel_id: str, seconds: float, check: Callable[[str, Any], None], arg: Any) -> None:
         """``check(kernel_id, arg)`` in ``seconds``, unless the kernel is discarded here first."""

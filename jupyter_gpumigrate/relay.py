@@ -284,6 +284,7 @@ class RelayClient:
         #: the clients' messages while the WebSocket is down (between a drop and :meth:`_redial`'s success)
         self._held: deque[bytes] = deque()
         self._held_bytes = 0
+        self._dropping = False
 
     async def _dial(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         if self.api_target is None:
@@ -320,9 +321,13 @@ class RelayClient:
     def _hold(self, data: bytes) -> None:
         if self._closing or self.lost or not data or data[0] >= len(CHANNELS):
             return  # a stream's frames are not held: its connections end with the WebSocket (_redial)
-        if self._held_bytes + len(data) > HELD_MAX:  # the newest go: those held stay whole and in order
-            log.warning("relay: dropped a client's message while the other host is away (%d bytes held already)",
-                        self._held_bytes)
+        if self._dropping or self._held_bytes + len(data) > HELD_MAX:
+            # Those held stay, in order; from the first dropped on, every later one goes too (a cell never
+            # runs after one before it was lost), until the relay is back.
+            if not self._dropping:
+                log.warning("relay: the other host is away and %d bytes are held already: its clients' messages "
+                            "are dropped until it is back", self._held_bytes)
+            self._dropping = True
             return
         self._held.append(data)
         self._held_bytes += len(data)
@@ -371,7 +376,7 @@ class RelayClient:
                     await ws.write_message(self._held[0], binary=True)
                     self._held_bytes -= len(self._held.popleft())
                     sent += 1
-                self.ws = ws
+                self.ws, self._dropping = ws, False
                 log.info("relay: reconnected%s", f"; sent {sent} message(s) held meanwhile" if sent else "")
                 return True
             except Exception as exc:
@@ -379,6 +384,10 @@ class RelayClient:
                     ws.close()
                 log.warning("relay: the other host does not answer (%s); trying again", exc)
                 await asyncio.sleep(1.0)
+            except BaseException:  # cancelled (stop): the new WebSocket goes with it
+                if ws is not None:
+                    ws.close()
+                raise
         self.lost = not self._closing
         self._held.clear()
         self._held_bytes = 0

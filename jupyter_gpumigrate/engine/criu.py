@@ -203,7 +203,8 @@ class Criu:
 
     def _run(self, args: list[str], images_dir: Path, log_path: Path, what: str, enter: list[str] | None = None
              ) -> None:
-        cmd = [*(enter or []), self.binary.path, *args, *self._mode(), "--images-dir", str(images_dir),
+        # ``enter`` ends with the CRIU binary to run there, where given
+        cmd = [*(enter or [self.binary.path]), *args, *self._mode(), "--images-dir", str(images_dir),
                "--log-file", str(log_path), "-v4"]
         key = str(Path(images_dir).resolve())
         with _RUNS_LOCK:
@@ -246,8 +247,11 @@ class Criu:
         """
         args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
         log_path = log_path or images_dir / DUMP_LOG
-        self._run(args, images_dir, log_path, f"dump process {pid}",
-                  enter=self._mount_namespace_of(pid, [images_dir, log_path.parent, Path(self.binary.path)]))
+        enter = self._mount_namespace_of(pid, [images_dir, log_path.parent, Path(self.binary.path)])
+        if enter:  # there, CRIU starts at that namespace's root: the paths checked, whole
+            images_dir, log_path = Path(images_dir).resolve(), Path(log_path).resolve()
+            enter = [*enter, str(Path(self.binary.path).resolve())]
+        self._run(args, images_dir, log_path, f"dump process {pid}", enter=enter)
 
     def _mount_namespace_of(self, pid: int, paths: list[Path]) -> list[str]:
         """Where the tree lives in another mount namespace than this process: the command that runs CRIU in

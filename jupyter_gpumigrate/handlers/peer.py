@@ -389,6 +389,14 @@ class ChannelsHandler(WebSocketHandler):
             self.set_header("Content-Type", "application/json")
             self.finish(json.dumps({"message": why, "reason": "Forbidden"}))
             return
+        if args and args[0] not in self.guests.guests:
+            # Before the handshake: the peer's dial fails, and its relay keeps what it holds for the next one
+            # (this server may be taking its guests back still).
+            self.set_status(404)
+            self.set_header("Content-Type", "application/json")
+            self.finish(json.dumps({"message": f"This server hosts no kernel {args[0]} for a peer.",
+                                    "reason": "Not Found"}))
+            return
         await super().get(*args, **kwargs)
 
     async def open(self, kernel_id: str) -> None:  # type: ignore[override]
