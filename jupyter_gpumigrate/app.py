@@ -34,7 +34,7 @@ from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
 from .engine.images import write_durably
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
-from .peers import GuestHost, Peer
+from .peers import RUNNING_GUESTS, GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .memorywatch import keep_relieving
 from .retention import discard_expired, keep_discarding, keep_expiring_sources
@@ -160,7 +160,7 @@ class GPUMigrateApp(ExtensionApp):
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
                                 received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,
-                                records=Path(defaults.state_dir) / "guests-running")
+                                records=Path(defaults.state_dir) / RUNNING_GUESTS)
         self.guests.serve_growing = self._streams_dumps()
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token

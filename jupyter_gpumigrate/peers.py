@@ -84,8 +84,9 @@ DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
 #: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
 GROWING = "pages-*.img"
-#: The folder, under the guests' images, of the records of guests that run here (GuestHost.take_back).
-RUNNING_GUESTS = ".running"
+#: The folder, in the state folder, of the records of guests that run here (GuestHost.take_back). A GuestHost
+#: given none keeps it under the guests' images (no image folder's name is this).
+RUNNING_GUESTS = "guests-running"
 #: How long a guest taken back at start waits for its peer to relay its channels before it is discarded
 #: (seconds): a peer that is up dials again within its relay's patience (30 s); one that gave up restarted
 #: the kernel at home, and one whose server went takes back no kernel it had moved away.
