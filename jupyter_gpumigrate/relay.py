@@ -252,8 +252,8 @@ async def route(data: bytes, zmq_end: ZmqEnd, streams: Streams) -> None:
 #: dials go on from where they were (a second apart), within the same patience.
 QUICK_CLOSE = 5.0
 #: What A's clients send while the WebSocket is down and A dials again, held (in bytes) and sent once it
-#: is back: a cell run meanwhile runs then, instead of waiting for a reply that never comes. Beyond this,
-#: the oldest go (as on a network blip).
+#: is back: a cell run meanwhile runs then, instead of waiting for a reply that never comes. From the first
+#: message beyond this on, every later one is dropped until it is back (RelayClient._hold).
 HELD_MAX = 64 << 20
 
 
