@@ -143,7 +143,7 @@ class GPUMigrateApp(ExtensionApp):
             criu_path=self.criu_path or None,
             host_name=self.host_name,
             peers=peers,
-            api_address=lambda: self._kernel_api_address,
+            api_address=self._kernel_api_listen,
             session_manager=getattr(self.serverapp, "session_manager", None),
             stream_dump=self._streams_dumps(),
         )
@@ -180,8 +180,9 @@ class GPUMigrateApp(ExtensionApp):
         help="What stopping the server does to its running kernels. 'shutdown': they end, as with any "
         "Jupyter server. 'suspend': each is suspended first (in parallel, within stop_timeout) and comes back "
         "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
-        "says so. Kernels that are already suspended always stay suspended, whatever the policy "
-        "(README, 'Kernels outlive their server').",
+        "says so; one that runs on a peer runs on there, and the next start relays to it again. Kernels that "
+        "are already suspended always stay suspended, whatever the policy (README, 'Kernels outlive their "
+        "server').",
     ).tag(config=True)
 
     guest_images_expire = Float(
@@ -289,6 +290,11 @@ class GPUMigrateApp(ExtensionApp):
             self.log.info("gpumigrate: CUDA checkpointing unavailable here: %s", exc)
 
     _kernel_api_address: tuple[str, int] | None = None
+
+    def _kernel_api_listen(self) -> tuple[str, int] | None:
+        """Where the kernels' API listens (:meth:`_kernel_api_url`'s address), listening from the first call."""
+        self._kernel_api_url()
+        return self._kernel_api_address
 
     def _kernel_api_url(self) -> str:
         """Where the server's kernels call it (credentials.py): a loopback port of its own.
@@ -435,7 +441,8 @@ class GPUMigrateApp(ExtensionApp):
             sharing = self._sharing(serverapp)
             if sharing is not None:
                 await asyncio.to_thread(sharing.start_beating)  # no other host takes its kernels meanwhile
-            found = await revive_all(serverapp)
+            operations: OperationManager = self.settings["gpumigrate_operations"]
+            found = await revive_all(serverapp, operations.link_to)
             # In place: the web application's settings hold this same list (a copy of the dict, made at load).
             self.settings["gpumigrate_refused"].extend(f for f in found if f.outcome == "refused")
         except Exception:  # noqa: BLE001  the server runs; the kernels' images stay where they are
@@ -539,6 +546,8 @@ class GPUMigrateApp(ExtensionApp):
             except asyncio.TimeoutError:
                 self.log.warning("gpumigrate: stopping: operations still under way after %.0f s more: not waited "
                                  "for", LATE_GRACE)
+        if self.stop_policy == "suspend":
+            await self._leave_remote_kernels(operations)
         await self._images_to_disk()
         await asyncio.to_thread(stash_mod.end_spare)
         memory = MigratableProvisioner(config=self.serverapp.config).images.memory_root
@@ -549,6 +558,16 @@ class GPUMigrateApp(ExtensionApp):
                 pass
         if self._shared is not None:
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
+
+    async def _leave_remote_kernels(self, operations: OperationManager) -> None:
+        """The stop policy 'suspend': kernels that run on a peer run on there, for the next server (revive.py)
+        to relay to again; those an operation still moves are shut down with the others."""
+        km = self.serverapp.kernel_manager
+        for kernel_id in km.list_kernel_ids():
+            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
+            if isinstance(provisioner, MigratableProvisioner) and provisioner.state == "remote" and \
+                    kernel_id not in operations.active:
+                await provisioner.leave_remote()
 
     async def _images_to_disk(self) -> None:
         """Suspended kernels kept for the next server with their images in memory: those go to disk, which

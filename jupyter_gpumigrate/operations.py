@@ -309,9 +309,7 @@ class OperationManager:
             cudackpt.ensure_available()  # the source's GPU memory is checkpointed before its dump
         link = None
         if to_host is not None:  # the new process starts there; this host relays the kernel to it
-            link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
-                            asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities, idle=provisioner.can_stash_now)
+            link = self.link_to(to_host, kernel_id, provisioner.kernel_connection_info, provisioner)
         op = Operation(kernel_id=kernel_id, action="transplant", to_gpu=to_gpu,
                        from_gpu=int(held[0]["index"]) if held else None, to_host=to_host,
                        from_host=self.host_name if to_host is not None else None,
@@ -394,15 +392,26 @@ class OperationManager:
         if provisioner.state == REMOTE:
             link = provisioner.remote_link
         else:
-            link = PeerLink(self.peers[to_host], kernel_id, provisioner.kernel_connection_info,
-                            asyncio.get_running_loop(), self.api_address(), self.host_name,
-                            clients=provisioner.client_identities, idle=provisioner.can_stash_now,
-                            stream=self.stream_dump)
+            link = self.link_to(to_host, kernel_id, provisioner.kernel_connection_info, provisioner)
         plan = "return_home" if provisioner.state == REMOTE else "move_to_host"
         op = Operation(kernel_id=kernel_id, action=action, to_gpu=to_gpu, to_host=to_host, from_host=runs_on,
                        phases=list(PHASES[plan]))
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, link))
+
+    def link_to(self, peer: str, kernel_id: str, connection_info: dict,
+                provisioner: MigratableProvisioner | None = None) -> PeerLink:
+        """The link to peer ``peer`` for kernel ``kernel_id`` (on the server's event loop): with ``provisioner``,
+        the kernel's clients and whether it can stash now come from it (revive.py sets them once it has one).
+        UnknownPeer if this server has no such peer."""
+        if peer not in self.peers:
+            known = ", ".join(sorted(self.peers)) or "none (set c.GPUMigrateApp.peers)"
+            raise UnknownPeer(f"There is no peer named {peer!r}; this server's peers: {known}.")
+        link = PeerLink(self.peers[peer], kernel_id, connection_info, asyncio.get_running_loop(), self.api_address(),
+                        self.host_name, stream=self.stream_dump)
+        if provisioner is not None:
+            link.clients, link.idle = provisioner.client_identities, provisioner.can_stash_now
+        return link
 
     def _criu(self, provisioner: MigratableProvisioner) -> Criu | HelperCriu:
         # CriuNotFound, PrivilegeMissing or HelperError (503) say what to install or set up.

@@ -118,6 +118,9 @@ class PeerError(MigrateError):
     """The peer refused or failed a request, or cannot be reached."""
 
     http_status = 502
+    #: the peer's answer's status where it answered (404: it has no such kernel); None where it could not be
+    #: reached
+    status: int | None = None
 
 
 class UnknownPeer(MigrateError):
@@ -492,7 +495,9 @@ class PeerClient:
         if status in (401, 403):
             message = (f"peer {self.peer.name} refused our credential ({message}): check that its "
                        f"c.GPUMigrateApp.peer_token is the token configured for it here")
-        return PeerError(f"{self.peer.name}: {message}")
+        error = PeerError(f"{self.peer.name}: {message}")
+        error.status = status
+        return error
 
     def _send_after_continue(self, conn: http.client.HTTPConnection, method: str, path: str, body: _Hashing,
                              headers: dict[str, str]) -> None:
@@ -711,13 +716,14 @@ class _Sending:
         """What was sent, once all ended; at the first failure, the files not begun yet are not sent, and the
         failure is raised once those on their way ended."""
         done, _ = wait(self.sends.values(), return_when=FIRST_EXCEPTION)
-        if any(future.exception() is not None for future in done):
+        # the failure itself, not a file called off because of it (the files followed come first in the dict)
+        first = next((f.exception() for f in done if not f.cancelled() and f.exception() is not None), None)
+        if first is not None:
             self.stopped.set()  # those on their way end at their next block
             for future in self.sends.values():
                 future.cancel()
             wait(self.sends.values())
-            raise next(f.exception() for f in self.sends.values()
-                       if not f.cancelled() and f.exception() is not None)  # type: ignore[misc]
+            raise first
         return [future.result() for future in self.sends.values()]
 
     def failure(self) -> BaseException | None:
@@ -1033,6 +1039,11 @@ class PeerLink(HostLink):
     def resume(self) -> None:
         self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key() if self._dump_key else {},
                          timeout=3600 if self._dump_key else 600)
+
+    def resume_left(self) -> None:
+        """Resume the kernel that host dumped for a way home that never ended (this server's predecessor died
+        during it): with the kernel's key, in case its dump wrote the stash."""
+        self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key(), timeout=3600)
 
     def fetch_images(self, images: Path) -> int:
         """The files are fetched as soon as they are listed, by name and size; their checksums, which that
@@ -1771,4 +1782,6 @@ class GuestHost:
             if guest.api_listen:
                 listens.append(guest.api_listen)
             info["requirements"] = hostfit.requirements_of(guest.pid, listens).to_dict()
+            if self.inventory is not None:
+                info["gpus"] = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
         return info

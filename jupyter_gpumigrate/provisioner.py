@@ -117,6 +117,10 @@ class Revival:
     api_url: str | None
     #: its process, if it runs (adopted as running); None: it comes back suspended, from its images
     pid: int | None
+    #: the peers.PeerLink of a kernel that runs on a peer (adopted there: its relay already runs), and what
+    #: that peer said of it
+    remote: Any = None
+    where: dict | None = None
     #: set by the provisioner that took it: one that did not (the kernelspec names another provisioner now)
     #: launched a new kernel instead
     taken: bool = False
@@ -288,6 +292,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     remote_link: Any = None  # peers.PeerLink, while the kernel runs on another host
     remote_gpus: list = []
     _remote_ending = False
+    #: left running at its peer as the server stopped (leave_remote): its record stays for the next server
+    _left_remote = False
     started: int | None = None  # start time of the kernel's root process (proctree.start_time)
     #: the command line and environment the kernel was launched with (a transplant launches its new process so)
     launch_cmd: list[str] = []
@@ -393,6 +399,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.pid = self.pgid = self.started = None
         self.remote_link = link
         self.remote_gpus = list(where.get("gpus") or [])
+        self.write_record()
 
     def adopt(self, pid: int) -> None:
         self.remote_link, self.remote_gpus = None, []
@@ -409,8 +416,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return Path(self.state_dir) / RECORDS / f"{self.kernel_id}.json"
 
     def write_record(self) -> None:
-        """Record what a server started after a crash needs to adopt this running kernel (best effort)."""
-        if self.pid is None or self.started is None:
+        """Record what a server started after a crash needs to adopt this kernel (best effort): its running
+        process here, or the peer it runs on (``remote``: the next server relays to it again)."""
+        link = self.remote_link
+        if link is None and (self.pid is None or self.started is None):
             return
         info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
         credentials = self._credentials()
@@ -419,6 +428,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                   "sessions": list(self.sessions),
                   "credential": credentials.digest(self.kernel_id) if credentials is not None else None,
                   "api_url": credentials.server_url() if credentials is not None else None}
+        if link is not None:
+            record["remote"] = {"peer": link.host, "gpus": self.remote_gpus}
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_durably(self.record_path, json.dumps(record))
@@ -722,6 +733,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if revival.pid is not None:
             self.adopt(revival.pid)  # revive.py removes its images, if any, once it answers
             self.state = RUNNING
+        elif revival.remote is not None:  # it runs on a peer, which revive.py relays to again
+            revival.remote.clients, revival.remote.idle = self.client_identities, self.can_stash_now
+            self.adopt_remote(revival.remote, revival.where or {})
+            self.state = REMOTE
         return self.connection_info
 
     # -- lifecycle -----------------------------------------------------------------------------------
@@ -865,6 +880,18 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         elif self.state == REMOTE:
             self._remote_ending = True  # poll() now asks the other host whether it has exited
 
+    async def leave_remote(self) -> None:
+        """The server stops under the stop policy 'suspend': the kernel runs on at its peer, relayed no longer
+        (the shutdown's message never reaches it); its record stays, and the next server relays to it again
+        (revive.py), as after a crash. The peer keeps it meanwhile (docs/cross-host.md)."""
+        link, self.remote_link = self.remote_link, None
+        if link is not None:
+            await link.detach_async()
+            self.log.info("gpumigrate: kernel %s runs on at %s for the next server", self.kernel_id, link.host)
+        self._kept = self._left_remote = True
+        self.remote_gpus, self._remote_ending = [], False
+        self.state = STOPPED
+
     async def _end_remote(self) -> None:
         """Kill the kernel on the other host, delete its images there, and stop relaying."""
         link, self.remote_link = self.remote_link, None
@@ -892,7 +919,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         # transplanted process), it may still go back, within its time.
         if not restart and not self._server_stopping():
             self.drop_back()
-        if not restart:
+        if not restart and not self._left_remote:
             self.drop_record()
         if not restart and not self._kept:
             if self.log_path is not None:

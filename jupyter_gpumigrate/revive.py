@@ -17,6 +17,12 @@ extension reads every folder of its state folder:
 Then the records of running kernels (``<state_dir>/kernels/<id>.json``, written by the provisioner while
 a kernel runs): a kernel whose process still runs, the same process (PID and start time), is adopted as
 running, with its sessions; any other record is stale and removed.
+
+A record of a kernel that runs on a peer (``remote``: moved there, and its server died or stopped under the
+stop policy 'suspend') is asked of that peer: running there, the kernel is registered as remote and its
+relay bound to its ports and dialled again (the peer keeps it meanwhile: peers.GuestHost); dumped there for a
+way home that never ended, the peer resumes it first; unknown there, the record goes. A peer that cannot be
+reached, or is no longer configured, leaves the record refused, on disk, for the next start.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import logging
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,7 +57,8 @@ class Found:
     """What one folder of the state folder turned out to be."""
 
     kernel_id: str
-    #: "suspended", "running" (adopted), "removed" (an unfinished dump), "refused"
+    #: "suspended", "running" (adopted), "remote" (relayed to its peer again), "removed" (an unfinished dump),
+    #: "refused"
     outcome: str
     reason: str = ""
     #: a refused record: the folder (or running record) left on disk, and what its owner can do
@@ -257,8 +265,14 @@ async def _take_back(serverapp: Any, kernel_id: str, kernel_name: str, revival: 
     return None
 
 
-async def revive_all(serverapp: Any) -> list[Found]:
-    """Take back every kernel of this server's state folder (see the module's story)."""
+#: What makes the link to a kernel that runs on a peer: (peer name, kernel id, connection info) -> a
+#: peers.PeerLink (OperationManager.link_to); UnknownPeer if there is no such peer.
+LinkTo = Callable[[str, str, dict], Any]
+
+
+async def revive_all(serverapp: Any, link_to: LinkTo | None = None) -> list[Found]:
+    """Take back every kernel of this server's state folder (see the module's story); ``link_to`` relays
+    to those that run on a peer (without, their records are left for a server that can)."""
     km = serverapp.kernel_manager
     defaults = MigratableProvisioner(config=serverapp.config)
     store = defaults.images
@@ -274,7 +288,7 @@ async def revive_all(serverapp: Any) -> list[Found]:
         except Exception as exc:  # noqa: BLE001  one folder never stops the others
             log.exception("gpumigrate: not taking back the kernel in %s", store.path_for(name))
             found.append(refused(name, store.path_for(name), str(exc) or type(exc).__name__))
-    found += await _adopt_running(serverapp, Path(defaults.state_dir) / RECORDS)
+    found += await _adopt_running(serverapp, Path(defaults.state_dir) / RECORDS, link_to)
     return found
 
 
@@ -432,8 +446,8 @@ async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Foun
     return Found(name, outcome)
 
 
-async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
-    """Adopt the kernels whose server died while they ran; remove stale records."""
+async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None = None) -> list[Found]:
+    """Adopt the kernels whose server died while they ran, here or on a peer; remove stale records."""
     found: list[Found] = []
     km = serverapp.kernel_manager
     for path in sorted(records.glob("*.json")) if records.is_dir() else []:
@@ -442,10 +456,13 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
             continue  # taken back from its images, or started meanwhile
         try:
             record = json.loads(path.read_text())
-            pid, started = int(record["pid"]), int(record["started"])
             owner = os.stat(path).st_uid
             if owner != os.geteuid() or record.get("owner") != os.geteuid() or record.get("kernel_id") != kernel_id:
                 raise ValueError(f"it is not this server's user's ({owner}), or not for kernel {kernel_id}")
+            remote = record.get("remote")
+            if remote is not None and not (isinstance(remote, dict) and isinstance(remote.get("peer"), str)):
+                raise ValueError(f"its peer is not said right ({str(remote)[:80]})")
+            pid, started = (0, 0) if remote is not None else (int(record["pid"]), int(record["started"]))
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("gpumigrate: ignoring the record %s: %s", path, exc)
             found.append(refused(kernel_id, path, f"its running record is not usable: {exc}",
@@ -454,6 +471,10 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
             continue
         if kept_by_another_live_server(record.get("server")):
             continue  # a kernel of another server that runs: not ours to adopt
+        if remote is not None:
+            if (outcome := await _adopt_remote(serverapp, path, record, link_to)) is not None:
+                found.append(outcome)
+            continue
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
             path.unlink(missing_ok=True)  # it ended with its server, or was suspended since (its images tell)
             continue
@@ -471,6 +492,72 @@ async def _adopt_running(serverapp: Any, records: Path) -> list[Found]:
         log.info("gpumigrate: adopted kernel %s (PID %d), left running by an earlier server", kernel_id, pid)
         found.append(Found(kernel_id, "running"))
     return found
+
+
+#: How long a server starting waits for a peer still moving one of its kernels (its dump for a way home that
+#: the last server asked for), in seconds.
+PEER_BUSY_WAIT = 120.0
+
+
+async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkTo | None) -> Found | None:
+    """A kernel that ran on a peer when its server died or stopped: relayed to again, as remote; None once its
+    record is stale (the peer no longer has it) and removed."""
+    kernel_id, peer = path.stem, str(record["remote"]["peer"])
+    kept = (f"Nothing was deleted. Restart this server once {peer} answers (its server keeps the kernel: "
+            f"c.GPUMigrateApp.guest_unclaimed_expire after it starts); or, if the kernel's work is not needed, "
+            f"remove the record (rm {path}).")
+    if link_to is None:
+        return refused(kernel_id, path, f"it runs on peer {peer}, and this server relays to no peer", kept)
+    try:
+        link = link_to(peer, kernel_id, dict(record.get("connection_info") or {}))
+    except MigrateError as exc:
+        log.error("gpumigrate: kernel %s runs on peer %s, which this server does not know: %s", kernel_id, peer, exc)
+        return refused(kernel_id, path, f"it runs on peer {peer}, which this server does not know ({exc})",
+                       f"Nothing was deleted. Configure peer {peer} again (c.GPUMigrateApp.peers) and restart the "
+                       f"server; or remove the record (rm {path}) if the kernel's work is not needed.")
+    try:
+        there = await asyncio.to_thread(link.describe)
+        deadline = time.monotonic() + PEER_BUSY_WAIT
+        while there.get("state") == "migrating" and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)  # its dump for a way home this server's predecessor asked for, still running
+            there = await asyncio.to_thread(link.describe)
+        if there.get("state") == "suspended":  # dumped there for a way home its last server did not live to end
+            log.warning("gpumigrate: kernel %s was on its way home from %s when its server stopped: resumed there",
+                        kernel_id, peer)
+            await asyncio.to_thread(link.resume_left)
+            there = await asyncio.to_thread(link.describe)
+    except MigrateError as exc:
+        if getattr(exc, "status", None) == 404:
+            path.unlink(missing_ok=True)
+            log.warning("gpumigrate: kernel %s ran on %s when its server stopped, and %s no longer has it (it "
+                        "ended there, or was discarded as no one relayed it): forgotten", kernel_id, peer, peer)
+            return None
+        log.error("gpumigrate: kernel %s runs on %s, which does not answer: %s", kernel_id, peer, exc)
+        return refused(kernel_id, path, f"it runs on peer {peer}, which could not be asked ({exc})", kept)
+    if there.get("state") == "migrating":
+        return refused(kernel_id, path, f"it runs on peer {peer}, which has been busy moving it for "
+                                        f"{PEER_BUSY_WAIT:.0f} s", kept)
+    if there.get("state") != "running":
+        path.unlink(missing_ok=True)
+        log.warning("gpumigrate: kernel %s ran on %s when its server stopped, and is %s there: forgotten",
+                    kernel_id, peer, there.get("state"))
+        return None
+    try:
+        await link.attach_async()  # its ports here are the relay's again, before the kernel manager connects
+    except Exception as exc:  # noqa: BLE001  a port taken meanwhile, the peer gone since it answered
+        log.error("gpumigrate: kernel %s runs on %s but cannot be relayed to: %s", kernel_id, peer, exc)
+        return refused(kernel_id, path, f"it runs on peer {peer}, but could not be relayed to ({exc})", kept)
+    revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
+                      record.get("credential"), record.get("api_url"), None, remote=link, where=there)
+    why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)
+    if why_not:
+        await link.detach_async()
+        log.error("gpumigrate: kernel %s runs on %s but could not be adopted: %s", kernel_id, peer, why_not)
+        return refused(kernel_id, path, f"it runs on peer {peer} but could not be adopted: {why_not}",
+                       f"Nothing was deleted. Make its kernelspec available again and restart the server; or remove "
+                       f"the record (rm {path}) if the kernel's work is not needed.")
+    log.info("gpumigrate: kernel %s runs on %s: relayed to again, as its server left it", kernel_id, peer)
+    return Found(kernel_id, "remote")
 
 
 async def _restore_sessions(serverapp: Any, kernel_id: str, entries: list[dict]) -> None:

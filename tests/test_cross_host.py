@@ -688,6 +688,173 @@ async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_
             await forgotten(b, kernel_id)
 
 
+def a_peers(b: Host) -> dict:
+    """a's peers, as the module's fixture starts it."""
+    return {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
+
+
+async def test_a_kernel_on_the_other_host_outlives_this_hosts_server_killed_or_stopped_and_comes_home(hosts):
+    """a's server SIGKILLed while its kernel runs on b: b keeps the kernel, and a's next server, from the
+    kernel's record, relays to it again (revive.py): a tab opened then runs cells there, in the same process,
+    with its state. Stopped (SIGTERM) under the stop policy 'suspend', the same: the kernel runs on at b, and
+    the next server relays to it. Then it comes home whole."""
+
+    a, b = hosts
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    saved = {section: dict(values) for section, values in a.extra.items()}
+    check = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))"
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+        record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
+        assert record["remote"]["peer"] == "b" and record["pid"] is None, record
+        tab.ws.close()
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        assert a.proc.wait(10) == -signal.SIGKILL
+        assert running_state(guest_pid) in ("S", "R")
+
+        a.extra.setdefault("GPUMigrateApp", {})["stop_policy"] = "suspend"
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert (await tab.run("%migrate --list")).count(f"{kernel_id[:8]}* on b") == 1
+        assert "relayed to again, as its server left it" in a.server_log()
+
+        tab.ws.close()
+        await call(a.stop)
+        assert "runs on at b for the next server" in a.server_log()
+        assert running_state(guest_pid) in ("S", "R")
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["host"] == "b" and view["remote"], view
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run(check)).strip() == "True 409600000"
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert (await tab.run(check)).strip() == "True 409600000"
+        record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
+        assert "remote" not in record and record["pid"], record
+        await forgotten(b, kernel_id)
+    finally:
+        if a.proc.poll() is not None or a.extra != saved:
+            a.extra = saved
+            a.stop()
+            await call(a.start, a_peers(b))
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)
+
+
+async def test_a_kernel_on_the_other_host_whose_server_went_too_is_refused_then_relayed_then_forgotten(hosts):
+    """Both servers SIGKILLed while a's kernel runs on b. a's next server cannot ask b: the kernel's record is
+    refused, kept on disk and listed with what to do. Once b's next server has taken its guest back, a's next
+    relays to it again, the kernel's state whole. Then, a killed once more, the kernel ends on b: a's next
+    server finds that b no longer has it, and forgets it."""
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    record = a.root / "state" / "kernels" / f"{kernel_id}.json"
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    guest_pid = 0
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["pid"]
+        tab.ws.close()
+        with collecting(os.getsid(guest_pid)):
+            for host in (a, b):
+                os.killpg(host.proc.pid, signal.SIGKILL)
+                assert host.proc.wait(10) == -signal.SIGKILL
+            await call(a.start, a_peers(b))
+            deadline = time.monotonic() + 60
+            while not (refused := [r for r in await call(a.api, "GET", "api/gpumigrate/refused")
+                                   if r["kernel_id"] == kernel_id]):
+                assert time.monotonic() < deadline, a.server_log()
+                await asyncio.sleep(0.2)
+            assert "runs on peer b, which could not be asked" in refused[0]["reason"], refused
+            assert "Restart this server once b answers" in refused[0]["remedy"], refused
+            assert record.exists() and running_state(guest_pid) in ("S", "R")
+
+            await call(b.start, {"a": a.peer_entry()})
+            a.stop()
+            assert record.exists()
+            view = await restart_and_find(a, a_peers(b), kernel_id)
+            assert view["host"] == "b" and view["remote"], view
+            tab = await open_tab(a, kernel_id)
+            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+                "True 409600000"
+
+            tab.ws.close()
+            os.killpg(a.proc.pid, signal.SIGKILL)
+            assert a.proc.wait(10) == -signal.SIGKILL
+            await call(b.api, "DELETE", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+            deadline = time.monotonic() + 30
+            while running_state(guest_pid) != "gone":
+                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
+                await asyncio.sleep(0.1)
+        guest_pid = 0
+        await call(a.start, a_peers(b))
+        deadline = time.monotonic() + 60
+        while "b no longer has it" not in a.server_log():
+            assert time.monotonic() < deadline, a.server_log()
+            await asyncio.sleep(0.2)
+        assert not record.exists()
+        assert kernel_id not in [k["id"] for k in await call(a.api, "GET", "api/kernels")]
+        assert kernel_id not in [r["kernel_id"] for r in await call(a.api, "GET", "api/gpumigrate/refused")]
+    finally:
+        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+            os.kill(guest_pid, signal.SIGKILL)
+        for host, peers in ((b, {"a": a.peer_entry()}), (a, a_peers(b))):
+            if host.proc.poll() is not None:
+                await call(host.start, peers)
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)
+
+
+async def test_this_server_killed_as_the_pages_come_home_finds_the_kernel_on_the_other_host_again(hosts):
+    """a's server SIGKILLed on the kernel's way home, once pages of b's dump have arrived: b's dump ends, and
+    b keeps it (its only copy). a's next server removes its half-fetched images, finds the kernel dumped on b,
+    has b resume it, and relays to it: its state whole. It then comes home."""
+
+    a, b = hosts
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    check = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))"
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        tab.ws.close()
+        await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
+        deadline = time.monotonic() + 60
+        while not pages_home(a, kernel_id):
+            assert time.monotonic() < deadline, a.server_log()
+            await asyncio.sleep(0.001)
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        assert a.proc.wait(10) == -signal.SIGKILL
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["host"] == "b" and view["remote"], view
+        assert "on its way home from b when its server stopped: resumed there" in a.server_log()
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+        assert guest["state"] == "running", guest
+        assert not pages_home(a, kernel_id)
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
+        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        await forgotten(b, kernel_id)
+    finally:
+        if a.proc.poll() is not None:
+            await call(a.start, a_peers(b))
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)
+
+
 async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes_there_once_it_is_back(hosts):
     """b's server SIGKILLed while it hosts a kernel, which its user then ends on a: a cannot tell b, and
     forgets the kernel. b's next server takes the orphan back, and since no relay claims it within
@@ -1090,6 +1257,38 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
         assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
         assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
     finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+@pytest.mark.gpu
+async def test_a_gpu_kernel_on_the_other_host_outlives_this_hosts_server_with_its_tensors(hosts):
+    """a's server SIGKILLed while its GPU kernel runs on b's GPU 1: a's next server relays to it again and
+    shows the GPU it holds there (b's answer); its tensors are whole, and it comes home onto GPU 0."""
+    two_gpus()
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32)\n"
+                      "s0 = float(t.sum()); small = torch.full((1000,), 3.0, device='cuda')")
+        same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
+                "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
+        assert op["status"] == "succeeded", op
+        tab.ws.close()
+        os.killpg(a.proc.pid, signal.SIGKILL)
+        assert a.proc.wait(10) == -signal.SIGKILL
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["host"] == "b" and view["remote"] and [g["index"] for g in view["gpus"]] == [1], view
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
+        assert op["status"] == "succeeded", op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
+        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+    finally:
+        if a.proc.poll() is not None:
+            await call(a.start, a_peers(b))
         await end_kernel(a, kernel_id, tab)
 
 

@@ -285,10 +285,26 @@ async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_note
     pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
     server.stop(signal.SIGKILL)
     assert Path(f"/proc/{pid}").exists(), "the kernel runs on without its server"
+    # Records of kernels on another host beside it: one whose peer this server does not know (no longer
+    # configured), one that does not say its peer right. Neither is taken back nor deleted: both are listed.
+    own = json.loads((server.state / "kernels" / f"{kernel_id}.json").read_text())
+    elsewhere = {}
+    for remote in ({"peer": "nowhere", "gpus": []}, "nowhere"):
+        other = str(uuid.uuid4())
+        elsewhere[other] = server.state / "kernels" / f"{other}.json"
+        elsewhere[other].write_text(json.dumps({**own, "kernel_id": other, "pid": None, "remote": remote}))
 
     server.start()
     view = taken_back(server, kernel_id)
     assert view["state"] == "running" and view["pid"] == pid, view
+    refused = {r["kernel_id"]: r for r in server.api("GET", "api/gpumigrate/refused")}
+    assert set(refused) == set(elsewhere) and all(path.exists() for path in elsewhere.values()), refused
+    first, second = elsewhere
+    assert "runs on peer nowhere, which this server does not know" in refused[first]["reason"], refused
+    assert "Configure peer nowhere again (c.GPUMigrateApp.peers)" in refused[first]["remedy"], refused
+    assert "its peer is not said right" in refused[second]["reason"], refused
+    for path in elsewhere.values():
+        path.unlink()
     sessions = server.api("GET", "api/sessions")
     assert [(s["id"], s["kernel"]["id"]) for s in sessions] == [(session_id, kernel_id)]
     tab = await tab_on(server, kernel_id)
