@@ -1224,6 +1224,14 @@ async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source
         await end_kernel(a, kernel_id, tab)
 
 
+#: A GPU kernel's tensors for the moves between the hosts: 1.07 GB (over host_stash_min, so the stash takes it)
+#: and a small one (the CUDA driver's checkpoint carries it); and the cell that checks them.
+GPU_TENSORS = ("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32)\n"
+               "s0 = float(t.sum()); small = torch.full((1000,), 3.0, device='cuda')")
+GPU_SAME = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
+            "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
+
+
 @pytest.mark.gpu
 async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     # The two hosts share the machine's GPUs: a's kernel on GPU 0 goes to b's GPU 1 and comes back. Its 1.07 GB
@@ -1233,10 +1241,7 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
-        await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32)\n"
-                      "s0 = float(t.sum()); small = torch.full((1000,), 3.0, device='cuda')")
-        same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
-                "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
+        await tab.run(GPU_TENSORS)
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert [g["index"] for g in view["gpus"]] == [0], view
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
@@ -1248,14 +1253,14 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "b" and [g["index"] for g in view["gpus"]] == [1], view
         assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
         assert op["status"] == "succeeded", op
         assert {"remap", "unlock", "unstash"} <= set(op["timings"]) and op["to_gpu"] == 0, op
         assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
-        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
     finally:
         await end_kernel(a, kernel_id, tab)
 
@@ -1268,10 +1273,7 @@ async def test_a_gpu_kernel_on_the_other_host_outlives_this_hosts_server_with_it
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
-        await tab.run("import torch; t = torch.arange(1 << 28, device='cuda', dtype=torch.float32)\n"
-                      "s0 = float(t.sum()); small = torch.full((1000,), 3.0, device='cuda')")
-        same = ("print(torch.equal(t, torch.arange(1 << 28, device='cuda', dtype=torch.float32)), t.device, "
-                "float(small.sum()), float((t * 2).sum()) == 2 * s0)")
+        await tab.run(GPU_TENSORS)
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
         assert op["status"] == "succeeded", op
         tab.ws.close()
@@ -1280,12 +1282,12 @@ async def test_a_gpu_kernel_on_the_other_host_outlives_this_hosts_server_with_it
         view = await restart_and_find(a, a_peers(b), kernel_id)
         assert view["host"] == "b" and view["remote"] and [g["index"] for g in view["gpus"]] == [1], view
         tab = await open_tab(a, kernel_id)
-        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})
         assert op["status"] == "succeeded", op
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "a" and [g["index"] for g in view["gpus"]] == [0], view
-        assert (await tab.run(same)).strip() == "True cuda:0 3000.0 True"
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
     finally:
         if a.proc.poll() is not None:
             await call(a.start, a_peers(b))
