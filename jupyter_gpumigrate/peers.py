@@ -1668,6 +1668,8 @@ class GuestHost:
         # It runs: what it was given here goes (the key, the source's environment with its credential).
         for name in _TRANSPLANT_FILES:
             (folder / name).unlink(missing_ok=True)
+        guest.ran = True
+        self._remember(guest)  # the kernel now: it outlives this server as a restored guest does
         self._later(kernel_id, ATTACH_WAIT, self._unrelayed, proc.pid)
         return {"pid": proc.pid, "seconds": seconds}
 

@@ -1188,6 +1188,51 @@ async def test_a_kernel_transplanted_to_the_other_hosts_cpu_carries_its_objects_
         await end_kernel(a, kernel_id, tab)
 
 
+async def test_a_kernel_transplanted_to_the_other_host_outlives_that_hosts_server(hosts):
+    """The new process of a transplant to b is the kernel there: b writes it down once it runs, as it does a
+    kernel it restored, and its server SIGKILLed, the next takes it back; a's relay dials it again, and a cell
+    run meanwhile runs there, with the objects that carried. Ended from a, it goes, with its record."""
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    kernel_id, tab = await new_kernel(a)
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    guest_pid = 0
+    try:
+        await tab.run("x = 41\nnotes = {'kept': [1, 2, 3]}")
+        op = await call(a.operate, kernel_id, "transplant", {"to_host": "b", "to_cpu": True})
+        assert op["status"] == "succeeded", (op["failed_phase"], op["error"])
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["pid"]
+        records = list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json"))
+        assert len(records) == 1 and json.loads(records[0].read_text())["pid"] == guest_pid, records
+        os.killpg(b.proc.pid, signal.SIGKILL)
+        assert b.proc.wait(10) == -signal.SIGKILL
+        cell = asyncio.ensure_future(tab.run("print(x + 1, notes['kept'])", timeout=90))
+        await asyncio.sleep(1)
+        assert not cell.done() and running_state(guest_pid) in ("S", "R")
+        await call(b.start, {"a": a.peer_entry()})
+        assert (await cell).strip() == "42 [1, 2, 3]"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+        with collecting(os.getsid(guest_pid)):
+            await end_kernel(a, kernel_id, tab)
+            deadline = time.monotonic() + 10
+            while running_state(guest_pid) != "gone":
+                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
+                await asyncio.sleep(0.1)
+        guest_pid = 0
+        await forgotten(b, kernel_id)
+        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
+    finally:
+        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+            os.kill(guest_pid, signal.SIGKILL)
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)
+
+
 async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source_running_here(hosts):
     a, b = hosts
     kernel_id, tab = await kernel_with_objects(a)
