@@ -568,6 +568,20 @@ def collecting(session: int) -> Iterator[None]:
         thread.join()
 
 
+async def until_gone(pid: int, seconds: float) -> None:
+    """Wait until the kernel's process on b (``pid``) is gone (collected: see :func:`collecting`)."""
+    deadline = time.monotonic() + seconds
+    while running_state(pid) != "gone":
+        assert time.monotonic() < deadline, f"the kernel on b is {running_state(pid)}"
+        await asyncio.sleep(0.1)
+
+
+async def forgotten_with_its_record(b: Host, kernel_id: str) -> None:
+    """b holds nothing of the kernel: neither images nor the record of a guest that runs there."""
+    await forgotten(b, kernel_id)
+    assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
+
+
 def running_state(pid: int) -> str:
     """The state letter of process ``pid`` (/proc/{pid}/stat), or "gone"."""
     try:
@@ -672,10 +686,7 @@ async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_
         with collecting(os.getsid(guest_pid)):
             await end_kernel(a, kernel_id, tab)
             await forgotten(b, kernel_id)
-            deadline = time.monotonic() + 10
-            while running_state(guest_pid) != "gone":
-                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
-                await asyncio.sleep(0.1)
+            await until_gone(guest_pid, 10)
         assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
         guest_pid = 0
     finally:
@@ -793,10 +804,7 @@ async def test_a_kernel_on_the_other_host_whose_server_went_too_is_refused_then_
             os.killpg(a.proc.pid, signal.SIGKILL)
             assert a.proc.wait(10) == -signal.SIGKILL
             await call(b.api, "DELETE", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
-            deadline = time.monotonic() + 30
-            while running_state(guest_pid) != "gone":
-                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
-                await asyncio.sleep(0.1)
+            await until_gone(guest_pid, 30)
         guest_pid = 0
         await call(a.start, a_peers(b))
         deadline = time.monotonic() + 60
@@ -878,13 +886,9 @@ async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes
         b.extra.setdefault("GPUMigrateApp", {})["guest_unclaimed_expire"] = 5
         with collecting(os.getsid(guest_pid)):
             await call(b.start, {"a": a.peer_entry()})
-            deadline = time.monotonic() + 30
-            while running_state(guest_pid) != "gone":
-                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
-                await asyncio.sleep(0.2)
+            await until_gone(guest_pid, 30)
         guest_pid = 0
-        await forgotten(b, kernel_id)
-        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
+        await forgotten_with_its_record(b, kernel_id)
         assert "was not relayed by it within 5 s" in (b.root / "server.log").read_text()
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
@@ -1217,13 +1221,9 @@ async def test_a_kernel_transplanted_to_the_other_host_outlives_that_hosts_serve
         assert guest["pid"] == guest_pid and guest["state"] == "running", guest
         with collecting(os.getsid(guest_pid)):
             await end_kernel(a, kernel_id, tab)
-            deadline = time.monotonic() + 10
-            while running_state(guest_pid) != "gone":
-                assert time.monotonic() < deadline, f"the kernel on b is {running_state(guest_pid)}"
-                await asyncio.sleep(0.1)
+            await until_gone(guest_pid, 10)
         guest_pid = 0
-        await forgotten(b, kernel_id)
-        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b kept its record"
+        await forgotten_with_its_record(b, kernel_id)
     finally:
         if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
             os.kill(guest_pid, signal.SIGKILL)
