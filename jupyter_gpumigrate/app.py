@@ -180,7 +180,7 @@ class GPUMigrateApp(ExtensionApp):
         help="What stopping the server does to its running kernels. 'shutdown': they end, as with any "
         "Jupyter server. 'suspend': each is suspended first (in parallel, within stop_timeout) and comes back "
         "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
-        "says so; one that runs on a peer runs on there, and the next start relays to it again. Kernels that "
+        "says so; one that runs on a peer is suspended there, and the next start resumes it there. Kernels that "
         "are already suspended always stay suspended, whatever the policy (README, 'Kernels outlive their "
         "server').",
     ).tag(config=True)
@@ -560,14 +560,31 @@ class GPUMigrateApp(ExtensionApp):
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
 
     async def _leave_remote_kernels(self, operations: OperationManager) -> None:
-        """The stop policy 'suspend': kernels that run on a peer run on there, for the next server (revive.py)
-        to relay to again; those an operation still moves are shut down with the others."""
+        """The stop policy 'suspend': each kernel that runs on a peer is suspended there, in parallel, within
+        ``stop_timeout`` (the peer keeps its images, as for a way home: its GPU and memory are freed), and the
+        next server has the peer resume it and relays to it again (revive.py). One the peer did not suspend in
+        time runs on there (or is suspended there later), and the next server relays to it the same. Those an
+        operation still moves are shut down with the others."""
         km = self.serverapp.kernel_manager
-        for kernel_id in km.list_kernel_ids():
-            provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
-            if isinstance(provisioner, MigratableProvisioner) and provisioner.state == "remote" and \
-                    kernel_id not in operations.active:
-                await provisioner.leave_remote()
+        remote = [(kernel_id, provisioner) for kernel_id in km.list_kernel_ids()
+                  if isinstance(provisioner := getattr(km.get_kernel(kernel_id), "provisioner", None),
+                                MigratableProvisioner)
+                  and provisioner.state == "remote" and kernel_id not in operations.active]
+
+        async def suspend_there(kernel_id: str, provisioner: MigratableProvisioner) -> None:
+            host = provisioner.remote_host
+            try:
+                await asyncio.to_thread(provisioner.remote_link.dump, None, self.stop_timeout)
+                self.log.info("gpumigrate: stopping: kernel %s suspended at %s, for the next server", kernel_id,
+                              host)
+            except MigrateError as exc:
+                self.log.warning("gpumigrate: stopping: kernel %s could not be suspended at %s (%s): it is left "
+                                 "there for the next server", kernel_id, host, exc)
+            await provisioner.leave_remote()
+
+        if remote:
+            self.log.info("gpumigrate: stopping: suspending %d kernel(s) on other hosts there", len(remote))
+            await asyncio.gather(*(suspend_there(kernel_id, provisioner) for kernel_id, provisioner in remote))
 
     async def _images_to_disk(self) -> None:
         """Suspended kernels kept for the next server with their images in memory: those go to disk, which

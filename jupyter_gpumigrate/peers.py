@@ -1028,13 +1028,15 @@ class PeerLink(HostLink):
         if fetching is not None:
             fetching.stop()
 
-    def dump(self, stash_min: int | None = None) -> None:
+    def dump(self, stash_min: int | None = None, timeout: float | None = None) -> None:
         # The stash is asked of a kernel that can serve it only: a busy one would answer only once its cell
         # ends; one that cannot run this package's code would fail it. That host bounds its wait for the stash
-        # (and for the stash's undo) by what the kernel holds: a large kernel's may outlast 600 s.
+        # (and for the stash's undo) by what the kernel holds: a large kernel's may outlast 600 s. ``timeout``:
+        # wait no longer for its answer (that host's dump runs on to its end regardless).
         self._dump_key = stash_min is not None and self.peer_stash and self.idle()
         body = {**self._key(), "stash_min": int(stash_min or 0)} if self._dump_key else {}
-        self.client.call("POST", f"kernels/{self.kernel_id}/dump", body, timeout=3600 if self._dump_key else 600)
+        self.client.call("POST", f"kernels/{self.kernel_id}/dump", body,
+                         timeout=timeout or (3600 if self._dump_key else 600))
 
     def resume(self) -> None:
         self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key() if self._dump_key else {},

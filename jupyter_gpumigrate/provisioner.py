@@ -881,13 +881,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             self._remote_ending = True  # poll() now asks the other host whether it has exited
 
     async def leave_remote(self) -> None:
-        """The server stops under the stop policy 'suspend': the kernel runs on at its peer, relayed no longer
-        (the shutdown's message never reaches it); its record stays, and the next server relays to it again
-        (revive.py), as after a crash. The peer keeps it meanwhile (docs/cross-host.md)."""
+        """The server stops under the stop policy 'suspend', and the kernel was suspended at its peer (or is
+        left running there): relayed no longer (the shutdown's message never reaches it); its record stays, and
+        the next server has it resumed there and relays to it again (revive.py), as after a crash. The peer
+        keeps it meanwhile (docs/cross-host.md)."""
         link, self.remote_link = self.remote_link, None
         if link is not None:
             await link.detach_async()
-            self.log.info("gpumigrate: kernel %s runs on at %s for the next server", self.kernel_id, link.host)
         self._kept = self._left_remote = True
         self.remote_gpus, self._remote_ending = [], False
         self.state = STOPPED

@@ -20,9 +20,10 @@ running, with its sessions; any other record is stale and removed.
 
 A record of a kernel that runs on a peer (``remote``: moved there, and its server died or stopped under the
 stop policy 'suspend') is asked of that peer: running there, the kernel is registered as remote and its
-relay bound to its ports and dialled again (the peer keeps it meanwhile: peers.GuestHost); dumped there for a
-way home that never ended, the peer resumes it first; unknown there, the record goes. A peer that cannot be
-reached, or is no longer configured, leaves the record refused, on disk, for the next start.
+relay bound to its ports and dialled again (the peer keeps it meanwhile: peers.GuestHost); suspended there
+(by the stop, or for a way home that never ended), the peer resumes it first; unknown there, the record
+goes. A peer that cannot be reached, or is no longer configured, leaves the record refused, on disk, for
+the next start.
 """
 
 from __future__ import annotations
@@ -521,9 +522,9 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
         while there.get("state") == "migrating" and time.monotonic() < deadline:
             await asyncio.sleep(0.5)  # its dump for a way home this server's predecessor asked for, still running
             there = await asyncio.to_thread(link.describe)
-        if there.get("state") == "suspended":  # dumped there for a way home its last server did not live to end
-            log.warning("gpumigrate: kernel %s was on its way home from %s when its server stopped: resumed there",
-                        kernel_id, peer)
+        if there.get("state") == "suspended":  # as its server stopped, or for a way home that server never ended
+            log.warning("gpumigrate: kernel %s was left suspended at %s by its server (which stopped under the "
+                        "stop policy 'suspend', or died on the kernel's way home): resumed there", kernel_id, peer)
             await asyncio.to_thread(link.resume_left)
             there = await asyncio.to_thread(link.describe)
     except MigrateError as exc:

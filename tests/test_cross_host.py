@@ -707,8 +707,9 @@ def a_peers(b: Host) -> dict:
 async def test_a_kernel_on_the_other_host_outlives_this_hosts_server_killed_or_stopped_and_comes_home(hosts):
     """a's server SIGKILLed while its kernel runs on b: b keeps the kernel, and a's next server, from the
     kernel's record, relays to it again (revive.py): a tab opened then runs cells there, in the same process,
-    with its state. Stopped (SIGTERM) under the stop policy 'suspend', the same: the kernel runs on at b, and
-    the next server relays to it. Then it comes home whole."""
+    with its state. Stopped (SIGTERM) under the stop policy 'suspend': the kernel is suspended at b (its
+    memory freed there, its images kept there), and the next server has b resume it, and relays to it. Then
+    it comes home whole."""
 
     a, b = hosts
     kernel_id, tab, _ = await kernel_with_bytes(a)
@@ -736,15 +737,19 @@ async def test_a_kernel_on_the_other_host_outlives_this_hosts_server_killed_or_s
 
         tab.ws.close()
         await call(a.stop)
-        assert "runs on at b for the next server" in a.server_log()
-        assert running_state(guest_pid) in ("S", "R")
+        assert f"kernel {kernel_id} suspended at b, for the next server" in a.server_log()
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert guest["state"] == "suspended" and guest["pid"] is None, guest
+        await until_gone(guest_pid, 10)
         view = await restart_and_find(a, a_peers(b), kernel_id)
         assert view["host"] == "b" and view["remote"], view
+        assert "left suspended at b by its server" in a.server_log()
         tab = await open_tab(a, kernel_id)
         assert (await tab.run(check)).strip() == "True 409600000"
         guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
                            headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
-        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+        assert guest["state"] == "running" and guest["pid"], guest
 
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
         assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
@@ -845,7 +850,7 @@ async def test_this_server_killed_as_the_pages_come_home_finds_the_kernel_on_the
         assert a.proc.wait(10) == -signal.SIGKILL
         view = await restart_and_find(a, a_peers(b), kernel_id)
         assert view["host"] == "b" and view["remote"], view
-        assert "on its way home from b when its server stopped: resumed there" in a.server_log()
+        assert "left suspended at b by its server" in a.server_log()
         guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
         assert guest["state"] == "running", guest
         assert not pages_home(a, kernel_id)
