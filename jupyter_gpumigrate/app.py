@@ -162,6 +162,11 @@ class GPUMigrateApp(ExtensionApp):
                                 received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,
                                 records=Path(defaults.state_dir) / RUNNING_GUESTS)
         self.guests.serve_growing = self._streams_dumps()
+        try:
+            if any(self.guests.records.glob("*.json")):
+                self.guests.back.clear()  # there are guests to take back: until _take_back_guests has run
+        except OSError:
+            pass  # an unreadable folder: take_back says so, and takes none back
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
         self._keep_culler_off_moving_kernels()
@@ -396,7 +401,7 @@ class GPUMigrateApp(ExtensionApp):
                         for s in listed if (s.get("kernel") or {}).get("id") == kernel_id]
                 if mine != provisioner.sessions:
                     provisioner.sessions = mine
-                    if provisioner.state == "running":
+                    if provisioner.state in ("running", "remote"):
                         provisioner.write_record()
 
         for name in ("save_session", "update_session", "delete_session"):
@@ -420,6 +425,8 @@ class GPUMigrateApp(ExtensionApp):
                 let_cuda_run(kernel_id, pid)  # a GPU guest's dump cut short by its server's death leaves it locked
         except Exception:  # noqa: BLE001  the server runs; what is not taken back is left as it is
             self.log.exception("gpumigrate: could not take back the kernels an earlier server ran for its peers")
+        finally:
+            self.guests.back.set()
 
     async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
         """Once the server runs: take back the kernels an earlier server left suspended (revive.py)."""
@@ -432,6 +439,7 @@ class GPUMigrateApp(ExtensionApp):
         self._state_lock, why_not = lock_state(state_dir)
         if self._state_lock is None:
             self.log.warning("gpumigrate: %s", why_not)
+            self.guests.back.set()  # it takes none back
             return
         await asyncio.to_thread(self._take_back_guests)
         done = self._hold_sessions_until_revived()
@@ -577,10 +585,11 @@ class GPUMigrateApp(ExtensionApp):
                 await asyncio.to_thread(provisioner.remote_link.dump, None, self.stop_timeout)
                 self.log.info("gpumigrate: stopping: kernel %s suspended at %s, for the next server", kernel_id,
                               host)
-            except MigrateError as exc:
+            except Exception as exc:  # noqa: BLE001  whatever the answer, the kernel stays there
                 self.log.warning("gpumigrate: stopping: kernel %s could not be suspended at %s (%s): it is left "
                                  "there for the next server", kernel_id, host, exc)
-            await provisioner.leave_remote()
+            finally:
+                await provisioner.leave_remote()
 
         if remote:
             self.log.info("gpumigrate: stopping: suspending %d kernel(s) on other hosts there", len(remote))

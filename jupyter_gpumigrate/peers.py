@@ -131,6 +131,13 @@ class GuestNotFound(MigrateError):
     http_status = 404
 
 
+class GuestsNotBack(MigrateError):
+    """This server is still taking back the guests an earlier one left (GuestHost.take_back): a kernel it
+    does not list yet may be among them."""
+
+    http_status = 503
+
+
 @dataclass(frozen=True)
 class Peer:
     name: str
@@ -1266,6 +1273,11 @@ class GuestHost:
         #: the records of the guests that run here (take_back): one folder per state folder (the images' root
         #: is one per user with the node helper, whatever the state folder)
         self.records = records if records is not None else root / RUNNING_GUESTS
+        #: set once the guests an earlier server left are taken back (or none will be): until then a kernel
+        #: not listed may be one of them, and a peer asking for it is told to ask again (503), not that it is
+        #: gone (404), which would make it forget the kernel
+        self.back = threading.Event()
+        self.back.set()
         #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
         self._receiving: dict[str, object] = {}
 
@@ -1300,6 +1312,12 @@ class GuestHost:
         whole (its manifest) is taken back suspended: its images are its only copy, and its peer fetches them
         or has it resumed. Any other record is removed; one that cannot be read is left, and logged. What was
         taken back running: (kernel id, PID)."""
+        try:
+            return self._take_back_all()
+        finally:
+            self.back.set()
+
+    def _take_back_all(self) -> list[tuple[str, int]]:
         taken: list[tuple[str, int]] = []
         try:
             info = os.lstat(self.records)
@@ -1375,6 +1393,9 @@ class GuestHost:
         try:
             return self.guests[kernel_id]
         except KeyError:
+            if not self.back.is_set():
+                raise GuestsNotBack(f"This server is taking back the kernels it hosts for peers: ask for kernel "
+                                    f"{kernel_id} again in a moment.") from None
             raise GuestNotFound(f"This server hosts no kernel {kernel_id} for a peer.") from None
 
     def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> list[str]:

@@ -705,6 +705,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.started = proctree.start_time(self.pid)
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
+        self._left_remote = False
         self.state, self.broken_reason = RUNNING, None
         self.write_record()
         return self.connection_info
@@ -857,6 +858,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self.state == SUSPENDED:
             self._keep_or_discard()
             return
+        if self._keeps_peer_copy():
+            await self.leave_remote()
+            return
         if self.state == BROKEN:  # whatever runs of it goes; its images go too, unless the server is stopping
             try:
                 await self.send_signal(signum)
@@ -880,11 +884,21 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         elif self.state == REMOTE:
             self._remote_ending = True  # poll() now asks the other host whether it has exited
 
+    def _keeps_peer_copy(self) -> bool:
+        """A broken kernel (a way home whose undo failed) that its peer still holds, as its server stops: the
+        peer's copy may be its only one, so it is left there (:meth:`leave_remote`), as broken images here are
+        kept."""
+        return self.remote_link is not None and self._server_stopping() and \
+            (self.state == BROKEN or self.broken_reason is not None)
+
     async def leave_remote(self) -> None:
         """The server stops under the stop policy 'suspend', and the kernel was suspended at its peer (or is
         left running there): relayed no longer (the shutdown's message never reaches it); its record stays, and
         the next server has it resumed there and relays to it again (revive.py), as after a crash. The peer
         keeps it meanwhile (docs/cross-host.md)."""
+        restarter = getattr(self.parent, "stop_restarter", None)
+        if restarter is not None:
+            restarter()  # stopped here, it is not dead: no fresh kernel replaces it (and overwrites its record)
         link, self.remote_link = self.remote_link, None
         if link is not None:
             await link.detach_async()
@@ -912,6 +926,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.state = STOPPED
 
     async def cleanup(self, restart: bool = False) -> None:
+        if self._keeps_peer_copy():
+            await self.leave_remote()
         if self.remote_link is not None:
             await self._end_remote()
         await super().cleanup(restart=restart)

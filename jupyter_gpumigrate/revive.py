@@ -29,6 +29,7 @@ the next start.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import json
 import logging
@@ -281,16 +282,42 @@ async def revive_all(serverapp: Any, link_to: LinkTo | None = None) -> list[Foun
         log.warning("gpumigrate: kernel %s: finished moving its images from memory to disk, which its server had "
                     "begun as it stopped", name)
     found: list[Found] = []
+    records = Path(defaults.state_dir) / RECORDS
+    # A kernel whose record names a peer: the peer's copy is the kernel if it has one (its images here are
+    # from before, or a way home that never ended), so they wait for what the peer says.
+    remote = _remote_names(records)
     for name in store.names():
-        if name in km or _transplanted(store, name):
+        if name in km or name in remote or _transplanted(store, name):
             continue
-        try:
-            found.append(await take_back_images(serverapp, store, name))
-        except Exception as exc:  # noqa: BLE001  one folder never stops the others
-            log.exception("gpumigrate: not taking back the kernel in %s", store.path_for(name))
-            found.append(refused(name, store.path_for(name), str(exc) or type(exc).__name__))
-    found += await _adopt_running(serverapp, Path(defaults.state_dir) / RECORDS, link_to)
+        found.append(await _take_back_images_safely(serverapp, store, name))
+    found += await _adopt_running(serverapp, records, link_to)
+    for name in remote & set(store.names()):
+        if name in km:  # relayed to on the peer: what is here of it is stale
+            store.remove(name)
+            log.warning("gpumigrate: kernel %s runs on its peer: its images here, from before, are removed", name)
+        elif not (records / f"{name}.json").exists():  # the peer no longer has it: these images are the kernel
+            found.append(await _take_back_images_safely(serverapp, store, name))
     return found
+
+
+async def _take_back_images_safely(serverapp: Any, store: ImageStore, name: str) -> Found:
+    try:
+        return await take_back_images(serverapp, store, name)
+    except Exception as exc:  # noqa: BLE001  one folder never stops the others
+        log.exception("gpumigrate: not taking back the kernel in %s", store.path_for(name))
+        return refused(name, store.path_for(name), str(exc) or type(exc).__name__)
+
+
+def _remote_names(records: Path) -> set[str]:
+    """The kernels whose running record names a peer (their images here wait for what the peer says)."""
+    names = set()
+    for path in records.glob("*.json") if records.is_dir() else []:
+        try:
+            if isinstance(json.loads(path.read_text()).get("remote"), dict):
+                names.add(path.stem)
+        except (OSError, ValueError, AttributeError):
+            continue
+    return names
 
 
 #: How long a transplant's new process, found running at start, gets to answer on the kernel's ports.
@@ -473,7 +500,13 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
         if kept_by_another_live_server(record.get("server")):
             continue  # a kernel of another server that runs: not ours to adopt
         if remote is not None:
-            if (outcome := await _adopt_remote(serverapp, path, record, link_to)) is not None:
+            try:
+                outcome = await _adopt_remote(serverapp, path, record, link_to)
+            except Exception as exc:  # noqa: BLE001  an answer not understood: one record never stops the others
+                log.exception("gpumigrate: kernel %s, on peer %s, not taken back", kernel_id, remote.get("peer"))
+                outcome = refused(kernel_id, path, f"it runs on peer {remote.get('peer')}, whose answer was not "
+                                                   f"understood ({type(exc).__name__}: {exc})")
+            if outcome is not None:
                 found.append(outcome)
             continue
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
@@ -517,16 +550,15 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
                        f"Nothing was deleted. Configure peer {peer} again (c.GPUMigrateApp.peers) and restart the "
                        f"server; or remove the record (rm {path}) if the kernel's work is not needed.")
     try:
-        there = await asyncio.to_thread(link.describe)
-        deadline = time.monotonic() + PEER_BUSY_WAIT
-        while there.get("state") == "migrating" and time.monotonic() < deadline:
-            await asyncio.sleep(0.5)  # its dump for a way home this server's predecessor asked for, still running
-            there = await asyncio.to_thread(link.describe)
+        there = await _ask(link)
+        if there.get("state") in ("running", "suspended"):
+            await asyncio.to_thread(_stop_local_copy, MigratableProvisioner(config=serverapp.config).images,
+                                    kernel_id)
         if there.get("state") == "suspended":  # as its server stopped, or for a way home that server never ended
             log.warning("gpumigrate: kernel %s was left suspended at %s by its server (which stopped under the "
                         "stop policy 'suspend', or died on the kernel's way home): resumed there", kernel_id, peer)
             await asyncio.to_thread(link.resume_left)
-            there = await asyncio.to_thread(link.describe)
+            there = await _ask(link)
     except MigrateError as exc:
         if getattr(exc, "status", None) == 404:
             path.unlink(missing_ok=True)
@@ -535,14 +567,16 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
             return None
         log.error("gpumigrate: kernel %s runs on %s, which does not answer: %s", kernel_id, peer, exc)
         return refused(kernel_id, path, f"it runs on peer {peer}, which could not be asked ({exc})", kept)
-    if there.get("state") == "migrating":
-        return refused(kernel_id, path, f"it runs on peer {peer}, which has been busy moving it for "
-                                        f"{PEER_BUSY_WAIT:.0f} s", kept)
-    if there.get("state") != "running":
+    state = there.get("state")
+    if state == "stopped":  # it ended there: what is left of it there goes too
         path.unlink(missing_ok=True)
-        log.warning("gpumigrate: kernel %s ran on %s when its server stopped, and is %s there: forgotten",
-                    kernel_id, peer, there.get("state"))
+        with contextlib.suppress(MigrateError):
+            await asyncio.to_thread(link.discard)
+        log.warning("gpumigrate: kernel %s ran on %s when its server stopped, and ended there: forgotten",
+                    kernel_id, peer)
         return None
+    if state != "running":
+        return refused(kernel_id, path, f"it is on peer {peer}, {state} there (after {PEER_BUSY_WAIT:.0f} s)", kept)
     try:
         await link.attach_async()  # its ports here are the relay's again, before the kernel manager connects
     except Exception as exc:  # noqa: BLE001  a port taken meanwhile, the peer gone since it answered
@@ -559,6 +593,41 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
                        f"the record (rm {path}) if the kernel's work is not needed.")
     log.info("gpumigrate: kernel %s runs on %s: relayed to again, as its server left it", kernel_id, peer)
     return Found(kernel_id, "remote")
+
+
+async def _ask(link: Any) -> dict:
+    """What the peer says of the kernel, once it is neither busy moving it (its dump for a way home this
+    server's predecessor asked for) nor still taking back its own guests (503), within PEER_BUSY_WAIT."""
+    deadline = time.monotonic() + PEER_BUSY_WAIT
+    while True:
+        try:
+            there = await asyncio.to_thread(link.describe) or {}
+        except MigrateError as exc:
+            if getattr(exc, "status", None) != 503 or time.monotonic() > deadline:
+                raise
+            there = {"state": "migrating"}
+        if there.get("state") != "migrating" or time.monotonic() > deadline:
+            return there
+        await asyncio.sleep(0.5)
+
+
+def _stop_local_copy(store: ImageStore, kernel_id: str) -> None:
+    """A process of the kernel that runs here (restored by a way home that never ended): the peer's copy is the
+    kernel, whole (it keeps its dump until the kernel is adopted here), so this one goes."""
+    if not store.path_for(kernel_id).is_dir():
+        return
+    try:
+        manifest = store.read_manifest(kernel_id)
+    except MigrateError:
+        manifest = None
+    if manifest is None or manifest.kernel_id != kernel_id:
+        return
+    pid = _running_kernel(manifest, kill_stuck=False)
+    if pid is not None:
+        log.warning("gpumigrate: kernel %s: its process %d here, restored by a way home its server did not live to "
+                    "end, is stopped: the copy on its peer is the kernel", kernel_id, pid)
+        proctree.kill_tree(pid)
+        proctree.wait_gone(pid, timeout=10)
 
 
 async def _restore_sessions(serverapp: Any, kernel_id: str, entries: list[dict]) -> None:

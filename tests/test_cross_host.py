@@ -1507,7 +1507,7 @@ def test_a_host_takes_back_only_the_guests_whose_own_process_runs(tmp_path, capl
 
     from jupyter_gpumigrate.credentials import ENV_KERNEL_ID
     from jupyter_gpumigrate.engine.images import MANIFEST, Manifest
-    from jupyter_gpumigrate.peers import RUNNING_GUESTS, GuestHost
+    from jupyter_gpumigrate.peers import RUNNING_GUESTS, GuestHost, GuestNotFound, GuestsNotBack
 
     root = tmp_path / "guests"
     records = root / RUNNING_GUESTS
@@ -1546,8 +1546,13 @@ def test_a_host_takes_back_only_the_guests_whose_own_process_runs(tmp_path, capl
         records.chmod(0o700)
 
         guests = GuestHost(root, lambda: None, unclaimed=3600.0)
+        guests.back.clear()  # as a server does while there are records: a peer asking now is told to ask again
+        with pytest.raises(GuestsNotBack):
+            guests.guest("runs")
         with caplog.at_level("INFO", logger="jupyter_gpumigrate.peers"):
             assert guests.take_back() == [("runs", alive.pid)]
+        with pytest.raises(GuestNotFound):  # all are back: one not listed is not here
+            guests.guest("gone")
         assert guests.guest("runs").state == "running" and guests.guest("runs").pgid == alive.pid
         assert guests.guest("dumped").state == "suspended" and guests.guest("dumped").ran
         assert sorted(p.name for p in records.iterdir()) == ["dumped.json", "garbage.json", "list.json",

@@ -391,11 +391,13 @@ class ChannelsHandler(WebSocketHandler):
             return
         if args and args[0] not in self.guests.guests:
             # Before the handshake: the peer's dial fails, and its relay keeps what it holds for the next one
-            # (this server may be taking its guests back still).
-            self.set_status(404)
+            # (503 while this server is taking its guests back still).
+            back = self.guests.back.is_set()
+            self.set_status(404 if back else 503)
             self.set_header("Content-Type", "application/json")
-            self.finish(json.dumps({"message": f"This server hosts no kernel {args[0]} for a peer.",
-                                    "reason": "Not Found"}))
+            self.finish(json.dumps({"message": f"This server hosts no kernel {args[0]} for a peer." if back else
+                                    "This server is taking back the kernels it hosts for peers: dial again.",
+                                    "reason": "Not Found" if back else "Service Unavailable"}))
             return
         await super().get(*args, **kwargs)
 

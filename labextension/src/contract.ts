@@ -805,6 +805,10 @@ export interface PeerGuest {
    * Its dump for the way home serves its pages files as it writes them (GET /peer/images/{id}?growing=true); absent from older versions.
    */
   growing?: boolean;
+  /**
+   * The GPUs its processes hold here, while it runs (a peer's next server shows them when it relays to the kernel again); absent from older versions.
+   */
+  gpus?: HeldGpu[];
 }
 /**
  * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?
