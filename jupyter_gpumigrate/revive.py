@@ -478,6 +478,7 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
     """Adopt the kernels whose server died while they ran, here or on a peer; remove stale records."""
     found: list[Found] = []
     km = serverapp.kernel_manager
+    elsewhere: list[tuple[Path, dict]] = []  # the kernels on peers: asked all at once, after those here
     for path in sorted(records.glob("*.json")) if records.is_dir() else []:
         kernel_id = path.stem
         if kernel_id in km:
@@ -500,14 +501,7 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
         if kept_by_another_live_server(record.get("server")):
             continue  # a kernel of another server that runs: not ours to adopt
         if remote is not None:
-            try:
-                outcome = await _adopt_remote(serverapp, path, record, link_to)
-            except Exception as exc:  # noqa: BLE001  an answer not understood: one record never stops the others
-                log.exception("gpumigrate: kernel %s, on peer %s, not taken back", kernel_id, remote.get("peer"))
-                outcome = refused(kernel_id, path, f"it runs on peer {remote.get('peer')}, whose answer was not "
-                                                   f"understood ({type(exc).__name__}: {exc})")
-            if outcome is not None:
-                found.append(outcome)
+            elsewhere.append((path, record))
             continue
         if not proctree.is_alive(pid) or proctree.start_time(pid) != started:
             path.unlink(missing_ok=True)  # it ended with its server, or was suspended since (its images tell)
@@ -525,12 +519,27 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             continue
         log.info("gpumigrate: adopted kernel %s (PID %d), left running by an earlier server", kernel_id, pid)
         found.append(Found(kernel_id, "running"))
+    # A peer's answer may take a while (a resume there, a dump there to wait for): one slow peer, or kernel,
+    # does not hold the others.
+    outcomes = await asyncio.gather(*(_adopt_remote_safely(serverapp, path, record, link_to)
+                                      for path, record in elsewhere))
+    found += [outcome for outcome in outcomes if outcome is not None]
     return found
 
 
 #: How long a server starting waits for a peer still moving one of its kernels (its dump for a way home that
 #: the last server asked for), in seconds.
 PEER_BUSY_WAIT = 120.0
+
+
+async def _adopt_remote_safely(serverapp: Any, path: Path, record: dict, link_to: LinkTo | None) -> Found | None:
+    try:
+        return await _adopt_remote(serverapp, path, record, link_to)
+    except Exception as exc:  # noqa: BLE001  an answer not understood: one record never stops the others
+        peer = record["remote"]["peer"]
+        log.exception("gpumigrate: kernel %s, on peer %s, not taken back", path.stem, peer)
+        return refused(path.stem, path, f"it runs on peer {peer}, whose answer was not understood "
+                                        f"({type(exc).__name__}: {exc})")
 
 
 async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkTo | None) -> Found | None:
