@@ -215,17 +215,12 @@ def _fill_once_the_export_starts(small: Path) -> bool:
         if time.monotonic() > deadline:
             return False
         time.sleep(0.0005)
-    try:
-        f = open(small / "filler.bin", "wb")  # noqa: SIM115 - closed below
-    except OSError as exc:  # the export filled it first: filled all the same
-        return exc.errno == errno.ENOSPC
-    with f:
-        try:
+    try:  # unbuffered: no write is left for close() to fail on
+        with open(small / "filler.bin", "wb", buffering=0) as f:
             while True:
                 f.write(b"\0" * (1 << 20))
-        except OSError:
-            pass
-    return True
+    except OSError as exc:  # the disk is full, whoever filled it last
+        return exc.errno == errno.ENOSPC
 
 
 async def test_objects_the_new_process_cannot_take_leave_the_source_running(jp_fetch, jp_serverapp, kernel):
