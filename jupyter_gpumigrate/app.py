@@ -201,7 +201,9 @@ class GPUMigrateApp(ExtensionApp):
         600.0, help="A kernel this host ran for a peer outlives this server (killed or stopped): the next server "
         "takes it back, and the peer's relay dials it again. One that its peer does not relay within this many "
         "seconds of that start is discarded: its peer gave up on it (it restarts a kernel it counts lost after its "
-        "relay's 30 s of patience) or went too (docs/cross-host.md).",
+        "relay's 30 s of patience) or went too (docs/cross-host.md). So is one restored here by a move whose peer's "
+        "server died before it relayed to it, and came back no sooner: that peer resumes the kernel from its own "
+        "images.",
     ).tag(config=True)
 
     stream_dump = Enum(

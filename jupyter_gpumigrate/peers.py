@@ -1222,7 +1222,10 @@ class Guest:
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host
 
-    def adopt_remote(self, link: HostLink, where: dict) -> None:
+    def record_moving(self, host: str | None) -> None:
+        self.adopt_remote(None, {})
+
+    def adopt_remote(self, link: HostLink | None, where: dict) -> None:
         raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")
 
 
@@ -1630,16 +1633,26 @@ class GuestHost:
             self.discard(kernel_id)
 
     def _unclaimed(self, kernel_id: str, pid: int) -> None:
+        self._discard_unrelayed(kernel_id, pid, self._unclaimed, "taken back for peer {peer}, was not relayed by it "
+                                "within {seconds:.0f} s: it counted the kernel lost (and restarted it there), or "
+                                "its server went too")
+
+    def _unadopted(self, kernel_id: str, pid: int) -> None:
+        self._discard_unrelayed(kernel_id, pid, self._unadopted, "restored here for peer {peer}, was not relayed "
+                                "by it within {seconds:.0f} s: its server died during the move, and the next one "
+                                "did not come (the peer keeps its images until the kernel is relayed to, and "
+                                "resumes it from them)")
+
+    def _discard_unrelayed(self, kernel_id: str, pid: int, again: Callable[[str, Any], None], why: str) -> None:
         guest = self.guests.get(kernel_id)
         if guest is None or guest.pid != pid or guest.relayed:
             return
         lock = self.locks.get(kernel_id)
         if kernel_id in self.dumping or (lock is not None and lock.locked()):  # a request for it runs: look again
-            self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
+            self._later(kernel_id, self.unclaimed, again, pid)
             return
-        log.warning("gpumigrate: kernel %s, taken back for peer %s, was not relayed by it within %.0f s: it "
-                    "counted the kernel lost (and restarted it there), or its server went too; discarded",
-                    kernel_id, guest.peer, self.unclaimed)
+        log.warning("gpumigrate: kernel %s, %s; discarded", kernel_id,
+                    why.format(peer=guest.peer, seconds=self.unclaimed))
         self.discard(kernel_id)
 
     def _later(self, kernel_id: str, seconds: float, check: Callable[[str, Any], None], arg: Any) -> None:
@@ -1717,8 +1730,11 @@ class GuestHost:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)
 
-    def restore(self, kernel_id: str, to_gpu: int | None, key: str | None = None) -> dict:
-        """Restore the kernel from the images received (``key``: to have it read back its stash, if it wrote one)."""
+    def restore(self, kernel_id: str, to_gpu: int | None, key: str | None = None, moved: bool = False) -> dict:
+        """Restore the kernel from the images received (``key``: to have it read back its stash, if it wrote one).
+        ``moved``: the restore of a move here, whose peer keeps its own images until it relays to the kernel: one
+        it does not relay to within :attr:`unclaimed` (its server died during the move, and no next one came) is
+        discarded, as the peer resumes its own copy."""
         guest = self.guest(kernel_id)
         guest.key = key
         with self._transplant_lock:
@@ -1729,6 +1745,8 @@ class GuestHost:
             guest.key = None
         guest.ran = True
         self._remember(guest)
+        if moved and guest.pid is not None and not guest.relayed:
+            self._later(kernel_id, self.unclaimed, self._unadopted, guest.pid)
         gpus: list[dict] = []
         if self.inventory is not None and guest.pid is not None:
             gpus = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())

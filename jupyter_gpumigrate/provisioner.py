@@ -415,12 +415,26 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def record_path(self) -> Path:
         return Path(self.state_dir) / RECORDS / f"{self.kernel_id}.json"
 
+    def record_moving(self, host: str | None) -> None:
+        """Write down that the kernel is being restored on peer ``host`` (its process here is dumped): a server
+        that dies before :meth:`adopt_remote` leaves its next one a record that asks that host first, whose
+        copy, once restored, is the kernel (revive.py); the images here are, if that host has none. None: the
+        move is undone, and that record goes (the images here, or the process restored here, say where the
+        kernel is)."""
+        if host is None:
+            self.drop_record()
+        else:
+            self._write_record({"peer": host, "gpus": []})
+
     def write_record(self) -> None:
         """Record what a server started after a crash needs to adopt this kernel (best effort): its running
         process here, or the peer it runs on (``remote``: the next server relays to it again)."""
         link = self.remote_link
         if link is None and (self.pid is None or self.started is None):
             return
+        self._write_record({"peer": link.host, "gpus": self.remote_gpus} if link is not None else None)
+
+    def _write_record(self, remote: dict | None) -> None:
         info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
         credentials = self._credentials()
         record = {"kernel_id": self.kernel_id, "kernel_name": self.kernel_name, "pid": self.pid,
@@ -428,8 +442,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                   "sessions": list(self.sessions),
                   "credential": credentials.digest(self.kernel_id) if credentials is not None else None,
                   "api_url": credentials.server_url() if credentials is not None else None}
-        if link is not None:
-            record["remote"] = {"peer": link.host, "gpus": self.remote_gpus}
+        if remote is not None:
+            record["remote"] = remote
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_durably(self.record_path, json.dumps(record))

@@ -19,10 +19,11 @@ a kernel runs): a kernel whose process still runs, the same process (PID and sta
 running, with its sessions; any other record is stale and removed.
 
 A record of a kernel that runs on a peer (``remote``: moved there, and its server died or stopped under the
-stop policy 'suspend') is asked of that peer: running there, the kernel is registered as remote and its
-relay bound to its ports and dialled again (the peer keeps it meanwhile: peers.GuestHost); suspended there
-(by the stop, or for a way home that never ended), the peer resumes it first; unknown there, the record
-goes. A peer that cannot be reached, or is no longer configured, leaves the record refused, on disk, for
+stop policy 'suspend'; or being moved there, its process here dumped, when the server died) is asked of that
+peer: running there, the kernel is registered as remote and its relay bound to its ports and dialled again
+(the peer keeps it meanwhile: peers.GuestHost); suspended there (by the stop, for a way home that never ended,
+or received by a move that never restored it), the peer resumes it first; unknown there, the record goes
+(and images here, a move's that never ended there, are the kernel). A peer that cannot be reached, or is no longer configured, leaves the record refused, on disk, for
 the next start.
 """
 
@@ -132,6 +133,8 @@ def _running_kernel(manifest: Manifest, kill_stuck: bool = True) -> int | None:
         return None
     if f"{ENV_KERNEL_ID}={manifest.kernel_id}".encode() not in environ:
         return None  # another process has its PID now: the resume will say who
+    if not proctree.on_this_network(pid):
+        return None  # the copy a peer on this machine restored (the same PIDs): not this server's to adopt or stop
     tree = proctree.descendants(pid)
     stopped = [p for p in tree if (found := proctree.info(p)) is not None and found.state in ("t", "T")]
     locked = [p for p in manifest.cuda_pids if p in tree and _cuda_state(p) not in (None, "running")]
@@ -565,7 +568,8 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
                                     kernel_id)
         if there.get("state") == "suspended":  # as its server stopped, or for a way home that server never ended
             log.warning("gpumigrate: kernel %s was left suspended at %s by its server (which stopped under the "
-                        "stop policy 'suspend', or died on the kernel's way home): resumed there", kernel_id, peer)
+                        "stop policy 'suspend', or died on the kernel's way home, or as it moved the kernel there "
+                        "before the restore): resumed there", kernel_id, peer)
             await asyncio.to_thread(link.resume_left)
             there = await _ask(link)
     except MigrateError as exc:

@@ -215,6 +215,8 @@ async def test_the_kernel_killed_on_the_other_host_while_it_reads_its_buffers_ba
         assert "The move is undone: the kernel is brought back here" in op["error"], op["error"]
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "a" and view["state"] == "running" and not view["remote"], view
+        record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
+        assert "remote" not in record and record["pid"] == view["pid"], record  # the restore's undo took b's name
         assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob) >> 20)")).strip() == \
             "True 1050"
         assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
@@ -986,15 +988,17 @@ async def forgotten(b: Host, kernel_id: str) -> None:
 
 
 @contextlib.asynccontextmanager
-async def a_killable_b_forgetting(a: Host, b: Host) -> AsyncIterator[tuple[dict, list]]:
+async def a_killable_b_forgetting(a: Host, b: Host, unclaimed: float | None = None
+                                  ) -> AsyncIterator[tuple[dict, list]]:
     """For tests that SIGKILL a's server mid-move: b deletes what it received once it waited
-    c.GPUMigrateApp.guest_images_expire (20 s here) for a restore. Yields a's peers (to start it again) and a
-    list for the test's (kernel id, tab); at the end a runs again if it was killed, those kernels end, and b
-    is as it was."""
+    c.GPUMigrateApp.guest_images_expire (20 s here) for a restore (and, given ``unclaimed``, a kernel it restored
+    once it waited that long for a relay). Yields a's peers (to start it again) and a list for the test's
+    (kernel id, tab); at the end a runs again if it was killed, those kernels end, and b is as it was."""
     peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
     saved = dict(b.extra)
     b.stop()
-    b.extra = {**saved, "GPUMigrateApp": {"guest_images_expire": 20}}
+    b.extra = {**saved, "GPUMigrateApp": {"guest_images_expire": 20,
+                                          **({"guest_unclaimed_expire": unclaimed} if unclaimed else {})}}
     b.start({"a": a.peer_entry()})
     kernels: list[tuple[str, WebSocketTab]] = []
     try:
@@ -1095,6 +1099,71 @@ async def test_this_server_killed_mid_transfer_of_a_stashed_kernel_loses_nothing
                 ).strip() == "True 3 1050"
         await forgotten(b, kernel_id)
         assert "were never restored here; deleted" in b.server_log()
+
+
+def images_on_a(a: Host, kernel_id: str) -> list[Path]:
+    """a's own images of the kernel (on disk, or in memory), by their manifests."""
+    memory = [p for p in Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}/manifest.json")
+              if not p.parent.parent.name.endswith("-guests")]
+    return [*(a.root / "state").glob(f"**/{kernel_id}/manifest.json"), *memory]
+
+
+@pytest.mark.parametrize("a_back", ["at once", "after b gave up"])
+async def test_this_server_killed_while_the_other_host_restores_the_kernel_leaves_one_copy(hosts, a_back):
+    """a's server SIGKILLed while b restores the kernel a moves there: a's record of the kernel names b by
+    then. Started again at once, a asks b (again, while b still restores), finds the kernel running there,
+    relays to it and removes its own images: a tab reaches the same process there, with its state. Started
+    only after b gave up on a relay (its c.GPUMigrateApp.guest_unclaimed_expire, here 5 s: b discards the
+    kernel it restored), a finds b without it and takes its own images back: the kernel resumes at home,
+    whole. Either way one copy runs, never two."""
+    a, b = hosts
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    async with a_killable_b_forgetting(a, b, unclaimed=None if a_back == "at once" else 5) as (peers, kernels):
+        kernel_id, tab, _ = await kernel_with_bytes(a)
+        kernels.append((kernel_id, tab))
+        check = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))"
+
+        def kill_a_as_b_restores() -> str:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            while op["phase"] != "restore":
+                assert op["status"] in ("pending", "running"), op
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            deadline = time.monotonic() + 60
+            while True:  # b has begun to restore it
+                there = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+                if there["state"] != "suspended":
+                    break
+                assert time.monotonic() < deadline, there
+                time.sleep(0.005)
+            a.stop(signal.SIGKILL)
+            return there["state"]
+
+        assert await call(kill_a_as_b_restores) in ("migrating", "running")
+        tab.ws.close()
+        record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
+        assert record["remote"]["peer"] == "b", record
+        assert images_on_a(a, kernel_id), "a keeps its images until the kernel answers from b"
+        if a_back == "at once":
+            view = await restart_and_find(a, peers, kernel_id)
+            assert view["host"] == "b" and view["remote"], view
+            there = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+            assert there["state"] == "running", there
+            assert not images_on_a(a, kernel_id)
+            where = b.ip
+        else:
+            deadline = time.monotonic() + 60
+            while "within 5 s: its server died during the move" not in b.server_log():
+                assert time.monotonic() < deadline, b.server_log()
+                await asyncio.sleep(0.2)
+            await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer, expect=404)
+            view = await restart_and_find(a, peers, kernel_id)
+            assert view["state"] == "suspended" and not view["remote"], view
+            assert (await call(a.operate, kernel_id, "resume"))["status"] == "succeeded"
+            where = a.ip
+        tab = await open_tab(a, kernel_id)
+        kernels[:] = [(kernel_id, tab)]
+        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{where}/24"
 
 
 async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(hosts):

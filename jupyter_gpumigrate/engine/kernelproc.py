@@ -96,6 +96,10 @@ class KernelProcess(Protocol):
     def transplant_finish(self) -> None:
         """The transplant is over, done or undone: forget its new process (the kernel, or gone)."""
 
+    def record_moving(self, host: str | None) -> None:
+        """Write down, before ``host`` restores the kernel, that it may run there from now on (so a server that
+        dies before :meth:`adopt_remote` has its next one ask that host first); None: the move is undone."""
+
     def adopt_remote(self, link: object, where: dict) -> None:
         """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""
 

@@ -70,6 +70,17 @@ def is_alive(pid: int) -> bool:
     return found is not None and found.state not in ("Z", "X")
 
 
+def on_this_network(pid: int) -> bool:
+    """Whether process ``pid`` shares this process's network namespace (True where either cannot be read). A
+    kernel's process lives in its server's: one of the same PID in another is a peer's copy of the kernel, on
+    the same machine (hosts made of network namespaces, as the tests' and the bench's are)."""
+    try:
+        theirs, ours = os.stat(f"/proc/{pid}/ns/net"), os.stat("/proc/self/ns/net")
+    except OSError:
+        return True
+    return (theirs.st_dev, theirs.st_ino) == (ours.st_dev, ours.st_ino)
+
+
 def memory(pid: int) -> int:
     """Resident bytes of the tree under ``pid`` (0 for what cannot be read)."""
     total, page = 0, os.sysconf("SC_PAGE_SIZE")

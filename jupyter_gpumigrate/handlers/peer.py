@@ -356,7 +356,7 @@ class GuestActionHandler(PeerHandler):
             elif action == "switch":
                 result = await self.run(self.guests.switch_transplant, kernel_id)
             elif action == "restore":
-                result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"), body.get("key"))
+                result = await self.run(self.guests.restore, kernel_id, body.get("to_gpu"), body.get("key"), True)
             elif action == "dump":
                 self.guests.stop_relay(kernel_id)
                 result = await self.run(self.guests.dump, kernel_id, body.get("key"), body.get("stash_min"))

@@ -14,7 +14,9 @@ Away (``move_to_host``):
     dump        CRIU writes the tree and kills it (not if a file  undo: restore it here, from the images
                 sent early failed)
     transfer    the rest of the images go there                   undo: that host discards them
-    restore     that host restores the tree (onto its GPU), and   undo: that host discards it
+    restore     this host's record of the kernel names that host  undo: that host discards it; the
+                (a server that dies from here on finds it there); record goes
+                that host restores the tree (onto its GPU), and
                 the kernel reads its buffers back there
     adopt       this host relays the kernel's ports there, and    undo: stop relaying
                 the kernel answers through the relay
@@ -247,6 +249,10 @@ def send_images(ctx: HostContext) -> None:
 
 
 def restore_there(ctx: HostContext) -> None:
+    # Written down first: a server that dies from here on has its next one ask that host, whose copy, once
+    # restored, is the kernel (the images here are, if it has none), instead of resuming a second copy here.
+    ctx.kernel.record_moving(ctx.link.host)
+    ctx.undo(lambda: ctx.kernel.record_moving(None))
     try:
         ctx.there = ctx.link.restore(ctx.to_gpu, stashed="stashed" in ctx.stash)
     except MigrateError as exc:  # that host's own words (its resume's) end with what it did there: say ours
