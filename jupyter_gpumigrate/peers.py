@@ -1225,6 +1225,9 @@ class Guest:
     def record_moving(self, host: str | None) -> None:
         self.adopt_remote(None, {})
 
+    def record_copy_left(self, host: str | None) -> None:
+        self.adopt_remote(None, {})
+
     def adopt_remote(self, link: HostLink | None, where: dict) -> None:
         raise InvalidState("A kernel hosted for a peer does not move on from here; its owner brings it back first.")
 

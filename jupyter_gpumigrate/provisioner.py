@@ -121,6 +121,8 @@ class Revival:
     #: that peer said of it
     remote: Any = None
     where: dict | None = None
+    #: the peer that may still hold a dump of the kernel, which came home from it (copy_left in its record)
+    copy_left: str | None = None
     #: set by the provisioner that took it: one that did not (the kernelspec names another provisioner now)
     #: launched a new kernel instead
     taken: bool = False
@@ -294,6 +296,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     _remote_ending = False
     #: left running at its peer as the server stopped (leave_remote): its record stays for the next server
     _left_remote = False
+    #: the peer the kernel came home from, until its dump there is discarded (record_copy_left)
+    copy_left: str | None = None
     started: int | None = None  # start time of the kernel's root process (proctree.start_time)
     #: the command line and environment the kernel was launched with (a transplant launches its new process so)
     launch_cmd: list[str] = []
@@ -426,6 +430,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         else:
             self._write_record({"peer": host, "gpus": []})
 
+    def record_copy_left(self, host: str | None) -> None:
+        """Name ``host`` in the kernel's record from its next write (its adoption, on its way home from that
+        host) as holding a dump of it still: a server that dies before that dump is discarded has its next one
+        discard it (revive.py); None once it is (the record is written again without)."""
+        self.copy_left = host
+        if host is None:
+            self.write_record()
+
     def write_record(self) -> None:
         """Record what a server started after a crash needs to adopt this kernel (best effort): its running
         process here, or the peer it runs on (``remote``: the next server relays to it again)."""
@@ -444,6 +456,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                   "api_url": credentials.server_url() if credentials is not None else None}
         if remote is not None:
             record["remote"] = remote
+        elif self.copy_left:
+            record["copy_left"] = {"peer": self.copy_left}
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_durably(self.record_path, json.dumps(record))
@@ -719,7 +733,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.started = proctree.start_time(self.pid)
         self.cwd = kwargs.get("cwd", Path.cwd())
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
-        self._left_remote = False
+        self._left_remote, self.copy_left = False, None
         self.state, self.broken_reason = RUNNING, None
         self.write_record()
         return self.connection_info
@@ -731,6 +745,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = SUSPENDED, None
         self.sessions = list(revival.sessions)
+        self.copy_left = revival.copy_left
         revival.taken = True
         if self.parent is not None and self.parent.has_trait("last_activity"):
             # Listed as soon as it starts (the server's GET /api/status reads it); the server sets it again

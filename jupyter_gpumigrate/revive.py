@@ -23,8 +23,11 @@ stop policy 'suspend'; or being moved there, its process here dumped, when the s
 peer: running there, the kernel is registered as remote and its relay bound to its ports and dialled again
 (the peer keeps it meanwhile: peers.GuestHost); suspended there (by the stop, for a way home that never ended,
 or received by a move that never restored it), the peer resumes it first; unknown there, the record goes
-(and images here, a move's that never ended there, are the kernel). A peer that cannot be reached, or is no longer configured, leaves the record refused, on disk, for
-the next start.
+(and images here, a move's that never ended there, are the kernel). A peer that cannot be reached, or is no
+longer configured, leaves the record refused, on disk, for the next start.
+
+A record of a kernel running here that names the peer it came home from (``copy_left``: the dump that peer
+keeps of it was not deleted yet, as the server died or could not reach the peer) has that peer delete it.
 """
 
 from __future__ import annotations
@@ -482,6 +485,7 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
     found: list[Found] = []
     km = serverapp.kernel_manager
     elsewhere: list[tuple[Path, dict]] = []  # the kernels on peers: asked all at once, after those here
+    left: list[tuple[str, str, dict]] = []  # the dumps peers keep of kernels that came home from them
     for path in sorted(records.glob("*.json")) if records.is_dir() else []:
         kernel_id = path.stem
         if kernel_id in km:
@@ -495,6 +499,9 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             if remote is not None and not (isinstance(remote, dict) and isinstance(remote.get("peer"), str)):
                 raise ValueError(f"its peer is not said right ({str(remote)[:80]})")
             pid, started = (0, 0) if remote is not None else (int(record["pid"]), int(record["started"]))
+            copy_left = (record.get("copy_left") or {}).get("peer")
+            if copy_left is not None and not isinstance(copy_left, str):
+                raise ValueError(f"the peer it came home from is not said right ({str(copy_left)[:80]})")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("gpumigrate: ignoring the record %s: %s", path, exc)
             found.append(refused(kernel_id, path, f"its running record is not usable: {exc}",
@@ -511,7 +518,7 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             continue
         await asyncio.to_thread(let_cuda_run, kernel_id, pid)
         revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
-                          record.get("credential"), record.get("api_url"), pid)
+                          record.get("credential"), record.get("api_url"), pid, copy_left=copy_left)
         why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)
         if why_not:
             log.error("gpumigrate: kernel %s runs (PID %d), left by an earlier server, but could not be adopted: "
@@ -522,12 +529,46 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             continue
         log.info("gpumigrate: adopted kernel %s (PID %d), left running by an earlier server", kernel_id, pid)
         found.append(Found(kernel_id, "running"))
+        if copy_left is not None:
+            left.append((kernel_id, copy_left, dict(record.get("connection_info") or {})))
     # A peer's answer may take a while (a resume there, a dump there to wait for): one slow peer, or kernel,
     # does not hold the others.
     outcomes = await asyncio.gather(*(_adopt_remote_safely(serverapp, path, record, link_to)
-                                      for path, record in elsewhere))
+                                      for path, record in elsewhere),
+                                    *(_discard_copy_left(serverapp, kernel_id, peer, info, link_to)
+                                      for kernel_id, peer, info in left))
     found += [outcome for outcome in outcomes if outcome is not None]
     return found
+
+
+async def _discard_copy_left(serverapp: Any, kernel_id: str, peer: str, connection_info: dict,
+                             link_to: LinkTo | None) -> None:
+    """The dump a peer keeps of a kernel that came home from it, which the kernel's last server did not live
+    (or could not reach the peer) to have deleted: deleted now, unless the peer runs the kernel (said, and
+    kept: the kernel's user ends the copy not needed). A peer that cannot be asked is asked at the next start."""
+    try:
+        if link_to is None:
+            raise MigrateError("this server relays to no peer")
+        link = link_to(peer, kernel_id, connection_info)
+        there = await _ask(link)
+        if there.get("state") == "running":
+            log.error("gpumigrate: kernel %s runs here, and a copy of it runs on %s too: both are kept; end the "
+                      "one not needed", kernel_id, peer)
+            return
+        await asyncio.to_thread(link.discard)
+    except MigrateError as exc:
+        if getattr(exc, "status", None) != 404:
+            log.warning("gpumigrate: kernel %s came home from %s, whose dump of it could not be deleted (%s): the "
+                        "next start asks again", kernel_id, peer, exc)
+            return
+    except Exception:  # noqa: BLE001  one peer's odd answer never stops a start
+        log.exception("gpumigrate: kernel %s: the dump %s keeps of it could not be deleted", kernel_id, peer)
+        return
+    log.info("gpumigrate: kernel %s came home from %s before its last server stopped: the dump %s kept of it is "
+             "deleted", kernel_id, peer, peer)
+    with contextlib.suppress(KeyError):  # ended meanwhile: its record went with it
+        provisioner = serverapp.kernel_manager.get_kernel(kernel_id).provisioner
+        await asyncio.to_thread(provisioner.record_copy_left, None)
 
 
 #: How long a server starting waits for a peer still moving one of its kernels (its dump for a way home that

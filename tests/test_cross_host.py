@@ -768,6 +768,57 @@ async def test_a_kernel_on_the_other_host_outlives_this_hosts_server_killed_or_s
         await forgotten(b, kernel_id)
 
 
+async def test_this_server_killed_while_the_other_host_suspends_its_kernel_for_its_stop_loses_nothing(hosts):
+    """a stopped under the stop policy 'suspend' while its kernel runs on b, and SIGKILLed once b's dump of it
+    has begun: b's dump goes on (its request's sender gone), and b keeps the kernel suspended. a's record
+    still names b, and a's next server has b resume it and relays to it: the same state, there."""
+    a, b = hosts
+    saved = {section: dict(values) for section, values in a.extra.items()}
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    kernel_id, tab = "", None
+    try:
+        a.extra.setdefault("GPUMigrateApp", {})["stop_policy"] = "suspend"
+        a.stop()
+        await call(a.start, a_peers(b))
+        kernel_id, tab, _ = await kernel_with_bytes(a)
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        tab.ws.close()
+
+        def stop_a_then_kill_it_as_b_dumps() -> str:
+            os.killpg(a.proc.pid, signal.SIGTERM)
+            deadline = time.monotonic() + 60
+            while (there := b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["state"] \
+                    == "running":
+                assert time.monotonic() < deadline and a.proc.poll() is None, there
+                time.sleep(0.005)
+            os.killpg(a.proc.pid, signal.SIGKILL)
+            a.proc.wait(10)
+            return there["state"]
+
+        assert await call(stop_a_then_kill_it_as_b_dumps) in ("migrating", "suspended")  # "suspended": it was quick
+        deadline = time.monotonic() + 60
+        while (there := await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))[
+                "state"] == "migrating":
+            assert time.monotonic() < deadline, there
+            await asyncio.sleep(0.1)
+        assert there["state"] == "suspended" and there["pid"] is None, there
+        assert json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())["remote"]["peer"] == "b"
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        assert "left suspended at b by its server" in a.server_log()
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+            "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+    finally:
+        a.extra = saved
+        a.stop(signal.SIGKILL)  # under 'suspend' a stop would leave the kernel at b: it ends below instead
+        await call(a.start, a_peers(b))
+        if kernel_id and tab is not None:
+            await end_kernel(a, kernel_id, tab)
+            await forgotten(b, kernel_id)
+
+
 async def test_a_kernel_on_the_other_host_whose_server_went_too_is_refused_then_relayed_then_forgotten(hosts):
     """Both servers SIGKILLed while a's kernel runs on b. a's next server cannot ask b: the kernel's record is
     refused, kept on disk and listed with what to do. Once b's next server has taken its guest back, a's next
@@ -903,6 +954,54 @@ async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes
         b.extra = saved
         b.stop()
         await call(b.start, {"a": a.peer_entry()})
+
+
+async def test_a_dump_the_other_host_could_not_be_told_to_delete_goes_once_this_server_starts_again(hosts):
+    """b's server SIGKILLed on the kernel's way home once a has fetched its dump: the kernel comes home all
+    the same, but b cannot be told to delete the dump, and b's next server keeps it (for all b knows, the
+    kernel's only copy). a's record of the kernel names that copy (``copy_left``); a's next server adopts the
+    kernel, still running here, and has b discard the dump; the record then names nothing there."""
+    a, b = hosts
+    kernel_id, tab, _ = await kernel_with_bytes(a)
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    record_path = a.root / "state" / "kernels" / f"{kernel_id}.json"
+    try:
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+
+        def kill_b_once_the_dump_is_here() -> dict:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
+            while op["phase"] != "restore":
+                assert op["status"] in ("pending", "running"), op
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            os.killpg(b.proc.pid, signal.SIGKILL)
+            b.proc.wait(10)
+            while op["status"] in ("pending", "running"):
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return op
+
+        op = await call(kill_b_once_the_dump_is_here)
+        assert op["status"] == "succeeded", op
+        assert "could not delete its images there" in a.server_log()
+        assert json.loads(record_path.read_text())["copy_left"] == {"peer": "b"}
+        await call(b.start, {"a": a.peer_entry()})
+        there = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+        assert there["state"] == "suspended", there
+        tab.ws.close()
+        a.stop(signal.SIGKILL)
+        view = await restart_and_find(a, a_peers(b), kernel_id)
+        assert view["state"] == "running" and view["host"] == "a", view
+        await forgotten(b, kernel_id)
+        assert "copy_left" not in json.loads(record_path.read_text())
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+            "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+    finally:
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        if a.proc.poll() is not None:
+            await call(a.start, a_peers(b))
+        await end_kernel(a, kernel_id, tab)
 
 
 async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_kernel_runs_on_there(hosts):

@@ -100,6 +100,11 @@ class KernelProcess(Protocol):
         """Write down, before ``host`` restores the kernel, that it may run there from now on (so a server that
         dies before :meth:`adopt_remote` has its next one ask that host first); None: the move is undone."""
 
+    def record_copy_left(self, host: str | None) -> None:
+        """Name ``host``, which the kernel comes home from, in its record from its adoption here on, as holding a
+        dump of it still (so that a server that dies before it is discarded has its next one discard it); None
+        once it is."""
+
     def adopt_remote(self, link: object, where: dict) -> None:
         """The kernel runs on ``link``'s host now (``where``: what that host said of it: pid, gpu, gpus)."""
 

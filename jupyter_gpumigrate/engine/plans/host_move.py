@@ -36,8 +36,10 @@ Home (``return_home``):
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
     unstash     the kernel reads its buffers back (if it wrote)   (undone with the restore)
-    adopt       the tree is the kernel again                      (last)
-    on success  the images here and there are removed
+    adopt       the tree is the kernel again; its record names    (last)
+                the dump there until that is removed
+    on success  the images here and there are removed (a dump there that cannot be, a server that dies
+                first: the next server removes it as it starts)
 
 This host keeps its copy of the images until the kernel answers from there: any failure before that
 brings the kernel back here, from that copy.
@@ -103,7 +105,7 @@ def home() -> Saga[HostContext]:
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
             Step("unstash", unstash_here, when=lambda ctx: bool(ctx.manifest and ctx.manifest.stash)),
-            Step("adopt", adopt_restored),
+            Step("adopt", adopt_home),
             Step("forget images", forget_images, kind=ON_SUCCESS),
             Step("forget images there", discard_there, kind=ON_SUCCESS),
         ],
@@ -347,12 +349,21 @@ def unstash_here(ctx: HostContext) -> None:
     ctx.stash = {"stashed": int(ctx.manifest.stash.get("stashed", 0)), "unstashed": int(said.get("unstashed") or 0)}
 
 
+def adopt_home(ctx: HostContext) -> None:
+    # The dump there is written down with the kernel's adoption (the same write of its record): whatever ends
+    # this server before that dump is discarded, the next one discards it, and no memory there is held for ever.
+    ctx.kernel.record_copy_left(ctx.link.host)
+    adopt_restored(ctx)
+
+
 def discard_there(ctx: HostContext) -> None:
     try:
         ctx.link.discard()  # its images there hold the kernel's memory
     except MigrateError:
-        log.warning("kernel %s is back, but %s could not delete its images there", ctx.kernel.kernel_id,
-                    ctx.link.host)
+        log.warning("kernel %s is back, but %s could not delete its images there: this server's next start does",
+                    ctx.kernel.kernel_id, ctx.link.host)
+        return
+    ctx.kernel.record_copy_left(None)
 
 
 def return_home(kernel: KernelProcess, tools: Tools, link: HostLink, to_gpu: int | None = None,
