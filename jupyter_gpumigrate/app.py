@@ -35,10 +35,10 @@ from .engine.errors import MigrateError
 from .engine.images import write_durably
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import RUNNING_GUESTS, GuestHost, Peer
-from .provisioner import PROVISIONER_NAME, MigratableProvisioner
+from .provisioner import PROVISIONER_NAME, RECORDS, MigratableProvisioner
 from .memorywatch import keep_relieving
 from .retention import discard_expired, keep_discarding, keep_expiring_sources
-from .revive import let_cuda_run, lock_state, revive_all
+from .revive import let_cuda_run, lock_state, peer_notebooks, revive_all
 from .sharing import Sharing
 
 
@@ -47,6 +47,9 @@ from .sharing import Sharing
 LATE_GRACE = 15.0
 #: The longest the session API waits, as the server starts, for the kernels of an earlier server.
 REVIVE_WAIT = 60.0
+#: The longest a new session waits, as the server starts, for the kernel of its notebook that runs on a peer
+#: (which the peer may have to resume first, or be busy with: revive.PEER_BUSY_WAIT).
+REVIVE_PEER_WAIT = 300.0
 #: True in the task that takes those kernels back.
 REVIVING: contextvars.ContextVar[bool] = contextvars.ContextVar("gpumigrate_reviving", default=False)
 
@@ -444,7 +447,7 @@ class GPUMigrateApp(ExtensionApp):
             self.guests.back.set()  # it takes none back
             return
         await asyncio.to_thread(self._take_back_guests)
-        done = self._hold_sessions_until_revived()
+        done = self._hold_sessions_until_revived(peer_notebooks(state_dir / RECORDS))
         REVIVING.set(True)  # this task's own session calls are not held
         sharing = None
         try:
@@ -507,26 +510,45 @@ class GPUMigrateApp(ExtensionApp):
 
         self._retention_task = asyncio.get_running_loop().create_task(run())
 
-    def _hold_sessions_until_revived(self) -> asyncio.Event:
+    def _hold_sessions_until_revived(self, on_peers: set[str]) -> asyncio.Event:
         """JupyterLab, reconnecting as the server starts, asks which session a notebook has, and makes one,
         with a new kernel, if there is none yet: the session API waits (at most REVIVE_WAIT) until the
-        kernels of an earlier server are back, with their sessions."""
+        kernels of an earlier server are back, with their sessions. A new session asked for meanwhile is the
+        notebook's session that came back, if one did (never a second kernel for it); for a notebook whose
+        kernel runs on a peer (``on_peers``: their paths), which may first have to resume it, it waits up to
+        REVIVE_PEER_WAIT."""
         done = asyncio.Event()
         sessions = getattr(self.serverapp, "session_manager", None)
         if sessions is None:
             return done
-        for name in ("create_session", "list_sessions", "get_session"):
+
+        async def until_done(seconds: float) -> None:
+            if not done.is_set() and not REVIVING.get():
+                try:
+                    await asyncio.wait_for(done.wait(), seconds)
+                except asyncio.TimeoutError:
+                    pass
+
+        create, exists, get = sessions.create_session, sessions.session_exists, sessions.get_session
+        for name in ("list_sessions", "get_session"):
             method = getattr(sessions, name)
 
             async def held(*args: Any, _method: Any = method, **kwargs: Any) -> Any:
-                if not done.is_set() and not REVIVING.get():
-                    try:
-                        await asyncio.wait_for(done.wait(), REVIVE_WAIT)
-                    except asyncio.TimeoutError:
-                        pass
+                await until_done(REVIVE_WAIT)
                 return await _method(*args, **kwargs)
 
             setattr(sessions, name, held)
+
+        async def held_create(*args: Any, **kwargs: Any) -> Any:
+            if done.is_set() or REVIVING.get():
+                return await create(*args, **kwargs)
+            path = kwargs.get("path", args[0] if args else None)
+            await until_done(REVIVE_PEER_WAIT if path in on_peers else REVIVE_WAIT)
+            if path is not None and kwargs.get("kernel_id") is None and await exists(path=path):
+                return await get(path=path)  # its kernel came back with this session meanwhile
+            return await create(*args, **kwargs)
+
+        sessions.create_session = held_create
         return done
 
     _stopping = False

@@ -326,6 +326,20 @@ def _remote_names(records: Path) -> set[str]:
     return names
 
 
+def peer_notebooks(records: Path) -> set[str]:
+    """The notebooks (their sessions' paths) of the kernels whose running record names a peer: those that may
+    take a while to come back (the peer may resume them first)."""
+    paths: set[str] = set()
+    for path in records.glob("*.json") if records.is_dir() else []:
+        try:
+            record = json.loads(path.read_text())
+            if isinstance(record.get("remote"), dict):
+                paths.update(str(entry["path"]) for entry in record.get("sessions") or [] if entry.get("path"))
+        except (OSError, ValueError, AttributeError, TypeError, KeyError):
+            continue
+    return paths
+
+
 #: How long a transplant's new process, found running at start, gets to answer on the kernel's ports.
 TAKEN_OVER_WAIT = 10.0
 

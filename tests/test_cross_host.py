@@ -819,6 +819,56 @@ async def test_this_server_killed_while_the_other_host_suspends_its_kernel_for_i
             await forgotten(b, kernel_id)
 
 
+async def test_a_notebook_opened_while_its_kernel_on_the_other_host_comes_back_gets_that_kernel(hosts):
+    """a stopped under the stop policy 'suspend' with a notebook's kernel on b (b keeps it suspended). As a's
+    next server starts, b is slow to answer (its server paused): the notebook asks for a session (as JupyterLab
+    does when it finds none) meanwhile. It gets the kernel that comes back, with its state, once b resumed it,
+    not a new kernel; the notebook has one session."""
+    a, b = hosts
+    saved = {section: dict(values) for section, values in a.extra.items()}
+    notebook = {"path": "work.ipynb", "name": "work.ipynb", "type": "notebook", "kernel": {"name": "python3"}}
+    kernel_id, tab = "", None
+    try:
+        a.extra.setdefault("GPUMigrateApp", {})["stop_policy"] = "suspend"
+        a.stop()
+        await call(a.start, a_peers(b))
+        kernel_id = (await call(a.api, "POST", "api/sessions", notebook))["kernel"]["id"]
+        tab = await open_tab(a, kernel_id)
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 400_000\nbefore = hashlib.sha256(blob).hexdigest()")
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        tab.ws.close()
+        await call(a.stop)
+        assert f"kernel {kernel_id} suspended at b, for the next server" in a.server_log()
+
+        os.kill(b.proc.pid, signal.SIGSTOP)
+        try:
+            await call(a.start, a_peers(b))
+            asked = asyncio.ensure_future(call(a.api, "POST", "api/sessions", notebook))
+            await asyncio.sleep(3)
+            assert not asked.done(), "the session was answered before the kernel came back"
+        finally:
+            os.kill(b.proc.pid, signal.SIGCONT)
+        session = await asyncio.wait_for(asked, 120)
+        assert session["kernel"]["id"] == kernel_id, session
+        assert [s["kernel"]["id"] for s in await call(a.api, "GET", "api/sessions")
+                if s["path"] == "work.ipynb"] == [kernel_id]
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["state"] == "running", view
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")).strip() == \
+            "True 102400000"
+    finally:
+        a.extra = saved
+        a.stop(signal.SIGKILL)  # under 'suspend' a stop would leave the kernel at b: it ends below instead
+        await call(a.start, a_peers(b))
+        for session in await call(a.api, "GET", "api/sessions"):
+            await call(a.api, "DELETE", f"api/sessions/{session['id']}", expect=204)
+        if tab is not None:
+            tab.ws.close()
+        if kernel_id:
+            await forgotten(b, kernel_id)
+
+
 async def test_a_kernel_on_the_other_host_whose_server_went_too_is_refused_then_relayed_then_forgotten(hosts):
     """Both servers SIGKILLed while a's kernel runs on b. a's next server cannot ask b: the kernel's record is
     refused, kept on disk and listed with what to do. Once b's next server has taken its guest back, a's next
