@@ -1159,6 +1159,8 @@ class Guest:
         self.ran = False
         #: its peer relayed its channels here (ChannelsHandler) since this server has it
         self.relayed = False
+        #: being discarded as no relay claimed it (GuestHost.claim refuses a relay from then on)
+        self.discarding = False
 
     @property
     def kernel_name(self) -> str:
@@ -1646,6 +1648,14 @@ class GuestHost:
                                 "did not come (the peer keeps its images until the kernel is relayed to, and "
                                 "resumes it from them)")
 
+    def claim(self, guest: Guest) -> bool:
+        """The peer's relay takes ``guest``: never discarded as unclaimed from now on; False if it is being so."""
+        with self._transplant_lock:
+            if guest.discarding:
+                return False
+            guest.relayed = True
+            return True
+
     def _discard_unrelayed(self, kernel_id: str, pid: int, again: Callable[[str, Any], None], why: str) -> None:
         guest = self.guests.get(kernel_id)
         if guest is None or guest.pid != pid or guest.relayed:
@@ -1654,6 +1664,10 @@ class GuestHost:
         if kernel_id in self.dumping or (lock is not None and lock.locked()):  # a request for it runs: look again
             self._later(kernel_id, self.unclaimed, again, pid)
             return
+        with self._transplant_lock:  # a relay that comes now is refused (claim): never a relayed kernel discarded
+            if guest.relayed:
+                return
+            guest.discarding = True
         log.warning("gpumigrate: kernel %s, %s; discarded", kernel_id,
                     why.format(peer=guest.peer, seconds=self.unclaimed))
         self.discard(kernel_id)

@@ -49,7 +49,7 @@ from .engine.access import images_root
 from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
-from .engine.errors import InvalidState, MigrateError
+from .engine.errors import ImageError, InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
@@ -121,8 +121,6 @@ class Revival:
     #: that peer said of it
     remote: Any = None
     where: dict | None = None
-    #: the peer that may still hold a dump of the kernel, which came home from it (copy_left in its record)
-    copy_left: str | None = None
     #: set by the provisioner that took it: one that did not (the kernelspec names another provisioner now)
     #: launched a new kernel instead
     taken: bool = False
@@ -428,7 +426,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if host is None:
             self.drop_record()
         else:
-            self._write_record({"peer": host, "gpus": []})
+            self._write_record({"peer": host, "gpus": []}, strict=True)
 
     def record_copy_left(self, host: str | None) -> None:
         """Name ``host`` in the kernel's record from its next write (its adoption, on its way home from that
@@ -446,7 +444,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return
         self._write_record({"peer": link.host, "gpus": self.remote_gpus} if link is not None else None)
 
-    def _write_record(self, remote: dict | None) -> None:
+    def _write_record(self, remote: dict | None, strict: bool = False) -> None:
+        """Write the record (``remote``: the peer it names); ``strict``: a failure raises ImageError, else it
+        is logged (the kernel runs all the same)."""
         info = {k: (v.decode() if isinstance(v, bytes) else v) for k, v in self.connection_info.items()}
         credentials = self._credentials()
         record = {"kernel_id": self.kernel_id, "kernel_name": self.kernel_name, "pid": self.pid,
@@ -462,6 +462,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
             write_durably(self.record_path, json.dumps(record))
         except OSError as exc:
+            if strict:
+                raise ImageError(f"The kernel's record could not be written in {self.record_path.parent} ({exc}); "
+                                 "free room there and try again.") from exc
             self.log.warning("gpumigrate: could not record running kernel %s (%s): a server started after a "
                              "crash will not find it", self.kernel_id, exc)
 
@@ -745,7 +748,6 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.remote_link, self.remote_gpus, self._remote_ending = None, [], False
         self.state, self.broken_reason = SUSPENDED, None
         self.sessions = list(revival.sessions)
-        self.copy_left = revival.copy_left
         revival.taken = True
         if self.parent is not None and self.parent.has_trait("last_activity"):
             # Listed as soon as it starts (the server's GET /api/status reads it); the server sets it again

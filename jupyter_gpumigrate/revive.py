@@ -292,18 +292,49 @@ async def revive_all(serverapp: Any, link_to: LinkTo | None = None) -> list[Foun
     # A kernel whose record names a peer: the peer's copy is the kernel if it has one (its images here are
     # from before, or a way home that never ended), so they wait for what the peer says.
     remote = _remote_names(records)
+    left = _copies_left(records)  # read before anything here writes those records again
     for name in store.names():
         if name in km or name in remote or _transplanted(store, name):
             continue
         found.append(await _take_back_images_safely(serverapp, store, name))
     found += await _adopt_running(serverapp, records, link_to)
     for name in remote & set(store.names()):
-        if name in km:  # relayed to on the peer: what is here of it is stale
-            store.remove(name)
-            log.warning("gpumigrate: kernel %s runs on its peer: its images here, from before, are removed", name)
+        if name in km:  # relayed to on the peer: what is here of it is stale, once the kernel answers from there
+            await _remove_once_answering(serverapp, store, name)
         elif not (records / f"{name}.json").exists():  # the peer no longer has it: these images are the kernel
             found.append(await _take_back_images_safely(serverapp, store, name))
+    await asyncio.gather(*(_discard_copy_left(serverapp, name, peer, link_to)
+                           for name, peer in left.items() if name in km))
     return found
+
+
+async def _remove_once_answering(serverapp: Any, store: ImageStore, name: str) -> None:
+    """The images here of a kernel relayed to on its peer go once it answers through the relay; kept if it does
+    not (the peer discarded it as the relay came, say): the next start asks the peer again."""
+    provisioner = serverapp.kernel_manager.get_kernel(name).provisioner
+    if await asyncio.to_thread(kernel_answers, dict(provisioner.connection_info), RELAYED_WAIT):
+        store.remove(name)
+        log.warning("gpumigrate: kernel %s runs on its peer: its images here, from before, are removed", name)
+    else:
+        log.error("gpumigrate: kernel %s is relayed to on its peer but does not answer: its images here are kept",
+                  name)
+
+
+#: How long a kernel relayed to again at start gets to answer before its images here are removed, in seconds.
+RELAYED_WAIT = 30.0
+
+
+def _copies_left(records: Path) -> dict[str, str]:
+    """The peers that keep a dump of kernels that came home from them (``copy_left`` in their records)."""
+    left: dict[str, str] = {}
+    for path in records.glob("*.json") if records.is_dir() else []:
+        try:
+            copy_left = json.loads(path.read_text()).get("copy_left")
+        except (OSError, ValueError, AttributeError):
+            continue
+        if isinstance(copy_left, dict) and isinstance(copy_left.get("peer"), str):
+            left[path.stem] = copy_left["peer"]
+    return left
 
 
 async def _take_back_images_safely(serverapp: Any, store: ImageStore, name: str) -> Found:
@@ -499,7 +530,6 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
     found: list[Found] = []
     km = serverapp.kernel_manager
     elsewhere: list[tuple[Path, dict]] = []  # the kernels on peers: asked all at once, after those here
-    left: list[tuple[str, str, dict]] = []  # the dumps peers keep of kernels that came home from them
     for path in sorted(records.glob("*.json")) if records.is_dir() else []:
         kernel_id = path.stem
         if kernel_id in km:
@@ -513,9 +543,6 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             if remote is not None and not (isinstance(remote, dict) and isinstance(remote.get("peer"), str)):
                 raise ValueError(f"its peer is not said right ({str(remote)[:80]})")
             pid, started = (0, 0) if remote is not None else (int(record["pid"]), int(record["started"]))
-            copy_left = (record.get("copy_left") or {}).get("peer")
-            if copy_left is not None and not isinstance(copy_left, str):
-                raise ValueError(f"the peer it came home from is not said right ({str(copy_left)[:80]})")
         except (OSError, ValueError, KeyError, TypeError) as exc:
             log.error("gpumigrate: ignoring the record %s: %s", path, exc)
             found.append(refused(kernel_id, path, f"its running record is not usable: {exc}",
@@ -532,7 +559,7 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             continue
         await asyncio.to_thread(let_cuda_run, kernel_id, pid)
         revival = Revival(dict(record.get("connection_info") or {}), list(record.get("sessions") or []),
-                          record.get("credential"), record.get("api_url"), pid, copy_left=copy_left)
+                          record.get("credential"), record.get("api_url"), pid)
         why_not = await _take_back(serverapp, kernel_id, str(record.get("kernel_name") or ""), revival)
         if why_not:
             log.error("gpumigrate: kernel %s runs (PID %d), left by an earlier server, but could not be adopted: "
@@ -543,31 +570,32 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
             continue
         log.info("gpumigrate: adopted kernel %s (PID %d), left running by an earlier server", kernel_id, pid)
         found.append(Found(kernel_id, "running"))
-        if copy_left is not None:
-            left.append((kernel_id, copy_left, dict(record.get("connection_info") or {})))
     # A peer's answer may take a while (a resume there, a dump there to wait for): one slow peer, or kernel,
     # does not hold the others.
     outcomes = await asyncio.gather(*(_adopt_remote_safely(serverapp, path, record, link_to)
-                                      for path, record in elsewhere),
-                                    *(_discard_copy_left(serverapp, kernel_id, peer, info, link_to)
-                                      for kernel_id, peer, info in left))
+                                      for path, record in elsewhere))
     found += [outcome for outcome in outcomes if outcome is not None]
     return found
 
 
-async def _discard_copy_left(serverapp: Any, kernel_id: str, peer: str, connection_info: dict,
-                             link_to: LinkTo | None) -> None:
+async def _discard_copy_left(serverapp: Any, kernel_id: str, peer: str, link_to: LinkTo | None) -> None:
     """The dump a peer keeps of a kernel that came home from it, which the kernel's last server did not live
-    (or could not reach the peer) to have deleted: deleted now, unless the peer runs the kernel (said, and
-    kept: the kernel's user ends the copy not needed). A peer that cannot be asked is asked at the next start."""
+    (or could not reach the peer) to have deleted: deleted now, if the peer has it suspended or ended, and the
+    kernel is here (taken back running or suspended). Anything else there is left as it is, and the next start
+    asks again."""
     try:
+        provisioner = serverapp.kernel_manager.get_kernel(kernel_id).provisioner
+        if provisioner.remote_link is not None:
+            return
+        provisioner.record_copy_left(peer)  # kept in its record (written again as it was taken back) until deleted
+        provisioner.write_record()
         if link_to is None:
             raise MigrateError("this server relays to no peer")
-        link = link_to(peer, kernel_id, connection_info)
-        there = await _ask(link)
-        if there.get("state") == "running":
-            log.error("gpumigrate: kernel %s runs here, and a copy of it runs on %s too: both are kept; end the "
-                      "one not needed", kernel_id, peer)
+        link = link_to(peer, kernel_id, dict(provisioner.connection_info))
+        state = (await _ask(link)).get("state")
+        if state not in ("suspended", "stopped"):
+            log.error("gpumigrate: kernel %s came home from %s, which says it is %s there: what %s keeps of it is "
+                      "left as it is (the next start asks again)", kernel_id, peer, state, peer)
             return
         await asyncio.to_thread(link.discard)
     except MigrateError as exc:
@@ -580,9 +608,7 @@ async def _discard_copy_left(serverapp: Any, kernel_id: str, peer: str, connecti
         return
     log.info("gpumigrate: kernel %s came home from %s before its last server stopped: the dump %s kept of it is "
              "deleted", kernel_id, peer, peer)
-    with contextlib.suppress(KeyError):  # ended meanwhile: its record went with it
-        provisioner = serverapp.kernel_manager.get_kernel(kernel_id).provisioner
-        await asyncio.to_thread(provisioner.record_copy_left, None)
+    await asyncio.to_thread(provisioner.record_copy_left, None)
 
 
 #: How long a server starting waits for a peer still moving one of its kernels (its dump for a way home that
@@ -696,6 +722,8 @@ def _stop_local_copy(store: ImageStore, kernel_id: str) -> None:
                     "end, is stopped: the copy on its peer is the kernel", kernel_id, pid)
         proctree.kill_tree(pid)
         proctree.wait_gone(pid, timeout=10)
+        # Its PIDs free: on one machine (hosts of network namespaces) the peer's resume needs the very same.
+        proctree.wait_ids_released(manifest.ids, timeout=10)
 
 
 async def _restore_sessions(serverapp: Any, kernel_id: str, entries: list[dict]) -> None:

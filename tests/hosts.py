@@ -137,7 +137,11 @@ class Host:
         return rest(self.url, self.token, method, path, body, expect, headers, self.context())
 
     def operate(self, kernel_id: str, action: str, body: dict | None = None, timeout: float = 180) -> dict:
-        return operate_on(self, kernel_id, action, body, timeout)
+        op = operate_on(self, kernel_id, action, body, timeout)
+        if op["status"] == "failed":  # said in the test's captured output, where an assertion on it fails
+            print(f"{self.name}: {action} of kernel {kernel_id} failed in phase {op.get('failed_phase')}: "
+                  f"{op.get('error')}\n{self.server_log()[-3000:]}")
+        return op
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc is not None and self.proc.poll() is None:

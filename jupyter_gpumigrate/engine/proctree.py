@@ -199,17 +199,18 @@ def steer_pid_allocation(ids: list[int], margin: int = 64) -> bool:
     return True
 
 
-def wait_ids_released(ids: list[int], name: str, timeout: float) -> bool:
-    """Wait until no process or thread named ``name`` holds one of ``ids``; True if none does in time."""
+def wait_ids_released(ids: list[int], name: str | None = None, timeout: float = 10.0) -> bool:
+    """Wait until no process or thread (named ``name``, if given) holds one of ``ids``, not even one that exited
+    and waits to be collected (ours are reaped); True if none does in time."""
     deadline = time.monotonic() + timeout
     while True:
-        held = [pid for pid in ids if (found := info(pid)) is not None and found.name == name]
+        held = [i for i in ids if (found := info(i)) is not None and name in (None, found.name)]
         if not held:
             return True
         if time.monotonic() >= deadline:
             return False
-        for pid in held:
-            reap(pid)
+        for i in held:
+            reap(i)
         time.sleep(0.02)
 
 

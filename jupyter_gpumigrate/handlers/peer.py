@@ -409,7 +409,9 @@ class ChannelsHandler(WebSocketHandler):
         except (MigrateError, ValueError, TypeError, IndexError, RecursionError) as exc:
             self.close(4004, str(exc)[:120])
             return
-        guest.relayed = True  # its peer has it: not discarded as unclaimed (GuestHost.take_back)
+        if not self.guests.claim(guest):  # its peer has it: never discarded as unclaimed from now on
+            self.close(4004, "This kernel is being discarded here: no relay claimed it in time.")
+            return
         self.guests.stop_relay(kernel_id)
         self.end = RelayServerEnd(guest.kernel_connection_info, self._send, guest.api_listen)
         await self.end.start()
