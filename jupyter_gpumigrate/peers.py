@@ -60,7 +60,7 @@ from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, 
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
 from . import __version__ as _VERSION
-from .relay import RelayClient
+from .relay import ApiListeners, RelayClient
 
 log = logging.getLogger(__name__)
 
@@ -1259,6 +1259,8 @@ class GuestHost:
         self.guests: dict[str, Guest] = {}
         self.locks: dict[str, asyncio.Lock] = {}
         self.relays: dict[str, Any] = {}
+        #: where the relays listen for their kernels' calls to their servers, one listener for each peer's
+        self.api_listeners = ApiListeners()
         #: kernel id -> image file name -> the checksum of what arrived (checked when the images are complete)
         self.received: dict[str, dict[str, str]] = {}
         #: kernels whose dump for their way home runs here (:meth:`growing`, bulk.py)
@@ -1406,7 +1408,14 @@ class GuestHost:
                                     f"{kernel_id} again in a moment.") from None
             raise GuestNotFound(f"This server hosts no kernel {kernel_id} for a peer.") from None
 
-    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None) -> list[str]:
+    def _unshared(self, listens: list[tuple[str, int]], peer: str) -> list[tuple[str, int]]:
+        """``listens`` less the address where this host listens already for ``peer``'s kernels' calls to their
+        server: a kernel of that peer comes with it (the calls of all its kernels share it here)."""
+        return [listen for listen in listens if not self.api_listeners.shared(listen, peer)]
+
+    def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None,
+              peer: str = "") -> list[str]:
+        requirements.listens = self._unshared(requirements.listens, peer)
         found = hostfit.problems(requirements)
         try:
             self.criu()
@@ -1500,9 +1509,10 @@ class GuestHost:
     # a transplant's new process (engine/plans/host_transplant.py: its peer's side)
 
     def check_transplant(self, kernel_id: str, kernel_name: str, listens: list[tuple[str, int]], nbytes: int,
-                         gpu_bytes: int, to_gpu: int | None) -> list[str]:
+                         gpu_bytes: int, to_gpu: int | None, peer: str = "") -> list[str]:
         """Each reason why this host cannot start the new process of a transplant; empty if it can."""
-        found = hostfit.problems(hostfit.Requirements(ids=[], listens=[(str(a), int(p)) for a, p in listens]))
+        found = hostfit.problems(hostfit.Requirements(ids=[], listens=self._unshared(
+            [(str(a), int(p)) for a, p in listens], peer)))
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             found.append(f"kernel {kernel_id} already lives here")
         for check in (lambda: self._transplant_argv(kernel_name, ""), self.criu):  # CRIU: its way home

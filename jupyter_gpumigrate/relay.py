@@ -13,8 +13,8 @@ relay neither reads nor signs anything.
     iopub                  XPUB (subscriptions forwarded)   XSUB
 
 The same WebSocket carries the kernel's own calls to its server (``%migrate`` inside the kernel): B
-listens on the loopback port the kernel knows its server by, and each connection to it is a stream
-that A opens to its own server.
+listens on the loopback port the kernel knows its server by (one listener for all the kernels of one
+peer, :class:`ApiListeners`), and each connection to it is a stream that A opens to its own server.
 
 Wire format, one binary WebSocket message each: a kind byte, then
 - ZMQ (kinds 0-4, the channels above): the frames, each as a 4-byte big-endian length and its bytes;
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import struct
 from collections import deque
@@ -407,26 +408,19 @@ class RelayClient:
 
 
 class RelayServerEnd:
-    """B's end, behind the peer WebSocket: connects to the kernel's ports here, and listens on
-    ``api_listen`` (the address the kernel knows its server by) for its own calls."""
+    """B's end, behind the peer WebSocket: connects to the kernel's ports here, and carries the kernel's calls
+    to its server that :class:`ApiListeners` hands it."""
 
-    def __init__(self, connection_info: dict, send: Send, api_listen: tuple[str, int] | None) -> None:
+    def __init__(self, connection_info: dict, send: Send) -> None:
         self.send = send
         self.zmq = ZmqEnd(connection_info, B_SIDE, send)
         self.streams = Streams(send)
-        self.api_listen = api_listen
-        self.server: asyncio.base_events.Server | None = None
 
-    async def start(self) -> None:
+    def start(self) -> None:
         self.zmq.open(bind=False)
-        if self.api_listen is not None:
-            try:
-                self.server = await asyncio.start_server(self._accept, *self.api_listen)
-            except OSError as exc:
-                log.warning("relay: cannot listen on %s:%s for the kernel's calls to its server (%s); "
-                            "%%migrate inside the kernel will not reach it", *self.api_listen, exc)
 
-    async def _accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def accept(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """Carry a call to the kernels' server, made here, to A's end (which opens it there)."""
         stream, self.streams.next_id = self.streams.next_id, self.streams.next_id + 1
         await self.send(pack_stream(OPEN, stream))
         self.streams.adopt(reader, writer, stream)
@@ -435,8 +429,72 @@ class RelayServerEnd:
         await route(data, self.zmq, self.streams)
 
     def stop(self) -> None:
-        if self.server is not None:
-            self.server.close()
-            self.server = None
         self.zmq.close()
         self.streams.close()
+
+
+class ApiListeners:
+    """B's listening sockets for its guests' calls to their own server (``%migrate`` inside the kernel).
+
+    A kernel calls its server on the loopback address that server listens on for its kernels, and every
+    kernel of one peer knows the same one. So the relays of one peer's kernels here share one listener
+    on it: a call goes over the WebSocket of the first of them still open, as each reaches that same
+    server, which knows the calling kernel by its credential. The listener closes with the last relay
+    that shares it. Another peer's kernel whose server listens on the same address at home cannot be
+    served here: :meth:`taken` says so before it comes.
+    """
+
+    def __init__(self) -> None:
+        #: address -> (the peer, its listening server, the relays that share it, oldest first)
+        self._held: dict[tuple[str, int], tuple[str, asyncio.base_events.Server, list[RelayServerEnd]]] = {}
+        self._lock = asyncio.Lock()
+
+    def taken(self, address: tuple[str, int], peer: str) -> bool:
+        """Whether ``address`` is listened on here for another peer's kernels than ``peer``'s."""
+        held = self._held.get(address)
+        return held is not None and held[0] != peer
+
+    def shared(self, address: tuple[str, int], peer: str) -> bool:
+        """Whether ``address`` is listened on here for ``peer``'s kernels already (one more can share it)."""
+        held = self._held.get(address)
+        return held is not None and held[0] == peer
+
+    async def join(self, end: RelayServerEnd, address: tuple[str, int], peer: str) -> None:
+        """Carry the calls made on ``address`` over ``end`` too (listening on it from the first relay)."""
+        async with self._lock:  # two relays that open at once make one listener
+            held = self._held.get(address)
+            if held is None:
+                try:
+                    server = await asyncio.start_server(functools.partial(self._accept, address), *address)
+                except OSError as exc:
+                    log.warning("relay: cannot listen on %s:%s for the kernel's calls to its server (%s); "
+                                "%%migrate inside the kernel will not reach it", *address, exc)
+                    return
+                held = self._held[address] = (peer, server, [])
+            elif held[0] != peer:
+                log.warning("relay: %s:%s is where the kernels of %s call their server here; those of %s cannot "
+                            "(%%migrate inside the kernel will not reach it)", *address, held[0], peer)
+                return
+            held[2].append(end)
+
+    def leave(self, end: RelayServerEnd) -> None:
+        """``end`` carries no more calls; the last to leave a listener closes it."""
+        for address, (_, server, ends) in list(self._held.items()):
+            if end in ends:
+                ends.remove(end)
+                if not ends:
+                    server.close()
+                    del self._held[address]
+
+    async def _accept(self, address: tuple[str, int], reader: asyncio.StreamReader,
+                      writer: asyncio.StreamWriter) -> None:
+        held = self._held.get(address)
+        if held is None or not held[2]:
+            writer.close()
+            return
+        await held[2][0].accept(reader, writer)
+
+    def close(self) -> None:
+        for _, server, _ in self._held.values():
+            server.close()
+        self._held.clear()

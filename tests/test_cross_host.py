@@ -52,6 +52,39 @@ def hosts(tmp_path_factory):
         net.close()
 
 
+def left_behind(a: Host, b: Host) -> list[str]:
+    """What a test left on the hosts: kernels (running, relayed or suspended) and b's guests, each as a phrase."""
+    found = [f"kernel {k['id']} on a" for k in a.api("GET", "api/kernels")]
+    found += [f"kernel {k['id']} of b's own" for k in b.api("GET", "api/kernels")]
+    found += [f"a's record of kernel {p.stem}" for p in (a.root / "state" / "kernels").glob("*.json")]
+    found += [f"b's guest {p.stem}" for p in (b.root / "state").glob("**/guests-running/*.json")]
+    return found
+
+
+@pytest.fixture(autouse=True)
+def leaves_nothing(request):
+    """Each test that uses the hosts leaves no kernel on either: one left behind would run on into the next tests
+    (and hold its ports on b). What is left is ended, and the test that left it fails, saying what it was."""
+    yield
+    if "hosts" not in request.fixturenames:
+        return
+    a, b = request.getfixturevalue("hosts")
+    if any(host.proc is None or host.proc.poll() is not None for host in (a, b)):
+        return  # a failed test left a server down: its own failure says so
+    deadline = time.monotonic() + 60
+    while (found := left_behind(a, b)) and time.monotonic() < deadline:
+        time.sleep(0.5)  # kernels end, and guests go, a moment after the test's last call
+    if not found:
+        return
+    for host in (a, b):
+        for kernel in host.api("GET", "api/kernels"):
+            host.api("DELETE", f"api/kernels/{kernel['id']}", expect=204)
+    for record in (b.root / "state").glob("**/guests-running/*.json"):
+        b.api("DELETE", f"api/gpumigrate/peer/kernels/{record.stem}", expect=204,
+              headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+    pytest.fail(f"the test left {', '.join(found)}")
+
+
 def guest_images_in_memory(kernel_id: str) -> list[Path]:
     """A guest's images in memory, on any host of this machine (their tmpfs folders are beside the users')."""
     return list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*-guests/{kernel_id}"))
@@ -105,10 +138,16 @@ def move_until_phase(host: Host, kernel_id: str, to_host: str, phase: str) -> di
 async def end_kernel(host: Host, kernel_id: str, tab: WebSocketTab) -> None:
     """The test's kernel goes, whatever state the test left it in (a failed assertion included)."""
     tab.ws.close()
-    try:
-        await call(host.api, "DELETE", f"api/kernels/{kernel_id}")
-    except AssertionError:
-        pass  # gone already
+    record = host.root / "state" / "kernels" / f"{kernel_id}.json"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            await call(host.api, "DELETE", f"api/kernels/{kernel_id}")
+            return
+        except AssertionError:
+            if not record.exists() or time.monotonic() > deadline:
+                return  # gone already
+            await asyncio.sleep(0.5)  # not yet taken back by a server that just started: it will be
 
 
 async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_executing(hosts, tmp_path):
@@ -145,6 +184,32 @@ async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_exe
     assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
     tab.ws.close()
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
+
+
+async def test_two_kernels_of_this_host_run_on_the_other_at_once_and_each_reaches_its_server(hosts):
+    """Every kernel of a knows a's server by one loopback address, where b listens for their calls while they run
+    there: the second kernel to go shares that listener with the first (before, b refused it: 'port not free').
+    Once the first ends, the second still reaches a, and comes home from inside."""
+    a, b = hosts
+    first, first_tab = await new_kernel(a)
+    second, second_tab = await new_kernel(a)
+    try:
+        for kernel_id in (first, second):
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        for kernel_id, tab in ((first, first_tab), (second, second_tab)):
+            assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+            listing = await tab.run("%migrate --list")
+            assert f"{kernel_id[:8]}* on b" in listing, listing
+        await end_kernel(a, first, first_tab)
+        await forgotten(b, first)
+        assert f"{second[:8]}* on b" in await second_tab.run("%migrate --list")
+        out = await second_tab.run("%migrate --to-host a")
+        assert "Moved from host b to host a" in out, out
+        assert (await second_tab.run(WHERE)).strip() == f"{a.ip}/24"
+    finally:
+        await end_kernel(a, first, first_tab)
+        await end_kernel(a, second, second_tab)
 
 
 async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_its_own_threads(hosts):
@@ -1168,6 +1233,45 @@ async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_ker
             await end_kernel(a, kernel_id, tab)
             a.stop()
             a.extra = saved
+    a.start(peers)
+
+
+async def test_this_hosts_record_that_cannot_be_written_before_the_restore_there_undoes_the_move(hosts):
+    """a's kernels' records on a full disk (a 1 MB tmpfs on their folder here, filled once the kernel runs): a
+    cannot write down, before b restores the kernel, that it goes there (a server dying after would resume a
+    second copy here). So the move is undone, saying why: the kernel answers the same tab here with its state, b
+    holds nothing of it. With room again, it moves."""
+    from helpers import small_tmpfs
+
+    a, b = hosts
+    peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
+    a.stop()  # a's server sees the mount only if it starts after it
+    with small_tmpfs(a.root / "state" / "kernels", "1m") as small:
+        a.start(peers)
+        kernel_id, tab, _ = await kernel_with_bytes(a)
+        try:
+            fill(small)
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+            assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+            assert "No space left on device" in op["error"], op["error"]
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["host"] == "a" and not view["remote"] and view["state"] == "running", view
+            same = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")
+            assert same.strip() == "True 409600000"
+            assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+            await forgotten(b, kernel_id)
+            assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json"))
+
+            (small / "filler").unlink()
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+            assert json.loads((small / f"{kernel_id}.json").read_text())["remote"]["peer"] == "b"
+            assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        finally:
+            (small / "filler").unlink(missing_ok=True)
+            await end_kernel(a, kernel_id, tab)
+            await forgotten(b, kernel_id)
+            a.stop()
     a.start(peers)
 
 

@@ -81,7 +81,8 @@ class CheckHandler(PeerHandler):
         if body is None:
             return
         needs = hostfit.Requirements.from_dict(body["requirements"])
-        problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"))
+        problems = await asyncio.to_thread(self.guests.check, needs, body.get("gpu"), body.get("to_gpu"),
+                                           self.request.remote_ip or "")
         self.log.info("gpumigrate: peer %s asks to move kernel %s here: %s", self.request.remote_ip,
                       body.get("kernel_id"), "; ".join(problems) or "fine")
         # "stash": this host has a kernel write and read back its large buffers when its owner sends the key;
@@ -96,7 +97,8 @@ class TransplantCheckHandler(PeerHandler):
         if body is None:
             return
         problems = await asyncio.to_thread(self.guests.check_transplant, body["kernel_id"], body["kernel_name"],
-                                           body["listens"], body["bytes"], body["gpu_bytes"], body["to_gpu"])
+                                           body["listens"], body["bytes"], body["gpu_bytes"], body["to_gpu"],
+                                           self.request.remote_ip or "")
         self.log.info("gpumigrate: peer %s asks to take kernel %s's objects here: %s", self.request.remote_ip,
                       body["kernel_id"], "; ".join(problems) or "fine")
         self.send_json({"problems": problems, "checksum": CHECKSUM})
@@ -413,9 +415,11 @@ class ChannelsHandler(WebSocketHandler):
             self.close(4004, "This kernel is being discarded here: no relay claimed it in time.")
             return
         self.guests.stop_relay(kernel_id)
-        self.end = RelayServerEnd(guest.kernel_connection_info, self._send, guest.api_listen)
-        await self.end.start()
+        self.end = RelayServerEnd(guest.kernel_connection_info, self._send)
+        self.end.start()
         self.guests.relays[kernel_id] = self
+        if guest.api_listen is not None:
+            await self.guests.api_listeners.join(self.end, guest.api_listen, guest.peer)
 
     async def _send(self, data: bytes) -> None:
         await self.write_message(data, binary=True)
@@ -426,6 +430,7 @@ class ChannelsHandler(WebSocketHandler):
 
     def on_close(self) -> None:
         if self.end is not None:
+            self.guests.api_listeners.leave(self.end)
             self.end.stop()
             self.end = None
 
