@@ -1408,15 +1408,24 @@ class GuestHost:
                                     f"{kernel_id} again in a moment.") from None
             raise GuestNotFound(f"This server hosts no kernel {kernel_id} for a peer.") from None
 
-    def _unshared(self, listens: list[tuple[str, int]], peer: str) -> list[tuple[str, int]]:
-        """``listens`` less the address where this host listens already for ``peer``'s kernels' calls to their
-        server: a kernel of that peer comes with it (the calls of all its kernels share it here)."""
-        return [listen for listen in listens if not self.api_listeners.shared(listen, peer)]
+    def _relays_listens(self, listens: list[tuple[str, int]], peer: str) -> tuple[list[tuple[str, int]], list[str]]:
+        """``listens`` less those where the relays here listen for kernels' calls to their servers, and a sentence
+        for each of those that ``peer``'s kernel cannot have. The one where they listen for ``peer``'s own kernels
+        is no problem: a kernel of that peer shares it (all its kernels call the one server)."""
+        left, found = [], []
+        for address, port in listens:
+            holder = self.api_listeners.holder((address, port))
+            if holder is None:
+                left.append((address, port))
+            elif holder != peer:
+                found.append(f"the port {address}:{port}, where the kernel calls its server, is where kernels that "
+                             f"{holder} moved here call theirs (it is free once they left this host)")
+        return left, found
 
     def check(self, requirements: hostfit.Requirements, gpu: dict | None, to_gpu: int | None,
               peer: str = "") -> list[str]:
-        requirements.listens = self._unshared(requirements.listens, peer)
-        found = hostfit.problems(requirements)
+        requirements.listens, found = self._relays_listens(requirements.listens, peer)
+        found = hostfit.problems(requirements) + found
         try:
             self.criu()
         except MigrateError as exc:
@@ -1511,8 +1520,8 @@ class GuestHost:
     def check_transplant(self, kernel_id: str, kernel_name: str, listens: list[tuple[str, int]], nbytes: int,
                          gpu_bytes: int, to_gpu: int | None, peer: str = "") -> list[str]:
         """Each reason why this host cannot start the new process of a transplant; empty if it can."""
-        found = hostfit.problems(hostfit.Requirements(ids=[], listens=self._unshared(
-            [(str(a), int(p)) for a, p in listens], peer)))
+        listens, found = self._relays_listens([(str(a), int(p)) for a, p in listens], peer)
+        found = hostfit.problems(hostfit.Requirements(ids=[], listens=listens)) + found
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             found.append(f"kernel {kernel_id} already lives here")
         for check in (lambda: self._transplant_argv(kernel_name, ""), self.criu):  # CRIU: its way home

@@ -449,15 +449,10 @@ class ApiListeners:
         self._held: dict[tuple[str, int], tuple[str, asyncio.base_events.Server, list[RelayServerEnd]]] = {}
         self._lock = asyncio.Lock()
 
-    def taken(self, address: tuple[str, int], peer: str) -> bool:
-        """Whether ``address`` is listened on here for another peer's kernels than ``peer``'s."""
+    def holder(self, address: tuple[str, int]) -> str | None:
+        """The peer whose kernels' calls are listened for on ``address`` here, if any."""
         held = self._held.get(address)
-        return held is not None and held[0] != peer
-
-    def shared(self, address: tuple[str, int], peer: str) -> bool:
-        """Whether ``address`` is listened on here for ``peer``'s kernels already (one more can share it)."""
-        held = self._held.get(address)
-        return held is not None and held[0] == peer
+        return held[0] if held is not None else None
 
     async def join(self, end: RelayServerEnd, address: tuple[str, int], peer: str) -> None:
         """Carry the calls made on ``address`` over ``end`` too (listening on it from the first relay)."""

@@ -24,7 +24,7 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from jupyter_gpumigrate.credentials import ENV_KERNEL_ID
-from jupyter_gpumigrate.engine import proctree
+from jupyter_gpumigrate.engine import hostfit, proctree
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -1878,6 +1878,46 @@ def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     assert "of memory available" in guests.check_transplant("k", "python3", [], 10**15, 0, None)[0]
 
 
+async def test_the_relays_listener_for_one_peers_kernels_is_shared_by_them_and_refused_to_another_peers(tmp_path):
+    """The address where b listens for the calls of a peer's kernels to their server (its relays' ApiListeners) is
+    no problem for another kernel of that peer; for a kernel of another peer it is, said as such. A call made on
+    it goes over the oldest relay still open, and the listener closes with the last."""
+    import socket
+
+    from jupyter_gpumigrate.peers import GuestHost
+    from jupyter_gpumigrate.relay import RelayServerEnd
+
+    guests = GuestHost(tmp_path / "guests", lambda: None, inventory=list)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = ("127.0.0.1", probe.getsockname()[1])
+    sent: list[bytes] = []
+
+    async def send(data: bytes) -> None:
+        sent.append(data)
+
+    first, second = (RelayServerEnd({"transport": "tcp", "ip": "127.0.0.1"}, send) for _ in range(2))
+    await guests.api_listeners.join(first, address, "10.0.0.8")
+    await guests.api_listeners.join(second, address, "10.0.0.8")
+    needs = hostfit.Requirements(ids=[], listens=[address])
+    assert not [p for p in guests.check(needs, None, None, peer="10.0.0.8") if "port" in p]
+    refused = guests.check(hostfit.Requirements(ids=[], listens=[address]), None, None, peer="10.0.0.9")
+    assert [f"the port {address[0]}:{address[1]}, where the kernel calls its server, is where kernels that "
+            "10.0.0.8 moved here call theirs (it is free once they left this host)"] == \
+        [p for p in refused if "port" in p], refused
+
+    assert hostfit.problems(hostfit.Requirements(ids=[], listens=[address]))  # one listener, there
+    guests.api_listeners.leave(first)
+    _, writer = await asyncio.open_connection(*address)  # carried by the second, the first having left
+    deadline = time.monotonic() + 10
+    while not sent:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert second.streams.writers and not first.streams.writers
+    writer.close()
+    guests.api_listeners.leave(second)
+    second.stop()
+    assert hostfit.problems(hostfit.Requirements(ids=[], listens=[address])) == []  # free again
 
 
 
