@@ -38,6 +38,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from .engine import netstate, proctree
+
 log = logging.getLogger(__name__)
 
 CHANNELS = ("shell", "control", "stdin", "hb", "iopub")
@@ -415,6 +417,10 @@ class RelayServerEnd:
         self.send = send
         self.zmq = ZmqEnd(connection_info, B_SIDE, send)
         self.streams = Streams(send)
+        #: stopped (its WebSocket closed): :class:`ApiListeners` hands it no call
+        self.stopped = False
+        #: the kernel's process here: its own calls to its server go over this relay
+        self.pid: int | None = None
 
     def start(self) -> None:
         self.zmq.open(bind=False)
@@ -429,6 +435,7 @@ class RelayServerEnd:
         await route(data, self.zmq, self.streams)
 
     def stop(self) -> None:
+        self.stopped = True
         self.zmq.close()
         self.streams.close()
 
@@ -438,9 +445,10 @@ class ApiListeners:
 
     A kernel calls its server on the loopback address that server listens on for its kernels, and every
     kernel of one peer knows the same one. So the relays of one peer's kernels here share one listener
-    on it: a call goes over the WebSocket of the first of them still open, as each reaches that same
-    server, which knows the calling kernel by its credential. The listener closes with the last relay
-    that shares it. Another peer's kernel whose server listens on the same address at home cannot be
+    on it. A call goes over the calling kernel's own relay (its process holds the call's client end), else
+    over the oldest relay still open: each reaches that same server, which knows the calling kernel by its
+    credential. The listener closes with the last relay that shares it. A peer is known by its address,
+    as the guests' records know it. Another peer's kernel whose server listens on the same address at home cannot be
     served here: :meth:`taken` says so before it comes.
     """
 
@@ -471,6 +479,8 @@ class ApiListeners:
                             "(%%migrate inside the kernel will not reach it)", *address, held[0], peer)
                 return
             held[2].append(end)
+            if end.stopped:  # its WebSocket closed while this waited: it left before it came
+                self.leave(end)
 
     def leave(self, end: RelayServerEnd) -> None:
         """``end`` carries no more calls; the last to leave a listener closes it."""
@@ -484,12 +494,22 @@ class ApiListeners:
     async def _accept(self, address: tuple[str, int], reader: asyncio.StreamReader,
                       writer: asyncio.StreamWriter) -> None:
         held = self._held.get(address)
-        if held is None or not held[2]:
-            writer.close()
-            return
-        await held[2][0].accept(reader, writer)
+        ends = [end for end in held[2] if not end.stopped] if held is not None else []
+        caller = await asyncio.to_thread(_caller, ends, writer.get_extra_info("peername"), address[1])
+        for end in [caller, *(end for end in ends if end is not caller)] if caller is not None else ends:
+            try:
+                await end.accept(reader, writer)
+                return
+            except Exception:  # noqa: BLE001  its WebSocket closed, and it has not left yet: the next one
+                log.debug("relay: a call to the kernels' server could not go over one relay", exc_info=True)
+        writer.close()
 
-    def close(self) -> None:
-        for _, server, _ in self._held.values():
-            server.close()
-        self._held.clear()
+
+def _caller(ends: list[RelayServerEnd], peername: Any, port: int) -> RelayServerEnd | None:
+    """The relay of the kernel that made a call (from ``peername``, to ``port``), if one of ``ends`` is its."""
+    if not isinstance(peername, tuple) or len(peername) < 2:
+        return None
+    for end in ends:
+        if end.pid is not None and netstate.holds_client_end(proctree.descendants(end.pid), int(peername[1]), port):
+            return end
+    return None

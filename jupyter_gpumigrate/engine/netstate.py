@@ -73,6 +73,16 @@ def client_counts(pids: list[int], skip_own: bool = False) -> dict[int, int]:
     return counts
 
 
+def holds_client_end(pids: list[int], client_port: int, server_port: int) -> bool:
+    """Whether one of the processes holds the client end of the established TCP connection from its local
+    port ``client_port`` to ``server_port`` (in this process's network namespace)."""
+    inodes: set[str] = set()
+    for pid in pids:
+        inodes |= _socket_inodes(pid)
+    return any(state == _ESTABLISHED and inode in inodes and _port(local) == client_port
+               and _port(remote) == server_port for local, remote, state, inode in _tcp_rows(os.getpid()))
+
+
 #: A client that still lives re-dials within this many seconds of the ports being back: ZMQ retries every
 #: 0.1 s (its default reconnect interval, which jupyter_client keeps). Counts unchanged for this long mean
 #: that the connections still missing were closed meanwhile (a notebook tab closed just before), and will

@@ -416,6 +416,7 @@ class ChannelsHandler(WebSocketHandler):
             return
         self.guests.stop_relay(kernel_id)
         self.end = RelayServerEnd(guest.kernel_connection_info, self._send)
+        self.end.pid = guest.pid
         self.end.start()
         self.guests.relays[kernel_id] = self
         if guest.api_listen is not None:
