@@ -14,6 +14,7 @@ import os
 import signal
 import threading
 import time
+import urllib.parse
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
@@ -203,6 +204,16 @@ async def test_two_kernels_of_this_host_run_on_the_other_at_once_and_each_reache
         for kernel_id in (first, second):
             op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
             assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        # A peer's dial that names no loopback address for the kernels' server, or garbage, is refused, and the
+        # kernel's relay runs on: b never listens for a peer beyond its loopback.
+        for api, said in (('["0.0.0.0", 8888]', "must be on a loopback port"), ("[", "Expecting value"),
+                          ('["127.0.0.1", 70000]', "must be on a loopback port")):
+            request = HTTPRequest(f"wss://{b.ip}:8888/api/gpumigrate/peer/kernels/{first}/channels?api="
+                                  + urllib.parse.quote(api), ca_certs=str(b.cert),
+                                  headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+            dial = await websocket_connect(request)
+            assert await dial.read_message() is None and dial.close_code == 4004, (api, dial.close_code)
+            assert said in (dial.close_reason or ""), (api, dial.close_reason)
         for kernel_id, tab in ((first, first_tab), (second, second_tab)):
             assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
             listing = await tab.run("%migrate --list")

@@ -12,6 +12,7 @@ import asyncio
 import copy
 import errno
 import hmac
+import ipaddress
 import json
 import os
 from pathlib import Path
@@ -407,7 +408,14 @@ class ChannelsHandler(WebSocketHandler):
         try:
             guest = self.guests.guest(kernel_id)
             api = json.loads(self.get_argument("api", "null") or "null")
-            guest.api_listen = (str(api[0]), int(api[1])) if api else None
+            api_listen = (str(api[0]), int(api[1])) if api else None
+            if api_listen is not None and not (ipaddress.ip_address(api_listen[0]).is_loopback
+                                               and 0 < api_listen[1] < 65536):
+                # The kernels' server listens on a loopback port (app.py): a listener here on any other
+                # address would open the peer's server to this host's network.
+                raise ValueError(f"the kernel's server must be on a loopback port, not {api_listen[0]}:"
+                                 f"{api_listen[1]}")
+            guest.api_listen = api_listen
         except (MigrateError, ValueError, TypeError, IndexError, RecursionError) as exc:
             self.close(4004, str(exc)[:120])
             return
