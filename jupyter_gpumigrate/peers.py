@@ -1408,7 +1408,8 @@ class GuestHost:
                                     f"{kernel_id} again in a moment.") from None
             raise GuestNotFound(f"This server hosts no kernel {kernel_id} for a peer.") from None
 
-    def _relays_listens(self, listens: list[tuple[str, int]], peer: str) -> tuple[list[tuple[str, int]], list[str]]:
+    def _relays_listens(self, listens: list[tuple[str, int]], peer: str
+                        ) -> tuple[list[tuple[str, int]], list[str]]:
         """``listens`` less those where the relays here listen for kernels' calls to their servers, and a sentence
         for each of those that ``peer``'s kernel cannot have. The one where they listen for ``peer``'s own kernels
         is no problem: a kernel of that peer shares it (all its kernels call the one server)."""

@@ -448,8 +448,8 @@ class ApiListeners:
     on it. A call goes over the calling kernel's own relay (its process holds the call's client end), else
     over the oldest relay still open: each reaches that same server, which knows the calling kernel by its
     credential. The listener closes with the last relay that shares it. A peer is known by its address,
-    as the guests' records know it. Another peer's kernel whose server listens on the same address at home cannot be
-    served here: :meth:`taken` says so before it comes.
+    as the guests' records know it. Another peer's kernel whose server listens on the same address at home
+    cannot be served here: GuestHost.check says so before it comes (:meth:`holder`).
     """
 
     def __init__(self) -> None:
@@ -510,6 +510,7 @@ def _caller(ends: list[RelayServerEnd], peername: Any, port: int) -> RelayServer
     if not isinstance(peername, tuple) or len(peername) < 2:
         return None
     for end in ends:
-        if end.pid is not None and netstate.holds_client_end(proctree.descendants(end.pid), int(peername[1]), port):
+        if end.pid is not None and netstate.holds_client_end(proctree.descendants(end.pid), int(peername[1]),
+                                                             port):
             return end
     return None

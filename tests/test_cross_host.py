@@ -229,6 +229,45 @@ async def test_two_kernels_of_this_host_run_on_the_other_at_once_and_each_reache
         await end_kernel(a, second, second_tab)
 
 
+async def test_two_kernels_on_the_other_host_outlive_its_server_and_each_reaches_its_own_again(hosts):
+    """b's server SIGKILLed (its process group) while two kernels of a run there: b's next server takes both back,
+    a's two relays dial again, share the listener b makes anew, and each kernel reaches a's server from inside,
+    its state whole. Ended from a, both go on b."""
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    kernels = [await kernel_with_bytes(a, 40_000) for _ in range(2)]
+    pids: list[int] = []
+    try:
+        for kernel_id, _, _ in kernels:
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+            pids.append((await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["pid"])
+        os.killpg(b.proc.pid, signal.SIGKILL)
+        assert b.proc.wait(10) == -signal.SIGKILL
+        await call(b.start, {"a": a.peer_entry()})
+        for kernel_id, tab, _ in kernels:
+            listing = await tab.run("%migrate --list", timeout=90)
+            assert f"{kernel_id[:8]}* on b" in listing, listing
+            same = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")
+            assert same.strip() == "True 10240000"
+        with collecting(os.getsid(pids[0])), collecting(os.getsid(pids[1])):
+            for kernel_id, tab, _ in kernels:
+                await end_kernel(a, kernel_id, tab)
+                await forgotten(b, kernel_id)
+            for pid in pids:
+                await until_gone(pid, 10)
+        pids = []
+    finally:
+        for pid in pids:
+            if running_state(pid) not in ("gone", "Z"):
+                os.kill(pid, signal.SIGKILL)
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        for kernel_id, tab, _ in kernels:
+            await end_kernel(a, kernel_id, tab)
+
+
 async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_its_own_threads(hosts):
     # 1.1 GB of buffers, over the default c.MigratableProvisioner.host_stash_min (1 GB): the kernel writes them
     # into the images itself (the host stash), CRIU dumps the rest; b restores it, and the kernel reads them back
