@@ -37,7 +37,7 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, DumpRun, FileSink, GrowingFile
+from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written
 
 log = logging.getLogger(__name__)
 
@@ -280,9 +280,11 @@ def send(sock: socket.socket, path: Path, size: int) -> None:
 
 
 def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[], None]) -> None:
-    """Answer a detached GET with a file that a dump still writes (a CRIU pages file), in chunks as it grows,
-    until the dump is over (``run``) and all of it went; then close, and call ``done``. A dump that failed
-    gets no last chunk: the peer sees a cut answer, never a whole file. The peer checks what it got against
+    """Answer a detached GET with a file that a dump still writes (a CRIU pages file, or a part of the stash
+    before it), in chunks as it grows, until it is whole (:class:`~.peers.Written`: the dump is over, ``run``,
+    or the stash's index is there) and all of it went; then close, and call ``done``. A dump that failed
+    gets no last chunk (nor a part of a stash that did not finish): the peer sees a cut answer, never a whole
+    file. The peer checks what it got against
     the final listing."""
     stop = threading.Event()
     sock.settimeout(GROWING_TIMEOUT)
@@ -290,10 +292,11 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[
         with open(path, "rb") as f:
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n"
                          b"Connection: close\r\n\r\n")
-            growing = GrowingFile(f, run.over, stop)
+            written = Written(path, run.over)
+            growing = GrowingFile(f, written, stop)
             while block := growing.read(BLOCK):
                 sock.sendall(b"%x\r\n%b\r\n" % (len(block), block))
-            if run.ok:
+            if run.ok or written.whole():
                 sock.sendall(b"0\r\n\r\n")
     except OSError:
         pass  # the peer went away or called it off: it fetches the file again after the dump, or not at all

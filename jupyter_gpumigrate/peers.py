@@ -57,6 +57,7 @@ from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
                             write_durably)
 from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .kernel.hoststash import INDEX as STASH_INDEX, PART as STASH_PART
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
 from . import __version__ as _VERSION
@@ -84,6 +85,10 @@ DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
 #: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
 GROWING = "pages-*.img"
+#: The host stash's files (kernel/hoststash.py): each written front to back by one of the kernel's threads,
+#: and whole once the stash's index is in their folder (it is written after every part): sent while they are
+#: written too, both ways, ended by that index (:class:`Written`).
+STASH_PARTS = STASH_PART.replace("{:02d}", "*")
 #: The folder, in the state folder, of the records of guests that run here (GuestHost.take_back). A GuestHost
 #: given none keeps it under the guests' images (no image folder's name is this).
 RUNNING_GUESTS = "guests-running"
@@ -95,7 +100,9 @@ UNCLAIMED = 600.0
 #: own, apart from the :data:`STREAMS`: each waits on its file most of the time, and the dump ends them all at
 #: once. Held to the STREAMS, a tree of more processes than STREAMS sent nothing of the later processes' pages
 #: while the dump ran (a GPU kernel's tree on the GPU machine: 0.01 of 9 GB went during the dump, its largest
-#: file waiting behind four small ones). A tree of more processes sends the rest as each of these ends.
+#: file waiting behind four small ones). A tree of more processes sends the rest as each of these ends. The
+#: stash's parts (:data:`STASH_PARTS`, 16) are followed too, from the stash's start: they take these threads
+#: first, and the pages files follow as they end (the link is busy with the stash meanwhile).
 FOLLOWED = 16
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
@@ -328,15 +335,16 @@ class _Hashing:
 
 
 class GrowingFile:
-    """A file that a dump is still appending to, read as it grows: :meth:`read` waits for a whole block,
-    or for ``final`` (the dump is over, the file has its last size), and returns b"" only at that end.
+    """A file that a dump (or the stash before it) is still appending to, read as it grows: :meth:`read` waits
+    for a whole block, or for ``final`` (:class:`Written`: the file has its last size), and returns b"" only at
+    that end.
 
-    Safe for files that are only appended to (:data:`GROWING`): the kernel makes a write's bytes readable
-    before it moves the file's size past them, and no byte read changes after."""
+    Safe for files written front to back only (:data:`GROWING`, :data:`STASH_PARTS`): the kernel makes a
+    write's bytes readable before it moves the file's size past them, and no byte read changes after."""
 
     WAIT = 0.005
 
-    def __init__(self, file: Any, final: threading.Event, stop: threading.Event,
+    def __init__(self, file: Any, final: threading.Event | Written, stop: threading.Event,
                  progress: dict[str, int] | None = None) -> None:
         self.file, self.final, self.stop = file, final, stop
         self.name = file.name
@@ -357,6 +365,31 @@ class GrowingFile:
             if self.stop.is_set():
                 raise PeerError(f"Sending {Path(self.name).name} was called off.")
             self.final.wait(self.WAIT)
+
+
+def follows(name: str) -> bool:
+    """Whether an image file travels while it is written (a dump's pages file, or a part of the stash)."""
+    return Path(name).match(GROWING) or Path(name).match(STASH_PARTS)
+
+
+class Written:
+    """When a file sent as it is written has its last size (:class:`GrowingFile`'s ``final``): a pages file
+    once the dump is over (``over``); a part of the stash once the stash's index is beside it (or the dump is
+    over: a stash that failed raised, and what it wrote goes with the undo)."""
+
+    def __init__(self, path: Path, over: threading.Event) -> None:
+        self.over = over
+        self.index = path.parent / STASH_INDEX if path.match(STASH_PARTS) else None
+
+    def whole(self) -> bool:
+        """A part of a stash that finished: whole, whatever the dump after it does."""
+        return self.index is not None and self.index.exists()
+
+    def is_set(self) -> bool:
+        return self.over.is_set() or self.whole()
+
+    def wait(self, timeout: float) -> bool:
+        return self.over.wait(timeout) or self.is_set()
 
 
 def image_files(images: Path) -> list[Path]:
@@ -486,7 +519,7 @@ class PeerClient:
             raise
         except (OSError, http.client.HTTPException) as exc:
             conn.close()
-            reason = exc.reason if isinstance(exc, ssl.SSLError) else exc
+            reason = (exc.reason or exc) if isinstance(exc, ssl.SSLError) else exc  # an EOF has no reason
             raise PeerError(f"Peer {self.peer.name} at {self.peer.url} cannot be reached ({reason}).") from None
         if response.status >= 400:
             text = response.read()
@@ -576,7 +609,7 @@ class PeerClient:
             raise PeerError(f"{file.name} changed while it was sent ({body.size} bytes, not {size}).")
         return body.hexdigest()
 
-    def put_growing(self, path: str, file: Path, final: threading.Event, stop: threading.Event,
+    def put_growing(self, path: str, file: Path, final: threading.Event | Written, stop: threading.Event,
                     progress: dict[str, int] | None = None) -> tuple[int, str]:
         """Send ``file`` while a dump appends to it (:class:`GrowingFile`), in chunks, until ``final`` is set
         and all of it went: its size and checksum (checked as :meth:`put_file`'s). ``stop`` calls it off;
@@ -662,8 +695,9 @@ def _sized(images: Path) -> list[tuple[Path, int]]:
 
 class _Sending:
     """Image files on their way to a peer, :data:`STREAMS` at a time, over connections kept for them; and,
-    once :meth:`follow` was called, the files a dump appends to (:data:`GROWING`) as they grow, each over a
-    connection of its own (:data:`FOLLOWED` at a time, apart from the STREAMS), until :meth:`dumped`."""
+    once :meth:`follow` was called, the files the stash and the dump append to (:func:`follows`) as they grow,
+    each over a connection of its own (:data:`FOLLOWED` at a time, apart from the STREAMS), until each is
+    whole (:class:`Written`)."""
 
     def __init__(self, client: PeerClient, kernel_id: str) -> None:
         self.client, self.kernel_id = client, kernel_id
@@ -699,14 +733,14 @@ class _Sending:
     def _watch(self, images: Path) -> None:
         while not self.final.is_set() and not self.stopped.is_set():
             with self._lock:
-                for path in sorted(images.glob(GROWING)):
+                for path in sorted([*images.glob(STASH_PARTS), *images.glob(GROWING)]):
                     if path.name not in self.sends:
                         self.sends[path.name] = self.followers.submit(self._put_growing, path)
             self.final.wait(0.01)
 
     def _put_growing(self, path: Path) -> dict:
-        size, digest = self.client.put_growing(f"images/{self.kernel_id}/{path.name}", path, self.final,
-                                               self.stopped, self.progress)
+        size, digest = self.client.put_growing(f"images/{self.kernel_id}/{path.name}", path,
+                                               Written(path, self.final), self.stopped, self.progress)
         return {"name": path.name, "size": size, "xxh3": digest}
 
     def dumped(self) -> tuple[int, int]:
@@ -717,7 +751,7 @@ class _Sending:
             self.watcher.join()
             self.watcher = None
         with self._lock:
-            return sum(1 for name in self.sends if Path(name).match(GROWING)), sum(self.progress.values())
+            return sum(1 for name in self.sends if follows(name)), sum(self.progress.values())
 
     def results(self) -> list[dict]:
         """What was sent, once all ended; at the first failure, the files not begun yet are not sent, and the
@@ -755,9 +789,10 @@ class _Sending:
 
 
 class _Fetching:
-    """The pages files of the other host's dump, fetched as it writes them: a watcher asks that host every
+    """The pages files of the other host's dump, and its stash's parts, fetched as they are written: a watcher
+    asks that host every
     50 ms which it has begun (``GET images/{id}?growing=true``), and each is fetched (``?growing=true``: a
-    chunked answer that ends with the dump), :data:`FOLLOWED` at a time. One that fails is fetched again
+    chunked answer that ends with the file: :class:`Written`), :data:`FOLLOWED` at a time. One that fails is fetched again
     after the dump, as the other files are."""
 
     def __init__(self, client: PeerClient, kernel_id: str, images: Path) -> None:
@@ -784,7 +819,7 @@ class _Fetching:
                 seen_dumping = seen_dumping or dumping
                 for entry in (answer or {}).get("files") or []:
                     name = str(entry.get("name", ""))
-                    if _IMAGE_NAME.match(name) and Path(name).match(GROWING) and name not in self.gets:
+                    if _IMAGE_NAME.match(name) and follows(name) and name not in self.gets:
                         self.gets[name] = self.pool.submit(self.client.get_growing,
                                                            f"images/{self.kernel_id}/{name}?growing=true",
                                                            self.images / name, self.stopped, self.conns)
@@ -1799,6 +1834,8 @@ class GuestHost:
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
             run.ok = True  # its record stays until it is discarded: its images here may be its only copy
+            log.info("gpumigrate: kernel %s hosted for a peer: its images for its way home are in %s here%s",
+                     kernel_id, outcome.images, f"; its stash: {json.dumps(outcome.stash)}" if outcome.stash else "")
         finally:
             guest.key = None
             run.over.set()
@@ -1807,12 +1844,13 @@ class GuestHost:
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
 
     def growing(self, kernel_id: str) -> dict:
-        """While the kernel's dump for its way home runs here: the pages files it has begun, by name and size so
-        far (``dumping``: whether it still runs)."""
+        """While the kernel's dump for its way home runs here: the pages files it has begun (and the parts of
+        the stash before it), by name and size so far (``dumping``: whether it still runs)."""
         run = self.dumping.get(kernel_id) if self.serve_growing else None
         folder = self.store.path_for(kernel_id)
         files = []
-        for path in sorted(folder.glob(GROWING)) if run is not None and folder.is_dir() else []:
+        for path in (sorted([*folder.glob(STASH_PARTS), *folder.glob(GROWING)])
+                     if run is not None and folder.is_dir() else []):
             try:
                 if path.is_file() and not path.is_symlink():
                     files.append({"name": path.name, "size": path.stat().st_size})

@@ -18,7 +18,7 @@ import xxhash
 
 import pytest
 
-from jupyter_gpumigrate.peers import DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError
+from jupyter_gpumigrate.peers import BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError
 
 from helpers import peer_server_config
 
@@ -28,7 +28,9 @@ SIZE = DETACH_MIN + 12345  # over the threshold, and not a whole number of block
 
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict:
-    return peer_server_config(tmp_path, PEER_TOKEN)
+    config = peer_server_config(tmp_path, PEER_TOKEN)
+    config["GPUMigrateApp"]["stream_dump"] = "on"  # it serves a dump's files as they grow (off on 2 CPUs)
+    return config
 
 
 def checksum_of(data: bytes) -> str:
@@ -277,6 +279,112 @@ async def test_the_pages_of_a_later_process_go_while_the_dump_writes_them(
     assert sent[last.name]["size"] == len(data) and sent[last.name]["xxh3"] == checksum_of(data)
     assert (folder / last.name).read_bytes() == data
     assert all((folder / name).read_bytes() == b"" for name in names[:-1])
+
+
+async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_its_index_before_any_dump(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    """The host stash's parts (kernel/hoststash.py: each written front to back by a thread of the kernel's, by
+    its own writer here) travel as they are written, both ways, and each ends once the stash's index is beside
+    it, with no dump begun: sent by ``_Sending.follow`` (the way there), and served by the other host while its
+    dump for the way home runs (``GET ...?growing=true``, which the way home fetches). Each arrives whole;
+    a part whose stash never wrote its index is never served as whole."""
+    import threading
+
+    from jupyter_gpumigrate.kernel import hoststash
+    from jupyter_gpumigrate.peers import DumpRun, _Sending
+
+    kid = str(uuid.uuid4())
+    client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    await asyncio.to_thread(client.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    buffers = [bytearray(os.urandom(5 << 20)), bytearray(os.urandom(3 << 20) + b"tail")]
+    addresses = [hoststash.Buffer("bytearray", b, len(b)).address() for b in buffers]
+    chunks = hoststash.plan_chunks([len(b) for b in buffers], 2, chunk=1 << 20)
+
+    def write_stash(images: Path, first_part_written: threading.Event, go_on: threading.Event) -> dict[str, bytes]:
+        """The stash's writer: part 0, then (once told) part 1, then the index; what each part holds."""
+        for part in (0, 1):
+            fd = os.open(images / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                hoststash.write_part(fd, chunks, part, addresses, [False, False], None, durable=False)
+            finally:
+                os.close(fd)
+            if part == 0:
+                first_part_written.set()
+                assert go_on.wait(30)
+        hoststash._write_index(images, {"format": hoststash.FORMAT, "chunks": [c.__dict__ for c in chunks]}, False)
+        return {name: (images / name).read_bytes() for name in (hoststash.PART.format(0), hoststash.PART.format(1))}
+
+    # The way there: followed from before the stash; part 0 goes before part 1 is written; both end at the index.
+    images = tmp_path / "images"
+    images.mkdir()
+    sending = _Sending(client, kid)
+    sending.follow(images)
+    written, go_on = threading.Event(), threading.Event()
+    try:
+        writer = asyncio.create_task(asyncio.to_thread(write_stash, images, written, go_on))
+        await asyncio.to_thread(written.wait, 30)
+        size = (images / "stash-00.bin").stat().st_size
+        deadline = time.monotonic() + 20
+        while sending.progress.get("stash-00.bin", 0) < size - size % BLOCK:  # a last part block waits for its end
+            assert time.monotonic() < deadline, f"stash-00.bin did not go as it was written: {sending.progress}"
+            await asyncio.sleep(0.02)
+        assert not (images / "stash-01.bin").exists()
+        go_on.set()
+        parts = await writer
+        deadline = time.monotonic() + 20
+        while not all(name in sending.sends and sending.sends[name].done() for name in parts):
+            assert time.monotonic() < deadline, "a stash part did not end at its index"
+            await asyncio.sleep(0.02)
+        assert not sending.final.is_set()  # no dump was over: the index ended them
+        sent = {entry["name"]: entry for entry in [sending.sends[name].result() for name in parts]}
+    finally:
+        go_on.set()
+        await asyncio.to_thread(sending.stop)
+    for name, data in parts.items():
+        assert sent[name]["size"] == len(data) and sent[name]["xxh3"] == checksum_of(data)
+        assert (folder / name).read_bytes() == data
+
+    # The way home: that host serves the parts its dump's stash writes, as they grow; each ends at the index.
+    guests = jp_serverapp.web_app.settings["gpumigrate_guests"]
+    for name in parts:
+        (folder / name).unlink()
+    run = guests.dumping[kid] = DumpRun()
+    home = tmp_path / "fetched"
+    home.mkdir()
+    written, go_on = threading.Event(), threading.Event()
+    stop = threading.Event()
+    try:
+        writer = asyncio.create_task(asyncio.to_thread(write_stash, folder, written, go_on))
+        await asyncio.to_thread(written.wait, 30)
+        listed = await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=true")
+        assert listed["dumping"] and [f["name"] for f in listed["files"]] == ["stash-00.bin"], listed
+        fetch = asyncio.create_task(asyncio.to_thread(client.get_growing, f"images/{kid}/stash-00.bin?growing=true",
+                                                      home / "stash-00.bin", stop))
+        await asyncio.sleep(0.5)
+        assert not fetch.done(), "stash-00.bin ended before its index was there"
+        go_on.set()
+        parts = await writer
+        size, digest = await asyncio.wait_for(fetch, 30)
+        assert not run.over.is_set()
+        assert size == len(parts["stash-00.bin"]) and digest == checksum_of(parts["stash-00.bin"])
+        assert (home / "stash-00.bin").read_bytes() == parts["stash-00.bin"]
+
+        # A part with no index beside it, whose dump then failed: never served whole.
+        (folder / hoststash.INDEX).unlink()
+        fetch = asyncio.create_task(asyncio.to_thread(client.get_growing, f"images/{kid}/stash-01.bin?growing=true",
+                                                      home / "stash-01.bin", stop))
+        await asyncio.sleep(0.5)
+        assert not fetch.done()
+        run.over.set()  # the dump failed: ok stays False
+        with pytest.raises(PeerError, match="stash-01.bin"):
+            await asyncio.wait_for(fetch, 30)
+        assert not (home / "stash-01.bin").exists()
+    finally:
+        go_on.set()
+        stop.set()
+        run.over.set()
+        guests.dumping.pop(kid, None)
 
 
 def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_moves():

@@ -285,7 +285,8 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
         for there, dest in ((b, "b"), (a, "a")):
             op = await call(a.operate, kernel_id, "migrate", {"to_host": dest})
             assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-            phases = (["prepare", "stash", "stream", "dump", "transfer", "restore", "adopt"] if dest == "b" else
+            # the images go as they are written (stream_dump on): from before the stash, its parts first
+            phases = (["prepare", "stream", "stash", "dump", "transfer", "restore", "adopt"] if dest == "b" else
                       ["prepare", "stream", "dump", "transfer", "restore", "unstash", "adopt"])
             assert list(op["timings"]) == phases, op
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
@@ -439,8 +440,8 @@ async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
 
 @pytest.mark.parametrize("when", ["stash arriving", "transfer"])
 async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_here(hosts, when):
-    """b is killed as the stash's files arrive there (they go while the dump runs: 'stream'), or in the
-    transfer phase (the rest of the images)."""
+    """b is killed as the stash's files arrive there (they go as the kernel writes them: 'stream'), or in
+    the transfer phase (the rest of the images)."""
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     # 1.1 GB of touched memory, over c.MigratableProvisioner.host_stash_min: the kernel writes it into its
@@ -471,8 +472,10 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
     await call(kill_b)
     op = json.loads(seen[-1])
     assert b.proc.poll() is not None, f"b was never killed; phases seen: {seen}"
-    assert op["status"] == "failed" and op["failed_phase"] in ("transfer", "restore"), op
-    assert "cannot be reached" in op["error"] or "b:" in op["error"], op["error"]
+    # b's going is seen before CRIU's dump if a file on its way failed by then (the stash's parts go as they
+    # are written): the kernel never stopped
+    assert op["status"] == "failed" and op["failed_phase"] in ("dump", "transfer", "restore"), op
+    assert "cannot be reached" in op["error"] or "b:" in op["error"] or "b did not answer" in op["error"], op["error"]
     assert "stash" in op["timings"] and "stream" in op["timings"], op
     view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
     assert view["host"] == "a" and view["state"] == "running" and not view["remote"]
@@ -1746,7 +1749,7 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
         assert [g["index"] for g in view["gpus"]] == [0], view
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-        assert ["stash", "stream", "lock", "checkpoint", "dump", "transfer", "restore"] == \
+        assert ["stream", "stash", "lock", "checkpoint", "dump", "transfer", "restore"] == \
             list(op["timings"])[1:8], op
         assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
         assert op["to_gpu"] == 1

@@ -15,7 +15,6 @@ import hmac
 import ipaddress
 import json
 import os
-from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
@@ -27,7 +26,7 @@ from tornado.websocket import WebSocketHandler
 from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
-from ..peers import BLOCK, CHECKSUM, DETACH_MIN, GROWING, SCHEME, FileSink, GuestHost
+from ..peers import BLOCK, CHECKSUM, DETACH_MIN, SCHEME, FileSink, GuestHost, follows
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -293,8 +292,9 @@ class ImageFileHandler(PeerHandler):
         if growing is None:
             return
         run = self.guests.dumping.get(unquote(kernel_id)) if self.guests.serve_growing else None
-        if growing and run is not None and Path(name).match(GROWING):
-            # its dump still writes it: sent in chunks, as it grows, until the dump is over (bulk.py)
+        if growing and run is not None and follows(name):
+            # its dump (or the stash before it) still writes it: sent in chunks, as it grows, until it is whole
+            # (bulk.py)
             key = (unquote(kernel_id), name)
             if key in self.guests.serving:
                 self.send_error_message(409, f"{name} is being sent as it grows already.")

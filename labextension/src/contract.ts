@@ -20,6 +20,7 @@ export type Phase =
   | 'take back'
   | 'verify'
   | 'stream'
+  | 'send stash'
   | 'transfer'
   | 'start'
   | 'export'

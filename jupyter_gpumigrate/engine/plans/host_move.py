@@ -4,11 +4,15 @@ Away (``move_to_host``):
 
     prepare     that host checks it can take the tree; images     undo: remove them (logs kept)
                 folder and manifest here
+    stream      the images start going there as they are written  undo: stop sending; that host
+                (if that host takes files that grow): the stash's discards what it has
+                files as the kernel writes them, CRIU's pages as
+                the dump writes them
     stash       an idle kernel writes its large buffers into the  undo: the kernel reads them back
                 images and frees them (the suspend's host stash)
-    stream      the images start going there: the stash's files   undo: stop sending; that host
-                now, CRIU's pages as the dump writes them (while  discards what it has
-                the driver and CRIU run)
+    send stash  (without stream) the stash's files start going    undo: stop sending; that host
+                there, written already, while the driver and CRIU discards what it has
+                run
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
     dump        CRIU writes the tree and kills it (not if a file  undo: restore it here, from the images
@@ -25,8 +29,9 @@ Away (``move_to_host``):
 Home (``return_home``):
 
     prepare     this host can take the tree back; images folder   undo: remove it (logs kept)
-    stream      the pages files of that host's dump come here as  undo: stop fetching
-                it writes them (if that host serves them so)
+    stream      the files of that host's dump come here as they  undo: stop fetching
+                are written (if that host serves them so): the
+                stash's parts, then CRIU's pages files
     dump        that host dumps the kernel (its images stay       undo: that host resumes it
                 there), an idle one's large buffers written first
     transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
@@ -47,10 +52,11 @@ brings the kernel back here, from that copy.
 The stash (the suspend's, kernel/hoststash.py) is what makes a large kernel quick to move either way:
 its own threads write its large buffers (CUDA ones through pinned memory) into the images at memory
 speed and free them, so the CUDA driver checkpoints only the context and CRIU dumps, and the other side
-restores, only the rest; the files travel with CRIU's over the same link, and the restored kernel reads
-them back, checking each chunk. The other host has the kernel write or read them with the kernel's key,
-which this host sends with each call that needs it (held in memory there for that call). A busy kernel
-is not asked (its cell's safe point could not be released across hosts): CRIU and the driver carry it.
+restores, only the rest; the files travel with CRIU's over the same link (as they are written, where
+that host takes files that grow), and the restored kernel reads them back, checking each chunk. The
+other host has the kernel write or read them with the kernel's key, which this host sends with each call
+that needs it (held in memory there for that call). A busy kernel is not asked (its cell's safe point
+could not be released across hosts): CRIU and the driver carry it.
 """
 
 from __future__ import annotations
@@ -77,8 +83,9 @@ def away() -> Saga[HostContext]:
         "move_to_host",
         [
             Step("prepare", prepare_away),
+            Step("stream", stream, when=lambda ctx: ctx.link.takes_growing()),
             Step("stash", stash_between_cells, when=lambda ctx: suspend.worth_asking(ctx) and ctx.link.takes_stash()),
-            Step("stream", stream, when=lambda ctx: "stashed" in ctx.stash or ctx.link.takes_growing()),
+            Step("send stash", stream, when=lambda ctx: "stashed" in ctx.stash and not ctx.link.takes_growing()),
             Step("lock", lock, when=KernelContext.on_gpu),
             Step("checkpoint", checkpoint, when=KernelContext.on_gpu),
             Step("dump", dump_away),
@@ -228,9 +235,10 @@ def stash_between_cells(ctx: HostContext) -> None:
 
 
 def stream(ctx: HostContext) -> None:
-    """The images start going there before the dump, instead of after it: the stash's files, written
-    already, now; CRIU's pages files as the dump writes them (if that host takes files that grow). The
-    driver's checkpoint and CRIU's dump then run while the bytes travel."""
+    """The images start going there before the dump, instead of after it: if that host takes files that grow,
+    from before the stash, each file as it is written (the stash's parts as the kernel's threads write them,
+    then CRIU's pages files as the dump writes them); if not, after the stash, its files, written already. The
+    driver's checkpoint and CRIU's dump run while the bytes travel."""
     ctx.undo(ctx.link.discard, cleanup=True)
     ctx.link.start_sending(ctx.images, ctx.estimate, follow=ctx.link.takes_growing())
     ctx.undo(ctx.link.stop_sending)
@@ -305,7 +313,8 @@ def prepare_home(ctx: HostContext) -> None:
 
 
 def stream_home(ctx: HostContext) -> None:
-    """The pages files of that host's dump come as it writes them, instead of after it."""
+    """The files of that host's dump (its stash's parts, then CRIU's pages files) come as they are written,
+    instead of after it."""
     ctx.link.start_fetching(ctx.images)
     ctx.undo(ctx.link.stop_fetching)
 
