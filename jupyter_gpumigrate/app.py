@@ -157,9 +157,14 @@ class GPUMigrateApp(ExtensionApp):
         defaults = MigratableProvisioner(config=self.serverapp.config)
         helper_socket = defaults.helper_socket or None
         # Guests' images in memory where there is room, beside this user's (not inside: a folder there is a
-        # kernel's); through the node helper, on disk only, as the helper writes nowhere else.
-        guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not helper_socket else None
-        self.guests = GuestHost(images_root(Path(defaults.state_dir), helper_socket) / "guests",
+        # kernel's); through the node helper (where its socket is there, for a user not root: images_root then
+        # names the helper's folder), on disk only, as the helper writes nowhere else. The configured socket
+        # alone says nothing: it has a default, so testing it kept every guest's images on disk (the way home's
+        # stash wrote at the disk's speed).
+        guests_root = images_root(Path(defaults.state_dir), helper_socket)
+        through_helper = guests_root != Path(defaults.state_dir)
+        guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not through_helper else None
+        self.guests = GuestHost(guests_root / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
                                 received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,

@@ -1834,8 +1834,9 @@ class GuestHost:
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
             run.ok = True  # its record stays until it is discarded: its images here may be its only copy
-            log.info("gpumigrate: kernel %s hosted for a peer: its images for its way home are in %s here%s",
-                     kernel_id, outcome.images, f"; its stash: {json.dumps(outcome.stash)}" if outcome.stash else "")
+            log.info("gpumigrate: kernel %s hosted for a peer: its images for its way home are in %s here (%s)%s",
+                     kernel_id, outcome.images, outcome.images_why,
+                     f"; its stash: {json.dumps(outcome.stash)}" if outcome.stash else "")
         finally:
             guest.key = None
             run.over.set()

@@ -295,6 +295,10 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
             assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
             assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+        # b's dump for the way home (and its stash) went to memory, as b's suspend_to 'auto' has it where there
+        # is room: the node helper's socket, configured by default but absent, kept them on disk before
+        assert f"kernel {kernel_id} hosted for a peer: its images for its way home are in memory here" in \
+            b.server_log(), b.server_log()
     finally:
         await end_kernel(a, kernel_id, tab)
 

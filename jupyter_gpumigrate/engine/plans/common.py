@@ -87,8 +87,9 @@ class Outcome:
     #: bytes sent to or received from the other host
     transferred: int | None = None
     fast_path: FastPath | None = None
-    #: where a suspend put its images (memory or disk)
+    #: where a suspend put its images (memory or disk), and why (images.choose)
     images: str | None = None
+    images_why: str = ""
     #: the host stash of a suspend or resume: what the kernel wrote or read ({"stashed": bytes, "seconds"...},
     #: {"unstashed": ...}), or why it stepped aside ({"aside": reason}); None where it does not apply
     stash: dict | None = None

@@ -132,4 +132,4 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
     return Outcome(result, bytes=ctx.manifest.image_bytes, manifest=ctx.manifest, stash=ctx.stash or None,
-                   images=ctx.images_where)
+                   images=ctx.images_where, images_why=ctx.images_why)
