@@ -314,10 +314,14 @@ idle kernel writes its large buffers into its images itself (16 threads, pinned 
 reads them back once restored (going away, inside b's **restore**; coming home, in **unstash**); **criu**, the
 stash off: the CUDA driver and CRIU carry every byte. The floors, measured just before each size with as many
 bytes: one TCP and one TLS stream between the namespaces. The goal is issue 18's: downtime <= bytes / the TLS
-floor x 1.3 + 2 s. Since commit 71e60a6 the stash's files go while the driver checkpoints and CRIU dumps
-(the phase **send stash**, named **stream** since it also sends CRIU's pages files as the dump writes them):
-**transfer** is then what is left after the dump, and transfer / floor reads low; total / goal is the
-measure. `bench/results/2026-11-26-host-move.md` says what the runs found.
+floor x 1.3 + 2 s. A way named `-stream` has `c.GPUMigrateApp.stream_dump` on: each file goes as it is
+written (**stream**, before the stash since 676a76d: the stash's parts as the kernel writes them, then CRIU's
+pages files as the dump does); `-after` has it off (the default since 2026-11-27): the stash's files go once
+written, while the driver checkpoints and CRIU dumps (**send stash**), CRIU's after the dump. **transfer** is
+what is left after the dump, so transfer / floor reads low; total / goal is the measure. Until a7fdc6b the
+other host's images (what it received, and its dump and stash for the way home) were on its disk, by a
+fault: its stash on the way home wrote at the disk's speed. `bench/results/2026-11-26-host-move.md` and
+`bench/results/2026-11-27-host-stream.md` say what the runs found.
 """
 
 
