@@ -616,6 +616,61 @@ async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_sai
         await end_kernel(a, kernel_id, tab)
 
 
+async def test_the_kernel_killed_while_its_stash_streams_to_the_other_host_is_said_dead_and_restarted(hosts):
+    """The kernel's process SIGKILLed while its own threads write its stash and the parts already go to b as
+    they are written (phase 'stream' before 'stash'): the stash's call sees the kernel gone at once, the
+    operation says that it died and that Jupyter restarts it, the parts on their way are called off, b keeps
+    nothing, a keeps no images; the restarter starts a new kernel that the same tab reaches."""
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        # over c.MigratableProvisioner.host_stash_min (1 GB): written by the kernel's 16 threads
+        await tab.run("blob = bytearray(b'x') * (1100 << 20)")
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+        def stash_part_on_b() -> bool:
+            return any(f.name.startswith("stash-") and f.stat().st_size > 0
+                       for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
+                       if folder.is_dir() for f in folder.iterdir())
+
+        def kill_as_the_stash_arrives() -> tuple[str, dict]:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            deadline = time.monotonic() + 60
+            while not stash_part_on_b():
+                assert time.monotonic() < deadline, "no part of the stash reached b"
+                time.sleep(0.001)
+            phase = a.api("GET", f"api/gpumigrate/operations/{op['id']}")["phase"]
+            os.kill(pid, signal.SIGKILL)
+            return phase, finished(a, op)
+
+        phase, op = await call(kill_as_the_stash_arrives)
+        assert phase in ("stream", "stash"), f"the stash's parts reached b only in {phase}"
+        assert op["status"] == "failed", op
+        if op["failed_phase"] == "stash":  # the usual case: the stash was still being written
+            assert f"The kernel's process {pid} ended while it wrote its large buffers" in op["error"], op["error"]
+        else:  # it had just finished: CRIU's dump finds the kernel gone
+            assert op["failed_phase"] in ("lock", "checkpoint", "dump"), op
+        assert "Jupyter restarts it" in op["error"] and "runs on, unchanged" not in op["error"], op["error"]
+        deadline = time.monotonic() + 30
+        while stash_part_on_b() or (b.root / "state" / "guests" / kernel_id).exists() or \
+                guest_images_in_memory(kernel_id):
+            assert time.monotonic() < deadline, "b kept the parts it got"
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 30
+        while True:
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            if view["pid"] not in (None, pid) and view["state"] == "running":
+                break
+            assert time.monotonic() < deadline, f"the dead kernel was not restarted: {view}"
+            await asyncio.sleep(0.2)
+        assert view["host"] == "a" and not view["remote"], view
+        assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
+        assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
+        assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
 async def test_a_dump_that_fails_on_the_other_host_leaves_the_kernel_answering_there(hosts):
     """The kernel opens an io_uring instance on b, which CRIU cannot dump: its way home fails in b's dump,
     and the same tab goes on with it there. b closed the relay for the dump; a dialled again, and b's new end

@@ -99,6 +99,11 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
                              " The kernel runs on, unchanged.") from exc
         raise MigrateError(f"The kernel could not write its large buffers ({exc}); it runs on, unchanged.") from exc
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
+        pid = ctx.pid or ctx.manifest.pid
+        if not proctree.is_alive(pid):
+            raise InvalidState(f"The kernel's process {pid} ended while it wrote its large buffers, so what it "
+                               "held is lost: the kernel is dead, and Jupyter restarts it (or restart it "
+                               "yourself).") from exc
         raise InvalidState(f"The kernel stopped answering while it wrote its large buffers ({exc}): restart "
                            "it.") from exc
     return said
