@@ -568,6 +568,18 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
         await end_kernel(a, kernel_id, tab)
 
 
+async def restarted_here(a: Host, kernel_id: str, pid: int) -> None:
+    """Wait (30 s at most) until Jupyter's restarter has started the dead kernel (once ``pid``) again, on a."""
+    deadline = time.monotonic() + 30
+    while True:
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        if view["pid"] not in (None, pid) and view["state"] == "running":
+            break
+        assert time.monotonic() < deadline, f"the dead kernel was not restarted: {view}"
+        await asyncio.sleep(0.2)
+    assert view["host"] == "a" and not view["remote"], view
+
+
 async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_said_dead_and_restarted(hosts):
     """The kernel's own process SIGKILLed (a user's kernel dying) during the dump, once b holds some of its
     pages: CRIU fails on it, and the operation says that the kernel died and its state is lost (it said "The
@@ -601,14 +613,7 @@ async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_sai
                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
         # Jupyter's restarter finds the kernel dead and starts it again, here; the same tab reaches the new
         # one, which holds none of the old one's state.
-        deadline = time.monotonic() + 30
-        while True:
-            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-            if view["pid"] not in (None, pid) and view["state"] == "running":
-                break
-            assert time.monotonic() < deadline, f"the dead kernel was not restarted: {view}"
-            await asyncio.sleep(0.2)
-        assert view["host"] == "a" and not view["remote"], view
+        await restarted_here(a, kernel_id, pid)
         assert "restarting kernel" in a.server_log(), a.server_log()[-3000:]
         assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
         assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
@@ -656,14 +661,7 @@ async def test_the_kernel_killed_while_its_stash_streams_to_the_other_host_is_sa
                 guest_images_in_memory(kernel_id):
             assert time.monotonic() < deadline, "b kept the parts it got"
             await asyncio.sleep(0.1)
-        deadline = time.monotonic() + 30
-        while True:
-            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-            if view["pid"] not in (None, pid) and view["state"] == "running":
-                break
-            assert time.monotonic() < deadline, f"the dead kernel was not restarted: {view}"
-            await asyncio.sleep(0.2)
-        assert view["host"] == "a" and not view["remote"], view
+        await restarted_here(a, kernel_id, pid)
         assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
         assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
         assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
