@@ -33,6 +33,7 @@ from .engine import stash as stash_mod
 from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
 from .engine.images import write_durably
+from .engine.migration import SUSPENDED
 from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
 from .peers import RUNNING_GUESTS, GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, RECORDS, MigratableProvisioner
@@ -589,12 +590,14 @@ class GPUMigrateApp(ExtensionApp):
             await self._leave_remote_kernels(operations)
         await self._images_to_disk()
         await asyncio.to_thread(stash_mod.end_spare)
-        memory = MigratableProvisioner(config=self.serverapp.config).images.memory_root
-        if memory is not None:
-            try:
-                memory.rmdir()  # no empty folder left in /dev/shm (one with a kernel's images in it stays)
-            except OSError:
-                pass
+        guests = self.settings.get("gpumigrate_guests")
+        for memory in (MigratableProvisioner(config=self.serverapp.config).images.memory_root,
+                       guests.store.memory_root if guests is not None else None):
+            if memory is not None:
+                try:
+                    memory.rmdir()  # no empty folder left in /dev/shm (one with a kernel's images in it stays)
+                except OSError:
+                    pass
         if self._shared is not None:
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
 
@@ -642,6 +645,13 @@ class GPUMigrateApp(ExtensionApp):
                 store = provisioner.images
                 if store.where(kernel_id) == "memory":
                     moves[kernel_id] = asyncio.ensure_future(asyncio.to_thread(store.to_disk, kernel_id))
+        # And the dumps this host keeps for its peers' kernels (a way home not over yet, a peer's stop policy):
+        # there, they may be the kernel's only copy.
+        guests: GuestHost | None = self.settings.get("gpumigrate_guests")
+        for kernel_id, guest in list(guests.guests.items()) if guests is not None else []:
+            if guest.state == SUSPENDED and kernel_id not in guests.dumping and \
+                    guests.store.where(kernel_id) == "memory":
+                moves[kernel_id] = asyncio.ensure_future(asyncio.to_thread(guests.store.to_disk, kernel_id))
         if not moves:
             return
         self.log.info("gpumigrate: stopping: moving the images of %d suspended kernel(s) from memory to disk",

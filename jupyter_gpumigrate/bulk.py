@@ -296,7 +296,7 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[
             growing = GrowingFile(f, written, stop)
             while block := growing.read(BLOCK):
                 sock.sendall(b"%x\r\n%b\r\n" % (len(block), block))
-            if run.ok or written.whole():
+            if run.ok or written.ended_whole:
                 sock.sendall(b"0\r\n\r\n")
     except OSError:
         pass  # the peer went away or called it off: it fetches the file again after the dump, or not at all

@@ -380,13 +380,15 @@ class Written:
     def __init__(self, path: Path, over: threading.Event) -> None:
         self.over = over
         self.index = path.parent / STASH_INDEX if path.match(STASH_PARTS) else None
-
-    def whole(self) -> bool:
-        """A part of a stash that finished: whole, whatever the dump after it does."""
-        return self.index is not None and self.index.exists()
+        #: a part of a stash seen finished (its index there) by a call of :meth:`is_set` that said so: what is
+        #: read after that call is the whole part, whatever the dump after it does (sticky)
+        self.ended_whole = False
 
     def is_set(self) -> bool:
-        return self.over.is_set() or self.whole()
+        if self.index is not None and self.index.exists():
+            self.ended_whole = True
+            return True
+        return self.over.is_set()
 
     def wait(self, timeout: float) -> bool:
         return self.over.wait(timeout) or self.is_set()
@@ -712,6 +714,8 @@ class _Sending:
         self.watcher: threading.Thread | None = None
         #: file followed -> the bytes of it read to be sent so far
         self.progress: dict[str, int] = {}
+        #: the files followed as they were written (the others went whole)
+        self.followed: set[str] = set()
         self._lock = threading.Lock()
 
     def send(self, files: list[tuple[Path, int]]) -> None:
@@ -736,6 +740,7 @@ class _Sending:
                 for path in sorted([*images.glob(STASH_PARTS), *images.glob(GROWING)]):
                     if path.name not in self.sends:
                         self.sends[path.name] = self.followers.submit(self._put_growing, path)
+                        self.followed.add(path.name)
             self.final.wait(0.01)
 
     def _put_growing(self, path: Path) -> dict:
@@ -751,7 +756,7 @@ class _Sending:
             self.watcher.join()
             self.watcher = None
         with self._lock:
-            return sum(1 for name in self.sends if follows(name)), sum(self.progress.values())
+            return len(self.followed), sum(self.progress.values())
 
     def results(self) -> list[dict]:
         """What was sent, once all ended; at the first failure, the files not begun yet are not sent, and the
@@ -1325,6 +1330,8 @@ class GuestHost:
         self.back.set()
         #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
         self._receiving: dict[str, object] = {}
+        #: when this server began: image folders made since are its own, never swept (:meth:`_sweep`)
+        self._began = time.time()
 
     def stop_relay(self, kernel_id: str) -> None:
         relay = self.relays.pop(kernel_id, None)
@@ -1358,9 +1365,38 @@ class GuestHost:
         or has it resumed. Any other record is removed; one that cannot be read is left, and logged. What was
         taken back running: (kernel id, PID)."""
         try:
-            return self._take_back_all()
+            taken = self._take_back_all()
+            self._sweep()
+            return taken
         finally:
             self.back.set()
+
+    def _sweep(self) -> None:
+        """Images here of no guest and no record: received for a move by a server killed before it restored
+        them (their peer resumed its own copy), or left by one killed as it discarded them. In memory they
+        would hold the host's memory until it restarts. A folder whose record could not be read stays, and
+        so does one made or changed since this server began (a peer's move may begin before this runs)."""
+        try:
+            recorded = {p.stem for p in self.records.glob("*.json")}
+        except OSError:
+            return  # nothing is known of the records: nothing is swept
+        for base in (self.store.root, self.store.memory_root):
+            try:
+                names = [p.name for p in base.iterdir() if p.is_dir() and not p.is_symlink()
+                         and p.stat().st_mtime < self._began] if base else []
+            except OSError:
+                continue
+            for name in names:
+                if name.startswith(".") or name == RUNNING_GUESTS or not _IMAGE_NAME.match(name) or \
+                        name in self.guests or name in recorded:
+                    continue
+                log.warning("gpumigrate: images of kernel %s, which an earlier server received or kept for a peer "
+                            "and no guest or record here names, are removed from %s", name, base)
+                try:
+                    self.store.remove(name)
+                except (OSError, MigrateError) as exc:
+                    log.error("gpumigrate: the images of kernel %s could not be removed from %s: %s", name, base,
+                              exc)
 
     def _take_back_all(self) -> list[tuple[str, int]]:
         taken: list[tuple[str, int]] = []

@@ -29,7 +29,7 @@ SIZE = DETACH_MIN + 12345  # over the threshold, and not a whole number of block
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict:
     config = peer_server_config(tmp_path, PEER_TOKEN)
-    config["GPUMigrateApp"]["stream_dump"] = "on"  # it serves a dump's files as they grow (off on 2 CPUs)
+    config["GPUMigrateApp"]["stream_dump"] = "on"  # it serves a dump's files as they grow (off by default)
     return config
 
 
@@ -330,13 +330,15 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
             assert time.monotonic() < deadline, f"stash-00.bin did not go as it was written: {sending.progress}"
             await asyncio.sleep(0.02)
         assert not (images / "stash-01.bin").exists()
+        await asyncio.sleep(0.3)
+        assert not sending.sends["stash-00.bin"].done(), "stash-00.bin ended before the stash's index was there"
         go_on.set()
         parts = await writer
         deadline = time.monotonic() + 20
         while not all(name in sending.sends and sending.sends[name].done() for name in parts):
             assert time.monotonic() < deadline, "a stash part did not end at its index"
             await asyncio.sleep(0.02)
-        assert not sending.final.is_set()  # no dump was over: the index ended them
+        assert not sending.final.is_set()  # no dump is over (dumped() was not called): the index ended them
         sent = {entry["name"]: entry for entry in [sending.sends[name].result() for name in parts]}
     finally:
         go_on.set()

@@ -230,8 +230,13 @@ def refuse_several(held: list[dict]) -> None:
 
 def stash_between_cells(ctx: HostContext) -> None:
     """The suspend's stash (suspend.stash), asked of an idle kernel only: a busy cell's safe point is
-    released through a folder of this host, which the kernel there cannot see."""
-    suspend.stash(ctx, idle_only=True)
+    released through a folder of this host, which the kernel there cannot see. Where its parts go as they
+    are written (stream), their sending stops before the kernel reads them back, in any undo: registered
+    after the stash's own undo, it runs first."""
+    try:
+        suspend.stash(ctx, idle_only=True)
+    finally:
+        ctx.undo(ctx.link.stop_sending)
 
 
 def stream(ctx: HostContext) -> None:
@@ -247,8 +252,8 @@ def stream(ctx: HostContext) -> None:
 def dump_away(ctx: HostContext) -> None:
     """CRIU's dump, unless a file sent early failed already (that host's disk full, say): the dump ends the
     process, and undoing it costs a restore here."""
-    ctx.link.check_sending()
     ctx.undo(ctx.link.stop_sending)  # a failed dump stops the pages on their way before the rest is undone
+    ctx.link.check_sending()
     dump(ctx)
 
 
