@@ -146,14 +146,18 @@ def move_until_phase(host: Host, kernel_id: str, to_host: str, phase: str) -> di
 async def end_kernel(host: Host, kernel_id: str, tab: WebSocketTab) -> None:
     """The test's kernel goes, whatever state the test left it in (a failed assertion included)."""
     tab.ws.close()
-    record = host.root / "state" / "kernels" / f"{kernel_id}.json"
+    # What a server that just started takes back: a kernel's record (it ran, here or at b), or its images (it was
+    # suspended here, as a stop under the policy 'suspend' leaves it: on disk, or in memory if it was killed).
+    kept = [host.root / "state" / "kernels" / f"{kernel_id}.json",
+            host.root / "state" / "images" / kernel_id / "manifest.json",
+            *Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}/manifest.json")]
     deadline = time.monotonic() + 60
     while True:
         try:
             await call(host.api, "DELETE", f"api/kernels/{kernel_id}")
             return
         except AssertionError as exc:
-            if ": 404 " not in str(exc) or not record.exists():
+            if ": 404 " not in str(exc) or not any(path.exists() for path in kept):
                 return  # gone already, or refused: what is left, leaves_nothing ends and names
             assert time.monotonic() < deadline, f"kernel {kernel_id} is not taken back: {host.server_log()}"
             await asyncio.sleep(0.5)  # not yet taken back by a server that just started: it will be
