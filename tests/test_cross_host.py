@@ -445,6 +445,76 @@ async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_r
     b.start({"a": a.peer_entry()})
 
 
+@pytest.mark.parametrize("stream", ["on", "off"])
+async def test_the_other_hosts_disk_filling_up_as_the_stash_arrives_is_said_and_the_kernel_runs_on_here(
+        hosts, tmp_path, stream):
+    """The kernel's stash (1.1 GB of buffers, written by its own threads) goes to b part by part: as it is
+    written (stream_dump on), or once written (off, the default: phase 'send stash'). b keeps guests' images on
+    a disk (a 1.4 GB tmpfs: room for all, as b checks first) that another process fills once a part arrives: b answers 507 naming the
+    file, the move is undone (the parts' sending stopped, the kernel reads its buffers back), the kernel runs
+    on here with every byte and the same buffer, and neither host keeps anything of it."""
+    from helpers import small_tmpfs
+
+    a, b = hosts
+    saved_a = {section: dict(values) for section, values in a.extra.items()}
+    saved_b = {section: dict(values) for section, values in b.extra.items()}
+    kernel_id, tab = "", None
+    with small_tmpfs(tmp_path / "small", "1400m") as small:
+        try:
+            b.stop()
+            b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"},
+                       "GPUMigrateApp": {"stream_dump": stream}}
+            await call(b.start, {"a": a.peer_entry()})
+            if stream == "off":
+                a.stop()
+                a.extra["GPUMigrateApp"]["stream_dump"] = "off"
+                await call(a.start, a_peers(b))
+            kernel_id, tab = await new_kernel(a)
+            await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
+                          "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+            guest = small / "state" / "guests" / kernel_id
+
+            def fill_bs_disk_as_a_part_arrives() -> tuple[str, dict]:
+                op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+                deadline = time.monotonic() + 60
+                while not any(f.name.startswith("stash-") and f.stat().st_size > (16 << 20)
+                              for f in (guest.iterdir() if guest.is_dir() else ())):
+                    assert time.monotonic() < deadline, "no part of the stash reached b"
+                    time.sleep(0.001)
+                phase = a.api("GET", f"api/gpumigrate/operations/{op['id']}")["phase"]
+                fill(small)  # b writes on meanwhile: whichever comes first
+                return phase, finished(a, op)
+
+            phase, op = await call(fill_bs_disk_as_a_part_arrives)
+            # on: the parts go from the stash's start; off: once written, beside the lock, checkpoint and dump
+            assert phase in (("stream", "stash") if stream == "on" else
+                             ("send stash", "lock", "checkpoint", "dump", "transfer")), phase
+            assert op["status"] == "failed", op
+            assert "could not be written here" in op["error"] and "free space here" in op["error"], op["error"]
+            assert "stash-" in op["error"], op["error"]  # the file b could not write
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["host"] == "a" and view["state"] == "running", view
+            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)")).strip() \
+                == "True True"
+            assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+            deadline = time.monotonic() + 30
+            while guest.exists():
+                assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
+                await asyncio.sleep(0.1)
+            assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+            assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
+        finally:
+            if tab is not None:
+                await end_kernel(a, kernel_id, tab)
+            b.stop()
+            b.extra = saved_b
+            if a.extra != saved_a:
+                a.stop()
+                a.extra = saved_a
+                await call(a.start, a_peers(b))
+    b.start({"a": a.peer_entry()})
+
+
 async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
