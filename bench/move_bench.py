@@ -17,10 +17,14 @@ Ways:
            holding the size in all, moved 0 -> 1 in the middle of its cell (the fast path at the cell's safe
            point); its losses must equal those of the same loop run unmoved before, bit for bit
 
+``--trips N`` moves the kernel of each way (but two and train) 0 -> 1 -> 0 N times: the first trip into a
+machine's fresh memory is slower than the next (bench/results/2026-11-26-gpu-move.md), and a way named twice
+(``--ways peer,host,peer``) runs again after the others, so that the order of the ways can be told apart.
+
 Floors, measured in the same run: the peer copy GPU 0 -> GPU 1 and pinned host <-> GPU copies (GB/s).
 Writes ``<out-dir>/<date>-<tag>-move.json``; the table comes last.
 
-    python3 bench/move_bench.py [--sizes 32] [--ways peer,host,driver,two]
+    python3 bench/move_bench.py [--sizes 32] [--ways peer,host,driver,two] [--trips 1]
 """
 
 from __future__ import annotations
@@ -161,7 +165,7 @@ def train_mid_cell(server: Server, kernel_id: str, size: float, root: Path) -> d
     return op
 
 
-def one_way(way: str, size: float, rows: list[dict]) -> None:
+def one_way(way: str, size: float, rows: list[dict], trips: int = 1) -> None:
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-move-bench-", dir="/tmp"))
     provisioner = {"suspend_to": "memory"}
     if way in ("peer", "host"):
@@ -185,7 +189,9 @@ def one_way(way: str, size: float, rows: list[dict]) -> None:
                      ("resume", {"to_gpus": [1, 0]}, "resume swapped")]
         else:
             body = {"fast_path": "off"} if way == "driver" else {}
-            steps = [("migrate", {"to_gpu": 1, **body}, "0 -> 1"), ("migrate", {"to_gpu": 0, **body}, "1 -> 0")]
+            steps = [step for trip in range(trips) for step in (
+                ("migrate", {"to_gpu": 1, **body}, "0 -> 1" + (f" (trip {trip + 1})" if trips > 1 else "")),
+                ("migrate", {"to_gpu": 0, **body}, "1 -> 0" + (f" (trip {trip + 1})" if trips > 1 else "")))]
         for action, body, label in steps:
             op = server.operate(kernel_id, action, body)
             if action != "suspend":
@@ -215,11 +221,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sizes", default="32", help="GB of tensors the kernel holds (two: half on each GPU)")
     parser.add_argument("--ways", default="peer,host,driver,two")
+    parser.add_argument("--trips", type=int, default=1, help="round trips 0 -> 1 -> 0 of each way's kernel")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--tag", default="gpu")
     args = parser.parse_args()
     floor = {**peer_floor(), **{k: round(v, 2) for k, v in pinned_floors(4 << 30).items()}}
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpus": gpu_names()}
+    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpus": gpu_names(),
+            "command": " ".join(["bench/move_bench.py", *sys.argv[1:]])}
     print(json.dumps({"floors": floor}), flush=True)
     rows: list[dict] = []
     out = Path(args.out_dir) / f"{time.strftime('%Y-%m-%d')}-{args.tag}-move.json"
@@ -227,7 +235,7 @@ def main() -> int:
     try:
         for size in (float(s) for s in args.sizes.split(",")):
             for way in args.ways.split(","):
-                one_way(way, size, rows)
+                one_way(way, size, rows, args.trips)
                 out.write_text(json.dumps({"meta": meta, "floors": floor, "rows": rows}, indent=1))
     finally:
         out.write_text(json.dumps({"meta": meta, "floors": floor, "rows": rows}, indent=1))
