@@ -176,14 +176,15 @@ def suspend_section(path: Path) -> str:
         def phases(t: dict) -> str:
             return ", ".join(f"{k} {v:.2f}" for k, v in t.items() if v >= 0.05)
 
-        body.append([r["way"], f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
+        way = r["way"] + (f" (round {r['round']})" if r.get("round", 1) > 1 else "")
+        body.append([way, f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
                      phases(m["timings"])])
     out = [f"### Run `{path.name}`", "",
            f"{meta['date']}; {meta.get('gpus')}; {meta.get('cpus')} CPUs; disk folder {meta.get('disk_dir')}.", "",
            md_table(["way", "GB", "suspend s", "resume s", "suspend phases (s)", "resume phases (s)"], body), "",
            "Floors in this run: " + ", ".join(f"{k.replace('_', ' ')} {v} GB/s" for k, v in floors.items()) + ".",
            ""]
-    by = {(r["way"], r["size_gb"]): r for r in rows}
+    by = {(r["way"], r["size_gb"]): r for r in rows if r.get("round", 1) == 1}  # each way's first, as ever
     lines = []
     for (way, size), r in sorted(by.items()):
         if not way.startswith(("stash-", "busy-")):

@@ -17,7 +17,7 @@ Floors, measured in the same run: the disk's sequential write and read (dd, O_DI
 written and read by 16 threads (one file each), and pinned host <-> GPU copies. Writes
 ``<out-dir>/<date>-<tag>-suspend.json``; the table comes last.
 
-    python3 bench/suspend_bench.py [--sizes 8,32] [--ways stash-memory,criu-memory] [--disk-dir DIR]
+    python3 bench/suspend_bench.py [--sizes 8,32] [--ways stash-memory,criu-memory] [--disk-dir DIR] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def pinned_floors(nbytes: int) -> dict:
     return {"pinned_d2h": d2h, "pinned_h2d": h2d}
 
 
-def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> None:
+def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict], rounds: int = 1) -> None:
     how, where = way.split("-")
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-suspend-bench-", dir="/tmp"))
     state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir=disk_dir))
@@ -145,23 +145,25 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict]) -> N
                 while server.api("GET", f"api/kernels/{kernel_id}")["execution_state"] != "busy":
                     time.sleep(0.05)
                 time.sleep(0.5)
-            suspended = server.operate(kernel_id, "suspend")
-            if suspended.get("images") != where:
-                raise RuntimeError(f"{way}: the images went to {suspended.get('images')}, not {where}")
-            resumed = server.operate(kernel_id, "resume")
-            if cell is not None:
-                if not (suspended.get("stash") or {}).get("safe_point"):
-                    raise RuntimeError(f"{way}: the stash was not served at the cell's safe point: {suspended['stash']}")
-                flag.touch()
-                cell.join(120)
-            check = server.run(kernel_id, CHECK).split()
-            if check[0] != "True":
-                raise RuntimeError(f"{way}, {size} GB: the tensors changed: {check}")
-            row = {"way": way, "size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended,
-                   "resume": resumed}
-            rows.append(row)
-            print(json.dumps({"way": way, "size_gb": size, "image_bytes": suspended["bytes"],
-                              "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
+            # the first into fresh memory, the next into memory used before; a busy cell is released after one
+            for turn in range(1 if how == "busy" else rounds):
+                suspended = server.operate(kernel_id, "suspend")
+                if suspended.get("images") != where:
+                    raise RuntimeError(f"{way}: the images went to {suspended.get('images')}, not {where}")
+                resumed = server.operate(kernel_id, "resume")
+                if cell is not None:
+                    if not (suspended.get("stash") or {}).get("safe_point"):
+                        raise RuntimeError(f"{way}: the stash was not served at the cell's safe point: {suspended['stash']}")
+                    flag.touch()
+                    cell.join(120)
+                check = server.run(kernel_id, CHECK).split()
+                if check[0] != "True":
+                    raise RuntimeError(f"{way}, {size} GB: the tensors changed: {check}")
+                row = {"way": way, "size_gb": size, "image_bytes": suspended["bytes"], "suspend": suspended,
+                       "resume": resumed, "round": turn + 1}
+                rows.append(row)
+                print(json.dumps({"way": way, "size_gb": size, "image_bytes": suspended["bytes"],
+                                  "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
             server.api("DELETE", f"api/kernels/{kernel_id}")
     finally:
         server.stop()
@@ -186,6 +188,8 @@ def main() -> int:
     parser.add_argument("--sizes", default="32", help="GB of tensors the kernel holds on GPU 0")
     parser.add_argument("--ways", default="stash-memory,stash-disk,criu-memory,criu-disk")
     parser.add_argument("--disk-dir", default=str(Path.home()), help="a folder on the local disk")
+    parser.add_argument("--rounds", type=int, default=1, help="suspends and resumes of each way's kernel, one after "
+                        "the other (the busy way: one)")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--tag", default="gpu")
     args = parser.parse_args()
@@ -196,13 +200,14 @@ def main() -> int:
     rows: list[dict] = []
     for way in args.ways.split(","):
         try:
-            one_way(way, sizes, disk_dir, rows)
+            one_way(way, sizes, disk_dir, rows, args.rounds)
         except Exception as exc:  # noqa: BLE001  one way's failure is reported, the others still run
             print(f"{way}: FAILED: {exc}", flush=True)
             rows_failed = {"way": way, "error": str(exc)}
             print(json.dumps(rows_failed), flush=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": socket.gethostname(),
-            "cpus": os.cpu_count(), "disk_dir": str(disk_dir), "gpus": _gpus()}
+            "cpus": os.cpu_count(), "disk_dir": str(disk_dir), "gpus": _gpus(),
+            "command": " ".join(["bench/suspend_bench.py", *sys.argv[1:]])}
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{time.strftime('%Y-%m-%d')}-{args.tag}-suspend.json"
