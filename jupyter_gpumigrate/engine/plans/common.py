@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import logging
 import shutil
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -301,10 +302,13 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     assert ctx.manifest is not None
     timeout = ctx.tools.reconnect_timeout
     expected = {int(port): n for port, n in ctx.manifest.clients.items()}
+    waited = time.monotonic()
     missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout, skip_own=True)
     if missing:
-        log.info("kernel %s: %s client(s) did not reconnect within %.1f s (gone meanwhile?)",
-                 ctx.manifest.kernel_id, sum(missing.values()), timeout)
+        log.info("gpumigrate: kernel %s: %s client(s) did not reconnect in %.2f s (gone meanwhile?): %s, of %s "
+                 "expected", ctx.manifest.kernel_id, sum(missing.values()), time.monotonic() - waited,
+                 ", ".join(f"{n} on port {port}" for port, n in sorted(missing.items())),
+                 ", ".join(f"{n} on port {port}" for port, n in sorted(expected.items())))
     ctx.kernel.adopt(pid)
     if not ctx.kernel.wait_ready(timeout):
         log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
