@@ -321,8 +321,10 @@ pages files as the dump does); `-after` has it off (the default since 2026-11-27
 written, while the driver checkpoints and CRIU dumps (**send stash**), CRIU's after the dump. **transfer** is
 what is left after the dump, so transfer / floor reads low; total / goal is the measure. Until a7fdc6b the
 other host's images (what it received, and its dump and stash for the way home) were on its disk, by a
-fault: its stash on the way home wrote at the disk's speed. `bench/results/2026-11-26-host-move.md` and
-`bench/results/2026-11-27-host-stream.md` say what the runs found.
+fault: its stash on the way home wrote at the disk's speed. The way home's **adopt** waited about 1 s (a client
+expected back that never came) in 5 of 20 GPU trips home, not explained yet. `bench/results/2026-11-26-host-move.md`,
+`bench/results/2026-11-27-host-stream.md` and `bench/results/2026-11-27-trips-and-rounds.md` say what the runs
+found.
 """
 
 
@@ -344,9 +346,13 @@ def host_section(path: Path) -> str:
 
 
 def newest_host_runs() -> list[Path]:
-    """The two newest runs of bench/host_bench.py on a GPU (--device cuda), oldest first (each names its cards)."""
+    """The two newest runs of bench/host_bench.py on a GPU (--device cuda), and before them the newest that
+    measured the largest kernel (a run may measure one size only), oldest first (each names its cards)."""
     found = [(json.loads(p.read_text()).get("when", ""), p) for p in RESULTS.glob("*-host.json")]
-    return [p for when, p in sorted(found) if json.loads(p.read_text()).get("device") == "cuda"][-2:]
+    cuda = [p for when, p in sorted(found) if json.loads(p.read_text()).get("device") == "cuda"]
+    largest = max((r.get("size_gb", 0) for p in cuda for r in json.loads(p.read_text()).get("rows", [])), default=0)
+    big = [p for p in cuda if any(r.get("size_gb") == largest for r in json.loads(p.read_text()).get("rows", []))]
+    return sorted({*cuda[-2:], *big[-1:]}, key=cuda.index)
 
 
 def newest_transplant_runs() -> list[Path]:
