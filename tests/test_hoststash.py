@@ -377,6 +377,43 @@ async def test_suspend_writes_the_buffers_itself_and_resume_reads_them_back(jp_f
     assert not folder.exists(), "the images are removed once the kernel runs"
 
 
+async def test_a_client_gone_while_the_kernel_was_suspended_is_named_and_not_waited_for(jp_fetch, jp_serverapp,
+                                                                                        kernel, caplog):
+    """A client counted at the suspend (a subscriber of the kernel's IOPub, outside the kernel) closes before the
+    resume. The resume's adopt waits for every client counted to re-dial, until the counts stop changing: it names
+    the one that never came, on its channel, and its wait ends (from the restore on: here the kernel read its
+    stash back meanwhile, the live clients re-dialled long before). The kernel runs on, with its buffers."""
+    import zmq
+
+    from jupyter_gpumigrate.engine import netstate
+
+    digest = (await kernel.run(MAKE)).strip()
+    manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
+    info, pid = manager.get_connection_info(), manager.provisioner.pid
+    iopub = int(info["iopub_port"])
+    before = netstate.client_counts([pid], skip_own=True)[iopub]
+    extra = zmq.Context.instance().socket(zmq.SUB)
+    try:
+        extra.setsockopt(zmq.SUBSCRIBE, b"")
+        extra.connect(f"tcp://{info['ip']}:{iopub}")
+        deadline = time.monotonic() + 30
+        while netstate.client_counts([pid], skip_own=True)[iopub] <= before:
+            assert time.monotonic() < deadline, "the extra subscriber never connected"
+            await asyncio.sleep(0.02)
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "succeeded", op
+        manifest = json.loads((_images(jp_serverapp, kernel.id) / "manifest.json").read_text())
+        assert manifest["clients"][str(iopub)] == before + 1, manifest["clients"]
+    finally:
+        extra.close(linger=0)
+    caplog.set_level(logging.INFO, logger="jupyter_gpumigrate")
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded" and "unstash" in op["timings"], op
+    said = [r.getMessage() for r in caplog.records if "did not reconnect" in r.getMessage()]
+    assert len(said) == 1 and ": 1 on iopub, of " in said[0], said
+    assert (await kernel.run("print(digest(), alias is blobs[1])")).split() == [digest, "True"]
+
+
 async def test_a_handed_thread_in_a_kernel_keeps_what_it_holds_and_no_more(jp_fetch, jp_serverapp, kernel):
     """In a kernel, a thread's own attributes lead to the whole notebook (``Thread._stderr`` is ipykernel's
     stream, whose session leads to the shell and its namespace): the search of what a handed thread may

@@ -88,6 +88,9 @@ def holds_client_end(pids: list[int], client_port: int, server_port: int) -> boo
 #: that the connections still missing were closed meanwhile (a notebook tab closed just before), and will
 #: not come: no use waiting for them until the timeout.
 SETTLE = 1.0
+#: The least of that wait where the ports have listened again for longer already (engine/plans/common.py's
+#: adopt_tree): a few reconnect intervals, for a client whose last try was just before.
+SETTLE_AFTER = 0.3
 
 
 def wait_for_clients(pids: list[int], expected: dict[int, int], timeout: float,

@@ -122,6 +122,8 @@ class KernelContext(Context):
         self.images_why = ""
         #: the bytes the images were judged to take when they were made (the tree's memory and GPU memory)
         self.estimate = 0
+        #: when the tree was restored (time.monotonic()): its ports listen again from then on
+        self.restored_at: float | None = None
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()
@@ -303,12 +305,20 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     timeout = ctx.tools.reconnect_timeout
     expected = {int(port): n for port, n in ctx.manifest.clients.items()}
     waited = time.monotonic()
-    missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout, skip_own=True)
-    if missing:
+    # A live client re-dials every 0.1 s from when the ports listen again (the restore): where steps ran since
+    # (the remap, the kernel reading its stash back), it had that long already. One counted before the restore
+    # and closed meanwhile (a short-lived client of the server's) never comes, and the wait for it ends that
+    # much sooner (it cost the way home of a stashed kernel 1 s in 1 of 4 trips).
+    since = waited - ctx.restored_at if ctx.restored_at is not None else 0.0
+    settle = max(netstate.SETTLE - since, netstate.SETTLE_AFTER)
+    missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout, settle=settle, skip_own=True)
+    if missing and timeout > 0:  # none waited for (a peer's restore: its relay dials after this): nothing to say
+        info = ctx.kernel.kernel_connection_info
+        names = {int(info[key]): key[:-len("_port")] for key in info if key.endswith("_port") and info[key]}
         log.info("gpumigrate: kernel %s: %s client(s) did not reconnect in %.2f s (gone meanwhile?): %s, of %s "
                  "expected", ctx.manifest.kernel_id, sum(missing.values()), time.monotonic() - waited,
-                 ", ".join(f"{n} on port {port}" for port, n in sorted(missing.items())),
-                 ", ".join(f"{n} on port {port}" for port, n in sorted(expected.items())))
+                 ", ".join(f"{n} on {names.get(port, port)}" for port, n in sorted(missing.items())),
+                 ", ".join(f"{n} on {names.get(port, port)}" for port, n in sorted(expected.items())))
     ctx.kernel.adopt(pid)
     if not ctx.kernel.wait_ready(timeout):
         log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
@@ -350,6 +360,7 @@ def restore_tree(ctx: KernelContext) -> None:
     there_before = proctree.is_alive(root)
     ctx.undo(lambda: kill_tree(ctx.pid if ctx.pid is not None else (None if there_before else root)))
     ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+    ctx.restored_at = time.monotonic()
 
 
 def kill_tree(pid: int | None) -> None:
