@@ -322,7 +322,8 @@ written, while the driver checkpoints and CRIU dumps (**send stash**), CRIU's af
 what is left after the dump, so transfer / floor reads low; total / goal is the measure. Until a7fdc6b the
 other host's images (what it received, and its dump and stash for the way home) were on its disk, by a
 fault: its stash on the way home wrote at the disk's speed. The way home's **adopt** waited about 1 s (a client
-expected back that never came) in 5 of 20 GPU trips home, not explained yet. `bench/results/2026-11-26-host-move.md`,
+counted before the restore that had closed meanwhile) in 5 of 20 GPU trips home; since 95736a6 that wait counts
+from the restore (not measured on a GPU yet). `bench/results/2026-11-26-host-move.md`,
 `bench/results/2026-11-27-host-stream.md` and `bench/results/2026-11-27-trips-and-rounds.md` say what the runs
 found.
 """
