@@ -278,7 +278,9 @@ def restore_from_images(ctx: KernelContext, images: Path, manifest: Manifest) ->
     images are all that is left of it: they are kept (the kernel is then broken, its images named)."""
     ctx.images, ctx.manifest = images, manifest
     try:
-        adopt_tree(ctx, ctx.criu.restore(ctx.images, ctx.manifest.ids))
+        pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+        ctx.restored_at = time.monotonic()  # this restore's, not an earlier one's of the same plan (back.py)
+        adopt_tree(ctx, pid)
     except BaseException:
         ctx.keep_images = True
         raise
@@ -314,7 +316,8 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     missing = netstate.wait_for_clients(proctree.descendants(pid), expected, timeout, settle=settle, skip_own=True)
     if missing and timeout > 0:  # none waited for (a peer's restore: its relay dials after this): nothing to say
         info = ctx.kernel.kernel_connection_info
-        names = {int(info[key]): key[:-len("_port")] for key in info if key.endswith("_port") and info[key]}
+        ports = {key: str(info.get(f"{key}_port", "")) for key in ("shell", "iopub", "stdin", "control", "hb")}
+        names = {int(port): key for key, port in ports.items() if port.isdigit()}  # a log line never fails adopt
         log.info("gpumigrate: kernel %s: %s client(s) did not reconnect in %.2f s (gone meanwhile?): %s, of %s "
                  "expected", ctx.manifest.kernel_id, sum(missing.values()), time.monotonic() - waited,
                  ", ".join(f"{n} on {names.get(port, port)}" for port, n in sorted(missing.items())),
