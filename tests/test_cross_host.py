@@ -669,6 +669,19 @@ async def test_criu_killed_while_its_pages_stream_to_the_other_host_leaves_the_k
         await end_kernel(a, kernel_id, tab)
 
 
+async def answered_after_restart(tab: WebSocketTab, code: str, tries: int = 4, each: float = 15.0) -> str:
+    """What the same tab's cell printed, once the kernel Jupyter's restarter started has it: a cell sent while the
+    server re-attaches the tab's channels to the new kernel can be lost, and is sent again (a fresh-clone CI run
+    once waited 60 s for one)."""
+    for attempt in range(tries):
+        try:
+            return await tab.run(code, timeout=each)
+        except (asyncio.TimeoutError, AssertionError) as exc:
+            if attempt == tries - 1 or (isinstance(exc, AssertionError) and "no reply" not in str(exc)):
+                raise
+    raise AssertionError("unreachable")
+
+
 async def restarted_here(a: Host, kernel_id: str, pid: int) -> None:
     """Wait (30 s at most) until Jupyter's restarter has started the dead kernel (once ``pid``) again, on a."""
     deadline = time.monotonic() + 30
@@ -716,7 +729,7 @@ async def test_the_kernel_killed_while_its_pages_stream_to_the_other_host_is_sai
         # one, which holds none of the old one's state.
         await restarted_here(a, kernel_id, pid)
         assert "restarting kernel" in a.server_log(), a.server_log()[-3000:]
-        assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
+        assert (await answered_after_restart(tab, "print('blob' in dir(), 6 * 7)")).strip() == "False 42"
         assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
     finally:
         await end_kernel(a, kernel_id, tab)
@@ -763,7 +776,7 @@ async def test_the_kernel_killed_while_its_stash_streams_to_the_other_host_is_sa
             assert time.monotonic() < deadline, "b kept the parts it got"
             await asyncio.sleep(0.1)
         await restarted_here(a, kernel_id, pid)
-        assert (await tab.run("print('blob' in dir(), 6 * 7)")).strip() == "False 42"
+        assert (await answered_after_restart(tab, "print('blob' in dir(), 6 * 7)")).strip() == "False 42"
         assert not list((a.root / "state").glob(f"images/{kernel_id}*"))
         assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
     finally:
