@@ -8,6 +8,10 @@ Options, as measured (docs/internals.md, "The options we pass"):
   needs CRIU's network lock (iptables), so they are restored closed and ZMQ re-dials by itself.
 - ``--ext-unix-sk``: unix sockets whose peer is outside the tree (syslog, a desktop bus...).
 - ``--file-locks``: kernels that hold flock/fcntl locks (sqlite, h5py...).
+- dump with ``--skip-in-flight``: a client that dials one of the kernel's listening sockets while CRIU holds
+  the tree frozen (a ZMQ client re-dialling, a browser at a server the notebook started) sits in that
+  socket's accept queue, and without it CRIU refuses the whole dump ("In-flight connection"). With it the
+  connection is left out: the client gets a reset once the dumped tree is gone, and dials again.
 - restore with ``-d``: CRIU detaches, the tree is re-parented away from the caller.
 - ``--unprivileged`` when the server is not root: CRIU then runs on the capabilities its binary was
   given (``setcap``, docs/users.md). A server that uses the node helper goes through
@@ -32,6 +36,7 @@ from .errors import CriuFailed, CriuNotFound, PidConflict
 
 MIN_VERSION = (4, 2)
 COMMON_OPTIONS = ("--tcp-close", "--ext-unix-sk", "--file-locks")
+DUMP_OPTIONS = ("--skip-in-flight",)
 DUMP_LOG = "dump.log"
 RESTORE_LOG = "restore.log"
 RESTORE_PIDFILE = "restore.pid"
@@ -245,7 +250,7 @@ class Criu:
 
         On failure CRIU resumes the tree: it keeps running as before.
         """
-        args = ["dump", "--tree", str(pid), *COMMON_OPTIONS]
+        args = ["dump", "--tree", str(pid), *COMMON_OPTIONS, *DUMP_OPTIONS]
         log_path = log_path or images_dir / DUMP_LOG
         enter = self._mount_namespace_of(pid, [images_dir, log_path.parent, Path(self.binary.path)])
         if enter:  # there, CRIU starts at that namespace's root: the paths checked, whole

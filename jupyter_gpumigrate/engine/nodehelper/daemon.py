@@ -239,8 +239,8 @@ class CriuBroker:
         try:
             start = time.monotonic()
             with self._confined(caller) as cgroup:
-                proc = self._criu(caller, DUMP_CAPS, fd, ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS],
-                                  criu_mod.DUMP_LOG, cgroup)
+                args = ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS, *criu_mod.DUMP_OPTIONS]
+                proc = self._criu(caller, DUMP_CAPS, fd, args, criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
                 return failure(CRIU_FAILED, f"CRIU could not dump process {pid}", log=criu_mod.DUMP_LOG)
             # The tree's processes that were ours (kernels we restored) are zombies now: collect them,
