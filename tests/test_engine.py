@@ -30,11 +30,12 @@ for line in sys.stdin:
 """
 
 
-def start_counter(tmp_path: Path) -> tuple[subprocess.Popen, Path, Path]:
-    """A process that sums numbers written to a FIFO and appends the sums to a file."""
+def start_counter(tmp_path: Path, body: str = COUNTER) -> tuple[subprocess.Popen, Path, Path]:
+    """A process that runs ``body`` (by default: sums numbers written to a FIFO and appends the sums to a
+    file) with the FIFO as its stdin and the file as its stdout."""
     fifo, out = tmp_path / "in.fifo", tmp_path / "out.txt"
     os.mkfifo(fifo)
-    script = f"import sys; sys.stdin = open({str(fifo)!r}); exec({COUNTER!r})"
+    script = f"import sys; sys.stdin = open({str(fifo)!r}); exec({body!r})"
     with open(out, "ab") as log, open(os.devnull, "rb") as null:
         proc = subprocess.Popen([sys.executable, "-c", script], stdin=null, stdout=log, stderr=log,
                                 start_new_session=True)
@@ -117,12 +118,7 @@ def test_a_client_dialling_while_the_tree_is_frozen_does_not_fail_the_dump(criu_
     restored process listens and answers again; the left-out client is reset and dials again."""
     import socket
 
-    fifo, out = tmp_path / "in.fifo", tmp_path / "out.txt"
-    os.mkfifo(fifo)
-    script = f"import sys; sys.stdin = open({str(fifo)!r}); exec({LISTENER!r})"
-    with open(out, "ab") as log, open(os.devnull, "rb") as null:
-        proc = subprocess.Popen([sys.executable, "-c", script], stdin=null, stdout=log, stderr=log,
-                                start_new_session=True)
+    proc, fifo, out = start_counter(tmp_path, LISTENER)
     writer = open(fifo, "w")
     deadline = time.monotonic() + 10
     while not out.read_text().strip():
