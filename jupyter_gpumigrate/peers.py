@@ -56,7 +56,7 @@ from .engine.criu import Criu
 from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
                             write_durably)
-from .engine.migration import RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.hoststash import INDEX as STASH_INDEX, PART as STASH_PART
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
@@ -107,9 +107,6 @@ FOLLOWED = 16
 #: How long a transplant's new process here waits for its peer's word to go before it is discarded (seconds):
 #: the peer saves the source meanwhile (a large kernel's dump on a slow disk takes minutes).
 TRANSPLANT_ORPHAN = 1800.0
-#: How long a transplant's new process, once told to go, may run here before its peer relays its channels:
-#: a peer that died as it said go (or whose answer was lost) never will, and its source is the kernel.
-ATTACH_WAIT = 60.0
 #: How long images received for a move may wait here, never restored, before they go (c.GPUMigrateApp.
 #: guest_images_expire): their peer keeps its own copy until the kernel answers from here.
 RECEIVED_EXPIRE = 1800.0
@@ -1722,11 +1719,10 @@ class GuestHost:
         self.discard(kernel_id, proc)
 
     def _unrelayed(self, kernel_id: str, pid: int) -> None:
-        guest = self.guests.get(kernel_id)
-        if guest is not None and guest.pid == pid and kernel_id not in self.relays:
-            log.warning("gpumigrate: kernel %s: its peer said go to the transplant's new process here, but never "
-                        "relayed its channels; discarded (the peer's source is the kernel)", kernel_id)
-            self.discard(kernel_id)
+        self._discard_unrelayed(kernel_id, pid, self._unrelayed, "a transplant's new process told to go here by peer "
+                                "{peer}, was not relayed by it within {seconds:.0f} s: its server died as it said go, "
+                                "and the next one did not come (the peer keeps the source's images, and takes it "
+                                "back from them)")
 
     def _unclaimed(self, kernel_id: str, pid: int) -> None:
         self._discard_unrelayed(kernel_id, pid, self._unclaimed, "taken back for peer {peer}, was not relayed by it "
@@ -1787,6 +1783,8 @@ class GuestHost:
             proc = self._transplants.pop(kernel_id, None)
         if proc is None or guest.pid != proc.pid:
             raise InvalidState(f"No transplant of kernel {kernel_id} waits here.")
+        # Neither waiting nor the kernel yet: a peer's next server that asks now waits for the outcome (revive.py).
+        guest.state = MIGRATING
         folder = self.store.path_for(kernel_id)
         try:
             if proc.poll() is not None:
@@ -1814,7 +1812,7 @@ class GuestHost:
             (folder / name).unlink(missing_ok=True)
         guest.ran = True
         self._remember(guest)  # the kernel now: it outlives this server as a restored guest does
-        self._later(kernel_id, ATTACH_WAIT, self._unrelayed, proc.pid)
+        self._later(kernel_id, self.unclaimed, self._unrelayed, proc.pid)
         return {"pid": proc.pid, "seconds": seconds}
 
     def listing(self, kernel_id: str, checksums: bool = True) -> list[dict]:
@@ -1932,6 +1930,9 @@ class GuestHost:
         info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
                                 "checksum": CHECKSUM, "growing": self.serve_growing}
+        with self._transplant_lock:
+            if kernel_id in self._transplants:  # a transplant's new process, not told to go: not the kernel
+                info["waiting"] = True
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

@@ -19,11 +19,12 @@ a kernel runs): a kernel whose process still runs, the same process (PID and sta
 running, with its sessions; any other record is stale and removed.
 
 A record of a kernel that runs on a peer (``remote``: moved there, and its server died or stopped under the
-stop policy 'suspend'; or being moved there, its process here dumped, when the server died) is asked of that
-peer: running there, the kernel is registered as remote and its relay bound to its ports and dialled again
-(the peer keeps it meanwhile: peers.GuestHost); suspended there (by the stop, for a way home that never ended,
-or received by a move that never restored it), the peer resumes it first; unknown there, the record goes
-(and images here, a move's that never ended there, are the kernel). A peer that cannot be reached, or is no
+stop policy 'suspend'; or being moved or transplanted there, its process here dumped, when the server died)
+is asked of that peer: running there, the kernel is registered as remote and its relay bound to its ports and
+dialled again (the peer keeps it meanwhile: peers.GuestHost); suspended there (by the stop, for a way home that
+never ended, or received by a move that never restored it), the peer resumes it first; a transplant's new
+process there never told to go, the peer discards it; unknown there (or so discarded), the record goes (and
+images here, a move's or a transplant's source that never ended there, are the kernel). A peer that cannot be reached, or is no
 longer configured, leaves the record refused, on disk, for the next start.
 
 A record of a kernel running here that names the peer it came home from (``copy_left``: the dump that peer
@@ -644,6 +645,13 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
                        f"server; or remove the record (rm {path}) if the kernel's work is not needed.")
     try:
         there = await _ask(link)
+        if there.get("waiting"):  # a transplant's new process, not the kernel: the source's images here are
+            await asyncio.to_thread(link.discard)
+            path.unlink(missing_ok=True)
+            log.warning("gpumigrate: kernel %s was being transplanted to %s when its server stopped, before its new "
+                        "process there was told to go: that process is discarded, and the source is taken back from "
+                        "its images here", kernel_id, peer)
+            return None
         if there.get("state") in ("running", "suspended"):
             await asyncio.to_thread(_stop_local_copy, MigratableProvisioner(config=serverapp.config).images,
                                     kernel_id)

@@ -2103,6 +2103,80 @@ async def test_this_server_killed_while_the_peer_loads_a_transplant_loses_nothin
         await end_kernel(a, kernel_id, tab)
 
 
+@pytest.mark.parametrize("new_process", ["takes the ports", "dies"])
+async def test_this_server_killed_as_a_transplant_switches_leaves_one_copy(hosts, new_process):
+    """a's server SIGKILLed during the switch of a transplant to b's CPU, with b's new process held (SIGSTOP)
+    before it takes the kernel's ports: a's record of the kernel names b by then, and b says the kernel is
+    migrating. Let go, the new process takes the ports: a's next server asks b, finds the kernel running there,
+    relays to it and removes the source's images; a tab reaches the objects there. Killed instead, b discards
+    it: a's next server finds b without it and takes the source back from its images, suspended; resumed, the
+    objects are there. One copy runs, never two."""
+    a, b = hosts
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    async with a_killable_b_forgetting(a, b) as (peers, kernels):
+        kernel_id, tab = await kernel_with_objects(a)
+        kernels.append((kernel_id, tab))
+        held: list[int] = []
+
+        def kill_a_as_b_switches() -> None:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
+            while op["phase"] != "switch":
+                assert op["status"] in ("pending", "running"), op
+                if op["phase"] in ("stash", "lock", "checkpoint", "dump") and not held:
+                    held.extend(transplant_processes())  # loaded: it waits for the word to go
+                    assert len(held) == 1, held
+                    os.kill(held[0], signal.SIGSTOP)
+                    there = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+                    assert there["state"] == "suspended" and there["waiting"] is True, there
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            assert held, "the dump was never seen"
+            deadline = time.monotonic() + 30
+            while (there := b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["state"] \
+                    != "migrating":  # told to go, it cannot: b waits for it to take the ports
+                assert there.get("waiting") and time.monotonic() < deadline, there
+                time.sleep(0.01)
+            a.stop(signal.SIGKILL)
+
+        await call(kill_a_as_b_switches)
+        tab.ws.close()
+        record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
+        assert record["remote"]["peer"] == "b", record
+        assert images_on_a(a, kernel_id), "the source's images wait on a"
+        if new_process == "takes the ports":
+            os.kill(held[0], signal.SIGCONT)
+            view = await restart_and_find(a, peers, kernel_id)
+            assert view["host"] == "b" and view["remote"], view
+            deadline = time.monotonic() + 30  # the source's images go once the kernel answers through the relay
+            while images_on_a(a, kernel_id):
+                assert time.monotonic() < deadline, a.server_log()
+                await asyncio.sleep(0.1)
+            where = b.ip
+        else:
+            os.kill(held[0], signal.SIGKILL)
+
+            def gone_from_b() -> bool:  # b discards what did not take the ports
+                try:
+                    b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer, expect=404)
+                    return True
+                except AssertionError:
+                    return False
+
+            deadline = time.monotonic() + 30
+            while not await call(gone_from_b):
+                assert time.monotonic() < deadline, b.server_log()
+                await asyncio.sleep(0.1)
+            view = await restart_and_find(a, peers, kernel_id)
+            assert view["state"] == "suspended" and not view["remote"], view
+            assert "no longer has it" in a.server_log()
+            assert (await call(a.operate, kernel_id, "resume"))["status"] == "succeeded"
+            where = a.ip
+        tab = await open_tab(a, kernel_id)
+        kernels[:] = [(kernel_id, tab)]
+        assert (await tab.run("print(box.v, float(view.sum()), view.data_ptr() - data.data_ptr())")).strip() == "41 60.0 16"
+        assert (await tab.run(WHERE)).strip() == f"{where}/24"
+        assert len(transplant_processes()) == (1 if new_process == "takes the ports" else 0)
+
+
 def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
     import socket
 

@@ -810,6 +810,10 @@ export interface PeerGuest {
    * The GPUs its processes hold here, while it runs (a peer's next server shows them when it relays to the kernel again); absent from older versions.
    */
   gpus?: HeldGpu[];
+  /**
+   * A transplant's new process that holds the kernel's objects and waits to be told to take its ports (POST /peer/kernels/{id}/switch): not the kernel yet (state suspended). While it takes them, the state is migrating. Absent otherwise, and from older versions.
+   */
+  waiting?: true;
 }
 /**
  * POST /peer/transplants/check: may this host start a new process for the kernel's objects (a transplant)?

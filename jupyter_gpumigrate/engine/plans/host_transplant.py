@@ -16,11 +16,12 @@ it, as after a move to another host (plans/host_move.py).
     checkpoint  the source's GPU memory into its host memory            undo: back onto its GPU
     dump        CRIU writes the source into images and kills it: the    undo: restore it from the images
                 kernel's ports here are free
-    switch      the new process takes the kernel's ports there; this    undo: stop relaying; that host
-                host relays them, and the kernel answers through the    discards the new process (if it
-                relay: it is the kernel now, under the same kernel id   cannot once it answered there, the
-                                                                        kernel is broken; that host discards
-                                                                        one never relayed to by itself)
+    switch      this host's record of the kernel names that host (a    undo: stop relaying; that host
+                server that dies from here on has its next one ask      discards the new process (if it
+                there: revive.py); the new process takes the kernel's   cannot once it answered there, the
+                ports there; this host relays them, and the kernel      kernel is broken; that host discards
+                answers through the relay: it is the kernel now, under  one never relayed to by itself); the
+                the same kernel id                                      record goes
     on success  the source's images are kept for ``keep_source`` seconds, as after a transplant on this host
     always      the objects' folder here goes
 
@@ -156,6 +157,11 @@ def switch_there(ctx: HostTransplantContext) -> None:
     """The new process takes the kernel's ports there, which are its own on that host; this host's, freed by the
     dump, are bound by the relay, and the kernel must answer through it, or all is undone."""
     assert ctx.manifest is not None
+    # Written down first, as before a move's restore there: a server that dies from here on has its next one ask
+    # that host, whose new process is the kernel once told to go (it discards one still waiting, and takes the
+    # source back from its images here), instead of taking the source back beside it.
+    ctx.kernel.record_moving(ctx.link.host)
+    ctx.undo(lambda: ctx.kernel.record_moving(None))
     # Told to go, it takes the kernel's ports there. Should that host not hear, or its answer be lost, and
     # the discard fail too: that host discards, by itself, a new process whose channels this host never relays.
     ctx.undo(ctx.link.discard, cleanup=True)
