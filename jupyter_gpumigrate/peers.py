@@ -1781,11 +1781,18 @@ class GuestHost:
         guest = self.guest(kernel_id)
         with self._transplant_lock:
             proc = self._transplants.pop(kernel_id, None)
-        if proc is None or guest.pid != proc.pid:
-            raise InvalidState(f"No transplant of kernel {kernel_id} waits here.")
-        # Neither waiting nor the kernel yet: a peer's next server that asks now waits for the outcome (revive.py).
-        guest.state = MIGRATING
+            if proc is None or guest.pid != proc.pid:
+                raise InvalidState(f"No transplant of kernel {kernel_id} waits here.")
+            # Neither waiting nor the kernel yet: a peer's next server that asks now waits for the outcome
+            # (revive.py). Said with the pop, so that no one reads it waiting no more and not yet migrating.
+            guest.state = MIGRATING
         folder = self.store.path_for(kernel_id)
+        # Written down before the word to go, as the kernel it is about to become (it outlives this server as a
+        # restored guest does): this server killed from here on leaves its next one the process, which either
+        # took the word (taken back running, and discarded if its peer does not relay to it within
+        # guest_unclaimed_expire) or ends by itself with this server, as one never told does (its record then
+        # goes). Never a process running on that no server knows.
+        self._remember(guest)
         try:
             if proc.poll() is not None:
                 raise ProcessLookupError(proc.pid)
@@ -1811,7 +1818,6 @@ class GuestHost:
         for name in _TRANSPLANT_FILES:
             (folder / name).unlink(missing_ok=True)
         guest.ran = True
-        self._remember(guest)  # the kernel now: it outlives this server as a restored guest does
         self._later(kernel_id, self.unclaimed, self._unrelayed, proc.pid)
         return {"pid": proc.pid, "seconds": seconds}
 
@@ -1926,13 +1932,15 @@ class GuestHost:
 
     def describe(self, kernel_id: str) -> dict:
         guest = self.guest(kernel_id)
+        with self._transplant_lock:  # the state and the waiting read together (switch_transplant)
+            state = guest.state
+            waiting = kernel_id in self._transplants  # a transplant's new process, not told to go: not the kernel
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
-        info: dict[str, Any] = {"id": kernel_id, "state": guest.state if alive or guest.state != RUNNING else STOPPED,
+        info: dict[str, Any] = {"id": kernel_id, "state": state if alive or state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
                                 "checksum": CHECKSUM, "growing": self.serve_growing}
-        with self._transplant_lock:
-            if kernel_id in self._transplants:  # a transplant's new process, not told to go: not the kernel
-                info["waiting"] = True
+        if waiting:
+            info["waiting"] = True
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

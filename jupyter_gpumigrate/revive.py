@@ -634,6 +634,11 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
     kept = (f"Nothing was deleted. Restart this server once {peer} answers (its server keeps the kernel: "
             f"c.GPUMigrateApp.guest_unclaimed_expire after it starts); or, if the kernel's work is not needed, "
             f"remove the record (rm {path}).")
+    if MigratableProvisioner(config=serverapp.config).images.path_for(kernel_id).is_dir():
+        # Being moved or transplanted there as the server died: its images here are the kernel as it left.
+        kept = (f"Nothing was deleted. Restart this server once {peer} answers: it asks {peer} again. If {peer} "
+                f"is gone for good, remove the record (rm {path}) and restart this server: the kernel comes back "
+                f"from its images here, as it was when it left for {peer} (what it did there since is lost).")
     if link_to is None:
         return refused(kernel_id, path, f"it runs on peer {peer}, and this server relays to no peer", kept)
     try:

@@ -2103,6 +2103,29 @@ async def test_this_server_killed_while_the_peer_loads_a_transplant_loses_nothin
         await end_kernel(a, kernel_id, tab)
 
 
+def transplant_until_b_switches(a: Host, b: Host, kernel_id: str) -> tuple[dict, int]:
+    """Transplant the kernel from a to b's CPU, holding b's new process (SIGSTOP) once it holds the objects,
+    until b, told to go, waits for it to take the kernel's ports: the operation then, and the held PID."""
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    held: list[int] = []
+    op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
+    while op["phase"] != "switch":
+        assert op["status"] in ("pending", "running"), op
+        if op["phase"] in ("stash", "lock", "checkpoint", "dump") and not held:
+            held.extend(transplant_processes())  # loaded: it waits for the word to go
+            assert len(held) == 1, held
+            os.kill(held[0], signal.SIGSTOP)
+            there = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
+            assert there["state"] == "suspended" and there["waiting"] is True, there
+        op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    assert held, "the dump was never seen"
+    deadline = time.monotonic() + 30
+    while (there := b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["state"] != "migrating":
+        assert there.get("waiting") and time.monotonic() < deadline, there  # told to go, it cannot: b waits
+        time.sleep(0.01)
+    return op, held[0]
+
+
 @pytest.mark.parametrize("new_process", ["takes the ports", "dies"])
 async def test_this_server_killed_as_a_transplant_switches_leaves_one_copy(hosts, new_process):
     """a's server SIGKILLed during the switch of a transplant to b's CPU, with b's new process held (SIGSTOP)
@@ -2116,34 +2139,14 @@ async def test_this_server_killed_as_a_transplant_switches_leaves_one_copy(hosts
     async with a_killable_b_forgetting(a, b) as (peers, kernels):
         kernel_id, tab = await kernel_with_objects(a)
         kernels.append((kernel_id, tab))
-        held: list[int] = []
-
-        def kill_a_as_b_switches() -> None:
-            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/transplant", {"to_host": "b", "to_cpu": True})
-            while op["phase"] != "switch":
-                assert op["status"] in ("pending", "running"), op
-                if op["phase"] in ("stash", "lock", "checkpoint", "dump") and not held:
-                    held.extend(transplant_processes())  # loaded: it waits for the word to go
-                    assert len(held) == 1, held
-                    os.kill(held[0], signal.SIGSTOP)
-                    there = b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
-                    assert there["state"] == "suspended" and there["waiting"] is True, there
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            assert held, "the dump was never seen"
-            deadline = time.monotonic() + 30
-            while (there := b.api("GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer))["state"] \
-                    != "migrating":  # told to go, it cannot: b waits for it to take the ports
-                assert there.get("waiting") and time.monotonic() < deadline, there
-                time.sleep(0.01)
-            a.stop(signal.SIGKILL)
-
-        await call(kill_a_as_b_switches)
+        _, held = await call(transplant_until_b_switches, a, b, kernel_id)
+        a.stop(signal.SIGKILL)
         tab.ws.close()
         record = json.loads((a.root / "state" / "kernels" / f"{kernel_id}.json").read_text())
         assert record["remote"]["peer"] == "b", record
         assert images_on_a(a, kernel_id), "the source's images wait on a"
         if new_process == "takes the ports":
-            os.kill(held[0], signal.SIGCONT)
+            os.kill(held, signal.SIGCONT)
             view = await restart_and_find(a, peers, kernel_id)
             assert view["host"] == "b" and view["remote"], view
             deadline = time.monotonic() + 30  # the source's images go once the kernel answers through the relay
@@ -2152,7 +2155,7 @@ async def test_this_server_killed_as_a_transplant_switches_leaves_one_copy(hosts
                 await asyncio.sleep(0.1)
             where = b.ip
         else:
-            os.kill(held[0], signal.SIGKILL)
+            os.kill(held, signal.SIGKILL)
 
             def gone_from_b() -> bool:  # b discards what did not take the ports
                 try:
@@ -2175,6 +2178,41 @@ async def test_this_server_killed_as_a_transplant_switches_leaves_one_copy(hosts
         assert (await tab.run("print(box.v, float(view.sum()), view.data_ptr() - data.data_ptr())")).strip() == "41 60.0 16"
         assert (await tab.run(WHERE)).strip() == f"{where}/24"
         assert len(transplant_processes()) == (1 if new_process == "takes the ports" else 0)
+
+
+async def test_the_other_hosts_server_killed_as_a_transplant_switches_leaves_one_copy(hosts):
+    """b's server SIGKILLed while its new process, held (SIGSTOP), has been told to take the kernel's ports: the
+    transplant fails on a, whose source comes back from its images with its state. b wrote the new process down
+    before the word to go, so its next server takes it back (or finds it ended with its server) and, never
+    relayed to by a, discards it (c.GPUMigrateApp.guest_unclaimed_expire, here 5 s): no process of the kernel is
+    left on b that no server knows."""
+    a, b = hosts
+    peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+    async with a_killable_b_forgetting(a, b, unclaimed=5) as (peers, kernels):
+        kernel_id, tab = await kernel_with_objects(a)
+        kernels.append((kernel_id, tab))
+        pid = (await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+
+        def kill_b_as_it_switches() -> dict:
+            op, held = transplant_until_b_switches(a, b, kernel_id)
+            b.stop(signal.SIGKILL)
+            os.kill(held, signal.SIGCONT)
+            while op["status"] in ("pending", "running"):
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return op
+
+        op = await call(kill_b_as_it_switches)
+        assert op["status"] == "failed" and op["failed_phase"] == "switch", op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "running" and not view["remote"] and view["pid"] == pid, view
+        assert (await tab.run("print(box.v, next(gen), float(view.sum()))")).strip() == "41 1 60.0"
+        await call(b.start, {"a": a.peer_entry()})
+        deadline = time.monotonic() + 60
+        while transplant_processes():
+            assert time.monotonic() < deadline, b.server_log()
+            await asyncio.sleep(0.2)
+        await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer, expect=404)
+        assert (await tab.run("print(next(gen))")).strip() == "2"
 
 
 def test_a_host_says_every_reason_it_cannot_take_a_transplant(tmp_path):
