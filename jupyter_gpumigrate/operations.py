@@ -197,10 +197,11 @@ class OperationManager:
         if to_host is not None or provisioner.state == REMOTE:
             return self._start_host_move(kernel_id, provisioner, action, to_gpu, to_host)
         to: int | list[int] | None = list(to_gpus) if to_gpus is not None else to_gpu
-        if provisioner.state == BROKEN:
+        resumable = action == "resume" and provisioner.resumable_broken()
+        if provisioner.state == BROKEN and not resumable:
             raise InvalidState(f"Kernel {kernel_id} is broken: {provisioner.broken_reason}")
         wanted = SUSPENDED if action == "resume" else RUNNING
-        if provisioner.state != wanted:
+        if provisioner.state != wanted and not resumable:
             verb = {"suspend": "suspended", "resume": "resumed", "migrate": "moved"}[action]
             raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
         # Refuse what cannot work now, with the reason, rather than start an operation bound to fail.

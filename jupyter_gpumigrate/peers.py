@@ -1390,10 +1390,30 @@ class GuestHost:
                 log.warning("gpumigrate: images of kernel %s, which an earlier server received or kept for a peer "
                             "and no guest or record here names, are removed from %s", name, base)
                 try:
+                    self._end_unrecorded(name)
                     self.store.remove(name)
                 except (OSError, MigrateError) as exc:
                     log.error("gpumigrate: the images of kernel %s could not be removed from %s: %s", name, base,
                               exc)
+
+    def _end_unrecorded(self, kernel_id: str) -> None:
+        """A process of the kernel whose images are swept, running here with no record: what a restore for a
+        peer left as its server died (CRIU died with it: a tree stuck half restored in CRIU's restorer, which
+        never runs again; or one restored whole but never written down). Its peer undid the move and runs the
+        kernel from its own images, so this copy is killed: it would hold its memory, and the kernel's PIDs
+        here, for ever."""
+        try:
+            manifest = self.store.read_manifest(kernel_id)
+        except MigrateError:
+            return  # images received but never whole: never restored
+        pid = manifest.pid
+        if pid <= 0 or not proctree.is_alive(pid) or _kernel_of(pid) != kernel_id or not proctree.on_this_network(pid):
+            return
+        log.warning("gpumigrate: kernel %s: its process %d, which an earlier server was restoring for a peer when "
+                    "it stopped, was never written down as running here: killed (the peer undid the move)",
+                    kernel_id, pid)
+        proctree.kill_tree(pid)
+        proctree.wait_gone(pid, timeout=10)
 
     def _take_back_all(self) -> list[tuple[str, int]]:
         taken: list[tuple[str, int]] = []

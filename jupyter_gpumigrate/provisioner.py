@@ -476,6 +476,24 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return (self.pid is not None and proctree.is_alive(self.pid)
                 and (self.started is None or proctree.start_time(self.pid) == self.started))
 
+    def resumable_broken(self) -> bool:
+        """Broken, yet whole in its images here: an undo that could not bring it back from them (another process
+        holds one of its PIDs, say), with no process of it running and no peer's copy to relay to. A resume
+        then brings it back as it was, once what the error names is fixed."""
+        if self.state != BROKEN or self.remote_link is not None or self._is_ours():
+            return False
+        try:
+            return self.images.read_manifest(self.kernel_id).kernel_id == self.kernel_id
+        except MigrateError:
+            return False
+
+    def broken_remedy(self) -> str:
+        """What a broken kernel's reason ends with (saga.Saga): how to get out of it."""
+        if self.resumable_broken():
+            return ("Its images are whole and kept: resume it once that is fixed, and it runs as it was (restarting "
+                    "it would start it afresh, and delete them).")
+        return "Restart the kernel."
+
     def wait_ready(self, timeout: float) -> bool:
         """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
         return kernel_answers(self.connection_info, timeout)

@@ -47,7 +47,7 @@ class Views:
         if gpus is None:
             gpus = gpus_mod.snapshot()
         image_bytes, suspended_on, images = None, [], None
-        if migratable and state == SUSPENDED:
+        if migratable and (state == SUSPENDED or (state == BROKEN and provisioner.resumable_broken())):
             manifest = provisioner.manifest()
             if manifest is not None:
                 image_bytes, suspended_on = manifest.image_bytes, manifest.gpus
@@ -60,7 +60,7 @@ class Views:
         if driver_major is None and gpus:
             driver_major = gpus_mod.driver_major()
         targets: list[dict[str, Any]] = []
-        if migratable and not remote and active is None and gpus and (held or suspended_on):
+        if migratable and state != BROKEN and not remote and active is None and gpus and (held or suspended_on):
             targets = placement.targets(gpus, held, suspended_on, state, driver_major)
         return {
             "id": kernel_id,

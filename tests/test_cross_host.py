@@ -143,6 +143,13 @@ def move_until_phase(host: Host, kernel_id: str, to_host: str, phase: str) -> di
     return op
 
 
+def followed_to_its_end(host: Host, op: dict) -> dict:
+    """The operation ``op`` of ``host``, followed until it has succeeded or failed."""
+    while op["status"] in ("pending", "running"):
+        op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    return op
+
+
 async def end_kernel(host: Host, kernel_id: str, tab: WebSocketTab | None) -> None:
     """The test's kernel goes, whatever state the test left it in (a failed assertion included)."""
     if tab is not None:
@@ -1343,9 +1350,7 @@ async def test_a_dump_the_other_host_could_not_be_told_to_delete_goes_once_this_
             op = move_until_phase(a, kernel_id, "a", "restore")
             os.killpg(b.proc.pid, signal.SIGKILL)
             b.proc.wait(10)
-            while op["status"] in ("pending", "running"):
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return op
+            return followed_to_its_end(a, op)
 
         op = await call(kill_b_once_the_dump_is_here)
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
@@ -1733,6 +1738,63 @@ async def test_this_server_killed_while_the_other_host_restores_the_kernel_leave
         kernels[:] = [(kernel_id, tab)]
         assert (await tab.run(check)).strip() == "True 409600000"
         assert (await tab.run(WHERE)).strip() == f"{where}/24"
+
+
+@pytest.mark.parametrize("when", ["restore starts", "tree half restored"])
+async def test_the_other_hosts_server_killed_while_it_restores_the_kernel_leaves_it_running_here(hosts, when):
+    """b's server SIGKILLed while its CRIU restores the kernel a moves there (CRIU dies with it): the move fails
+    on a, and the kernel runs on here from a's images, its state whole. b's next server leaves nothing of it:
+    no process (a tree CRIU had half restored, stuck in CRIU's restorer for ever, is killed), no images. Where
+    that tree held the kernel's PIDs (one machine), a's kernel is broken until then, its images whole, and a
+    resume brings it back."""
+    from test_hibernation import criu_of
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # the init of what b's killed server leaves (collecting)
+    kernel_id, tab, pid = await kernel_with_bytes(a)
+    check = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))"
+    try:
+        def kill_b_as_it_restores() -> dict:
+            op = move_until_phase(a, kernel_id, "b", "restore")
+            criu = criu_of(b.proc.pid, b"restore", 30)
+            assert criu is not None, "b's CRIU restore was never seen"
+            if when == "tree half restored":  # CRIU has made the kernel's process again, and fills its memory
+                while not proctree.is_alive(pid):
+                    assert proctree.is_alive(criu), "CRIU ended before the kernel's process was seen"
+                    time.sleep(0.001)
+            b.stop(signal.SIGKILL)
+            assert proctree.wait_gone(criu, 10), "CRIU dies with its server"
+            return followed_to_its_end(a, op)
+
+        op = await call(kill_b_as_it_restores)
+        assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        if view["state"] == "broken":
+            # On one machine the two hosts share PIDs, and b's half-restored tree holds the kernel's: a's undo
+            # cannot restore it yet, and says how to get it back whole (on two machines it runs on at once).
+            assert "is now taken by" in view["broken_reason"] and "resume it once" in view["broken_reason"], view
+            with collecting(os.getsid(pid) if proctree.is_alive(pid) else pid):  # the tree b's next server kills
+                await call(b.start, {"a": a.peer_entry()})
+                assert "was never written down as running here: killed" in b.server_log()
+                await until_gone(pid, 10)
+            assert (await call(a.operate, kernel_id, "resume"))["status"] == "succeeded"
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["broken_reason"] is None, view
+        else:
+            await call(b.start, {"a": a.peer_entry()})
+        assert view["state"] == "running" and not view["remote"], (view, a.server_log()[-3000:])
+        tab.ws.close()
+        tab = await open_tab(a, kernel_id)
+        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        await forgotten(b, kernel_id)
+        mine = set(proctree.descendants(view["pid"]))
+        left = [p for p in processes_of(kernel_id) if p not in mine]
+        assert not left, f"processes of the kernel left on b: {left}"
+    finally:
+        if b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+        await end_kernel(a, kernel_id, tab)
 
 
 async def test_shutting_down_a_kernel_that_runs_on_the_other_host_ends_it_there(hosts):
@@ -2197,9 +2259,7 @@ async def test_the_other_hosts_server_killed_as_a_transplant_switches_leaves_one
             op, held = transplant_until_b_switches(a, b, kernel_id)
             b.stop(signal.SIGKILL)
             os.kill(held, signal.SIGCONT)
-            while op["status"] in ("pending", "running"):
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return op
+            return followed_to_its_end(a, op)
 
         op = await call(kill_b_as_it_switches)
         assert op["status"] == "failed" and op["failed_phase"] == "switch", op

@@ -122,6 +122,28 @@ def test_an_undo_that_fails_leaves_the_kernel_broken_with_both_errors_named():
     assert "images broke" in reason and "cannot undo checkpointed" in reason and "Restart the kernel" in reason
 
 
+@dataclass
+class KernelWithImages(Kernel):
+    """A kernel that knows what is left of it: its way out ends a broken reason."""
+
+    def broken_remedy(self) -> str:
+        return f"Its images are whole: resume it (it was {self.state} when asked)."
+
+
+def test_a_broken_kernels_reason_ends_with_its_own_way_out_and_a_plan_that_succeeds_clears_it():
+    kernel = KernelWithImages()
+    plan = saga(Step("checkpoint", change("checkpointed", undo_fails="checkpointed")),
+                Step("dump", change("images", fail_after=0)))
+    with pytest.raises(PhaseFailed):
+        plan.run(World(kernel))
+    reason = kernel.broken_reason or ""
+    assert reason.endswith("Its images are whole: resume it (it was broken when asked).") and "Restart" not in reason
+    resume = Saga("resume", [Step("restore", change("process"))], start_from=("suspended", "broken"),
+                  success="running")
+    resume.run(World(kernel))
+    assert kernel.state == "running" and kernel.broken_reason is None
+
+
 def test_a_cleanup_undo_that_fails_is_reported_but_does_not_break_the_kernel():
     def prepare(ctx: World) -> None:
         ctx.undo(lambda: (_ for _ in ()).throw(OSError("folder busy")), cleanup=True)

@@ -12,7 +12,8 @@ The runner also owns the kernel's state, so no step writes it:
   states (refusing with the plan's sentence otherwise) and marks it ``migrating``;
 - when every phase succeeded, the kernel is in the plan's ``success`` state;
 - after a full rollback, it is in the state it had before the plan;
-- when an undo fails, it is ``broken``, with a reason that names the phase's error and the undo's.
+- when an undo fails, it is ``broken``, with a reason that names the phase's error and the undo's, and
+  ends with the way out (the kernel's ``broken_remedy()`` where it has one, else a restart).
 
 A plan may name phases before which it stops when its kernel is asked to stop (``stoppable``): the
 kernel's ``stop_requested`` (a sentence, set by whoever shuts it down) is read before each phase, and a
@@ -177,6 +178,7 @@ class Saga(Generic[C]):
                 result.timings[step.name] = time.perf_counter() - started
                 report(step.name, "done", result.timings)
             kernel.state = self.success
+            kernel.broken_reason = None  # whole again (a resume of a broken kernel's whole images)
             self._finish(ctx, ON_SUCCESS)
             return result
         finally:
@@ -189,8 +191,10 @@ class Saga(Generic[C]):
             return  # refused before it started: the kernel was never ours
         if undo_errors:
             kernel.state = BROKEN
+            remedy = getattr(kernel, "broken_remedy", None)  # the kernel knows what is left of it
             kernel.broken_reason = (f"{phase} failed ({str(exc) or type(exc).__name__}), and undoing it failed "
-                                    f"too: {'; '.join(undo_errors)}. Restart the kernel.")
+                                    f"too: {'; '.join(undo_errors)}. "
+                                    f"{remedy() if callable(remedy) else 'Restart the kernel.'}")
         else:
             kernel.state = initial
 

@@ -230,7 +230,7 @@ export interface Kernel {
   last_activity: string | null;
   gpus: HeldGpu[];
   /**
-   * Size of its images while suspended.
+   * Size of its images while suspended; also while broken with whole images and no process (an undo that could not restore it): a resume then brings it back.
    */
   image_bytes: number | null;
   /**

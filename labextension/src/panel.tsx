@@ -338,10 +338,26 @@ function KernelRow({ store, kernel }: IStoreProps & { kernel: IKernel }): React.
   } else if (kernel.operation || kernel.state === 'migrating') {
     body = <div className="jp-gpumigrate-op">Being moved…</div>;
   } else if (kernel.state === 'broken') {
+    // Its images given (image_bytes): whole, and no process of it runs, so a resume brings it back.
     body = (
-      <div className="jp-gpumigrate-error jp-gpumigrate-why" role="alert">
-        {kernel.broken_reason ?? 'A move failed and could not be undone: restart the kernel.'}
-      </div>
+      <>
+        <div className="jp-gpumigrate-error jp-gpumigrate-why" role="alert">
+          {kernel.broken_reason ?? 'A move failed and could not be undone: restart the kernel.'}
+        </div>
+        {kernel.image_bytes !== null && (
+          <div className="jp-gpumigrate-actions">
+            <ActionButton
+              store={store}
+              kernel={kernel}
+              className="jp-gpumigrate-resume"
+              label="Resume"
+              doing="Resuming…"
+              ariaLabel={`Resume ${name}`}
+              begin={() => api.resume(kernel.id)}
+            />
+          </div>
+        )}
+      </>
     );
   } else if (!kernel.migratable) {
     body = (

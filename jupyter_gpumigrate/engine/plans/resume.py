@@ -37,7 +37,9 @@ def saga() -> Saga[ResumeContext]:
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
         ],
-        start_from=("suspended",),
+        # broken: only one whose images are whole and no process of which runs (the server checks:
+        # MigratableProvisioner.resumable_broken), left so by an undo that could not restore it
+        start_from=("suspended", "broken"),
         success="running",
         refuse=lambda state: f"The kernel is {state}, not suspended: there is nothing to resume.",
     )
