@@ -641,7 +641,7 @@ class GPUMigrateApp(ExtensionApp):
         moves: dict[str, Any] = {}
         for kernel_id in km.list_kernel_ids():
             provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None)
-            if isinstance(provisioner, MigratableProvisioner) and provisioner.state == "suspended":
+            if isinstance(provisioner, MigratableProvisioner) and provisioner.keeps_whole_images():
                 store = provisioner.images
                 if store.where(kernel_id) == "memory":
                     moves[kernel_id] = asyncio.ensure_future(asyncio.to_thread(store.to_disk, kernel_id))

@@ -15,7 +15,6 @@ import logging
 from typing import Any
 
 from .engine.images import MEMORY, host_memory
-from .engine.kernelproc import SUSPENDED
 from .opformat import size
 from .operations import OperationManager
 from .provisioner import MigratableProvisioner
@@ -24,11 +23,12 @@ log = logging.getLogger(__name__)
 
 
 def in_memory(kernel_manager: Any) -> list[tuple[str, MigratableProvisioner, int]]:
-    """The suspended kernels whose images are in memory, largest first: (id, provisioner, image bytes)."""
+    """The kernels whose images are in memory and all there is of them (suspended, or broken with them whole),
+    largest first: (id, provisioner, image bytes)."""
     found = []
     for kernel_id in kernel_manager.list_kernel_ids():
         provisioner = getattr(kernel_manager.get_kernel(kernel_id), "provisioner", None)
-        if not isinstance(provisioner, MigratableProvisioner) or provisioner.state != SUSPENDED:
+        if not isinstance(provisioner, MigratableProvisioner) or not provisioner.keeps_whole_images():
             continue
         if provisioner.images.where(kernel_id) == MEMORY:
             manifest = provisioner.manifest()

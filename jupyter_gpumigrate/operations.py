@@ -345,6 +345,8 @@ class OperationManager:
         placed. If it cannot start, the refusal is still an operation, failed, so that it reaches the
         panel and the log; the cell waits until the kernel is resumed some other way."""
         try:
+            if self.provisioner(kernel_id).state == BROKEN:  # a person's call: README, "broken"
+                raise InvalidState(f"it is broken: {self.provisioner(kernel_id).broken_reason}")
             op = self.start(kernel_id, "resume")
             op.trigger = "cell"
             log.info("gpumigrate: resuming kernel %s: a cell was run on it (operation %s)", kernel_id, op.id)

@@ -56,7 +56,7 @@ from .engine.criu import Criu
 from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
                             write_durably)
-from .engine.migration import MIGRATING, RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .engine.migration import BROKEN, MIGRATING, RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.hoststash import INDEX as STASH_INDEX, PART as STASH_PART
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
@@ -85,6 +85,8 @@ DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
 #: each process's pages onto the end of its pages file): sent while they grow, as the dump writes them.
 GROWING = "pages-*.img"
+#: In a guest's image folder while CRIU restores it (GuestHost.restore): when, in which boot, for which server.
+RESTORING = "restoring.json"
 #: The host stash's files (kernel/hoststash.py): each written front to back by one of the kernel's threads,
 #: and whole once the stash's index is in their folder (it is written after every part): sent while they are
 #: written too, both ways, ended by that index (:class:`Written`).
@@ -1397,21 +1399,28 @@ class GuestHost:
                               exc)
 
     def _end_unrecorded(self, kernel_id: str) -> None:
-        """A process of the kernel whose images are swept, running here with no record: what a restore for a
-        peer left as its server died (CRIU died with it: a tree stuck half restored in CRIU's restorer, which
-        never runs again; or one restored whole but never written down). Its peer undid the move and runs the
-        kernel from its own images, so this copy is killed: it would hold its memory, and the kernel's PIDs
-        here, for ever."""
+        """What a restore for a peer left as this host's earlier server died during it (CRIU died with it): a
+        tree stuck half restored in CRIU's restorer, which never runs again (every signal blocked, on a futex),
+        holding its memory and the kernel's PIDs here for ever. Its peer undid the move and runs the kernel
+        from its own images. Known by the mark :meth:`restore` leaves in the folder while CRIU runs: this
+        server's state folder's (another server's, sharing the images' folder, is not ours to judge), and
+        the process that holds the kernel's PID, started since in this boot, on this host's network, and is
+        that kernel's (its environment, once CRIU restored its memory) or still CRIU's own fork."""
+        folder = self.store.path_for(kernel_id)
         try:
-            manifest = self.store.read_manifest(kernel_id)
-        except MigrateError:
-            return  # images received but never whole: never restored
-        pid = manifest.pid
-        if pid <= 0 or not proctree.is_alive(pid) or _kernel_of(pid) != kernel_id or not proctree.on_this_network(pid):
+            mark = json.loads((folder / RESTORING).read_text())
+            since, owner, boot = int(mark["since"]), str(mark["owner"]), str(mark["boot"])
+            pid = self.store.read_manifest(kernel_id).pid
+        except (OSError, ValueError, KeyError, TypeError, MigrateError):
+            return  # never restored here (or its mark unreadable: left alone)
+        if owner != str(self.records) or boot != _boot_id():
             return
-        log.warning("gpumigrate: kernel %s: its process %d, which an earlier server was restoring for a peer when "
-                    "it stopped, was never written down as running here: killed (the peer undid the move)",
-                    kernel_id, pid)
+        started, found = proctree.start_time(pid), proctree.info(pid)
+        if started is None or started <= since or found is None or found.tgid != pid \
+                or not proctree.on_this_network(pid) or not (_kernel_of(pid) == kernel_id or found.name == "criu"):
+            return
+        log.warning("gpumigrate: kernel %s: its process %d, which an earlier server was restoring here for a peer "
+                    "when it stopped, is stuck half restored: killed (the peer undid the move)", kernel_id, pid)
         proctree.kill_tree(pid)
         proctree.wait_gone(pid, timeout=10)
 
@@ -1868,13 +1877,21 @@ class GuestHost:
         it does not relay to within :attr:`unclaimed` (its server died during the move, and no next one came) is
         discarded, as the peer resumes its own copy."""
         guest = self.guest(kernel_id)
+        if guest.state == BROKEN:  # a resume of broken whole images is its owner's call, on its own host
+            raise InvalidState(f"Kernel {kernel_id} is broken here: {guest.broken_reason}")
         guest.key = key
         with self._transplant_lock:
             self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
+        # Said in its folder while CRIU restores it: should this server die meanwhile (and CRIU with it), its
+        # next one kills what CRIU had made of the tree, stuck in its restorer for ever (_end_unrecorded).
+        marker = self.store.path_for(kernel_id) / RESTORING
+        write_durably(marker, json.dumps({"since": proctree.tick_boundary(), "boot": _boot_id(),
+                                          "owner": str(self.records)}))
         try:
             outcome = self._migration(guest).resume(to_gpu)
         finally:
             guest.key = None
+            marker.unlink(missing_ok=True)  # gone with the folder once the kernel runs
         guest.ran = True
         self._remember(guest)
         if moved and guest.pid is not None and not guest.relayed:

@@ -487,6 +487,11 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         except MigrateError:
             return False
 
+    def keeps_whole_images(self) -> bool:
+        """Its images here are all there is of it: suspended, or broken with them whole (moved to disk as the
+        server stops, or as memory runs short)."""
+        return self.state == SUSPENDED or self.resumable_broken()
+
     def broken_remedy(self) -> str:
         """What a broken kernel's reason ends with (saga.Saga): how to get out of it."""
         if self.resumable_broken():
