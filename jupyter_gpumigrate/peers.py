@@ -1885,8 +1885,13 @@ class GuestHost:
         # Said in its folder while CRIU restores it: should this server die meanwhile (and CRIU with it), its
         # next one kills what CRIU had made of the tree, stuck in its restorer for ever (_end_unrecorded).
         marker = self.store.path_for(kernel_id) / RESTORING
-        write_durably(marker, json.dumps({"since": proctree.tick_boundary(), "boot": _boot_id(),
-                                          "owner": str(self.records)}))
+        try:
+            write_durably(marker, json.dumps({"since": proctree.tick_boundary(), "boot": _boot_id(),
+                                              "owner": str(self.records)}))
+        except OSError as exc:  # a full or read-only disk: nothing restored, the peer keeps its copy
+            raise ImageError(f"Kernel {kernel_id} cannot be restored here: {marker.parent} cannot be written "
+                             f"({exc.strerror or exc}). Free space there, then move it again; it runs on at its "
+                             "peer.") from exc
         try:
             outcome = self._migration(guest).resume(to_gpu)
         finally:

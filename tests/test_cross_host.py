@@ -2372,6 +2372,70 @@ async def test_the_relays_listener_for_one_peers_kernels_is_shared_by_them_and_r
     assert hostfit.problems(hostfit.Requirements(ids=[], listens=[address])) == []  # free again
 
 
+def test_a_restore_cut_short_is_ended_by_the_next_server_only_where_its_mark_says_it_was_its_own(tmp_path, caplog):
+    """GuestHost._sweep at a server's start, for images no guest or record names: the process a restore of this
+    state folder left (the mark GuestHost.restore writes while CRIU runs: since, boot, owner) is killed; one
+    marked by another state folder (images' folder shared), in another boot, or started before the mark, and
+    one of another kernel, are left running. A mark that cannot be written refuses the restore, saying why."""
+    import subprocess
+    import sys
+    from dataclasses import asdict
+
+    from jupyter_gpumigrate.engine.images import MANIFEST, Manifest
+    from jupyter_gpumigrate.engine.errors import ImageError
+    from jupyter_gpumigrate.peers import RESTORING, Guest, GuestHost
+
+    root = tmp_path / "guests"
+    root.mkdir(mode=0o700)
+    boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    owner = str(root / "guests-running")
+    procs: dict[str, subprocess.Popen] = {}
+    try:
+        marks = {"ours": (owner, boot), "theirs": (str(tmp_path / "another"), boot), "old": (owner, boot),
+                 "rebooted": (owner, "another boot"), "another": (owner, boot)}
+        since = proctree.tick_boundary()
+        for name, (who, when) in marks.items():
+            env = {**os.environ, ENV_KERNEL_ID: "someone-else" if name == "another" else name}
+            procs[name] = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env,
+                                           start_new_session=True)
+            folder = root / name
+            folder.mkdir(mode=0o700)
+            manifest = Manifest(kernel_id=name, kernel_name="python3", pid=procs[name].pid, ids=[procs[name].pid])
+            (folder / MANIFEST).write_text(json.dumps(asdict(manifest)))
+            # "old": its process started before the mark (a PID that a restore found taken, not its own fork)
+            mark_since = proctree.tick_boundary() if name == "old" else since
+            (folder / RESTORING).write_text(json.dumps({"since": mark_since, "boot": when, "owner": who}))
+            os.utime(folder, (time.time() - 60, time.time() - 60))  # there before the server began
+        with caplog.at_level("WARNING", logger="jupyter_gpumigrate.peers"):
+            GuestHost(root, lambda: None).take_back()
+        procs["ours"].wait(10)  # killed (and collected by the sweep, whose child it is here)
+        assert "its process %d" % procs["ours"].pid in caplog.text and "stuck half restored" in caplog.text
+        for name in ("theirs", "old", "rebooted", "another"):
+            assert procs[name].poll() is None, f"{name}'s process was killed"
+        assert not any((root / name).exists() for name in marks), "the images are swept all the same"
+
+        # The mark cannot be written (a read-only disk here): the restore is refused before CRIU runs.
+        guests = GuestHost(root, lambda: None)
+        folder = root / "refused"
+        folder.mkdir(mode=0o700)
+        manifest = Manifest(kernel_id="refused", kernel_name="python3", pid=1, ids=[1])
+        (folder / MANIFEST).write_text(json.dumps(asdict(manifest)))
+        guests.guests["refused"] = Guest(manifest, "10.0.0.1")
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        try:
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(folder)], check=True)
+            with pytest.raises(ImageError, match="cannot be restored here: .* cannot be written .*runs on at its peer"):
+                guests.restore("refused", None)
+        finally:
+            subprocess.run(["umount", str(folder)], check=False)
+        assert not (folder / RESTORING).exists() and (folder / MANIFEST).exists()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
 def test_a_host_takes_back_only_the_guests_whose_own_process_runs(tmp_path, caplog):
     """GuestHost.take_back at a server's start: a record whose process runs (the same PID, start time and
     kernel id) is taken back, running, and discarded if no relay claims it in time; one whose process is
