@@ -6,7 +6,10 @@ the resume every tensor is compared, on the GPU, with one rebuilt from its seed 
 
 Ways, ``<how>-<where>``:
   stash-*   the host stash (kernel/hoststash.py): the kernel writes its tensors itself, then the driver
-            and CRIU carry the rest
+            and CRIU carry the rest; at resume the stash helper reads them onto the GPU while CRIU
+            restores (engine/prefetch.py), and the kernel copies them from there
+  files-*   the same, the prefetch off (c.MigratableProvisioner.resume_prefetch = False): the kernel reads
+            its files itself once restored
   criu-*    the stash off (c.MigratableProvisioner.host_stash_min = None): the CUDA driver and CRIU alone
   busy-*    the host stash, the kernel busy in a cell (a loop of 10 ms sleeps) all along: served at the
             cell's safe point (kernel/safepoint.py), where the cell waits until its tensors are back
@@ -128,7 +131,8 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict], roun
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-suspend-bench-", dir="/tmp"))
     state = Path(tempfile.mkdtemp(prefix="gpumigrate-state-", dir=disk_dir))
     config = {"MigratableProvisioner": {"state_dir": str(state), "suspend_to": where,
-                                        "host_stash_min": None if how == "criu" else 10**9}}
+                                        "host_stash_min": None if how == "criu" else 10**9,
+                                        "resume_prefetch": how != "files"}}
     if how == "busy":
         config["MigratableProvisioner"]["safe_point_timeout"] = 10.0
     server = Server(root, config)
@@ -163,7 +167,8 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict], roun
                        "resume": resumed, "round": turn + 1}
                 rows.append(row)
                 print(json.dumps({"way": way, "size_gb": size, "image_bytes": suspended["bytes"],
-                                  "suspend": suspended["timings"], "resume": resumed["timings"]}), flush=True)
+                                  "suspend": suspended["timings"], "resume": resumed["timings"],
+                                  "resume_stash": resumed.get("stash")}), flush=True)
             server.api("DELETE", f"api/kernels/{kernel_id}")
     finally:
         server.stop()

@@ -25,6 +25,12 @@ RELEASE_TORCH_CACHE = (
 #: back (kernel/hoststash.py).
 HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['stash']).stash({folder!r}, {min_total}{more})"
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
+#: The same with a prefetch (engine/prefetch.py), which a kernel suspended by an older version, whose
+#: take_back has no ``gpu`` yet, is not given.
+HOST_TAKE_BACK_GPU_CALL = (
+    "(lambda m: m.take_back({folder!r}, gpu={gpu!r}) if 'gpu' in m.take_back.__code__.co_varnames "
+    "else m.take_back({folder!r}))(__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']))"
+)
 
 
 def _bytes(value: str | bytes) -> bytes:

@@ -597,7 +597,8 @@ class OperationManager:
         migration = Migration(provisioner, provisioner.images, criu, progress,
                               lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min,
                               images=op.images or provisioner.suspend_to,
-                              keep_source=provisioner.keep_transplant_source)
+                              keep_source=provisioner.keep_transplant_source,
+                              prefetch=provisioner.resume_prefetch)
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpus if op.to_gpus is not None else op.to_gpu),

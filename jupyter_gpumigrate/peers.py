@@ -1252,7 +1252,8 @@ class Guest:
             folder=folder, min_total=int(min_total), more=", gpu_only=True" if gpu_only else ""), timeout,
             alive=self._alive()))
 
-    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None, gpu: dict | None = None) -> dict:
+        # ``gpu``: no prefetch is made for a kernel restored on this host for its peer (engine/prefetch.py)
         if self.key is None:
             raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
                                "it read them back.")

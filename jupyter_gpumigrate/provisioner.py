@@ -41,7 +41,7 @@ from jupyter_client.connect import KernelConnectionInfo, LocalPortCache
 from jupyter_client.launcher import launch_kernel
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_core.paths import jupyter_data_dir
-from traitlets import Enum, Float, Int, Unicode, default
+from traitlets import Bool, Enum, Float, Int, Unicode, default
 
 from .credentials import KernelCredentials
 from .engine import proctree
@@ -53,8 +53,8 @@ from .engine.errors import ImageError, InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, kernel_answers,
-                         run_silently, send_silently)
+from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, HOST_TAKE_BACK_GPU_CALL, RELEASE_TORCH_CACHE,
+                         evaluate_silently, kernel_answers, run_silently, send_silently)
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
@@ -137,7 +137,7 @@ RECORDS = "kernels"
 
 
 def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_info: dict, timeout: float,
-                    asked_at_safe_point: bool = False) -> dict:
+                    asked_at_safe_point: bool = False, gpu: dict | None = None) -> dict:
     """Have the kernel process ``pid`` read back the buffers it stashed into ``folder`` (kernel/hoststash.py),
     whoever asks: the resume, the suspend's undo, a server started after a crash (revive.py). Raises as
     :func:`~.kernelwire.evaluate_silently` does.
@@ -146,11 +146,13 @@ def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_
     ``safe_points`` (this host's folder of the kernel) or, restored on another host, the folder the stash's index
     names, where it watches. Its cell would answer a silent request only once it ends; so where the kernel was
     asked at a safe point (``asked_at_safe_point``) or its index says it stashed at one, and it waits no more, it
-    has its buffers (it took nothing, or read them back): nothing to ask."""
+    has its buffers (it took nothing, or read them back): nothing to ask. ``gpu``: a prefetch's memory on the
+    kernel's GPU (engine/prefetch.py), given to a kernel that waits at this host's safe point or is asked
+    here."""
     alive = (lambda: pid is not None and proctree.is_alive(pid))
     local = SafePoint(safe_points, pid or 0, alive=alive)
     if pid is not None and local.waiting():
-        return local.release({"folder": folder}, timeout)
+        return local.release({"folder": folder, **({"gpu": gpu} if gpu else {})}, timeout)
     try:
         index = read_stash_index(folder)
     except StashDamaged:
@@ -164,8 +166,9 @@ def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_
                                                               went_on=False)
     if at or asked_at_safe_point:
         return {"unstashed": 0, "seconds": 0.0}
-    return json.loads(evaluate_silently(connection_info, HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
-                                        alive=alive))
+    call = (HOST_TAKE_BACK_GPU_CALL.format(folder=folder, gpu=gpu) if gpu
+            else HOST_TAKE_BACK_CALL.format(folder=folder))
+    return json.loads(evaluate_silently(connection_info, call, timeout, alive=alive))
 
 
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
@@ -224,6 +227,13 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         help="A suspend has the kernel write its large buffers (PyTorch storages, CUDA or CPU, and bytearrays) "
         "into the images itself, in parallel, when they add up to this many bytes or more: much faster than "
         "CRIU and the CUDA driver alone for large kernels (docs/performance.md). None: never.",
+    ).tag(config=True)
+
+    resume_prefetch = Bool(
+        True, help="A resume of a GPU kernel whose large buffers are in its images (the host stash) has a helper "
+        "read them onto the kernel's GPU while CRIU restores the kernel, where that GPU has room for them twice; "
+        "the kernel then copies them from there instead of reading its files (32 GB: docs/performance.md). "
+        "False: the kernel reads its files itself, after the restore.",
     ).tag(config=True)
 
     move_stash = Enum(
@@ -603,9 +613,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                                             more=", gpu_only=True" if gpu_only else ""), timeout,
                                             alive=self._is_ours))
 
-    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None, gpu: dict | None = None) -> dict:
         """Have the kernel (its process ``pid``, by default the one adopted) read its stashed buffers back
-        from ``folder``, checking them (kernel/hoststash.py)."""
+        from ``folder``, checking them (kernel/hoststash.py); ``gpu``: a prefetch's (engine/prefetch.py)."""
         root = pid if pid is not None else self.pid
         claim, self._stash_claim = self._stash_claim, None
         if claim is None or claim.point.pid != root:
@@ -616,7 +626,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             except (OSError, RuntimeError, TimeoutError):
                 pass
         return give_back_stash(folder, root, self.safe_point_dir, self.connection_info, timeout,
-                               asked_at_safe_point=claim is not None)
+                               asked_at_safe_point=claim is not None, gpu=gpu)
 
     # -- a transplant (engine/plans/transplant.py, kernel/transplant.py) -------------------------------
 

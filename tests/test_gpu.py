@@ -193,7 +193,11 @@ async def test_suspend_on_gpu_0_and_resume_on_gpu_1(jp_fetch, kernel):
 
     op = await operate(jp_fetch, kernel.id, "resume", {"to_gpu": 1})
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"] and op["to_gpu"] == 1
+    assert list(op["timings"]) == ["prepare", "prefetch", "restore", "remap", "unlock", "unstash", "adopt"]
+    assert op["to_gpu"] == 1
+    # The helper read the tensors onto GPU 1 during the restore; the kernel, remapped there, copied them.
+    prefetch = op["stash"]["prefetch"]
+    assert prefetch["bytes"] >= 4 * GIB and op["stash"]["from_gpu"] == prefetch["bytes"], op["stash"]
     assert where(pid) == {1}
     out = await kernel.run("print(state_digest() == before, big.device); print(len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
@@ -204,9 +208,11 @@ async def test_resume_with_no_gpu_named_goes_back_where_it_was(jp_fetch, kernel)
     assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
     view = await api(jp_fetch, "kernels", kernel.id)
     assert [t["index"] for t in view["targets"] if t["ok"]] == [0, 1], view["targets"]
+    kernel.manager.provisioner.resume_prefetch = False  # the kernel reads its files itself, as before
     op = await operate(jp_fetch, kernel.id, "resume")  # the default: the GPU it was suspended on
     assert op["status"] == "succeeded", op
     assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"]
+    assert "prefetch" not in op["stash"] and "from_gpu" not in op["stash"], op["stash"]
     assert where(pid) == {0} and CudaProcess(pid).state == "running"
     out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
@@ -549,7 +555,10 @@ async def test_a_gpu_suspend_writes_the_tensors_itself_and_the_resume_keeps_ever
     assert where(pid) == set() and gpus_mod.snapshot()[0].memory_used < used_before - 4 * GIB
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op
-    assert list(op["timings"]) == ["prepare", "restore", "remap", "unlock", "unstash", "adopt"]
+    assert list(op["timings"]) == ["prepare", "prefetch", "restore", "remap", "unlock", "unstash", "adopt"]
+    # The CUDA buffers came from the prefetch; the CPU tensor (host memory) from its file.
+    assert op["stash"]["from_gpu"] == op["stash"]["prefetch"]["bytes"] >= 4 * GIB, op["stash"]
+    assert op["stash"]["unstashed"] >= op["stash"]["from_gpu"] + 2**29, op["stash"]
     assert where(pid) == {0} and CudaProcess(pid).state == "running"
     out = await kernel.run("print(state_digest() == before, big.device, len(train(model, opt, gen, 3)))")
     assert out.split() == ["True", "cuda:0", "3"]
@@ -635,13 +644,15 @@ async def test_a_damaged_stash_file_of_a_gpu_kernel_is_refused_and_its_images_ke
         byte = f.read(1)[0]
         f.seek(chunk.offset + 11)
         f.write(bytes([byte ^ 0x5A]))
+    # The prefetch finds the damage and steps aside; the kernel, reading the file itself, refuses it.
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "failed" and op["failed_phase"] == "unstash" and part.name in op["error"], op
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "suspended"
     with open(part, "r+b") as f:
         f.seek(chunk.offset + 11)
         f.write(bytes([byte]))
-    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    op = await operate(jp_fetch, kernel.id, "resume")
+    assert op["status"] == "succeeded" and op["stash"]["prefetch"]["bytes"] >= GIB, op
     assert (await kernel.run("print(state_digest() == before)")).strip() == "True"
 
 

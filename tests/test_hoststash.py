@@ -148,6 +148,77 @@ def test_a_move_writes_no_checksum_and_reads_back_all_the_same(tmp_path: Path) -
     assert said == f"{hoststash.PART.format(0)} at byte 0: its checksum is missing"
 
 
+def test_each_chunk_is_hashed_piece_by_piece_to_the_digest_of_the_whole(tmp_path: Path) -> None:
+    """Chunks are written and read a piece at a time, each piece hashed in the cache: the checksum in the table
+    is still XXH3-64 of the whole chunk (the files of an older suspend read back), and a byte flipped in the
+    last, short piece of a chunk is found as one in its first."""
+    source = bytearray(os.urandom((7 << 20) + 12345))
+    target = bytearray(len(source))
+    address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
+    size = (2 * hoststash.PIECE) + hoststash.PIECE // 2 + 3  # two whole pieces and a short one
+    chunks = hoststash.plan_chunks([len(source)], threads=2, chunk=size)
+    for part in range(2):
+        fd = os.open(tmp_path / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            hoststash.write_part(fd, chunks, part, [address(source)], [False], None, durable=False)
+        finally:
+            os.close(fd)
+    whole = memoryview(source)
+    assert [c.xxh3 for c in chunks] == [hoststash.checksum(whole[c.at:c.at + c.size]) for c in chunks]
+    last = chunks[1]
+    path = tmp_path / hoststash.PART.format(last.part)
+    _flip(path, last.offset + last.size - 1)
+    assert hoststash.read_part(path, chunks, last.part, [address(target)], [False], None) == \
+        f"{path.name} at byte {last.offset}: its checksum does not match"
+    _flip(path, last.offset + last.size - 1)
+    for part in range(2):
+        assert hoststash.read_part(tmp_path / hoststash.PART.format(part), chunks, part, [address(target)], [False],
+                                   None) is None
+    assert target == source
+
+
+def test_a_prefetch_is_taken_only_if_the_index_it_was_checked_against_is_the_kernels_own(monkeypatch) -> None:
+    """A resume's prefetch (engine/prefetch.py) checks the files against the index on disk; the kernel copies
+    from it only if that index's table, checksums included, is the one in its own memory, and only within the
+    prefetch's memory. Each refusal comes before any CUDA call: the kernel then reads its files itself."""
+    from jupyter_gpumigrate.engine import prefetch, stash as stash_mod
+
+    sizes = [96 << 20, 40 << 20]
+    chunks = hoststash.plan_chunks(sizes, threads=3)
+    for n, c in enumerate(chunks):
+        c.xxh3 = 1000 + n
+    buffers = [hoststash.Buffer("cuda", None, size, away=True) for size in sizes]
+    monkeypatch.setattr(hoststash, "_chunks", chunks)
+    monkeypatch.setattr(hoststash, "_session", "s1")
+    monkeypatch.setattr(hoststash, "_checked", True)
+    listed = [{"kind": "cuda", "size": size} for size in sizes]
+    bases, size = stash_mod.layout(listed)
+    assert bases == [0, 96 << 20] and size == 136 << 20 and prefetch.cuda_bytes({"buffers": listed}) == size
+    assert stash_mod.layout([{"kind": "cpu", "size": 5}, {"kind": "cuda", "size": 700}, {"kind": "cuda", "size": 1}]) \
+        == ([None, 0, 1024], 1025), "each CUDA buffer at a multiple of 512; host buffers take no room"
+
+    def copy(index_chunks: list, gpu: dict, index_session: str = "s1") -> str:
+        index = {"session": index_session, "chunks": index_chunks, "buffers": listed}
+        with pytest.raises(ValueError) as caught:
+            hoststash._copy_prefetched(gpu, index, buffers, [0, 0], None, 0)
+        return str(caught.value)
+
+    good = {"handle": "00", "bases": bases, "size": size, "session": "s1"}
+    edited = [hoststash.Chunk(**{**c.__dict__, "xxh3": 7}) if n == 2 else c for n, c in enumerate(chunks)]
+    assert copy(edited, good) == "the stash's index on disk is not this kernel's own table"
+    moved = [hoststash.Chunk(**{**c.__dict__, "offset": c.offset + 1}) if n == 0 else c for n, c in enumerate(chunks)]
+    assert copy(moved, good) == "the stash's index on disk is not this kernel's own table"
+    assert copy(chunks, {**good, "session": "s2"}) == "the prefetch read another stash"
+    assert copy(chunks, good, index_session="s2") == "the prefetch read another stash"
+    assert copy(chunks, {**good, "size": size - 1}) == "the prefetch's memory does not hold every buffer"
+    assert copy(chunks, {**good, "bases": [0, -512]}) == "the prefetch's memory does not hold every buffer"
+    monkeypatch.setattr(hoststash, "_checked", False)
+    assert copy(chunks, good) == "this stash carries no checksums"
+    # Room: the kernel as it was suspended (its buffers included), the helper's copy, the helper's context.
+    assert prefetch.room_for(free=80 * 10**9, needed=33 * 10**9, nbytes=32 * 10**9)
+    assert not prefetch.room_for(free=60 * 10**9, needed=33 * 10**9, nbytes=32 * 10**9)
+
+
 def test_odd_classes_do_not_break_the_search() -> None:
     """A metaclass with __eq__ and no __hash__, and a class whose __module__ is not a string, in the process
     and in a handed thread's frame: the searches read past them (before, one raised out of the kernel's side)."""

@@ -187,7 +187,7 @@ def test_finishing_steps_never_raise():
 
 def test_every_plan_publishes_its_phases_from_its_own_table():
     assert PHASES["suspend"] == ("prepare", "stash", "lock", "checkpoint", "dump")
-    assert PHASES["resume"] == ("prepare", "restore", "remap", "unlock", "unstash", "adopt")
+    assert PHASES["resume"] == ("prepare", "prefetch", "restore", "remap", "unlock", "unstash", "adopt")
     assert PHASES["move_to_gpu"] == ("prepare", "stash", "host stash", "lock", "checkpoint", "remap", "unlock", "unstash",
                                      "take back", "verify")
     assert PHASES["move_to_host"][-3:] == ("transfer", "restore", "adopt")

@@ -70,10 +70,11 @@ class KernelProcess(Protocol):
         changed).
         Raises TimeoutError, RuntimeError (the kernel's error) or an error saying the kernel ended."""
 
-    def host_take_back(self, folder: str, timeout: float, pid: int | None = None) -> dict:
+    def host_take_back(self, folder: str, timeout: float, pid: int | None = None, gpu: dict | None = None) -> dict:
         """Have the kernel (its process ``pid``, by default the one adopted; the one on the other host where it
         runs there) read its stashed buffers back from ``folder`` (``{"unstashed": bytes, ...}``);
-        RuntimeError naming ``StashDamaged`` if a file does not hold what was written."""
+        RuntimeError naming ``StashDamaged`` if a file does not hold what was written. ``gpu``: a prefetch
+        holds its CUDA buffers on its GPU already (engine/prefetch.py; where it runs here only)."""
 
     def transplant_survey(self, timeout: float) -> dict:
         """The dry run of a transplant (kernel/transplant.py's survey): what carries, what not and why.

@@ -1,7 +1,8 @@
 """The story of a migration, told as plans of phases, each side effect followed by its undo.
 
     suspend:          prepare -> [lock -> checkpoint] -> dump                         plans/suspend.py
-    resume:           prepare -> restore -> [remap -> unlock] -> adopt                plans/resume.py
+    resume:           prepare -> [prefetch] -> restore -> [remap -> unlock] -> [unstash]
+                      -> adopt                                                        plans/resume.py
     move to a GPU:    prepare -> [stash | host stash] -> lock -> checkpoint -> remap
                       -> unlock -> [unstash | take back] -> verify                    plans/gpu_move.py
     move to a host:   prepare -> [stash] -> [stream] -> [lock -> checkpoint] -> dump -> transfer
@@ -66,11 +67,12 @@ class Migration:
         host_stash_min: int | None = 10**9,
         images: str = "disk",
         keep_source: float = 0.0,
+        prefetch: bool = True,
     ) -> None:
         self.kernel = kernel
         self.progress = progress
         self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min,
-                           images, keep_source)
+                           images, keep_source, prefetch=prefetch)
 
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)

@@ -6,8 +6,9 @@ copies at about 400 GB/s. So, before the driver runs:
 
 1. a short-lived helper process (``python -m jupyter_gpumigrate.engine.stash``, this module) allocates
    one buffer on the *target* GPU (what the kernel holds there, at most what the target has beyond the
-   move) and exports it as a CUDA IPC handle, while the kernel gathers its storages. A spare helper, its Python and the driver's
-   bindings loaded but no GPU touched, waits for each move (:func:`prestart`);
+   move) and exports it as a CUDA IPC handle, while the kernel gathers its storages. A spare helper, its
+   Python, the driver's bindings and the driver itself started (``cuInit``: no context, no GPU memory),
+   waits for each move (:func:`prestart`); it finds the target by its UUID;
 2. inside the kernel (kernel/stager.py), the large tensor storages are copied into that buffer over
    the peer link and freed: the driver then moves only what is left (the CUDA context, small blocks);
 3. after the remap the kernel's context is on the target GPU, the buffer is local to it, and the
@@ -50,6 +51,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .errors import GpuError
 
@@ -173,20 +175,38 @@ class Helper:
             raise GpuError(f"The stash helper holds {self.size} bytes, not {size}.")
         if not self.size:
             self._ask(size)
+        answer = self._answer(timeout, f"hold {self.size / 1e9:.1f} GB on GPU {self.gpu_uuid}")
+        self.handle = str(answer["handle"])
+        return self.handle
+
+    def fill(self, folder: str) -> None:
+        """Have the helper read the CUDA buffers of the host stash in ``folder`` (a suspended kernel's images)
+        into memory of its own on its GPU, each chunk checked against the index's checksum (engine/prefetch.py);
+        :meth:`filled` waits for it. Instead of :meth:`allocate`."""
+        self._say(f"fill {folder}")
+
+    def filled(self, timeout: float) -> dict:
+        """The helper's answer to :meth:`fill`: ``handle``, ``bases`` (each buffer's offset in its memory, None
+        for a buffer not on the GPU), ``size``, ``filled`` (bytes); or a GpuError (the helper is stopped)."""
+        answer = self._answer(timeout, f"read the stash onto GPU {self.gpu_uuid}")
+        self.handle = str(answer["handle"])
+        return answer
+
+    def _answer(self, timeout: float, what: str) -> dict:
+        """The helper's next line, with a handle in it; else it is stopped and a GpuError says why."""
         try:
             line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
             answer = json.loads(line) if line.startswith("{") else {}
         except (OSError, ValueError) as exc:
             answer = {"error": str(exc)}
-        if "handle" not in answer:
+        if not isinstance(answer, dict) or "handle" not in answer:
+            answer = answer if isinstance(answer, dict) else {}
             if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
                 answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
             self.stop()
-            raise GpuError(f"The stash helper could not hold {self.size / 1e9:.1f} GB on GPU {self.gpu_uuid}: "
-                           f"{answer.get('error') or 'no answer'}")
-        self.handle = str(answer["handle"])
+            raise GpuError(f"The stash helper could not {what}: {answer.get('error') or 'no answer in time'}")
         self.stamps = {k: float(v) for k, v in answer.get("stamps", {}).items() if isinstance(v, (int, float))}
-        return self.handle
+        return answer
 
     def seconds(self) -> dict[str, float]:
         """Where the helper's time went before it held the stash: the driver's bindings imported (0 where
@@ -237,8 +257,9 @@ def _close(proc: subprocess.Popen) -> None:
                 pass
 
 
-#: A helper started before it is needed, its Python and the driver's bindings loaded, no CUDA context yet
-#: (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a move).
+#: A helper started before it is needed, its Python and the driver's bindings loaded and the driver started, no
+#: CUDA context yet (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a
+#: move, and 40-50 ms more since the driver starts in the spare).
 _SPARE: subprocess.Popen | None = None
 _SPARE_LOCK = threading.Lock()
 #: the server stops: no spare is started any more
@@ -246,8 +267,11 @@ _ENDED = False
 
 
 def _start() -> subprocess.Popen:
+    # Every GPU visible (the server's own CUDA_VISIBLE_DEVICES, if any, is not the kernels'): it finds the
+    # target by its UUID.
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.engine.stash"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def prestart() -> None:
@@ -490,7 +514,8 @@ class Stash:
 
 
 def _hold() -> int:
-    """Load the CUDA driver's bindings; on ``gpu UUID`` from stdin make a context on that GPU alone; on
+    """Load the CUDA driver's bindings and start the driver; on ``gpu UUID`` from stdin make a context on that
+    GPU alone; on
     ``alloc N`` allocate N bytes there and print its IPC handle as JSON (with the monotonic clock's
     ``stamps`` of each step); wait for ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more
     seconds), free, exit. Stdin ending before ``alloc``: exit at once (a spare the server did not need).
@@ -502,41 +527,126 @@ def _hold() -> int:
     except ImportError as exc:
         print(json.dumps({"error": f"cuda-bindings is not installed ({exc})"}), flush=True)
         return 1
-    stamps = {"imported": time.monotonic()}
-    asked = sys.stdin.readline().split()
-    if len(asked) != 2 or asked[0] != "gpu":
-        return 0
-    os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]  # read by cuInit, below: the one GPU it sees
-
     def ok(result: tuple) -> object:
         if int(result[0]) != 0:
             raise RuntimeError(f"{result[0]!r}")
         return result[1] if len(result) > 1 else None
 
+    # The driver starts before the GPU is known (40-50 ms of a helper's 0.17 s on 2 x H100,
+    # bench/unstash_probe.py): it makes no context, holds no GPU memory, and NVML shows no process.
     try:
         ok(driver.cuInit(0))
-        device = ok(driver.cuDeviceGet(0))
+        started: Exception | None = None
+    except Exception as exc:  # noqa: BLE001  said once a GPU is asked for
+        started = exc
+    stamps = {"imported": time.monotonic()}
+    asked = sys.stdin.readline().split()
+    if len(asked) != 2 or asked[0] != "gpu":
+        return 0
+
+    try:
+        if started is not None:
+            raise started
+        device = _device(driver, ok, asked[1])
         context = ok(driver.cuDevicePrimaryCtxRetain(device))
         ok(driver.cuCtxSetCurrent(context))
     except Exception as exc:  # said to the server once it asks, which steps aside
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
     stamps["context"] = time.monotonic()
-    asked = sys.stdin.readline().split()
-    if len(asked) != 2 or asked[0] != "alloc":
-        return 0
+    verb, _, arg = sys.stdin.readline().rstrip("\n").partition(" ")
+    said: dict = {}
     try:
-        pointer = ok(driver.cuMemAlloc(int(asked[1])))
+        if verb == "alloc":
+            pointer = ok(driver.cuMemAlloc(int(arg)))
+        elif verb == "fill":
+            pointer, said = _fill(driver, ok, arg, stamps)
+        else:
+            return 0
         handle = ok(driver.cuIpcGetMemHandle(pointer))
-    except Exception as exc:  # said to the server, which steps aside
+    except Exception as exc:  # said to the server, which steps aside (a fill: the kernel reads the files itself)
         print(json.dumps({"error": str(exc)}), flush=True)
         return 1
-    stamps["allocated"] = time.monotonic()
-    print(json.dumps({"handle": bytes(handle.reserved).hex(), "stamps": stamps}), flush=True)  # type: ignore[attr-defined]
+    stamps.setdefault("allocated", time.monotonic())
+    print(json.dumps({**said, "handle": bytes(handle.reserved).hex(), "stamps": stamps}), flush=True)  # type: ignore[attr-defined]
     if sys.stdin.readline() == "":
         time.sleep(ORPHAN_GRACE)
     driver.cuMemFree(pointer)
     return 0
+
+
+def layout(buffers: list[dict]) -> tuple[list[int | None], int]:
+    """Where each buffer of a host stash's index lies in a prefetch's memory on the GPU: its CUDA buffers one
+    after the other, each at a multiple of :data:`ALIGN` (None for a buffer in host memory); and the size."""
+    bases: list[int | None] = []
+    end = 0
+    for b in buffers:
+        if b.get("kind") == "cuda":
+            start = -(-end // ALIGN) * ALIGN
+            bases.append(start)
+            end = start + int(b["size"])
+        else:
+            bases.append(None)
+    return bases, end
+
+
+def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float]) -> tuple[Any, dict]:
+    """In the helper: allocate room on its GPU for the CUDA buffers of the host stash in ``folder`` and read
+    them into it from the stash's files, by as many threads as there are files, each chunk checked against
+    the checksum the index gives (the kernel then checks that the index's checksums are its own). A file that
+    does not match: an error, and nothing is kept."""
+    from ..kernel import hoststash  # the same reader as the kernel's (its Cuda uses this context)
+
+    started = time.monotonic()
+    index = hoststash.read_index(folder)
+    bases, size = layout(index["buffers"])
+    if not size:
+        raise ValueError(f"the stash in {folder} holds no CUDA buffer")
+    pointer = ok(driver.cuMemAlloc(size))
+    stamps["allocated"] = time.monotonic()
+    try:
+        addresses = [int(pointer) + (base or 0) for base in bases]  # type: ignore[call-overload]
+        on_gpu = [base is not None for base in bases]
+        chunks = [c for c in index["chunks"] if on_gpu[c.buffer]]
+        cuda = hoststash.Cuda()
+        damaged: list[str] = []
+        lock = threading.Lock()
+
+        def read(part: int) -> None:
+            wrong = hoststash.read_part(Path(folder) / hoststash.PART.format(part), chunks, part, addresses, on_gpu,
+                                        cuda, check=True)
+            if wrong:
+                with lock:
+                    damaged.append(wrong)
+
+        hoststash.run_parts(read, int(index["parts"]))
+        if damaged:
+            raise ValueError(hoststash.damage(damaged))
+        ok(driver.cuCtxSynchronize())
+    except BaseException:
+        driver.cuMemFree(pointer)
+        raise
+    stamps["filled"] = time.monotonic()
+    return pointer, {"bases": bases, "size": size, "filled": sum(c.size for c in chunks),
+                     "session": index.get("session"), "seconds": round(stamps["filled"] - started, 4)}
+
+
+def nvml_form(raw: bytes | str | list[int]) -> str:
+    """A CUDA device UUID's 16 bytes (as the bindings give them: bytes, a str of as many characters, or small
+    ints, signed or not) in NVML's form, ``GPU-`` and 8-4-4-4-12 hex digits."""
+    data = raw.encode("latin-1") if isinstance(raw, str) else bytes(b & 0xFF for b in raw)
+    h = data.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+def _device(driver: Any, ok: Any, uuid: str) -> Any:
+    """The driver's device whose UUID (NVML's form, ``GPU-8-4-4-4-12`` hex digits) is ``uuid``."""
+    get_uuid = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid
+    for ordinal in range(int(ok(driver.cuDeviceGetCount()))):  # type: ignore[call-overload]
+        device = ok(driver.cuDeviceGet(ordinal))
+        if nvml_form(ok(get_uuid(device)).bytes) == uuid.lower():  # type: ignore[attr-defined]
+            return device
+    raise RuntimeError(f"no GPU with UUID {uuid} is visible to the stash helper")
 
 
 if __name__ == "__main__":

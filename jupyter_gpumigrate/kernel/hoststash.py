@@ -61,8 +61,12 @@ INDEX = "stash-index.json"
 PART = "stash-{:02d}.bin"
 #: Buffers smaller than this stay: CRIU and the driver carry them with the rest.
 MIN_BYTES = 16 << 20
-#: Each chunk is copied, checksummed and written as one piece; each thread has two pinned buffers of this size.
+#: Each chunk is copied to or from the GPU as one piece; each thread has two pinned buffers of this size.
 CHUNK = 32 << 20
+#: Each chunk is written or read this much at a time, and hashed piece by piece while the piece is in the
+#: CPU's cache (XXH3's streaming digest equals the one-shot one): hashing a whole 32 MiB chunk after its copy
+#: read it from memory a second time, 0.45 s of a 32 GB resume's 2.0 s on 2 x H100 (bench/unstash_probe.py).
+PIECE = 1 << 20
 #: Writer and reader threads: one file each (tmpfs serialises writes to one file on its inode).
 THREADS = 16
 _TMPFS_MAGIC = "tmpfs"
@@ -343,6 +347,31 @@ def _pread(fd: int, view: memoryview, offset: int) -> int:
     return os.preadv(fd, [view], offset)
 
 
+def _write_hashed(fd: int, view: memoryview, offset: int, check: bool) -> int | None:
+    """Write ``view`` at ``offset`` a :data:`PIECE` at a time, hashing each piece just before it is written,
+    while it is in the CPU's cache: the chunk's XXH3-64 (the same as :func:`checksum` of the whole), or None
+    unless ``check``. One pass over memory instead of two (docs/internals.md, "The host stash")."""
+    hasher = xxhash.xxh3_64() if check else None
+    for start in range(0, len(view), PIECE):
+        piece = view[start:start + PIECE]
+        if hasher is not None:
+            hasher.update(piece)
+        _io_all(os.pwrite, fd, piece, offset + start)
+    return hasher.intdigest() if hasher is not None else None
+
+
+def _read_hashed(fd: int, view: memoryview, offset: int, check: bool) -> int | None:
+    """Read ``view`` from ``offset`` a :data:`PIECE` at a time, hashing each piece as it arrives (in cache):
+    its XXH3-64, or None unless ``check``."""
+    hasher = xxhash.xxh3_64() if check else None
+    for start in range(0, len(view), PIECE):
+        piece = view[start:start + PIECE]
+        _io_all(_pread, fd, piece, offset + start)
+        if hasher is not None:
+            hasher.update(piece)
+    return hasher.intdigest() if hasher is not None else None
+
+
 def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
                cuda: Cuda | None, durable: bool, check: bool = True) -> None:
     """Write the chunks of file ``part`` to ``fd``, each from its buffer (``addresses``; those ``on_gpu``
@@ -366,8 +395,7 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
                 view = lane.view(i % 2, c.size)  # type: ignore[union-attr]
             else:
                 view = _view(addresses[c.buffer] + c.at, c.size)
-            c.xxh3 = checksum(view) if check else None
-            _io_all(os.pwrite, fd, view, c.offset)
+            c.xxh3 = _write_hashed(fd, view, c.offset, check)
         if durable:
             os.fsync(fd)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # written: leave the page cache to others
@@ -399,13 +427,14 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
             if gpu:
                 lane.wait(i % 2)  # type: ignore[union-attr]  # chunk i - 2's copy is done; i - 1's goes on
             view = lane.view(i % 2, c.size) if gpu else _view(target, c.size)  # type: ignore[union-attr]
+            if check and c.xxh3 is None:
+                return f"{path.name} at byte {c.offset}: its checksum is missing"
             try:
-                _io_all(_pread, fd, view, c.offset)
+                found = _read_hashed(fd, view, c.offset, check)
             except OSError as exc:
                 return f"{path.name}: {exc}"
-            if check and (c.xxh3 is None or checksum(view) != c.xxh3):
-                return f"{path.name} at byte {c.offset}: its checksum " + \
-                    ("is missing" if c.xxh3 is None else "does not match")
+            if check and found != c.xxh3:
+                return f"{path.name} at byte {c.offset}: its checksum does not match"
             if gpu:
                 lane.into(i % 2, target, c.size)  # type: ignore[union-attr]
     finally:
@@ -581,11 +610,17 @@ def out_of_bounds(chunks: list[Chunk], sizes: list[int], parts: int) -> Chunk | 
     return None
 
 
-def take_back(folder: str, threads: int = THREADS) -> str:
+def take_back(folder: str, threads: int = THREADS, gpu: dict | None = None) -> str:
     """Bring every buffer back from the stash in ``folder``, checking each chunk against the checksum (if any) this
     kernel kept in its own memory. Returns JSON: ``{"unstashed": bytes, "seconds": s}``. Raises
     :class:`StashDamaged` (the index not this stash's, a file missing, short or not matching): the buffers
-    that could not be filled are left as they are, and the server kills this process and keeps the images."""
+    that could not be filled are left as they are, and the server kills this process and keeps the images.
+
+    ``gpu``: a prefetch (engine/prefetch.py) holds the CUDA buffers on this kernel's GPU already, read from
+    these files and checked against the index's checksums: ``handle`` (CUDA IPC), ``bases`` (each buffer's
+    offset there), ``size``, ``session``. If the index's table is this kernel's own (checksums included), they
+    are copied from there; otherwise, or if that fails, they are read from the files (``from_gpu`` is then 0
+    and ``prefetch_refused`` says why)."""
     global _session
     started = time.perf_counter()
     if not _away:
@@ -614,6 +649,15 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     damaged: list[str] = []
 
     on_gpu = [b.kind == "cuda" for b in buffers]
+    from_gpu, refused = 0, None
+    if gpu and cuda is not None:
+        try:
+            from_gpu = _copy_prefetched(gpu, index, buffers, addresses, torch, device)
+        except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+            refused = f"{type(exc).__name__}: {exc}"
+    if from_gpu:
+        chunks = [c for c in chunks if not on_gpu[c.buffer]]  # the rest, in host memory, from the files
+    copied = time.perf_counter()
 
     def read(part: int) -> None:
         wrong = read_part(root / PART.format(part), chunks, part, addresses, on_gpu, cuda, _checked)
@@ -633,8 +677,52 @@ def take_back(folder: str, threads: int = THREADS) -> str:
     _chunks.clear()
     _session = None
     done = time.perf_counter()
-    return json.dumps({"unstashed": total, "seconds": round(done - started, 4),
-                       "split": {"allocate": round(allocated - started, 4), "read": round(done - allocated, 4)}})
+    said = {"unstashed": total, "seconds": round(done - started, 4),
+            "split": {"allocate": round(allocated - started, 4), "read": round(done - copied, 4)}}
+    if gpu:
+        said["from_gpu"] = from_gpu
+        said["split"]["from_gpu"] = round(copied - allocated, 4)
+        if refused:
+            said["prefetch_refused"] = refused
+    return json.dumps(said)
+
+
+def _copy_prefetched(gpu: dict, index: dict, buffers: list[Buffer], addresses: list[int], torch: Any,
+                     device: int | None) -> int:
+    """Copy this kernel's CUDA buffers that are away from a prefetch's memory on its GPU (:func:`take_back`);
+    the bytes copied. Raises ValueError where the prefetch cannot be trusted to hold what this kernel wrote:
+    a stash without checksums, another session, an index whose table (checksums included) is not this
+    kernel's own, an offset out of the prefetch's bounds."""
+    from .stager import Driver
+
+    if not _checked:
+        raise ValueError("this stash carries no checksums")
+    if gpu.get("session") != _session or index.get("session") != _session:
+        raise ValueError("the prefetch read another stash")
+
+    def row(c: Chunk) -> tuple:
+        return c.buffer, c.at, c.size, c.part, c.offset, c.xxh3
+
+    ours = [row(c) for c in _chunks if buffers[c.buffer].kind == "cuda"]
+    theirs = [row(c) for c in index["chunks"] if c.buffer < len(buffers) and buffers[c.buffer].kind == "cuda"]
+    listed = [(b.get("kind"), int(b.get("size", -1))) for b in index["buffers"]]
+    if ours != theirs or listed != [(b.kind, b.size) for b in buffers]:
+        raise ValueError("the stash's index on disk is not this kernel's own table")
+    bases, size = list(gpu["bases"]), int(gpu["size"])
+    wanted = [(i, int(bases[i])) for i, b in enumerate(buffers) if b.kind == "cuda" and b.away]
+    if any(base < 0 or base + buffers[i].size > size for i, base in wanted):
+        raise ValueError("the prefetch's memory does not hold every buffer")
+    driver = Driver()
+    with torch.cuda.device(device):
+        pointer = driver.open(str(gpu["handle"]))
+        try:
+            stream = int(torch.cuda.current_stream(device).cuda_stream)
+            for i, base in wanted:
+                driver.copy(addresses[i], pointer + base, buffers[i].size, stream)
+            torch.cuda.synchronize(device)
+        finally:
+            driver.close(pointer)  # no mapping of another process's memory is kept
+    return sum(buffers[i].size for i, _ in wanted)
 
 
 def away() -> int:

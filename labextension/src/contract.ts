@@ -7,6 +7,7 @@
  */
 export type Phase =
   | 'prepare'
+  | 'prefetch'
   | 'lock'
   | 'checkpoint'
   | 'dump'
@@ -57,6 +58,14 @@ export type GpuIndices = [number, ...number[]];
  * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
  */
 export type Bytes1 = number;
+/**
+ * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
+ */
+export type Bytes2 = number;
+/**
+ * A size in bytes (base 1000 when shown: 1 GB = 10^9 bytes).
+ */
+export type Bytes3 = number;
 /**
  * GET /refused: the records not taken back at the server's start that are still on disk.
  */
@@ -376,6 +385,24 @@ export interface HostStash {
    * Why it stepped aside.
    */
   aside?: string;
+  from_gpu?: Bytes1;
+  /**
+   * A resume of a GPU kernel: the stash helper's reading of its CUDA buffers onto its GPU during the restore (engine/prefetch.py), or why there was none (its reason; the kernel then read its files itself).
+   */
+  prefetch?: {
+    bytes: Bytes2;
+    seconds?: Seconds2;
+    /**
+     * Why it was not made or not used.
+     */
+    reason?: string;
+  };
+}
+/**
+ * Seconds each step took, by step name.
+ */
+export interface Seconds2 {
+  [k: string]: number;
 }
 /**
  * Where the kernel's own %migrate serves the fast path (in the 202 answer to that kernel only).
@@ -546,7 +573,7 @@ export interface TransplantSurvey {
   notes: TransplantNote[];
   outputs: TransplantOutputs;
   bytes: Bytes;
-  gpu_bytes: Bytes1;
+  gpu_bytes: Bytes3;
   execution_count: number;
   /**
    * Where it would go.

@@ -50,6 +50,9 @@ class Tools:
     keep_source: float = 0.0
     #: whether two GPUs reach each other's memory (the fast path's peer link); None: cannot tell
     peer_access: Callable[[GpuInfo, GpuInfo], bool | None] = gpus_mod.peer_access
+    #: whether a resume of a GPU kernel that stashed has the stash helper read its CUDA buffers onto its GPU
+    #: while CRIU restores it (engine/prefetch.py)
+    prefetch: bool = True
 
 
 @dataclass

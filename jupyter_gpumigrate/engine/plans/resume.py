@@ -1,11 +1,17 @@
 """Resume: a suspended kernel comes back from its images, onto a GPU of its model.
 
     prepare     read the manifest, choose the GPUs, free the PIDs (nothing to undo)
+    prefetch    (GPU, stash) the stash helper reads the stashed     undo: the helper frees and ends
+                CUDA buffers onto the chosen GPU, checking each
+                chunk, while the next three phases run
+                (engine/prefetch.py)
     restore     CRIU recreates the tree                           undo: kill it (the images stay)
     remap       GPU memory onto the chosen GPUs (GPU only)        (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
     unstash     the kernel reads back the buffers it stashed,     (undone with the restore)
-                checking each chunk's checksum (if it did)
+                checking each chunk's checksum (if it did): its
+                CUDA buffers from the prefetch where it holds
+                them; then the helper ends
     adopt       the tree is the kernel, its clients are back      (last)
     on success  the images are stale: removed
 
@@ -17,12 +23,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import json
+import logging
+
+from .. import placement
 from ..errors import ImageError
 from ..kernelproc import KernelProcess
+from ..prefetch import Prefetch, cuda_bytes, room_for
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap_restored,
                      restore_tree, unlock_restored)
 from .suspend import STASH_RATE, STASH_WAIT
+
+log = logging.getLogger(__name__)
 
 
 def saga() -> Saga[ResumeContext]:
@@ -30,10 +43,11 @@ def saga() -> Saga[ResumeContext]:
         "resume",
         [
             Step("prepare", prepare),
+            Step("prefetch", prefetch, when=lambda ctx: bool(ctx.tools.prefetch and ctx.on_gpu() and stashed(ctx))),
             Step("restore", restore_tree),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
-            Step("unstash", unstash, when=lambda ctx: bool(ctx.manifest and ctx.manifest.stash)),
+            Step("unstash", unstash, when=stashed),
             Step("adopt", adopt_restored),
             Step("forget images", forget_images, kind=ON_SUCCESS),
         ],
@@ -49,6 +63,13 @@ class ResumeContext(KernelContext):
     def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None) -> None:
         super().__init__(kernel, tools)
         self.to_gpu = to_gpu
+        self.prefetch: Prefetch | None = None
+        #: why no prefetch was made, where the plan asked for one
+        self.no_prefetch: str | None = None
+
+
+def stashed(ctx: ResumeContext) -> bool:
+    return bool(ctx.manifest and ctx.manifest.stash)
 
 
 def prepare(ctx: ResumeContext) -> None:
@@ -61,13 +82,60 @@ def prepare(ctx: ResumeContext) -> None:
     free_pids(manifest)
 
 
+def prefetch(ctx: ResumeContext) -> None:
+    """Where the kernel comes back onto one GPU with room for a second copy of its CUDA buffers, the stash
+    helper starts reading them there (engine/prefetch.py). Never fails the resume: where it cannot, the
+    kernel reads its files itself, and :attr:`ResumeContext.no_prefetch` says why."""
+    assert ctx.manifest is not None
+    move = ctx.move
+    if move is None or move.several:
+        ctx.no_prefetch = "the kernel comes back onto several GPUs"
+        return
+    try:
+        index = json.loads((ctx.images / "stash-index.json").read_text())
+        nbytes = cuda_bytes(index)
+    except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
+        ctx.no_prefetch = f"its stash's index cannot be read ({exc}): the kernel reads its files itself"
+        return
+    if not nbytes:
+        ctx.no_prefetch = "the stash holds no CUDA buffer"
+        return
+    target = next((g for g in ctx.tools.inventory() if g.uuid == move.target.uuid), move.target)
+    if not room_for(placement.free(target), move.needed, nbytes):
+        ctx.no_prefetch = (f"GPU {target.index} has {placement.free(target) / 1e9:.1f} GB free: too little for "
+                           f"the kernel and a second copy of its {nbytes / 1e9:.1f} GB of buffers")
+        return
+    fetch = Prefetch(ctx.images, move.target.uuid, nbytes)
+    ctx.undo(fetch.stop)
+    try:
+        fetch.start()
+    except OSError as exc:  # the helper could not start: the kernel reads the files itself
+        fetch.stop()
+        ctx.no_prefetch = f"the stash helper did not start ({exc})"
+        return
+    ctx.prefetch = fetch
+
+
 def unstash(ctx: ResumeContext) -> None:
-    """The restored kernel reads its buffers back from the stash files. A file that does not hold what was
-    written fails the resume: the restore's undo kills the tree, and the images are kept as they are."""
+    """The restored kernel reads its buffers back from the stash files (its CUDA buffers from the prefetch,
+    where one holds them). A file that does not hold what was written fails the resume: the restore's undo
+    kills the tree, and the images are kept as they are."""
     assert ctx.manifest is not None
     timeout = STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / STASH_RATE
+    fetch = ctx.prefetch
     try:
-        ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+        gpu = fetch.result(timeout) if fetch is not None else None
+        try:
+            ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid, gpu=gpu)
+        except RuntimeError as exc:
+            if gpu is None:
+                raise
+            # A kernel whose code cannot take the prefetch (an older version's, at a safe point) says so in an
+            # error, having changed nothing; a damaged file fails again, below, as it would have.
+            log.warning("kernel %s did not take the prefetch (%s): it reads its files itself",
+                        ctx.kernel.kernel_id, exc)
+            fetch.reason = f"the kernel did not take it ({exc})"  # type: ignore[union-attr]
+            ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
     except RuntimeError as exc:
         raise ImageError(f"The kernel could not read its large buffers back from {ctx.images} ({exc}). It is "
                          "left suspended and its images are kept; if a file there was damaged, the kernel cannot "
@@ -76,6 +144,14 @@ def unstash(ctx: ResumeContext) -> None:
     except (OSError, TimeoutError) as exc:
         raise ImageError(f"The restored kernel did not read its large buffers back ({exc}); it is left "
                          "suspended, its images kept. Try again.") from exc
+    finally:
+        if fetch is not None:
+            fetch.stop()  # the kernel holds its copy: the helper's memory goes while the resume goes on
+    if fetch is not None or ctx.no_prefetch:
+        said = fetch.said(ctx.stash.get("from_gpu")) if fetch is not None else {"bytes": 0, "reason": ctx.no_prefetch}
+        if ctx.stash.get("prefetch_refused"):
+            said["reason"] = f"the kernel refused it: {ctx.stash.pop('prefetch_refused')}"
+        ctx.stash["prefetch"] = said
 
 
 def run(kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None = None,

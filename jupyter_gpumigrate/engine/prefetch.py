@@ -1,0 +1,94 @@
+"""A resume's prefetch: a GPU kernel's host stash read onto its GPU while CRIU restores the kernel.
+
+A kernel suspended with the host stash (kernel/hoststash.py) has its large CUDA buffers in files of its
+images. Read back by the kernel itself, they come only once CRIU has restored it and the driver has remapped
+it: 32 GB took 2.0 s of a 3.0 s resume on 2 x H100, after 1.0 s of restore and remap
+(docs/performance.md). So, as soon as the resume knows the GPU, the stash helper (engine/stash.py; the
+spare, its driver started) makes its context there, allocates room for those buffers and reads the files
+into it with 16 threads through pinned buffers, checking every chunk against the index's checksum, while
+CRIU and the driver work. Once remapped, the kernel checks that the index's checksums are those of its own
+memory (so the helper read what it wrote), copies each buffer from the helper's memory (an IPC handle, the
+same GPU: 32 GB in 0.02 s) and reads the rest (host memory) from the files as before; then the helper frees.
+
+It steps aside, and the kernel reads every file itself as before, where the target GPU has no room for the
+helper's copy beside all the kernel holds once its buffers are back, where the stash has no
+CUDA buffer or no checksum, and when the helper fails or finds a chunk that does not match its checksum
+(the kernel, reading the file itself, then fails the resume with its images kept, naming the file).
+``c.MigratableProvisioner.resume_prefetch = False`` turns it off (the bench compares both in one run).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import GpuError
+from .stash import HELPER_RESERVE, Helper, layout
+
+log = logging.getLogger(__name__)
+
+
+def cuda_bytes(index: dict) -> int:
+    """Bytes the prefetch of the stash whose index is ``index`` (as the file holds it) would hold on the GPU."""
+    return layout(index.get("buffers") or [])[1]
+
+
+@dataclass
+class Prefetch:
+    """One resume's prefetch: the helper reading the stash in ``folder`` onto GPU ``gpu_uuid``. Always
+    :meth:`stop` it."""
+
+    folder: Path
+    gpu_uuid: str
+    #: bytes it reads onto the GPU
+    nbytes: int
+    helper: Helper | None = None
+    #: why it stepped aside (None: it did not, or not yet)
+    reason: str | None = None
+    seconds: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+
+    def start(self) -> None:
+        self.helper = Helper(self.gpu_uuid)
+        self.helper.fill(str(self.folder))
+
+    def result(self, timeout: float) -> dict | None:
+        """Once the helper has read everything: what the kernel needs to copy from it (``handle``, ``bases``,
+        ``size``, ``session``); None if it stepped aside (:attr:`reason` says why)."""
+        if self.helper is None:
+            return None
+        waited = time.perf_counter()
+        try:
+            answer = self.helper.filled(timeout)
+        except GpuError as exc:
+            self.reason = str(exc)
+            self.helper = None  # stopped by filled()
+            log.warning("the prefetch of %s stepped aside: %s", self.folder, exc)
+            return None
+        now = time.perf_counter()
+        self.seconds.update(read=float(answer.get("seconds") or 0.0), waited=round(now - waited, 4),
+                            ready=round(now - self.started, 4))
+        self.seconds.update(self.helper.seconds())
+        return {k: answer[k] for k in ("handle", "bases", "size", "session")}
+
+    def stop(self, wait: bool = False) -> None:
+        """Free the helper's memory and end it (idempotent)."""
+        helper, self.helper = self.helper, None
+        if helper is not None:
+            helper.stop(wait=wait)
+
+    def said(self, copied: int | None) -> dict:
+        """Its record in the operation's ``stash`` (bytes copied from it by the kernel, seconds, or why not)."""
+        out: dict = {"bytes": int(copied or 0), "seconds": self.seconds}
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+
+def room_for(free: int, needed: int, nbytes: int) -> bool:
+    """Whether a GPU with ``free`` bytes takes the kernel and the helper's copy of its buffers (``nbytes``)
+    with the helper's context. ``needed`` is what the kernel held when it was suspended, its buffers included
+    (the manifest is written before the stash), which is what it holds once it has them back."""
+    return free >= max(needed, nbytes) + nbytes + HELPER_RESERVE
