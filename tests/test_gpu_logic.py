@@ -9,7 +9,7 @@ import os
 import pytest
 from helpers import api
 
-from jupyter_gpumigrate.engine import cudackpt, placement, stash
+from jupyter_gpumigrate.engine import cudackpt, placement
 from jupyter_gpumigrate.engine.errors import CudaUnavailable, GpuError
 from jupyter_gpumigrate.engine.gpus import GpuInfo
 
@@ -50,16 +50,6 @@ def test_mapping_of_a_kernel_on_several_gpus_is_a_permutation_of_every_gpu():
         assert sorted(mapping.values()) == sorted(bare)
     with pytest.raises(ValueError, match="same GPU"):
         cudackpt.gpu_mapping(UUIDS, {UUIDS[0]: UUIDS[2], UUIDS[1]: UUIDS[2]})
-
-
-def test_the_stash_helper_names_a_device_as_nvml_does_whatever_form_the_bindings_give():
-    # The spare helper starts the driver before it knows its GPU, so it cannot narrow CUDA_VISIBLE_DEVICES to
-    # it: it finds the target by comparing each device's UUID with NVML's (what the server names).
-    raw = bytes.fromhex("b1a2c3d4e5f60718293a4b5c6d7e8f90")
-    want = "GPU-b1a2c3d4-e5f6-0718-293a-4b5c6d7e8f90"
-    assert stash.nvml_form(raw) == want
-    assert stash.nvml_form(raw.decode("latin-1")) == want
-    assert stash.nvml_form([b - 256 if b > 127 else b for b in raw]) == want  # C's signed char
 
 
 def test_a_move_is_planned_between_two_gpus_of_the_same_model():

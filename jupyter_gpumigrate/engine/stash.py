@@ -7,8 +7,7 @@ copies at about 400 GB/s. So, before the driver runs:
 1. a short-lived helper process (``python -m jupyter_gpumigrate.engine.stash``, this module) allocates
    one buffer on the *target* GPU (what the kernel holds there, at most what the target has beyond the
    move) and exports it as a CUDA IPC handle, while the kernel gathers its storages. A spare helper, its
-   Python, the driver's bindings and the driver itself started (``cuInit``: no context, no GPU memory),
-   waits for each move (:func:`prestart`); it finds the target by its UUID;
+   Python and the driver's bindings loaded but no GPU touched, waits for each move (:func:`prestart`);
 2. inside the kernel (kernel/stager.py), the large tensor storages are copied into that buffer over
    the peer link and freed: the driver then moves only what is left (the CUDA context, small blocks);
 3. after the remap the kernel's context is on the target GPU, the buffer is local to it, and the
@@ -257,9 +256,8 @@ def _close(proc: subprocess.Popen) -> None:
                 pass
 
 
-#: A helper started before it is needed, its Python and the driver's bindings loaded and the driver started, no
-#: CUDA context yet (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a
-#: move, and 40-50 ms more since the driver starts in the spare).
+#: A helper started before it is needed, its Python and the driver's bindings loaded, no CUDA context yet
+#: (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a move).
 _SPARE: subprocess.Popen | None = None
 _SPARE_LOCK = threading.Lock()
 #: the server stops: no spare is started any more
@@ -267,11 +265,8 @@ _ENDED = False
 
 
 def _start() -> subprocess.Popen:
-    # Every GPU visible (the server's own CUDA_VISIBLE_DEVICES, if any, is not the kernels'): it finds the
-    # target by its UUID.
-    env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
     return subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.engine.stash"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def prestart() -> None:
@@ -514,8 +509,7 @@ class Stash:
 
 
 def _hold() -> int:
-    """Load the CUDA driver's bindings and start the driver; on ``gpu UUID`` from stdin make a context on that
-    GPU alone; on
+    """Load the CUDA driver's bindings; on ``gpu UUID`` from stdin make a context on that GPU alone; on
     ``alloc N`` allocate N bytes there and print its IPC handle as JSON (with the monotonic clock's
     ``stamps`` of each step); wait for ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more
     seconds), free, exit. Stdin ending before ``alloc``: exit at once (a spare the server did not need).
@@ -532,22 +526,19 @@ def _hold() -> int:
             raise RuntimeError(f"{result[0]!r}")
         return result[1] if len(result) > 1 else None
 
-    # The driver starts before the GPU is known (40-50 ms of a helper's 0.17 s on 2 x H100,
-    # bench/unstash_probe.py): it makes no context, holds no GPU memory, and NVML shows no process.
-    try:
-        ok(driver.cuInit(0))
-        started: Exception | None = None
-    except Exception as exc:  # noqa: BLE001  said once a GPU is asked for
-        started = exc
     stamps = {"imported": time.monotonic()}
     asked = sys.stdin.readline().split()
     if len(asked) != 2 or asked[0] != "gpu":
         return 0
+    # Read by cuInit, below: the one GPU it sees. (Starting the driver in the spare, before the GPU is known,
+    # would save 40-50 ms of a helper's 0.17 s on 2 x H100 (bench/unstash_probe.py), but the helper must then
+    # find its GPU among all by UUID: tried on 2026-11-27, the UUIDs cuda-bindings gave matched none of NVML's,
+    # and no device time was left to see why.)
+    os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]
 
     try:
-        if started is not None:
-            raise started
-        device = _device(driver, ok, asked[1])
+        ok(driver.cuInit(0))
+        device = ok(driver.cuDeviceGet(0))
         context = ok(driver.cuDevicePrimaryCtxRetain(device))
         ok(driver.cuCtxSetCurrent(context))
     except Exception as exc:  # said to the server once it asks, which steps aside
@@ -629,24 +620,6 @@ def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float]) -> tuple[
     stamps["filled"] = time.monotonic()
     return pointer, {"bases": bases, "size": size, "filled": sum(c.size for c in chunks),
                      "session": index.get("session"), "seconds": round(stamps["filled"] - started, 4)}
-
-
-def nvml_form(raw: bytes | str | list[int]) -> str:
-    """A CUDA device UUID's 16 bytes (as the bindings give them: bytes, a str of as many characters, or small
-    ints, signed or not) in NVML's form, ``GPU-`` and 8-4-4-4-12 hex digits."""
-    data = raw.encode("latin-1") if isinstance(raw, str) else bytes(b & 0xFF for b in raw)
-    h = data.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
-
-
-def _device(driver: Any, ok: Any, uuid: str) -> Any:
-    """The driver's device whose UUID (NVML's form, ``GPU-8-4-4-4-12`` hex digits) is ``uuid``."""
-    get_uuid = getattr(driver, "cuDeviceGetUuid_v2", None) or driver.cuDeviceGetUuid
-    for ordinal in range(int(ok(driver.cuDeviceGetCount()))):  # type: ignore[call-overload]
-        device = ok(driver.cuDeviceGet(ordinal))
-        if nvml_form(ok(get_uuid(device)).bytes) == uuid.lower():  # type: ignore[attr-defined]
-            return device
-    raise RuntimeError(f"no GPU with UUID {uuid} is visible to the stash helper")
 
 
 if __name__ == "__main__":
