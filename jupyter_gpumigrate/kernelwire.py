@@ -28,8 +28,9 @@ HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlis
 #: The same with a prefetch (engine/prefetch.py), which a kernel suspended by an older version, whose
 #: take_back has no ``gpu`` yet, is not given.
 HOST_TAKE_BACK_GPU_CALL = (
-    "(lambda m: m.take_back({folder!r}, gpu={gpu!r}) if 'gpu' in m.take_back.__code__.co_varnames "
-    "else m.take_back({folder!r}))(__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']))"
+    "(lambda m, c: m.take_back({folder!r}, gpu={gpu!r}) if 'gpu' in c.co_varnames[:c.co_argcount] "
+    "else m.take_back({folder!r}))(*(lambda m: (m, m.take_back.__code__))"
+    "(__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back'])))"
 )
 
 

@@ -1253,7 +1253,7 @@ class Guest:
             alive=self._alive()))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None, gpu: dict | None = None) -> dict:
-        # ``gpu``: no prefetch is made for a kernel restored on this host for its peer (engine/prefetch.py)
+        # ``gpu``: never given here: a guest's restore makes no prefetch (_migration)
         if self.key is None:
             raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
                                "it read them back.")
@@ -1867,7 +1867,9 @@ class GuestHost:
     # running them (blocking: call from a worker thread)
 
     def _migration(self, guest: Guest, stash_min: int | None = None) -> Migration:
-        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images, "host_stash_min": stash_min}
+        # No resume prefetch (engine/prefetch.py) for a guest: its kernel reads its files itself, as before
+        kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images, "host_stash_min": stash_min,
+                                  "prefetch": False}
         if self.inventory is not None:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)

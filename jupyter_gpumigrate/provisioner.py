@@ -162,8 +162,8 @@ def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_
         # Restored on another host: the kernel watches the folder it had where it was suspended.
         away = Path(str(at["folder"]))
         away.mkdir(parents=True, exist_ok=True, mode=0o700)
-        return SafePoint(away, pid or 0, alive=alive).release({"folder": folder}, timeout, wait_id=str(at.get("id")),
-                                                              went_on=False)
+        return SafePoint(away, pid or 0, alive=alive).release({"folder": folder, **({"gpu": gpu} if gpu else {})},
+                                                              timeout, wait_id=str(at.get("id")), went_on=False)
     if at or asked_at_safe_point:
         return {"unstashed": 0, "seconds": 0.0}
     call = (HOST_TAKE_BACK_GPU_CALL.format(folder=folder, gpu=gpu) if gpu

@@ -81,6 +81,19 @@ def _maybe(call, *args, default=None):
         return default
 
 
+def one_context_only(uuid: str) -> bool:
+    """Whether the GPU ``uuid`` takes one process's CUDA context at a time (NVML's compute mode
+    exclusive-process, or prohibited): a helper's context there would keep the kernel's out. False when NVML
+    cannot tell."""
+    if not _init():
+        return False
+    try:
+        mode = pynvml.nvmlDeviceGetComputeMode(pynvml.nvmlDeviceGetHandleByUUID(uuid))
+    except pynvml.NVMLError:
+        return False
+    return mode in (pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS, pynvml.NVML_COMPUTEMODE_PROHIBITED)
+
+
 def snapshot() -> list[GpuInfo]:
     """Every GPU the driver sees, in NVML index order; empty without a driver."""
     if not _init():

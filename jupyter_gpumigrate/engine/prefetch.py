@@ -4,17 +4,22 @@ A kernel suspended with the host stash (kernel/hoststash.py) has its large CUDA 
 images. Read back by the kernel itself, they come only once CRIU has restored it and the driver has remapped
 it: 32 GB took 2.0 s of a 3.0 s resume on 2 x H100, after 1.0 s of restore and remap
 (docs/performance.md). So, as soon as the resume knows the GPU, the stash helper (engine/stash.py; the
-spare, its driver started) makes its context there, allocates room for those buffers and reads the files
+spare, its Python and the driver's bindings loaded) makes its context there, allocates room for those buffers and reads the files
 into it with 16 threads through pinned buffers, checking every chunk against the index's checksum, while
 CRIU and the driver work. Once remapped, the kernel checks that the index's checksums are those of its own
 memory (so the helper read what it wrote), copies each buffer from the helper's memory (an IPC handle, the
-same GPU: 32 GB in 0.02 s) and reads the rest (host memory) from the files as before; then the helper frees.
+same GPU: 32 GB in 0.26 s on 2 x H100) and reads the rest (host memory) from the files as before; then the helper frees.
 
 It steps aside, and the kernel reads every file itself as before, where the target GPU has no room for the
 helper's copy beside all the kernel holds once its buffers are back, where the stash has no
 CUDA buffer or no checksum, and when the helper fails or finds a chunk that does not match its checksum
 (the kernel, reading the file itself, then fails the resume with its images kept, naming the file).
 ``c.MigratableProvisioner.resume_prefetch = False`` turns it off (the bench compares both in one run).
+Not made for a kernel restored on this host for its peer (a move here; peers.py): it reads its files itself.
+
+The helper reads no word from the server while it reads the files: an undo or a timeout kills it (its GPU
+memory goes with it). Once it has answered, it frees when told, or :data:`~.stash.FILL_GRACE` seconds after
+the server is gone (the kernel's copy takes a fraction of a second).
 """
 
 from __future__ import annotations
@@ -64,7 +69,7 @@ class Prefetch:
             answer = self.helper.filled(timeout)
         except GpuError as exc:
             self.reason = str(exc)
-            self.helper = None  # stopped by filled()
+            self.helper = None  # ended by filled()
             log.warning("the prefetch of %s stepped aside: %s", self.folder, exc)
             return None
         now = time.perf_counter()
@@ -73,17 +78,24 @@ class Prefetch:
         self.seconds.update(self.helper.seconds())
         return {k: answer[k] for k in ("handle", "bases", "size", "session")}
 
-    def stop(self, wait: bool = False) -> None:
-        """Free the helper's memory and end it (idempotent)."""
+    def stop(self) -> None:
+        """Free the helper's memory and end it (idempotent): at once, killed, if it is still reading (it reads
+        no word from the server meanwhile); else told to free, which it does as the resume goes on."""
         helper, self.helper = self.helper, None
-        if helper is not None:
-            helper.stop(wait=wait)
+        if helper is None:
+            return
+        if helper.handle is None:
+            helper.kill()
+        else:
+            helper.stop(wait=False)
 
     def said(self, copied: int | None) -> dict:
         """Its record in the operation's ``stash`` (bytes copied from it by the kernel, seconds, or why not)."""
         out: dict = {"bytes": int(copied or 0), "seconds": self.seconds}
         if self.reason:
             out["reason"] = self.reason
+        elif not copied:
+            out["reason"] = "the kernel was not given it (it read its buffers back at its safe point) or took none"
         return out
 
 

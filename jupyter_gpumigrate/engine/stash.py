@@ -64,6 +64,8 @@ ALIGN = 512
 #: The helper keeps the buffer this long after the server went away, so that the kernel can still
 #: take its tensors back (it does so as soon as its socket closes).
 ORPHAN_GRACE = 60.0
+#: The same for a resume's prefetch (engine/prefetch.py): the kernel's copy from it takes under a second.
+FILL_GRACE = 5.0
 
 log = logging.getLogger(__name__)
 #: Stashes of kernels left locked by a failed rollback: each helper lives on, watched, until the kernel
@@ -186,13 +188,21 @@ class Helper:
 
     def filled(self, timeout: float) -> dict:
         """The helper's answer to :meth:`fill`: ``handle``, ``bases`` (each buffer's offset in its memory, None
-        for a buffer not on the GPU), ``size``, ``filled`` (bytes); or a GpuError (the helper is stopped)."""
-        answer = self._answer(timeout, f"read the stash onto GPU {self.gpu_uuid}")
+        for a buffer not on the GPU), ``size``, ``filled`` (bytes); or a GpuError (the helper is killed)."""
+        answer = self._answer(timeout, f"read the stash onto GPU {self.gpu_uuid}", kill=True)
         self.handle = str(answer["handle"])
         return answer
 
-    def _answer(self, timeout: float, what: str) -> dict:
-        """The helper's next line, with a handle in it; else it is stopped and a GpuError says why."""
+    def kill(self) -> None:
+        """End the helper at once (SIGKILL; its GPU memory goes with it): one still reading a stash's files
+        (:meth:`fill`) reads nothing from the server until it is done."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        threading.Thread(target=self._end, daemon=True, name="gpumigrate-stash-helper-end").start()
+
+    def _answer(self, timeout: float, what: str, kill: bool = False) -> dict:
+        """The helper's next line, with a handle in it; else it is stopped (``kill``: killed) and a GpuError
+        says why."""
         try:
             line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
             answer = json.loads(line) if line.startswith("{") else {}
@@ -202,7 +212,10 @@ class Helper:
             answer = answer if isinstance(answer, dict) else {}
             if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
                 answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
-            self.stop()
+            if kill:
+                self.kill()
+            else:
+                self.stop()
             raise GpuError(f"The stash helper could not {what}: {answer.get('error') or 'no answer in time'}")
         self.stamps = {k: float(v) for k, v in answer.get("stamps", {}).items() if isinstance(v, (int, float))}
         return answer
@@ -511,7 +524,9 @@ class Stash:
 def _hold() -> int:
     """Load the CUDA driver's bindings; on ``gpu UUID`` from stdin make a context on that GPU alone; on
     ``alloc N`` allocate N bytes there and print its IPC handle as JSON (with the monotonic clock's
-    ``stamps`` of each step); wait for ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE` more
+    ``stamps`` of each step), or on ``fill FOLDER`` allocate room for the CUDA buffers of the host stash in
+    FOLDER, read them into it (:func:`_fill`) and print the handle with where each buffer lies; wait for
+    ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE`, or for a fill :data:`FILL_GRACE`, more
     seconds), free, exit. Stdin ending before ``alloc``: exit at once (a spare the server did not need).
 
     The CUDA driver API through cuda-bindings (the server's ``gpu`` extra): no torch in the server.
@@ -561,7 +576,7 @@ def _hold() -> int:
     stamps.setdefault("allocated", time.monotonic())
     print(json.dumps({**said, "handle": bytes(handle.reserved).hex(), "stamps": stamps}), flush=True)  # type: ignore[attr-defined]
     if sys.stdin.readline() == "":
-        time.sleep(ORPHAN_GRACE)
+        time.sleep(FILL_GRACE if verb == "fill" else ORPHAN_GRACE)
     driver.cuMemFree(pointer)
     return 0
 

@@ -719,8 +719,8 @@ def _copy_prefetched(gpu: dict, index: dict, buffers: list[Buffer], addresses: l
             stream = int(torch.cuda.current_stream(device).cuda_stream)
             for i, base in wanted:
                 driver.copy(addresses[i], pointer + base, buffers[i].size, stream)
-            torch.cuda.synchronize(device)
         finally:
+            torch.cuda.synchronize(device)  # no copy queued reads the mapping once it is closed
             driver.close(pointer)  # no mapping of another process's memory is kept
     return sum(buffers[i].size for i, _ in wanted)
 

@@ -32,6 +32,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from .. import gpus as gpus_mod
 from .. import placement
 from ..errors import GpuError, ImageError
 from ..images import AUTO as WHERE_THERE_IS_ROOM
@@ -185,6 +186,10 @@ def stash_tensors(ctx: MoveContext) -> None:
     # helper allocates that much, up to what the kernel holds, as it starts, while the kernel gathers.
     # Should another process fill the target meanwhile, the remap finds no room and the move is undone
     # (as when it fills up between the check and the remap).
+    if gpus_mod.one_context_only(move.target.uuid):
+        stash.reason = (f"GPU {move.target.index} takes one process's CUDA context at a time (its compute mode): "
+                        "the stash's helper there would keep the kernel out")
+        return
     budget = placement.free(move.target) - move.needed
     early = min(move.needed, budget - HELPER_RESERVE)
     try:

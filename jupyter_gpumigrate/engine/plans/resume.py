@@ -26,6 +26,7 @@ from collections.abc import Sequence
 import json
 import logging
 
+from .. import gpus as gpus_mod
 from .. import placement
 from ..errors import ImageError
 from ..kernelproc import KernelProcess
@@ -101,12 +102,16 @@ def prefetch(ctx: ResumeContext) -> None:
         ctx.no_prefetch = "the stash holds no CUDA buffer"
         return
     target = next((g for g in ctx.tools.inventory() if g.uuid == move.target.uuid), move.target)
+    if gpus_mod.one_context_only(target.uuid):
+        ctx.no_prefetch = (f"GPU {target.index} takes one process's CUDA context at a time (its compute mode): a "
+                           "helper's there would keep the kernel out")
+        return
     if not room_for(placement.free(target), move.needed, nbytes):
         ctx.no_prefetch = (f"GPU {target.index} has {placement.free(target) / 1e9:.1f} GB free: too little for "
                            f"the kernel and a second copy of its {nbytes / 1e9:.1f} GB of buffers")
         return
     fetch = Prefetch(ctx.images, move.target.uuid, nbytes)
-    ctx.undo(fetch.stop)
+    ctx.undo(fetch.stop, cleanup=True)  # after the restore's undo (newest first): the tree is gone by then
     try:
         fetch.start()
     except OSError as exc:  # the helper could not start: the kernel reads the files itself
@@ -128,10 +133,10 @@ def unstash(ctx: ResumeContext) -> None:
         try:
             ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid, gpu=gpu)
         except RuntimeError as exc:
-            if gpu is None:
+            if gpu is None or "unexpected keyword argument 'gpu'" not in str(exc):
                 raise
-            # A kernel whose code cannot take the prefetch (an older version's, at a safe point) says so in an
-            # error, having changed nothing; a damaged file fails again, below, as it would have.
+            # A kernel suspended by an older version, waiting at a busy cell's safe point, whose take_back has no
+            # ``gpu``: it said so having changed nothing, and waits there still.
             log.warning("kernel %s did not take the prefetch (%s): it reads its files itself",
                         ctx.kernel.kernel_id, exc)
             fetch.reason = f"the kernel did not take it ({exc})"  # type: ignore[union-attr]
@@ -144,9 +149,10 @@ def unstash(ctx: ResumeContext) -> None:
     except (OSError, TimeoutError) as exc:
         raise ImageError(f"The restored kernel did not read its large buffers back ({exc}); it is left "
                          "suspended, its images kept. Try again.") from exc
-    finally:
-        if fetch is not None:
-            fetch.stop()  # the kernel holds its copy: the helper's memory goes while the resume goes on
+    # The kernel holds its copy: the helper's memory goes while the resume goes on. (On a failure the undo
+    # stops it, once the restore's undo has killed the tree: never while the kernel may still be copying.)
+    if fetch is not None:
+        fetch.stop()
     if fetch is not None or ctx.no_prefetch:
         said = fetch.said(ctx.stash.get("from_gpu")) if fetch is not None else {"bytes": 0, "reason": ctx.no_prefetch}
         if ctx.stash.get("prefetch_refused"):
