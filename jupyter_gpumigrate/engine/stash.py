@@ -547,8 +547,8 @@ def _hold() -> int:
         return 0
     # Read by cuInit, below: the one GPU it sees. (Starting the driver in the spare, before the GPU is known,
     # would save 40-50 ms of a helper's 0.17 s on 2 x H100 (bench/unstash_probe.py), but the helper must then
-    # find its GPU among all by UUID: tried on 2026-11-27, the UUIDs cuda-bindings gave matched none of NVML's,
-    # and no device time was left to see why.)
+    # find its GPU among all by UUID. Tried in 038ad47, it matched none: it compared NVML's UUID lower-cased,
+    # "gpu-" prefix included, with its own "GPU-". The branch spare-cuinit has it fixed, not yet run on a GPU.)
     os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]
 
     try:
