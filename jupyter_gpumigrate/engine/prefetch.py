@@ -1,18 +1,20 @@
 """A resume's prefetch: a GPU kernel's host stash read onto its GPU while CRIU restores the kernel.
 
 A kernel suspended with the host stash (kernel/hoststash.py) has its large CUDA buffers in files of its
-images. Read back by the kernel itself, they come only once CRIU has restored it and the driver has remapped
-it: 32 GB took 2.0 s of a 3.0 s resume on 2 x H100, after 1.0 s of restore and remap
+images. Read back by the kernel itself, they come only once CRIU has restored it and the driver has
+remapped it: 32 GB took 2.0 s of a 3.0 s resume on 2 x H100, after 1.0 s of restore and remap
 (docs/performance.md). So, as soon as the resume knows the GPU, the stash helper (engine/stash.py; the
-spare, its Python and the driver's bindings loaded) makes its context there, allocates room for those buffers and reads the files
-into it with 16 threads through pinned buffers, checking every chunk against the index's checksum, while
-CRIU and the driver work. Once remapped, the kernel checks that the index's checksums are those of its own
-memory (so the helper read what it wrote), copies each buffer from the helper's memory (an IPC handle, the
-same GPU: 32 GB in 0.26 s on 2 x H100) and reads the rest (host memory) from the files as before; then the helper frees.
+spare, its Python and the driver's bindings loaded) makes its context there, allocates room for those
+buffers and reads the files into it with 16 threads through pinned buffers, checking every chunk against
+the index's checksum, while CRIU and the driver work. Once remapped, the kernel checks that the index's
+checksums are those of its own memory (so the helper read what it wrote), copies each buffer from the
+helper's memory (an IPC handle, the same GPU: 32 GB in 0.26 s on 2 x H100) and reads the rest (host
+memory) from the files as before; then the helper frees.
 
 It steps aside, and the kernel reads every file itself as before, where the target GPU has no room for the
-helper's copy beside all the kernel holds once its buffers are back, where the stash has no
-CUDA buffer or no checksum, and when the helper fails or finds a chunk that does not match its checksum
+helper's copy beside all the kernel holds once its buffers are back, where that GPU takes one process's
+context at a time, where the kernel comes back onto several GPUs, where the stash has no CUDA buffer or no
+checksum, and when the helper fails or finds a chunk that does not match its checksum
 (the kernel, reading the file itself, then fails the resume with its images kept, naming the file).
 ``c.MigratableProvisioner.resume_prefetch = False`` turns it off (the bench compares both in one run).
 Not made for a kernel restored on this host for its peer (a move here; peers.py): it reads its files itself.
