@@ -181,6 +181,9 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     stash = op.get("stash") or {}
     carried = stash.get("stashed") or stash.get("unstashed")
     how = f", {size(carried)} of it by the kernel's own threads{_mid_cell(stash)}" if carried else ""
+    fetched = (stash.get("prefetch") or {}).get("bytes")
+    if fetched:  # engine/prefetch.py
+        how += f", {size(fetched)} of that read onto its GPU by a helper while CRIU restored it"
     return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images{how}; slowest phase: {slow})."
 
 

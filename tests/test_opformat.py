@@ -74,6 +74,12 @@ def test_suspend_resume_and_failures_in_the_clis_voice():
                      timings={"stash": 3.65, "dump": 0.92}, stash={"stashed": 32_000_000_000, "buffers": 16})
     assert report(stashed, "k") == ("Kernel k suspended to memory in 5.07 s (33.0 GB of images, 32.0 GB of it by "
                                     "the kernel's own threads; slowest phase: stash).")
+    fetched = record(action="resume", to_gpu=0, bytes=33_000_000_000, total=2.5, timings={"unstash": 1.19},
+                     stash={"unstashed": 32_000_000_000, "from_gpu": 32_000_000_000,
+                            "prefetch": {"bytes": 32_000_000_000, "seconds": {"read": 2.03}}})
+    assert report(fetched, "k") == ("Kernel k resumed onto GPU 0 in 2.50 s (33.0 GB of images, 32.0 GB of it by the "
+                                    "kernel's own threads, 32.0 GB of that read onto its GPU by a helper while CRIU "
+                                    "restored it; slowest phase: unstash).")
     mid_cell = stashed | {"stash": {"stashed": 32_000_000_000, "safe_point": 0.012}}
     assert "32.0 GB of it by the kernel's own threads, at the running cell's safe point (reached in 0.01 s);" in \
         report(mid_cell, "k")
