@@ -177,13 +177,19 @@ def one_way(way: str, sizes: list[float], disk_dir: Path, rows: list[dict], roun
 
 
 def table(rows: list[dict], floor: dict) -> str:
-    head = ["way", "GB", "suspend s", "resume s", "suspend phases", "resume phases", "GB/s out", "GB/s back"]
+    head = ["way", "GB", "suspend s", "resume s", "suspend phases", "resume phases", "prefetch", "GB/s out",
+            "GB/s back"]
     body = []
     for r in rows:
         s, m = r["suspend"], r["resume"]
         phases = lambda t: " ".join(f"{k} {v:.2f}" for k, v in t.items() if v >= 0.05)  # noqa: E731
+        fetched = ((m.get("stash") or {}).get("prefetch") or {})
+        secs = fetched.get("seconds") or {}
+        prefetch = (f"{fetched['bytes'] / GB:.1f} GB: read {secs.get('read', 0):.2f}, waited {secs.get('waited', 0):.2f}"
+                    if fetched.get("bytes") else (fetched.get("reason") or "-")[:40])
         body.append([r["way"], f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
-                     phases(m["timings"]), f"{r['size_gb'] / s['total']:.1f}", f"{r['size_gb'] / m['total']:.1f}"])
+                     phases(m["timings"]), prefetch, f"{r['size_gb'] / s['total']:.1f}",
+                     f"{r['size_gb'] / m['total']:.1f}"])
     floors_line = ", ".join(f"{k} {v} GB/s" for k, v in floor.items())
     return text_table(head, body) + f"\nfloors (same run): {floors_line}"
 
