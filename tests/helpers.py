@@ -127,6 +127,27 @@ async def ready_kernel(jp_fetch: Any, serverapp: Any) -> KernelSession:
     raise AssertionError("unreachable")
 
 
+async def restarted(serverapp: Any, kernel_id: str, pid: int, timeout: float = 60) -> None:
+    """Wait until Jupyter's restarter has started the kernel whose process ``pid`` died again, and the new one
+    answers; fail the test otherwise. A test whose kernel died must end this way: the restarter polls every
+    few seconds, and a restart still in flight when the in-process server is cleaned up leaves the kernel
+    manager's ``ready`` future pending, which makes jupyter_client's ``shutdown_kernel`` raise
+    ``InvalidStateError`` in the teardown (and every later in-process test's teardown with it)."""
+    manager = serverapp.kernel_manager.get_kernel(kernel_id)
+    deadline = time.monotonic() + timeout
+    while not (manager.provisioner is not None and manager.provisioner.pid not in (None, pid)
+               and manager.ready.done()):
+        assert time.monotonic() < deadline, f"the kernel whose process {pid} died was not restarted in {timeout} s"
+        await asyncio.sleep(0.1)
+    assert manager.ready.exception() is None, f"the restart failed: {manager.ready.exception()}"
+    session = KernelSession(serverapp, kernel_id, own_identity=True)
+    try:
+        await session.ready(timeout=max(deadline - time.monotonic(), 10))
+        assert (await session.run("print(6 * 7)")).strip() == "42"
+    finally:
+        session.close()
+
+
 async def notebook(jp_fetch: Any, jp_ws_fetch: Any, serverapp: Any) -> tuple[str, WebSocketTab]:
     """A new kernel, ready, and a notebook tab on it (the server's WebSocket)."""
     session = await ready_kernel(jp_fetch, serverapp)
@@ -192,9 +213,15 @@ class KernelSession:
     messages. Every real frontend (jupyter_server's streams, JupyterLab) reads continuously.
     """
 
-    def __init__(self, serverapp: Any, kernel_id: str) -> None:
+    def __init__(self, serverapp: Any, kernel_id: str, own_identity: bool = False) -> None:
+        """``own_identity``: a Session of its own, not the kernel manager's. A client made by ``manager.client()``
+        shares the manager's Session, whose id is its shell socket's ZMQ identity; the kernel's ROUTER ignores a
+        second connection with an identity it already has, so such a client made after another one connected
+        is never answered (seen after a restart, where the server's own client had connected first)."""
         self.manager = serverapp.kernel_manager.get_kernel(kernel_id)
-        self.client = self.manager.client()
+        own = {"session": Session(key=self.manager.session.key, signature_scheme=self.manager.session.signature_scheme,
+                                  username="test")} if own_identity else {}
+        self.client = self.manager.client(**own)
         self.client.start_channels()
         self.iopub: asyncio.Queue = asyncio.Queue()
         self._reader: asyncio.Task | None = None

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
-from helpers import api, operate, small_tmpfs, wait_operation
+from helpers import api, operate, restarted, small_tmpfs, wait_operation
 from test_hibernation import cut_dump, notebook_running, tab_on, taken_back
 
 from jupyter_gpumigrate.kernel import hoststash, stager
@@ -571,6 +571,7 @@ async def test_a_kernel_killed_mid_stash_leaves_no_half_image(jp_fetch, jp_serve
     assert f"The kernel's process {pid} ended while it wrote its large buffers" in op["error"], op["error"]
     assert "Jupyter restarts it" in op["error"], op["error"]
     assert not folder.exists(), "no half image is left"
+    await restarted(jp_serverapp, kernel.id, pid)  # as the error says
 
 
 # -- a server killed while the buffers are in the stash -----------------------------------------------

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import (KernelSession, api, cli, notebook, operate, remote, small_tmpfs, start_kernel, transplant_processes,
-                     wait_operation)
+from helpers import (KernelSession, api, cli, notebook, operate, remote, restarted, small_tmpfs, start_kernel,
+                     transplant_processes, wait_operation)
 
 from jupyter_gpumigrate.engine import gpus
 
@@ -536,6 +536,7 @@ async def test_a_kernel_killed_as_it_writes_its_storages_leaves_no_files_and_no_
     assert "stopped answering while it wrote its objects" in op["error"], op
     assert not [p for root in roots for p in root.glob(".transplant-*")], "the objects' folder is removed"
     assert not transplant_processes(), "the new process is stopped"
+    await restarted(jp_serverapp, kernel.id, pid)
 
 
 async def test_a_kernel_shut_down_during_a_transplant_stops_it_before_the_source_is_touched(jp_fetch, jp_serverapp,
