@@ -46,6 +46,8 @@ from .sharing import Sharing
 #: With the stop policy 'suspend': how long, past stop_timeout, a stopping server waits for the operations
 #: whose CRIU runs it stopped to roll back.
 LATE_GRACE = 15.0
+#: The longest a stopping server waits for a kernel that Jupyter's restarter is starting again (a kernel's start).
+RESTART_GRACE = 30.0
 #: The longest the session API waits, as the server starts, for the kernels of an earlier server.
 REVIVE_WAIT = 60.0
 #: The longest a new session waits, as the server starts, for the kernel of its notebook that runs on a peer
@@ -563,6 +565,7 @@ class GPUMigrateApp(ExtensionApp):
 
     async def stop_extension(self) -> None:
         if self._stopping:  # a second signal while the first stop runs: that one finishes the job
+            await self._settle_restarts()  # jupyter_server shuts the kernels down as soon as this returns
             return
         self._stopping = True
         if self._retention_task is not None:
@@ -574,6 +577,7 @@ class GPUMigrateApp(ExtensionApp):
         if self._sharing_task is not None:
             self._sharing_task.cancel()  # nothing is taken while it stops; it beats until the very end
         operations: OperationManager = self.settings["gpumigrate_operations"]
+        await self._settle_restarts(stop_restarters=True)
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)
         # From here on a suspended kernel that the server shuts down keeps its images (provisioner.py).
@@ -600,6 +604,41 @@ class GPUMigrateApp(ExtensionApp):
                     pass
         if self._shared is not None:
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
+        await self._settle_restarts()  # one whose restarter was mid-poll above: jupyter_server shuts down next
+
+    async def _settle_restarts(self, stop_restarters: bool = False) -> None:
+        """Before jupyter_server shuts the kernels down: no kernel may be in the middle of a restart by Jupyter's
+        restarter. jupyter_client's ``shutdown_kernel`` asks the kernel manager's ``ready`` future for its
+        exception, which raises while a restart is in flight; the server's whole stop died there, and the
+        process never exited (an attack: SIGTERM as the restarter starts a kernel that was killed). With
+        ``stop_restarters``, no kernel is restarted from now on (a stopping server starts none). A restart under
+        way is waited for (``RESTART_GRACE`` at most), so that the stop then treats the kernel as any other;
+        one still not done is given up (its ``ready`` cancelled) and the shutdown ends what it started."""
+        km = self.serverapp.kernel_manager
+        managers = {kernel_id: km.get_kernel(kernel_id) for kernel_id in km.list_kernel_ids()}
+        if stop_restarters:
+            for manager in managers.values():
+                try:
+                    manager.stop_restarter()
+                except Exception as exc:  # noqa: BLE001 - a kernel manager of another kind: its own business
+                    self.log.debug("gpumigrate: stopping: could not stop a kernel's restarter: %s", exc)
+
+        def starting() -> dict[str, asyncio.Future]:  # a restart is a shutdown, then a start: a future for each
+            return {kernel_id: manager.ready for kernel_id, manager in managers.items()
+                    if isinstance(getattr(manager, "_ready", None), asyncio.Future) and not manager.ready.done()}
+
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + RESTART_GRACE
+        if waiting := starting():
+            self.log.info("gpumigrate: stopping: waiting for %d kernel(s) that Jupyter is restarting or shutting "
+                          "down (%s; at most %.0f s)", len(waiting), ", ".join(waiting), RESTART_GRACE)
+        while waiting and loop.time() < deadline:
+            await asyncio.wait(list(waiting.values()), timeout=deadline - loop.time())
+            waiting = starting()
+        for kernel_id, ready in waiting.items():
+            ready.cancel()
+            self.log.warning("gpumigrate: stopping: kernel %s was still restarting after %.0f s: it is shut down as "
+                             "it is", kernel_id, RESTART_GRACE)
 
     async def _leave_remote_kernels(self, operations: OperationManager) -> None:
         """The stop policy 'suspend': each kernel that runs on a peer is suspended there, in parallel, within

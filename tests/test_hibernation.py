@@ -7,9 +7,11 @@ Real servers, run as processes and stopped for real; real CRIU; real kernels.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from collections.abc import Callable
@@ -276,6 +278,59 @@ async def test_a_kernel_not_suspended_within_the_bound_is_shut_down_and_the_stop
     finally:
         server.stop(signal.SIGKILL)
         server.kill_kernels()
+
+
+@pytest.mark.parametrize("policy", ["shutdown", "suspend"])
+async def test_a_server_stopped_while_jupyter_restarts_a_dead_kernel_stops_and_leaves_nothing_running(
+        tmp_path, policy):
+    """An attack: the kernel SIGKILLed, and the server stopped (SIGTERM, as a Hub's culler does) just as Jupyter's
+    restarter starts it again. jupyter_client's shutdown asks the kernel manager's pending ``ready`` future for its
+    exception, which raised: the server's stop died there, it never exited, and a SIGKILL then left the restarted
+    kernel running, known to no server. Now the stop waits for the restart, then ends the kernel as its policy
+    says: no process left ('shutdown'), or suspended for the next server, where a cell resumes it ('suspend')."""
+    for attempt in range(3):  # the restart takes some 30 ms: the stop must land inside it
+        server = LocalServer(tmp_path / f"server-{attempt}", extra_config={"GPUMigrateApp": {"stop_policy": policy}})
+        try:
+            server.start()
+            _, kernel_id = notebook_session(server)
+            tab = await tab_on(server, kernel_id)
+            assert (await tab.run("print(6 * 7)")).strip() == "42"
+            tab.ws.close()
+            pid = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+            os.kill(pid, signal.SIGKILL)
+            deadline = time.monotonic() + 30
+            while "restarting kernel" not in server.server_log():
+                assert time.monotonic() < deadline, "Jupyter's restarter did not restart the dead kernel"
+                time.sleep(0.001)
+            # Held while the stop is asked for, so that the stop begins before the restart can end.
+            os.kill(server.proc.pid, signal.SIGSTOP)
+            os.kill(server.proc.pid, signal.SIGTERM)
+            os.kill(server.proc.pid, signal.SIGCONT)
+            try:
+                server.proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pytest.fail(f"the server did not stop within 60 s of SIGTERM:\n{server.server_log()}")
+            log = server.server_log()
+            assert "InvalidStateError" not in log, log
+            if "that Jupyter is restarting" not in log:
+                continue  # the restart was over before the stop began: not the window under attack
+            assert server.kernel_processes() == {} or policy == "suspend" and not any(
+                state != "Z" for state in server.kernel_processes().values()), server.kernel_processes()
+            server.start()
+            if policy == "shutdown":
+                time.sleep(1)
+                assert server.api("GET", "api/gpumigrate/kernels") == [], "the kernel ended with its server"
+                assert server.kernel_processes() == {}, "nothing of it runs"
+            else:
+                assert taken_back(server, kernel_id)["state"] == "suspended"
+                tab = await tab_on(server, kernel_id)
+                assert (await tab.run("print('x' in dir(), 6 * 7)", timeout=120)).strip() == "False 42"
+                tab.ws.close()
+            return
+        finally:
+            server.stop(signal.SIGKILL)
+            server.kill_kernels()
+    pytest.fail("the restart was over before the stop began, three times")
 
 
 async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_notebook(server):
