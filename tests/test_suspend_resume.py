@@ -348,7 +348,9 @@ async def test_a_cell_held_for_a_suspended_kernel_does_not_run_in_a_restarted_on
                                         "store_history": True, "user_expressions": {}, "allow_stdin": False})
     await asyncio.sleep(1)
     await jp_fetch("api", "kernels", kernel_id, "restart", method="POST", body="{}")
-    await KernelSession(jp_serverapp, kernel_id).ready()
+    fresh = KernelSession(jp_serverapp, kernel_id, own_identity=True)  # the restarted kernel answers
+    await fresh.ready()
+    fresh.close()
     said = []
     deadline = time.monotonic() + 10
     while not any("this cell did not run" in text for text in said):
