@@ -529,7 +529,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         kernelspec = getattr(self.parent, "kernel_spec", None)
         if getattr(kernelspec, "language", "").lower() != "python":
             return
-        if getattr(self.parent, "execution_state", None) != "idle":
+        if not self._idle():
             return
         run_silently(self.connection_info, RELEASE_TORCH_CACHE, timeout=self.cache_release_timeout)
 
@@ -543,7 +543,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if self._busy():
             claim = self._safe_point("stager", {"path": path, "token": token})
             return None if claim is not None else self.safe_point_reason
-        if getattr(self.parent, "execution_state", None) != "idle":
+        if not self._idle():
             return "the kernel is not idle (the fast path runs between cells, at a safe point, or from %migrate)"
         send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
         return None
@@ -555,12 +555,28 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return Path(self.state_dir) / SAFE_POINTS / self.kernel_id
 
     def _busy(self) -> bool:
-        return getattr(self.parent, "execution_state", None) == "busy"
+        """Busy with a cell: as the server last heard, or :meth:`_hidden_busy`."""
+        state = getattr(self.parent, "execution_state", None)
+        return state == "busy" or (state == "idle" and self._hidden_busy())
+
+    def _idle(self) -> bool:
+        """Idle between cells: as the server last heard, and not :meth:`_hidden_busy`."""
+        return getattr(self.parent, "execution_state", None) == "idle" and not self._hidden_busy()
+
+    def _hidden_busy(self) -> bool:
+        """A kernel the server heard go idle whose main thread runs all the same: a cell whose first call holds
+        the GIL (a long call into C, Python code that never waits) starves the kernel's IOPub thread, so its
+        'busy' goes out only when that call ends, and the kernel looks idle meanwhile. A request sent to it
+        between cells would wait behind the whole cell (a suspend's stash, up to its bound of minutes); at its
+        safe point it is served at the next bytecode, or steps aside within safe_point_timeout. Only the kernel's
+        own process on this host is looked at (proctree.main_thread_running), not one that runs on a peer."""
+        return (self.remote_link is None and self.state in (RUNNING, MIGRATING) and self._is_ours()
+                and proctree.main_thread_running(self.pid))
 
     def can_stash_now(self) -> bool:
         """Whether the kernel could serve the host stash between cells now: idle, as the server last heard (also
         while it runs on another host), and able to run this package's code."""
-        return getattr(self.parent, "execution_state", None) == "idle" and self._cannot_serve("the host stash") is None
+        return self._idle() and self._cannot_serve("the host stash") is None
 
     def _safe_point(self, name: str, args: dict) -> Claim | None:
         """Ask the busy kernel to run ``name`` at its next safe point: the claim, or None
@@ -605,7 +621,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             if "stashed" not in said:
                 self._stash_claim = None  # nothing away: nothing to take back
             return {**said, "safe_point": round(claim.seconds, 4)}
-        if getattr(self.parent, "execution_state", None) != "idle":
+        if not self._idle():
             return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
                                             min_total=int(min_total),

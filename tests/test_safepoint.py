@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import OPEN_IO_URING, api, operate, small_tmpfs, start_busy, wait_operation, wait_suspended
+from helpers import (OPEN_IO_URING, api, operate, server_sees_idle, small_tmpfs, start_busy, wait_operation,
+                     wait_suspended)
 from test_hibernation import criu_of, cut_dump, notebook_session, tab_on, taken_back
 
+from jupyter_gpumigrate.engine import proctree
 from jupyter_gpumigrate.engine.safepoint import SIGNAL, SafePoint, signal_main_thread
 from jupyter_gpumigrate.kernel import safepoint as kernel_safepoint
 from jupyter_gpumigrate.engine.stash import Stash
@@ -86,6 +88,36 @@ async def test_a_busy_cell_is_suspended_at_a_safe_point_and_goes_on_whole(jp_fet
     assert result.out.strip() == expected(120), "every step ran once, on buffers that came back whole"
     assert not list(provisioner.safe_point_dir.glob("waiting-*")), "the kernel no longer waits"
     assert (await kernel.run("print(len(blobs[0]))")).strip() == str(96 << 20)
+
+
+async def test_a_kernel_heard_idle_whose_main_thread_runs_is_served_at_its_safe_point(jp_fetch, jp_serverapp,
+                                                                                           kernel):
+    """The server hears a kernel idle while its main thread runs: work scheduled on the kernel's event loop (an
+    asyncio task, a timer) runs between cells, with no 'busy'; and a cell whose first call holds the GIL
+    starves the kernel's IOPub thread, whose 'busy' then goes out only after that call. Asked between cells,
+    such a kernel answered only after that work: the suspend waited for all of it. The server now sees the
+    main thread run, takes the kernel as busy, and the stash is served at its safe point; the work goes on
+    whole after the resume."""
+    assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    later = ("import asyncio\ndef work():\n    global result\n    end = time.monotonic() + 40\n"
+             "    while time.monotonic() < end:\n        pass\n" +
+             "".join(f"    {line}\n" for line in LOOP.format(steps=10, end="").strip().splitlines()) +
+             "asyncio.get_running_loop().call_later(0.2, work)\nprint('scheduled')")
+    assert (await kernel.run(later)).strip() == "scheduled"
+    deadline = time.monotonic() + 10
+    while not proctree.main_thread_running(pid):
+        assert time.monotonic() < deadline, "the scheduled work did not start"
+        await asyncio.sleep(0.05)
+    await server_sees_idle(jp_fetch, kernel)  # the cell is over: nothing says the kernel works
+    started = time.monotonic()
+    op = await operate(jp_fetch, kernel.id, "suspend")
+    assert op["status"] == "succeeded" and op["stash"].get("stashed") == 3 * 96 << 20, op
+    assert "safe_point" in op["stash"], op["stash"]
+    assert time.monotonic() - started < 30, "suspended while the work ran, not after it"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    # A cell waits behind the work on the kernel's event loop, then says what the work made.
+    assert (await kernel.run("print(result)", timeout=120)).strip() == expected(10)
 
 
 async def test_a_failed_suspend_gives_the_buffers_back_to_the_busy_cell(jp_fetch, jp_serverapp, kernel):

@@ -70,6 +70,20 @@ def is_alive(pid: int) -> bool:
     return found is not None and found.state not in ("Z", "X")
 
 
+def main_thread_running(pid: int, looks: int = 4, apart: float = 0.005) -> bool:
+    """Whether the main thread of process ``pid`` is running (state R) at each of ``looks`` looks ``apart``
+    seconds apart: busy with work of its own, not waiting for any. One look that finds it waiting (or gone)
+    says False at once, so an idle process costs one read of /proc. An idle kernel's main thread waits in its
+    event loop (state S)."""
+    for look in range(looks):
+        found = info(pid)
+        if found is None or found.state != "R":
+            return False
+        if look < looks - 1:
+            time.sleep(apart)
+    return True
+
+
 def on_this_network(pid: int) -> bool:
     """Whether process ``pid`` shares this process's network namespace (True where either cannot be read). A
     kernel's process lives in its server's: one of the same PID in another is a peer's copy of the kernel, on
