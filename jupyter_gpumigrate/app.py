@@ -564,8 +564,13 @@ class GPUMigrateApp(ExtensionApp):
     _stopping = False
 
     async def stop_extension(self) -> None:
-        if self._stopping:  # a second signal while the first stop runs: that one finishes the job
-            await self._settle_restarts()  # jupyter_server shuts the kernels down as soon as this returns
+        if self._stopping:
+            # A second signal while the first stop runs: jupyter_server shuts every kernel down as soon as this
+            # returns. Kernels suspended before keep their images (the first stop sets this only once its own
+            # suspends are over: until then, a second signal deleted them); those the first stop is suspending
+            # get what is left of their time (provisioner.STOPPING_WAIT).
+            self.serverapp.kernel_manager.gpumigrate_stopping = True
+            await self._settle_restarts()
             return
         self._stopping = True
         if self._retention_task is not None:
@@ -577,7 +582,7 @@ class GPUMigrateApp(ExtensionApp):
         if self._sharing_task is not None:
             self._sharing_task.cancel()  # nothing is taken while it stops; it beats until the very end
         operations: OperationManager = self.settings["gpumigrate_operations"]
-        await self._settle_restarts(stop_restarters=True)
+        await self._settle_restarts()
         if self.stop_policy == "suspend":
             await self._suspend_all(operations)
         # From here on a suspended kernel that the server shuts down keeps its images (provisioner.py).
@@ -604,24 +609,25 @@ class GPUMigrateApp(ExtensionApp):
                     pass
         if self._shared is not None:
             self._shared.stop_beating()  # done: from now on other hosts may take its suspended kernels
-        await self._settle_restarts()  # one whose restarter was mid-poll above: jupyter_server shuts down next
+        await self._settle_restarts()  # one restarted through REST meanwhile: jupyter_server shuts down next
 
-    async def _settle_restarts(self, stop_restarters: bool = False) -> None:
+    async def _settle_restarts(self) -> None:
         """Before jupyter_server shuts the kernels down: no kernel may be in the middle of a restart by Jupyter's
         restarter. jupyter_client's ``shutdown_kernel`` asks the kernel manager's ``ready`` future for its
         exception, which raises while a restart is in flight; the server's whole stop died there, and the
-        process never exited (an attack: SIGTERM as the restarter starts a kernel that was killed). With
-        ``stop_restarters``, no kernel is restarted from now on (a stopping server starts none). A restart under
-        way is waited for (``RESTART_GRACE`` at most), so that the stop then treats the kernel as any other;
-        one still not done is given up (its ``ready`` cancelled) and the shutdown ends what it started."""
+        process never exited (an attack: SIGTERM as the restarter starts a kernel that was killed). First, no
+        kernel is restarted from now on: a stopping server starts none (its restarter stopped, and autorestart
+        off, or the restart under way would start the restarter again as it ends). A restart under way is
+        waited for (``RESTART_GRACE`` at most), so that the stop then treats the kernel as any other; one still
+        not done is given up (its ``ready`` cancelled), and the shutdown ends the kernel as it finds it."""
         km = self.serverapp.kernel_manager
         managers = {kernel_id: km.get_kernel(kernel_id) for kernel_id in km.list_kernel_ids()}
-        if stop_restarters:
-            for manager in managers.values():
-                try:
-                    manager.stop_restarter()
-                except Exception as exc:  # noqa: BLE001 - a kernel manager of another kind: its own business
-                    self.log.debug("gpumigrate: stopping: could not stop a kernel's restarter: %s", exc)
+        for manager in managers.values():
+            try:
+                manager.stop_restarter()  # first: it does nothing once autorestart is off
+                manager.autorestart = False
+            except Exception as exc:  # noqa: BLE001 - a kernel manager of another kind: its own business
+                self.log.debug("gpumigrate: stopping: could not stop a kernel's restarter: %s", exc)
 
         def starting() -> dict[str, asyncio.Future]:  # a restart is a shutdown, then a start: a future for each
             return {kernel_id: manager.ready for kernel_id, manager in managers.items()
@@ -637,8 +643,8 @@ class GPUMigrateApp(ExtensionApp):
             waiting = starting()
         for kernel_id, ready in waiting.items():
             ready.cancel()
-            self.log.warning("gpumigrate: stopping: kernel %s was still restarting after %.0f s: it is shut down as "
-                             "it is", kernel_id, RESTART_GRACE)
+            self.log.warning("gpumigrate: stopping: kernel %s was still being restarted or shut down after %.0f s: "
+                             "the stop goes on without waiting for it", kernel_id, RESTART_GRACE)
 
     async def _leave_remote_kernels(self, operations: OperationManager) -> None:
         """The stop policy 'suspend': each kernel that runs on a peer is suspended there, in parallel, within

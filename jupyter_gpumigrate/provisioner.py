@@ -171,6 +171,15 @@ def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_
     return json.loads(evaluate_silently(connection_info, call, timeout, alive=alive))
 
 
+#: What :meth:`MigratableProvisioner._activity` says of a kernel: idle, or busy (each reads after "the kernel is").
+IDLE = "idle"
+BUSY_CELL = "busy with a cell"
+BUSY_WAITING = "waiting at its safe point for buffers a stash took (busy)"
+BUSY_HIDDEN = "busy: its main thread runs, though Jupyter last heard it idle (work on its event loop, or a cell " \
+    "whose first call holds the GIL)"
+BUSY = (BUSY_CELL, BUSY_WAITING, BUSY_HIDDEN)
+
+
 class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     """Launches local kernels so that jupyter-gpumigrate can suspend, resume and move them."""
 
@@ -529,7 +538,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         kernelspec = getattr(self.parent, "kernel_spec", None)
         if getattr(kernelspec, "language", "").lower() != "python":
             return
-        if not self._idle():
+        if self._activity(safe_point=False) != IDLE:
             return
         run_silently(self.connection_info, RELEASE_TORCH_CACHE, timeout=self.cache_release_timeout)
 
@@ -540,10 +549,11 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         why = self._cannot_serve("the fast path")
         if why:
             return why
-        if self._busy():
-            claim = self._safe_point("stager", {"path": path, "token": token})
+        activity = self._activity()
+        if activity in BUSY:
+            claim = self._safe_point("stager", {"path": path, "token": token}, activity)
             return None if claim is not None else self.safe_point_reason
-        if not self._idle():
+        if activity != IDLE:
             return "the kernel is not idle (the fast path runs between cells, at a safe point, or from %migrate)"
         send_silently(self.connection_info, STAGER_CALL.format(path=path, token=token))
         return None
@@ -554,39 +564,50 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def safe_point_dir(self) -> Path:
         return Path(self.state_dir) / SAFE_POINTS / self.kernel_id
 
-    def _busy(self) -> bool:
-        """Busy with a cell: as the server last heard, or :meth:`_hidden_busy`."""
-        state = getattr(self.parent, "execution_state", None)
-        return state == "busy" or (state == "idle" and self._hidden_busy())
+    def _activity(self, safe_point: bool = True) -> str:
+        """What the kernel is doing, judged once for a call: what the server last heard (``starting``...), or
+        IDLE, or one of BUSY (each a reason that reads after "the kernel is"). Heard idle, it is taken as busy
+        when it waits at a safe point (a stash served there and not yet taken back: a silent request would
+        never be served), and, where ``safe_point`` (the call can go to its safe point instead of between
+        cells), when :meth:`_hidden_busy`."""
+        heard = getattr(self.parent, "execution_state", None)
+        if heard == "busy":
+            return BUSY_CELL
+        if heard != "idle":
+            return str(heard)
+        ours = self.remote_link is None and self.state in (RUNNING, MIGRATING) and self._is_ours()
+        point = SafePoint(self.safe_point_dir, self.pid) if ours and self.pid is not None else None
+        if point is not None and point.waiting() is not None:
+            return BUSY_WAITING
+        if safe_point and point is not None and self._hidden_busy(point):
+            return BUSY_HIDDEN
+        return IDLE
 
-    def _idle(self) -> bool:
-        """Idle between cells: as the server last heard, and not :meth:`_hidden_busy`."""
-        return getattr(self.parent, "execution_state", None) == "idle" and not self._hidden_busy()
-
-    def _hidden_busy(self) -> bool:
-        """A kernel the server heard go idle whose main thread runs all the same: a cell whose first call holds
-        the GIL (a long call into C, Python code that never waits) starves the kernel's IOPub thread, so its
-        'busy' goes out only when that call ends, and the kernel looks idle meanwhile. A request sent to it
-        between cells would wait behind the whole cell (a suspend's stash, up to its bound of minutes); at its
-        safe point it is served at the next bytecode, or steps aside within safe_point_timeout. Only the kernel's
-        own process on this host is looked at (proctree.main_thread_running), not one that runs on a peer."""
-        return (self.remote_link is None and self.state in (RUNNING, MIGRATING) and self._is_ours()
-                and proctree.main_thread_running(self.pid))
+    def _hidden_busy(self, point: SafePoint) -> bool:
+        """Heard idle, its main thread runs all the same (proctree.main_thread_running), and its safe point can
+        be asked. Work on the kernel's event loop between cells (an asyncio task, a timer) says no 'busy'; a cell
+        whose first call holds the GIL starves the kernel's IOPub thread, whose 'busy' then goes out only when
+        that call returns. A silent request waits behind all of it (a suspend's stash: up to its bound, minutes);
+        at the safe point it is served at the next bytecode, or steps aside within safe_point_timeout. A kernel
+        whose safe point cannot be asked keeps the silent request, as before."""
+        return (proctree.main_thread_running(point.pid) and self.safe_point_timeout > 0
+                and point.why_not() is None)
 
     def can_stash_now(self) -> bool:
         """Whether the kernel could serve the host stash between cells now: idle, as the server last heard (also
         while it runs on another host), and able to run this package's code."""
-        return self._idle() and self._cannot_serve("the host stash") is None
+        return getattr(self.parent, "execution_state", None) == "idle" and self._cannot_serve("the host stash") is None
 
-    def _safe_point(self, name: str, args: dict) -> Claim | None:
-        """Ask the busy kernel to run ``name`` at its next safe point: the claim, or None
-        (:attr:`safe_point_reason` says why: the cell did not get there in time, say)."""
+    def _safe_point(self, name: str, args: dict, busy: str = "") -> Claim | None:
+        """Ask the busy kernel (``busy``: one of BUSY, why it is taken as busy) to run ``name`` at its next safe
+        point: the claim, or None (:attr:`safe_point_reason` says why: the cell did not get there in time, say)."""
+        busy = busy or BUSY_CELL
         if self.pid is None or self.safe_point_timeout <= 0:
-            self.safe_point_reason = "the kernel is busy with a cell (c.MigratableProvisioner.safe_point_timeout is 0)"
+            self.safe_point_reason = f"the kernel is {busy} (c.MigratableProvisioner.safe_point_timeout is 0)"
             return None
         point = SafePoint(self.safe_point_dir, self.pid, alive=self._is_ours)
         claim = point.call(name, args, self.safe_point_timeout)
-        self.safe_point_reason = None if claim else f"busy with a cell: {point.reason}"
+        self.safe_point_reason = None if claim else f"{busy}: {point.reason}"
         return claim
 
     def _cannot_serve(self, what: str) -> str | None:
@@ -606,14 +627,17 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if why:
             return {"aside": why}
         self._stash_claim = None  # one left by an earlier suspend (its stash took nothing) is not this one's
-        if self._busy() and idle_only:
-            return {"aside": "the kernel is busy with a cell: a move to another host takes the stash between "
+        # Judged once: a second look could differ. A move to another host cannot use the safe point, so a kernel
+        # heard idle gets the silent request there, as before (served between chunks of cooperative work).
+        activity = self._activity(safe_point=not idle_only)
+        if activity in BUSY and idle_only:
+            return {"aside": f"the kernel is {activity}: a move to another host takes the stash between "
                              "cells only (the cell's safe point could not be released over there)"}
-        if self._busy():
+        if activity in BUSY:
             args: dict = {"folder": folder, "min_total": int(min_total)}
             if gpu_only:  # only then: a kernel with an older jupyter-gpumigrate still serves a suspend's stash
                 args["gpu_only"] = True
-            claim = self._safe_point("hoststash", args)
+            claim = self._safe_point("hoststash", args, activity)
             if claim is None:
                 return {"aside": self.safe_point_reason}
             self._stash_claim = claim  # until a take back: it waits for the reply, if it did not come in time
@@ -621,7 +645,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             if "stashed" not in said:
                 self._stash_claim = None  # nothing away: nothing to take back
             return {**said, "safe_point": round(claim.seconds, 4)}
-        if not self._idle():
+        if activity != IDLE:
             return {"aside": "the kernel is not idle"}
         return json.loads(evaluate_silently(self.connection_info, HOST_STASH_CALL.format(folder=folder,
                                             min_total=int(min_total),

@@ -333,6 +333,44 @@ async def test_a_server_stopped_while_jupyter_restarts_a_dead_kernel_stops_and_l
     pytest.fail("the restart was over before the stop began, three times")
 
 
+async def test_a_second_signal_during_the_stop_keeps_the_images_of_a_kernel_suspended_before(tmp_path):
+    """An attack: with the stop policy 'suspend', a second SIGTERM while the first stop suspends the running
+    kernels. jupyter_server then shuts every kernel down at once; the extension said the server was stopping
+    only once its own suspends were over, so a kernel its user had suspended before was shut down as by its
+    user, and its images were deleted. Now they are kept, and the next server resumes it whole."""
+    server = LocalServer(tmp_path / "server", extra_config={"GPUMigrateApp": {"stop_policy": "suspend"}})
+    try:
+        server.start()
+        _, kept = notebook_session(server, "kept.ipynb")
+        tab = await tab_on(server, kept)
+        assert (await tab.run("value = 41\nprint('ok')")).strip() == "ok"
+        tab.ws.close()
+        assert server.operate(kept, "suspend")["status"] == "succeeded"
+        _, big = notebook_session(server, "big.ipynb")
+        tab = await tab_on(server, big)  # some 2 GB: its suspend as the server stops lasts a while
+        assert (await tab.run("blob = bytes(range(256)) * 8_000_000\nprint('ok')")).strip() == "ok"
+        tab.ws.close()
+        server.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while "suspending 1 kernel(s)" not in server.server_log():
+            assert time.monotonic() < deadline and server.proc.poll() is None, server.server_log()
+            time.sleep(0.01)
+        server.proc.send_signal(signal.SIGTERM)
+        try:
+            server.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the server did not stop within 60 s of its second SIGTERM:\n{server.server_log()}")
+        assert (server.state / "images" / kept / "manifest.json").is_file(), server.server_log()
+        server.start()
+        assert taken_back(server, kept)["state"] == "suspended"
+        tab = await tab_on(server, kept)
+        assert (await tab.run("print(value + 1)", timeout=120)).strip() == "42"
+        tab.ws.close()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
 async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_notebook(server):
     server.start()
     session_id, kernel_id, out = await notebook_running(server, "x = 41\nprint('set')")
