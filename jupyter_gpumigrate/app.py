@@ -566,10 +566,10 @@ class GPUMigrateApp(ExtensionApp):
     async def stop_extension(self) -> None:
         if self._stopping:
             # A second signal while the first stop runs: jupyter_server shuts every kernel down as soon as this
-            # returns. Kernels suspended before keep their images (the first stop sets this only once its own
-            # suspends are over: until then, a second signal deleted them); those the first stop is suspending
-            # get what is left of their time (provisioner.STOPPING_WAIT).
-            self.serverapp.kernel_manager.gpumigrate_stopping = True
+            # returns. Kernels suspended before keep their images (until the first stop's own suspends were
+            # over, a second signal deleted them: provisioner._server_leaving); the shutdown of one that the
+            # first stop is suspending waits for that suspend, as before.
+            self.serverapp.kernel_manager.gpumigrate_leaving = True
             await self._settle_restarts()
             return
         self._stopping = True

@@ -174,7 +174,7 @@ def give_back_stash(folder: str, pid: int | None, safe_points: Path, connection_
 #: What :meth:`MigratableProvisioner._activity` says of a kernel: idle, or busy (each reads after "the kernel is").
 IDLE = "idle"
 BUSY_CELL = "busy with a cell"
-BUSY_WAITING = "waiting at its safe point for buffers a stash took (busy)"
+BUSY_WAITING = "waiting at its safe point for the buffers a stash took"
 BUSY_HIDDEN = "busy: its main thread runs, though Jupyter last heard it idle (work on its event loop, or a cell " \
     "whose first call holds the GIL)"
 BUSY = (BUSY_CELL, BUSY_WAITING, BUSY_HIDDEN)
@@ -590,8 +590,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         that call returns. A silent request waits behind all of it (a suspend's stash: up to its bound, minutes);
         at the safe point it is served at the next bytecode, or steps aside within safe_point_timeout. A kernel
         whose safe point cannot be asked keeps the silent request, as before."""
-        return (proctree.main_thread_running(point.pid) and self.safe_point_timeout > 0
-                and point.why_not() is None)
+        return (self.safe_point_timeout > 0 and point.why_not() is None
+                and proctree.main_thread_running(point.pid))
 
     def can_stash_now(self) -> bool:
         """Whether the kernel could serve the host stash between cells now: idle, as the server last heard (also
@@ -602,6 +602,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         """Ask the busy kernel (``busy``: one of BUSY, why it is taken as busy) to run ``name`` at its next safe
         point: the claim, or None (:attr:`safe_point_reason` says why: the cell did not get there in time, say)."""
         busy = busy or BUSY_CELL
+        if busy == BUSY_WAITING:  # it serves no second call while it waits there
+            self.safe_point_reason = f"the kernel is {busy}: it serves nothing more until they are read back"
+            return None
         if self.pid is None or self.safe_point_timeout <= 0:
             self.safe_point_reason = f"the kernel is {busy} (c.MigratableProvisioner.safe_point_timeout is 0)"
             return None
@@ -941,6 +944,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     def _server_stopping(self) -> bool:
         return bool(getattr(getattr(self.parent, "parent", None), "gpumigrate_stopping", False))
 
+    def _server_leaving(self) -> bool:
+        """The server is stopping, or was told to twice: a second signal has jupyter_server shut every kernel
+        down at once, while the first stop may still be suspending some (whose shutdowns wait for those
+        suspends as before, not the stopping server's STOPPING_WAIT). What a shutdown would otherwise delete
+        for good (a suspended kernel's images, a transplant's kept source) stays for the next server."""
+        manager = getattr(self.parent, "parent", None)
+        return self._server_stopping() or bool(getattr(manager, "gpumigrate_leaving", False))
+
     def _keep_or_discard(self) -> None:
         """A suspended kernel shut down: by its user, its images go; by its server stopping, they stay, and
         the next server takes it back (revive.py); taken by another host (engine/shared.py), they are its now."""
@@ -949,7 +960,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             self.state = STOPPED
             self.log.info("gpumigrate: kernel %s was taken by another host from the shared folder: no longer "
                           "listed here", self.kernel_id)
-        elif self._server_stopping():
+        elif self._server_leaving():
             self._kept = True
             self.state = STOPPED
             self.log.info("gpumigrate: kernel %s stays suspended for the next server (its images are in %s)",
@@ -1037,7 +1048,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         await super().cleanup(restart=restart)
         # Shut down: no going back to before its transplant. Restarted (by its user, or after a crash of the
         # transplanted process), it may still go back, within its time.
-        if not restart and not self._server_stopping():
+        if not restart and not self._server_leaving():
             self.drop_back()
         if not restart and not self._left_remote:
             self.drop_record()

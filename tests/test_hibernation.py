@@ -337,7 +337,8 @@ async def test_a_second_signal_during_the_stop_keeps_the_images_of_a_kernel_susp
     """An attack: with the stop policy 'suspend', a second SIGTERM while the first stop suspends the running
     kernels. jupyter_server then shuts every kernel down at once; the extension said the server was stopping
     only once its own suspends were over, so a kernel its user had suspended before was shut down as by its
-    user, and its images were deleted. Now they are kept, and the next server resumes it whole."""
+    user, and its images were deleted. Now they are kept, and the next server resumes it whole; so does it the
+    kernel whose suspend the second signal found under way (its shutdown waits for it)."""
     server = LocalServer(tmp_path / "server", extra_config={"GPUMigrateApp": {"stop_policy": "suspend"}})
     try:
         server.start()
@@ -365,6 +366,11 @@ async def test_a_second_signal_during_the_stop_keeps_the_images_of_a_kernel_susp
         assert taken_back(server, kept)["state"] == "suspended"
         tab = await tab_on(server, kept)
         assert (await tab.run("print(value + 1)", timeout=120)).strip() == "42"
+        tab.ws.close()
+        # The kernel the first stop was suspending: its shutdown waited for that suspend, which it finished.
+        assert taken_back(server, big)["state"] == "suspended"
+        tab = await tab_on(server, big)
+        assert (await tab.run("print(len(blob))", timeout=120)).strip() == str(256 * 8_000_000)
         tab.ws.close()
     finally:
         server.stop(signal.SIGKILL)
