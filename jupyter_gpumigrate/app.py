@@ -619,7 +619,9 @@ class GPUMigrateApp(ExtensionApp):
         kernel is restarted from now on: a stopping server starts none (its restarter stopped, and autorestart
         off, or the restart under way would start the restarter again as it ends). A restart under way is
         waited for (``RESTART_GRACE`` at most), so that the stop then treats the kernel as any other; one still
-        not done is given up (its ``ready`` cancelled), and the shutdown ends the kernel as it finds it."""
+        not done is given up (its ``ready`` cancelled) and the shutdown ends the kernel as it finds it; should
+        that restart launch its process after the shutdown, the process outlives this server, and its record
+        has the next server adopt it."""
         km = self.serverapp.kernel_manager
         managers = {kernel_id: km.get_kernel(kernel_id) for kernel_id in km.list_kernel_ids()}
         for manager in managers.values():
