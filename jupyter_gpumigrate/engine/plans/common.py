@@ -365,7 +365,17 @@ def restore_tree(ctx: KernelContext) -> None:
     root = ctx.manifest.pid
     there_before = proctree.is_alive(root)
     ctx.undo(lambda: kill_tree(ctx.pid if ctx.pid is not None else (None if there_before else root)))
-    ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+    try:
+        ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+    except CriuFailed as exc:
+        # CRIU writes its log and the restored tree's PID file beside the images: on a disk filled since the
+        # suspend it fails with no word of its own ("no error logged"). The disk's room says it.
+        if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images):
+            raise CriuFailed(
+                f"The disk of {ctx.images.parent} is full: CRIU could not write its log there, so it could not "
+                "restore the kernel. Free space on it, then resume again; the images are kept.",
+                exc.log_path, exc.log_tail) from exc
+        raise
     ctx.restored_at = time.monotonic()
 
 
