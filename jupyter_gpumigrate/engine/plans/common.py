@@ -281,7 +281,7 @@ def restore_from_images(ctx: KernelContext, images: Path, manifest: Manifest) ->
     images are all that is left of it: they are kept (the kernel is then broken, its images named)."""
     ctx.images, ctx.manifest = images, manifest
     try:
-        pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+        pid = criu_restore(ctx)
         ctx.restored_at = time.monotonic()  # this restore's, not an earlier one's of the same plan (back.py)
         adopt_tree(ctx, pid)
     except BaseException:
@@ -365,18 +365,24 @@ def restore_tree(ctx: KernelContext) -> None:
     root = ctx.manifest.pid
     there_before = proctree.is_alive(root)
     ctx.undo(lambda: kill_tree(ctx.pid if ctx.pid is not None else (None if there_before else root)))
+    ctx.pid = criu_restore(ctx)
+    ctx.restored_at = time.monotonic()
+
+
+def criu_restore(ctx: KernelContext) -> int:
+    """CRIU's restore of ``ctx.images``; the PID of the tree's root."""
+    assert ctx.manifest is not None
     try:
-        ctx.pid = ctx.criu.restore(ctx.images, ctx.manifest.ids)
+        return ctx.criu.restore(ctx.images, ctx.manifest.ids)
     except CriuFailed as exc:
-        # CRIU writes its log and the restored tree's PID file beside the images: on a disk filled since the
-        # suspend it fails with no word of its own ("no error logged"). The disk's room says it.
+        # CRIU writes its log and the restored tree's PID file beside the images: on a disk filled since they
+        # were written it fails with no word of its own ("no error logged"). The disk's room says it.
         if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images):
             raise CriuFailed(
                 f"The disk of {ctx.images.parent} is full: CRIU could not write its log there, so it could not "
                 "restore the kernel. Free space on it, then resume again; the images are kept.",
                 exc.log_path, exc.log_tail) from exc
         raise
-    ctx.restored_at = time.monotonic()
 
 
 def kill_tree(pid: int | None) -> None:
