@@ -6,7 +6,9 @@
 writes docs/performance.md: how each number was measured, then one table per run, with each method's
 ratio to ours *within that run* (ratios are never taken across runs); then GPU suspend and resume
 (bench/suspend_bench.py) and moves between GPUs (bench/move_bench.py), against the floors measured in
-the same run.
+the same run. What a person found in a run (where its time went, what it compares with) goes into
+``bench/results/<run>.notes.md`` beside it, and follows that run's section: the document is never edited
+by hand, so that the next report keeps it.
 """
 
 from __future__ import annotations
@@ -20,6 +22,12 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "docs" / "performance.md"
 GB = 10**9
+
+
+def notes(path: Path) -> str:
+    """The notes written for the run ``path`` (``<run>.notes.md`` beside it), as a paragraph, or nothing."""
+    written = path.with_name(path.stem + ".notes.md")
+    return written.read_text().strip() + "\n" if written.is_file() else ""
 
 
 def text_table(head: list[str], body: list[list[str]]) -> str:
@@ -101,14 +109,18 @@ case without it.
 
 ## When the fast path steps aside
 
-The kernel's side (`jupyter_gpumigrate/kernel/stager.py`) runs only in the kernel's main thread,
-between cells (the server asks an idle kernel) or from `%migrate` itself; a kernel busy with another
-cell moves by the driver alone. It also steps aside, changing nothing, when a CUDA graph is alive,
-when cupy, jax, numba.cuda, tensorflow or pycuda is loaded, when a thread that is not Jupyter's,
-IPython's, ZMQ's or ours runs (an idle pool worker is fine), when a tensor aliases another's memory
-without sharing its storage (DLPack), when under 2 GB of large tensors would move (the driver alone is
-as fast), or when the GPUs have no peer access; storages that cannot be
-resized or are under 1 MiB stay behind and go with the driver. The stash takes what fits on the
+The kernel's side (`jupyter_gpumigrate/kernel/stager.py`) runs only in the kernel's main thread:
+between cells (the server asks an idle kernel), from `%migrate` itself, or, for a kernel busy with a
+cell, at the cell's safe point (its next bytecode, `kernel/safepoint.py`), where the cell waits until the
+move is over; a cell that does not get there within `safe_point_timeout` (5 s; a long call into C delays
+it) moves by the driver alone. Where the GPUs have no peer access, the tensors go to files in memory (the
+host stash) instead of a stash on the target GPU. It steps aside, changing nothing, when a CUDA graph is
+alive, when cupy, jax, numba.cuda, tensorflow or pycuda is loaded, when a running thread could touch a
+tensor (Jupyter's own threads, progress bars, TensorBoard's writers, a DataLoader's pin-memory thread, a
+queue's feeder, an idle pool worker, and threads the notebook marks, are let through: README, "Use it"),
+when a tensor aliases another's memory without sharing its storage (DLPack), or when under 2 GB of large
+tensors would move (the driver alone is as fast); storages that cannot be resized or are under 1 MiB stay
+behind and go with the driver. The stash takes what fits on the
 target beside the move (it needs the kernel's memory twice, briefly). Each operation says what it
 did (`fast_path` in the operation and its last event; `%migrate` and the CLI print it). The GPU
 suite checks that the fast path changes no value (SHA-256 of every tensor, model outputs) and that it
@@ -153,6 +165,12 @@ on the GPU with one rebuilt from its seed (`torch.equal`). Ways:
   a checksum per 32 MiB chunk: CRC-32 until 2026-11-26, XXH3-64 since) and free them; the CUDA driver then checkpoints only the context and CRIU
   dumps only the rest. Resume: CRIU restore, remap, unlock, then the threads read the files back
   (checking each chunk) straight into the storages.
+- **stash** since a594b41: at resume, the stash helper reads the files onto the kernel's GPU while CRIU
+  restores it and the driver remaps it (**prefetch**, `jupyter_gpumigrate/engine/prefetch.py`); once
+  remapped, the kernel copies its buffers from the helper's memory on the same GPU. Rows where a resume
+  took its buffers from the prefetch say so.
+- **files**: the stash with the prefetch off (`c.MigratableProvisioner.resume_prefetch = False`): the kernel
+  reads its files itself once restored and remapped, as every resume did before a594b41.
 - **criu**: the stash off (`c.MigratableProvisioner.host_stash_min = None`): the driver copies all GPU
   memory into the process (about 2 GB/s) and CRIU writes it (about 2 GB/s, to tmpfs too).
 - **busy**: the stash, with the kernel busy in a cell all along (a loop of 10 ms sleeps): served at the
@@ -176,11 +194,14 @@ def suspend_section(path: Path) -> str:
         def phases(t: dict) -> str:
             return ", ".join(f"{k} {v:.2f}" for k, v in t.items() if v >= 0.05)
 
-        way = r["way"] + (f" (round {r['round']})" if r.get("round", 1) > 1 else "")
+        said = [*(["prefetch"] if ((m.get("stash") or {}).get("prefetch") or {}).get("bytes") else []),
+                *([f"round {r['round']}"] if r.get("round", 1) > 1 else [])]
+        way = r["way"] + (f" ({', '.join(said)})" if said else "")
         body.append([way, f"{r['size_gb']:g}", f"{s['total']:.2f}", f"{m['total']:.2f}", phases(s["timings"]),
                      phases(m["timings"])])
     out = [f"### Run `{path.name}`", "",
-           f"{meta['date']}; {meta.get('gpus')}; {meta.get('cpus')} CPUs; disk folder {meta.get('disk_dir')}.", "",
+           f"{meta['date']}; {meta.get('gpus')}; {meta.get('cpus')} CPUs; disk folder {meta.get('disk_dir')}"
+           + (f"; command `{meta['command'].split(' --out-dir')[0]}`" if meta.get("command") else "") + ".", "",
            md_table(["way", "GB", "suspend s", "resume s", "suspend phases (s)", "resume phases (s)"], body), "",
            "Floors in this run: " + ", ".join(f"{k.replace('_', ' ')} {v} GB/s" for k, v in floors.items()) + ".",
            ""]
@@ -411,12 +432,14 @@ def main(argv: list[str]) -> int:
     transplants = newest_transplant_runs()
     hosts = newest_host_runs()
     sources = ", ".join(f"`bench/results/{p.name}`" for p in paths + suspends + moves + transplants + hosts)
-    DOC.write_text(INTRO.format(sources=sources) + "\n" + "\n".join(section(p) for p in paths) +
-                   ("\n" + SUSPEND_INTRO if suspends else "") + "".join("\n" + suspend_section(p) for p in suspends) +
-                   ("\n" + MOVE_INTRO if moves else "") + "".join("\n" + move_section(p) for p in moves) +
-                   ("\n" + TRANSPLANT_INTRO if transplants else "") +
-                   "".join("\n" + transplant_section(p) for p in transplants) +
-                   ("\n" + HOST_INTRO if hosts else "") + "".join("\n" + host_section(p) for p in hosts))
+    def each(make, runs: list[Path]) -> str:
+        return "".join("\n" + make(p) + ("\n" + notes(p) if notes(p) else "") for p in runs)
+
+    DOC.write_text(INTRO.format(sources=sources) + each(section, paths)[1:] +
+                   ("\n" + SUSPEND_INTRO if suspends else "") + each(suspend_section, suspends) +
+                   ("\n" + MOVE_INTRO if moves else "") + each(move_section, moves) +
+                   ("\n" + TRANSPLANT_INTRO if transplants else "") + each(transplant_section, transplants) +
+                   ("\n" + HOST_INTRO if hosts else "") + each(host_section, hosts))
     print(f"report: wrote {DOC.relative_to(ROOT)} from {len(paths)} run(s)")
     return 0
 

@@ -407,7 +407,10 @@ def parser() -> argparse.ArgumentParser:
     remote = argparse.ArgumentParser(add_help=False)
     remote.add_argument("--url", help="the server's URL (default: every running server with the extension)")
     remote.add_argument("--token", help="the server's token (default: from its runtime file, or $JUPYTER_TOKEN)")
-    remote.add_argument("--timeout", type=float, default=3600, help="seconds to wait for an operation")
+    waits = argparse.ArgumentParser(add_help=False)
+    waits.add_argument("--timeout", type=float, default=3600,
+                       help="seconds to follow the operation before giving up on it (it goes on in the server; "
+                       "default 3600)")
 
     top = argparse.ArgumentParser(
         prog="jupyter gpumigrate", description=DESCRIPTION, epilog=EXAMPLES,
@@ -431,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
     ic.set_defaults(func=cmd_install_criu)
     lst = sub.add_parser("list", parents=[common, remote], help="kernels, their state, GPUs and images")
     lst.set_defaults(func=cmd_list)
-    s = sub.add_parser("suspend", parents=[common, remote],
+    s = sub.add_parser("suspend", parents=[common, remote, waits],
                        help="write a kernel to memory or disk and free its GPU (and, on disk, its memory)")
     s.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     s.add_argument("--images", choices=("auto", "memory", "disk"),
@@ -439,12 +442,12 @@ def parser() -> argparse.ArgumentParser:
                    "reboot; moved to disk when the server stops), disk, or auto (memory where there is room); "
                    "default: the server's c.MigratableProvisioner.suspend_to")
     s.set_defaults(func=cmd_action)
-    r = sub.add_parser("resume", parents=[common, remote], help="bring a suspended kernel back")
+    r = sub.add_parser("resume", parents=[common, remote, waits], help="bring a suspended kernel back")
     r.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     r.add_argument("--to-gpu", type=gpu_list, metavar="N[,M...]", help="GPU index to resume a GPU kernel on; for "
                    "a kernel that held several GPUs, one per GPU in the order of their indices (1,0 swaps 0 and 1)")
     r.set_defaults(func=cmd_action)
-    m = sub.add_parser("migrate", parents=[common, remote],
+    m = sub.add_parser("migrate", parents=[common, remote, waits],
                        help="move a running kernel to another GPU, or to a peer host and back")
     m.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     m.add_argument("--to-gpu", type=gpu_list, metavar="N[,M...]", help="index of the GPU to move it to (on "
@@ -455,7 +458,7 @@ def parser() -> argparse.ArgumentParser:
     m.add_argument("--no-fast-path", action="store_true", help="let the CUDA driver copy all GPU memory (no stash "
                    "of tensors on the target GPU; docs/performance.md)")
     m.set_defaults(func=cmd_action)
-    t = sub.add_parser("transplant", parents=[common, remote],
+    t = sub.add_parser("transplant", parents=[common, remote, waits],
                        help="where the driver cannot go (another GPU model, the CPU): carry a running kernel's "
                        "objects into a new process there, saying first what would not carry")
     t.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
@@ -467,7 +470,7 @@ def parser() -> argparse.ArgumentParser:
     t.add_argument("--yes", "-y", action="store_true", help="do not ask before transplanting (what would not "
                    "carry is still printed, to stderr)")
     t.set_defaults(func=cmd_transplant)
-    b = sub.add_parser("back", parents=[common, remote],
+    b = sub.add_parser("back", parents=[common, remote, waits],
                        help="after a transplant: go back to the process it replaced (kept for a while), losing "
                        "what the kernel did since")
     b.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
@@ -477,7 +480,7 @@ def parser() -> argparse.ArgumentParser:
                         help="shut a suspended kernel down for good and delete its images")
     dc.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
     dc.set_defaults(func=cmd_discard)
-    dr = sub.add_parser("drain", parents=[common, remote], help="move every kernel off a GPU (maintenance)")
+    dr = sub.add_parser("drain", parents=[common, remote, waits], help="move every kernel off a GPU (maintenance)")
     dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")
     dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")
     dr.add_argument("--transplant", action="store_true",

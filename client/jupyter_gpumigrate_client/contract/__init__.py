@@ -52,7 +52,7 @@ class Route:
     #: the definition of its request body; None when it takes none, or not JSON
     request: str | None
     #: status of success -> the definition of its answer (None: no body, or not JSON). Every error
-    #: status answers an ``Error``.
+    #: status answers an ``ErrorBody``.
     responses: dict[int, str | None] = field(default_factory=dict)
 
 
