@@ -246,6 +246,38 @@ class TestFullDisk:
         assert not list(provisioner.safe_point_dir.glob("waiting-*"))
 
 
+class TestDiskFullForTheDump:
+    """A 310 MB tmpfs: room for the kernel's 288 MB of buffers, not for CRIU's images after them."""
+
+    @pytest.fixture
+    def small_disk(self, tmp_path: Path):
+        with small_tmpfs(tmp_path / "small", "310m") as folder:
+            yield folder
+
+    @pytest.fixture
+    def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
+        return _config(small_disk / "gpumigrate")
+
+    async def test_a_dump_that_fills_the_disk_after_the_stash_gives_the_cell_its_buffers_back(
+            self, jp_fetch, jp_serverapp, kernel, small_disk):
+        """The stash is written at the cell's safe point, and CRIU's dump then fills the disk. The undo's release
+        (a file in the safe-point folder, on the same disk) must still reach the cell waiting there: the
+        reserve kept beside it makes room for it."""
+        assert (await kernel.run(MAKE)).strip() == str(96 << 20)
+        cell = await start_busy(jp_fetch, kernel, LOOP.format(steps=60, end="print(result)"))
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+        assert "stash" in op["timings"], op  # the stash was written: the dump came after it
+        assert "full" in op["error"] and "runs on, unchanged" in op["error"], op["error"]
+        assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+        result = await asyncio.wait_for(cell, 120)
+        assert result.status == "ok" and result.out.strip() == expected(60), result.errors
+        provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+        assert not provisioner.images.path_for(kernel.id).exists(), "the partial files are removed"
+        assert not list(provisioner.safe_point_dir.glob("waiting-*"))
+        assert not list(provisioner.safe_point_dir.glob(".*.tmp")), "no half-written file is left"
+
+
 class TestNoSafePointInTime:
     @pytest.fixture
     def jp_server_config(self, tmp_path: Path) -> dict[str, Any]:

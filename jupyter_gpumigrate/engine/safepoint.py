@@ -27,11 +27,18 @@ each written whole (a temporary file, then a rename):
                           before its call) at its safe point
     release-PID.json      {"id", "for", "args"}: go on (after what args      the server; the kernel replies in
                           say), for the wait "for" (its request's id)       reply-ID.json
+    reserve-PID           RESERVE bytes, written with each request; given   the server
+                          up to make room for the release and its reply
+                          where the disk filled meanwhile
+
+The reserve is there because the release matters most when the disk is full: a stash taken at the safe point,
+then a CRIU dump that filled the disk, must still give the cell its buffers back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import platform
@@ -49,16 +56,23 @@ SIGNAL = 40
 #: The signal is sent again this often until the request is claimed: a handler that found a lock of the
 #: threading module held (perhaps by the code it stopped) lets it pass.
 RESEND = 0.1
+#: The room kept in the folder for a release and its reply (a few hundred bytes each, a block or two each).
+RESERVE = 64 << 10
 #: tgkill(2)'s number, to signal the main thread itself (elsewhere the process: Linux prefers its main thread).
 _TGKILL = {"x86_64": 234, "aarch64": 131}
 
 
 def write_whole(path: Path, data: dict) -> None:
-    """Write ``data`` as JSON at ``path`` whole: readers see the old file, no file, or all of the new one."""
+    """Write ``data`` as JSON at ``path`` whole: readers see the old file, no file, or all of the new one (a
+    write that fails, on a full disk, say, leaves nothing of its own)."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8", opener=lambda p, f: os.open(p, f, 0o600)) as out:
-        json.dump(data, out)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", opener=lambda p, f: os.open(p, f, 0o600)) as out:
+            json.dump(data, out)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read(path: Path) -> dict | None:
@@ -133,6 +147,23 @@ class SafePoint:
             return "the kernel's safe point is not armed (its signal handler was replaced)"
         return None
 
+    def _reserve(self) -> None:
+        """The reserve (:data:`RESERVE` bytes, real blocks) in the folder, if it is not there whole."""
+        path = self.folder / f"reserve-{self.pid}"
+        try:
+            if path.stat().st_blocks * 512 >= RESERVE:
+                return
+        except FileNotFoundError:
+            pass
+        write = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            os.posix_fallocate(write, 0, RESERVE)
+        except OSError:
+            os.close(write)
+            path.unlink(missing_ok=True)
+            raise
+        os.close(write)
+
     def waiting(self) -> dict | None:
         """What this process waits for at its safe point (``{"id", "call"}``), or None."""
         return read(self.folder / f"waiting-{self.pid}.json")
@@ -148,6 +179,7 @@ class SafePoint:
         rid = secrets.token_hex(8)
         (self.folder / f"reply-{rid}.json").unlink(missing_ok=True)
         try:
+            self._reserve()
             write_whole(request, {"id": rid, "call": name, "args": args})
         except OSError as exc:
             self.reason = f"the request could not be written in {self.folder} ({exc.strerror or exc})"
@@ -186,7 +218,14 @@ class SafePoint:
         if wait_id is None:
             wait_id = (self.waiting() or {}).get("id")
         rid = secrets.token_hex(8)
-        write_whole(self.folder / f"release-{self.pid}.json", {"id": rid, "for": wait_id, "args": args})
+        release = self.folder / f"release-{self.pid}.json"
+        try:
+            write_whole(release, {"id": rid, "for": wait_id, "args": args})
+        except OSError as exc:
+            if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+                raise
+            (self.folder / f"reserve-{self.pid}").unlink(missing_ok=True)  # its room is for this
+            write_whole(release, {"id": rid, "for": wait_id, "args": args})
         reply = self.folder / f"reply-{rid}.json"
         answer = self.wait_for(reply, timeout, went_on=(lambda: self.waiting() is None) if went_on else None)
         if "error" in answer:
