@@ -503,8 +503,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             return False
         try:
             return self.images.read_manifest(self.kernel_id).kernel_id == self.kernel_id
-        except MigrateError:
-            return False
+        except MigrateError:  # whole all the same where only the manifest is missing (the resume writes it)
+            return self.images.finished_dump(self.kernel_id) is not None
 
     def keeps_whole_images(self) -> bool:
         """Its images here are all there is of it: suspended, or broken with them whole (moved to disk as the

@@ -51,7 +51,6 @@ from .kernel.hoststash import INDEX as STASH_INDEX
 from .kernelwire import kernel_answers
 from .engine import proctree
 from .engine.errors import MigrateError
-from .engine.criu import dump_finished
 from .engine.images import MANIFEST, ImageStore, Manifest
 from .engine.plans.transplant import SWITCHED
 from .provisioner import RECORDS, SAFE_POINTS, MigratableProvisioner, Revival, give_back_stash
@@ -202,7 +201,7 @@ def _unfinished_dump(store: ImageStore, name: str, records: Path) -> Found | Non
         return Found(name, "removed", "a dump that never finished")
     if pending.owner != os.geteuid() or pending.kernel_id != name:
         return None  # check() refuses it, saying why
-    if dump_finished(store.log_path(name, "dump")):
+    if store.finished_dump(name) is not None:
         # CRIU wrote every image and killed the kernel; its server died before the manifest: complete it.
         store.write_manifest(folder, pending)
         log.warning("gpumigrate: completed the images of kernel %s, whose server stopped right after its dump",

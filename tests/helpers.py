@@ -539,6 +539,19 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+def fill(disk: Path) -> Path:
+    """Fill ``disk`` up: a file ``filler`` on it, written until there is no room left; its path."""
+    import errno
+
+    try:
+        with open(disk / "filler", "wb") as filler:
+            while True:
+                filler.write(bytes(1 << 20))
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC, exc
+    return disk / "filler"
+
+
 class ThisServer:
     """What the Hub service's idle policy asks of its ``Servers`` (jupyter_gpumigrate_client/hub/servers.py), answered by this test's
     own server with the extension: one user's server, its real kernels and answers. The Hub's own path to

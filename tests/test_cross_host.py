@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, transplant_processes, two_gpus
+from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, fill, transplant_processes, two_gpus
 from hosts import Host, Network, host_pair
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
@@ -393,18 +393,6 @@ async def test_the_kernel_killed_on_the_other_host_while_it_reads_its_buffers_ba
         await end_kernel(a, kernel_id, tab)
 
 
-def fill(disk: Path) -> None:
-    """Fill ``disk`` up (a file ``filler`` on it, written until there is no room left)."""
-    import errno
-
-    try:
-        with open(disk / "filler", "wb") as filler:
-            while True:
-                filler.write(bytes(1 << 20))
-    except OSError as exc:
-        assert exc.errno == errno.ENOSPC, exc
-
-
 async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_runs_on_here(hosts, tmp_path):
     """b keeps guests' images on a disk (a 600 MB tmpfs here) that another process fills while a's images
     arrive: b drops the rest of that file and answers 507 naming it; the move is undone, the kernel runs on
@@ -503,7 +491,8 @@ async def test_the_other_hosts_disk_filling_up_as_the_stash_arrives_is_said_and_
             # the disk was full (b writes on as it fills), one of CRIU's images after it; or, where even those
             # were, its restore says the disk is full (CRIU could not write its log there).
             assert re.match(r"b: ((stash-\S+|\S+\.img) could not be written here \(No space left on device\): free "
-                            r"space here|The disk of \S+ is full: CRIU could not write its log)", op["error"]), op["error"]
+                            r"space here|The (disk of|memory folder) \S+ (\(a tmpfs\) )?is full: CRIU could not "
+                            r"write its log)", op["error"]), op["error"]
             view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
             assert view["host"] == "a" and view["state"] == "running", view
             assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)")).strip() \

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import api, operate, small_tmpfs
+from helpers import api, fill, operate, small_tmpfs
+from servers import LocalServer
+from test_hibernation import criu_of, notebook_session, tab_on
+
+from jupyter_gpumigrate.engine import proctree
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -43,29 +50,82 @@ async def test_a_full_disk_says_so_names_the_folder_and_the_kernel_runs_on(jp_fe
     assert list(logs.iterdir()) == [], "and removed with its kernel"
 
 
-class TestADiskFilledWhileSuspended:
-    """The kernel's images are whole; then another process fills their disk. CRIU's restore writes there (its
-    log, the PID file of what it restored)."""
+@pytest.mark.parametrize("where", ["disk", "memory"])
+class TestFilledWhileSuspended:
+    """The kernel's images are whole, on disk or in memory (a tmpfs); then another process fills that place.
+    CRIU's restore writes there (its log, the PID file of what it restored)."""
 
     @pytest.fixture
     def small_disk(self, tmp_path: Path):
         with small_tmpfs(tmp_path / "small", "200m") as folder:
             yield folder
 
-    async def test_the_resume_says_the_disk_is_full_keeps_the_images_and_resumes_once_there_is_room(
-            self, jp_fetch, kernel, small_disk):
+    @pytest.fixture
+    def jp_server_config(self, small_disk: Path, tmp_path: Path, where: str) -> dict[str, Any]:
+        if where == "disk":
+            places = {"state_dir": str(small_disk / "gpumigrate"), "suspend_to": "disk"}
+        else:
+            memory = small_disk / "memory"
+            memory.mkdir(mode=0o700)
+            places = {"state_dir": str(tmp_path / "gpumigrate"), "memory_dir": str(memory), "suspend_to": "memory"}
+        return {"ServerApp": {"jpserver_extensions": {"jupyter_gpumigrate": True}}, "MigratableProvisioner": places}
+
+    async def test_the_resume_says_the_place_is_full_keeps_the_images_and_resumes_once_there_is_room(
+            self, jp_fetch, kernel, small_disk, where):
         assert (await kernel.run("x = 41\nprint('set')")).strip() == "set"
-        assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
-        filler = small_disk / "filler"
-        with open(filler, "wb") as out, pytest.raises(OSError, match="No space left"):
-            while True:
-                out.write(bytes(1 << 20))
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        assert op["status"] == "succeeded" and op["images"] == where, op
+        filler = fill(small_disk)
         op = await operate(jp_fetch, kernel.id, "resume")
         assert op["status"] == "failed" and op["failed_phase"] == "restore", op
-        images = small_disk / "gpumigrate" / "images"
-        assert f"The disk of {images} is full" in op["error"], op["error"]
+        said = (f"The disk of {small_disk / 'gpumigrate' / 'images'} is full" if where == "disk" else
+                f"The memory folder {small_disk / 'memory'} (a tmpfs) is full")
+        assert said in op["error"], op["error"]
         assert "the images are kept" in op["error"].lower(), op["error"]
         assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "suspended"
         filler.unlink()
         assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
         assert (await kernel.run("print(x + 1)")).strip() == "42"
+
+
+async def test_a_disk_filled_between_the_dump_and_its_manifest_leaves_the_kernel_resumable(tmp_path):
+    """CRIU has dumped the kernel (and so ended it); its server, held still with SIGSTOP, finds the disk full
+    when it writes the manifest after it. The undo's restore cannot run there either (CRIU writes its log beside
+    the images): the kernel is broken, with whole images that lack only their manifest. Once there is room,
+    a resume writes it and brings the kernel back as it was."""
+    with small_tmpfs(tmp_path / "small", "200m") as small:
+        srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"state_dir": str(small / "state")}})
+        try:
+            srv.start()
+            _, kernel_id = notebook_session(srv)
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("x = 41; print('set')")).strip() == "set"
+            tab.ws.close()
+            op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+            criu = criu_of(srv.proc.pid, b"dump", 60)
+            assert criu is not None, "the dump did not start"
+            os.kill(srv.proc.pid, signal.SIGSTOP)
+            try:
+                deadline = time.monotonic() + 60
+                while (found := proctree.info(criu)) is not None and found.state != "Z":  # ended, not reaped
+                    assert time.monotonic() < deadline, "CRIU's dump did not end"
+                    time.sleep(0.01)
+                filler = fill(small)
+            finally:
+                os.kill(srv.proc.pid, signal.SIGCONT)
+            while op["status"] not in ("succeeded", "failed"):
+                op = srv.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+            assert "is full: the kernel's manifest could not be written" in op["error"], op["error"]
+            view = srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["state"] == "broken", view
+            assert "Its images are whole and kept: resume it" in view["broken_reason"], view["broken_reason"]
+            filler.unlink()
+            op = srv.operate(kernel_id, "resume")
+            assert op["status"] == "succeeded", op
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("print(x + 1)")).strip() == "42"
+            tab.ws.close()
+        finally:
+            srv.stop(signal.SIGKILL)
+            srv.kill_kernels()

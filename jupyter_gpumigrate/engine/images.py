@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from .criu import dump_finished
 from .errors import ImageError
 
 MANIFEST = "manifest.json"
@@ -383,6 +384,17 @@ class ImageStore:
         except (OSError, ValueError, TypeError, AttributeError):
             return None
         return None if manifest.wrong_types() else manifest
+
+    def finished_dump(self, name: str) -> Manifest | None:
+        """The manifest to be of ``name``'s images where they are whole but lack their manifest: CRIU's dump
+        finished (its log says so), and the manifest was not written after it (its server died right then,
+        or the disk filled). None otherwise. :meth:`write_manifest` with it makes them a complete record."""
+        if (self.path_for(name) / MANIFEST).exists():
+            return None
+        pending = self.read_pending(name)
+        if pending is None or pending.kernel_id != name:
+            return None
+        return pending if dump_finished(self.root / LOGS / f"{self.path_for(name).name}-dump.log") else None
 
     def read_secrets(self, name: str) -> dict:
         """The secrets kept with ``name``'s images ({} if none were)."""

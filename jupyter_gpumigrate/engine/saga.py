@@ -192,9 +192,9 @@ class Saga(Generic[C]):
         if undo_errors:
             kernel.state = BROKEN
             remedy = getattr(kernel, "broken_remedy", None)  # the kernel knows what is left of it
+            undone = "; ".join(undo_errors).rstrip(".")
             kernel.broken_reason = (f"{phase} failed ({str(exc) or type(exc).__name__}), and undoing it failed "
-                                    f"too: {'; '.join(undo_errors)}. "
-                                    f"{remedy() if callable(remedy) else 'Restart the kernel.'}")
+                                    f"too: {undone}. {remedy() if callable(remedy) else 'Restart the kernel.'}")
         else:
             kernel.state = initial
 

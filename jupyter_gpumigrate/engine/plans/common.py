@@ -212,7 +212,7 @@ def dump(ctx: KernelContext) -> None:
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
     images, manifest = ctx.images, ctx.manifest  # the undo's, whatever the context holds by then (back.py)
-    with disk_full_said(ctx.images.parent, "runs on, unchanged."):
+    with disk_full_said(ctx, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
     try:
         ctx.criu.dump(ctx.manifest.pid, ctx.images, log_path=log_path)
@@ -225,19 +225,19 @@ def dump(ctx: KernelContext) -> None:
     ctx.undo(lambda: restore_from_images(ctx, images, manifest))  # the tree is dead and its images complete
     kernel.release()
     proctree.reap_dumped(ctx.manifest.ids)
-    with disk_full_said(ctx.images.parent, "is brought back from its images and runs on."):
-        store.write_manifest(ctx.images, ctx.manifest, kernel.secrets())
+    with disk_full_said(ctx, "is brought back from its images and runs on."):
+        store.write_manifest(ctx.images, ctx.manifest)  # its secrets are there already (write_pending)
 
 
 @contextmanager
-def disk_full_said(folder: Path, then: str) -> Iterator[None]:
+def disk_full_said(ctx: KernelContext, then: str) -> Iterator[None]:
     """A full disk while writing the manifest is said as such (``then``: what becomes of the kernel)."""
     try:
         yield
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise ImageError(full_disk(folder, "the kernel's manifest could not be written") + f" The kernel "
-                             f"{then}") from exc
+            raise ImageError(full_disk(ctx.images.parent, "the kernel's manifest could not be written",
+                                       ctx.tools.store) + f" The kernel {then}") from exc
         raise
 
 
@@ -252,7 +252,8 @@ def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
             exc.log_path, exc.log_tail) from exc
     # CRIU's own log may be cut short by the full disk it writes to ("page-xfer: Una"): the disk's room says it.
     if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images.parent):
-        raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images") + " The kernel "
+        raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images", ctx.tools.store) +
+                         " The kernel "
                          f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
     raise CriuFailed(
         f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
@@ -271,8 +272,22 @@ def _no_room(folder: Path) -> bool:
         return False
 
 
-def full_disk(folder: Path, what: str) -> str:
-    return (f"The disk of {folder} is full: {what} there. Free space on it (or set "
+def _in_memory(folder: Path, store: ImageStore | None) -> bool:
+    return store is not None and store.memory_root is not None and folder == store.memory_root
+
+
+def _full(folder: Path, store: ImageStore | None) -> str:
+    return f"The memory folder {folder} (a tmpfs)" if _in_memory(folder, store) else f"The disk of {folder}"
+
+
+def full_disk(folder: Path, what: str, store: ImageStore | None = None) -> str:
+    """The sentence for a full ``folder``; one of ``store``'s memory folder is said to be memory, with its own
+    way out (a state_dir elsewhere would not help it)."""
+    if _in_memory(folder, store):
+        return (f"{_full(folder, store)} is full: {what} there. Suspend to disk instead (--images disk; REST "
+                '{"images": "disk"}; or c.MigratableProvisioner.suspend_to = "disk"), or free memory there, then '
+                "try again.")
+    return (f"{_full(folder, store)} is full: {what} there. Free space on it (or set "
             "c.MigratableProvisioner.state_dir to a folder on a disk with room), then try again.")
 
 
@@ -379,8 +394,8 @@ def criu_restore(ctx: KernelContext) -> int:
         # were written it fails with no word of its own ("no error logged"). The disk's room says it.
         if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images):
             raise CriuFailed(
-                f"The disk of {ctx.images.parent} is full: CRIU could not write its log there, so it could not "
-                "restore the kernel. Free space on it, then resume again; the images are kept.",
+                f"{_full(ctx.images.parent, ctx.tools.store)} is full: CRIU could not write its log there, so it "
+                "could not restore the kernel. Free room there, then resume again; the images are kept.",
                 exc.log_path, exc.log_tail) from exc
         raise
 

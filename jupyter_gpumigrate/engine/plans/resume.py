@@ -32,8 +32,8 @@ from ..errors import ImageError
 from ..kernelproc import KernelProcess
 from ..prefetch import Prefetch, cuda_bytes, room_for
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
-from .common import (KernelContext, Outcome, Tools, adopt_restored, forget_images, free_pids, place, remap_restored,
-                     restore_tree, unlock_restored)
+from .common import (KernelContext, Outcome, Tools, adopt_restored, disk_full_said, forget_images, free_pids, place,
+                     remap_restored, restore_tree, unlock_restored)
 from .suspend import STASH_RATE, STASH_WAIT
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,12 @@ def stashed(ctx: ResumeContext) -> bool:
 
 def prepare(ctx: ResumeContext) -> None:
     kernel_id = ctx.kernel.kernel_id
-    manifest = ctx.tools.store.read_manifest(kernel_id)
+    store = ctx.tools.store
+    finished = store.finished_dump(kernel_id)
+    if finished is not None:  # a dump whose manifest could not be written after it (the disk was full)
+        with disk_full_said(ctx, "stays as it is; its images are whole and kept."):
+            store.write_manifest(store.path_for(kernel_id), finished)
+    manifest = store.read_manifest(kernel_id)
     if manifest.kernel_id != kernel_id:
         raise ImageError(f"The images in {ctx.images} belong to kernel {manifest.kernel_id}, not {kernel_id}.")
     place(ctx, manifest, ctx.to_gpu, f"The kernel held no GPU when it was suspended, so it cannot be resumed "

@@ -83,7 +83,7 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
     timeout = STASH_WAIT + bound / STASH_RATE
     # The manifest to be first: should this server die while the kernel's buffers are in the stash, the
     # next one finds the kernel and has it read them back (revive.py).
-    with disk_full_said(ctx.images.parent, "runs on, unchanged."):
+    with disk_full_said(ctx, "runs on, unchanged."):
         ctx.tools.store.write_pending(ctx.images, ctx.manifest, ctx.kernel.secrets())
     said: dict = {}
     ctx.undo(lambda: take_back(ctx, said, timeout))
@@ -95,7 +95,8 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
                            "wrote once it is done, and runs on.") from exc
     except RuntimeError as exc:
         if f"[Errno {errno.ENOSPC}]" in str(exc):
-            raise ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers") +
+            raise ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers",
+                                       ctx.tools.store) +
                              " The kernel runs on, unchanged.") from exc
         raise MigrateError(f"The kernel could not write its large buffers ({exc}); it runs on, unchanged.") from exc
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
