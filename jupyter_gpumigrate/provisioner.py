@@ -696,7 +696,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         env = dict(self.launch_env or os.environ)
         env["CUDA_VISIBLE_DEVICES"] = gpu_uuid or ""  # the only GPU it sees, or none
         with open(self.log_path, "ab", buffering=0) as out:
-            out.write(f"--- jupyter-gpumigrate: a transplant's new process, on {gpu_uuid or 'the CPU'} ---\n".encode())
+            try:
+                out.write(f"--- jupyter-gpumigrate: a transplant's new process, on {gpu_uuid or 'the CPU'} ---\n"
+                          .encode())
+            except OSError as exc:  # its output goes there: a process that cannot write it is not started
+                exc.filename = exc.filename or str(self.log_path)
+                raise
             self._transplant = launch_kernel(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=out, env=env,
                                              independent=True, cwd=getattr(self, "cwd", None) or os.getcwd())
         return self._transplant.pid

@@ -238,3 +238,20 @@ def test_a_stop_request_undoes_the_plan_before_a_stoppable_phase_and_only_there(
     # A kernel without the attribute (a peer's guest) is never stopped.
     ctx, _ = run(stoppable(Step("a", change("x")), phases=("a",)))
     assert ctx.world == ["x"]
+
+
+@pytest.mark.parametrize("code, filename, said", [
+    (28, "/state/images/k/marker.json", "The disk of /state/images/k is full (No space left on device). Free space"),
+    (122, None, "A disk is full (or your quota on it) (Disk quota exceeded). Free space"),
+])
+def test_a_full_disk_no_step_foresaw_is_said_in_a_sentence_not_as_an_errno(code, filename, said):
+    def write(ctx: World) -> None:
+        ctx.world.append("half a file")
+        ctx.undo(lambda: ctx.world.remove("half a file"))
+        raise OSError(code, "No space left on device" if code == 28 else "Disk quota exceeded", filename)
+
+    ctx = World(Kernel())
+    with pytest.raises(PhaseFailed) as info:
+        saga(Step("switch", write)).run(ctx, lambda phase, event, timings: None)
+    assert str(info.value).startswith(said) and "Errno" not in str(info.value), str(info.value)
+    assert ctx.world == [] and ctx.kernel.state == "running"

@@ -6,6 +6,9 @@ The REST API and the CLI show ``str(error)`` as it is.
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class MigrateError(Exception):
     """Base class of every error jupyter-gpumigrate raises on purpose."""
@@ -63,7 +66,7 @@ class PhaseFailed(MigrateError):
     """A phase of a plan failed; the plan was rolled back as far as ``rolled_back`` says."""
 
     def __init__(self, phase: str, cause: BaseException, rolled_back: bool, undo_errors: list[str]) -> None:
-        message = str(cause) or type(cause).__name__
+        message = said(cause)
         if undo_errors:
             message += " Rolling back also failed: " + "; ".join(undo_errors)
         super().__init__(message)
@@ -104,3 +107,13 @@ class PrivilegeMissing(MigrateError):
     """This server runs as an ordinary user, and nothing lends CRIU the privileges it needs."""
 
     http_status = 503
+
+
+def said(cause: BaseException) -> str:
+    """``cause`` as a sentence: its own words for our errors; a full disk that no step foresaw (a raw
+    ENOSPC or EDQUOT) says which disk is full and what to do, instead of "[Errno 28] ..."."""
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f"The disk of {os.path.dirname(os.fsdecode(cause.filename))}" if cause.filename else "A disk"
+        quota = " (or your quota on it)" if cause.errno == errno.EDQUOT else ""
+        return f"{where} is full{quota} ({cause.strerror or 'no space left'}). Free space on it, then try again."
+    return str(cause) or type(cause).__name__
