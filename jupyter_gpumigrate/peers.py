@@ -1680,9 +1680,15 @@ class GuestHost:
             uuid, gpu_index = target.uuid, target.index
         # The connection file: the kernel's ports and key, for the new process alone (0600, in a 0700 folder).
         connection_file = folder / "connection.json"
-        fd = os.open(connection_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump({**connection_info, "kernel_name": kernel_name}, f)
+        try:
+            fd = os.open(connection_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(fd, "w") as f:
+                json.dump({**connection_info, "kernel_name": kernel_name}, f)
+        except OSError as exc:  # a full disk, say: said, not an internal error
+            self.discard(kernel_id)
+            raise MigrateError(f"The new kernel process's connection file could not be written here in {folder} "
+                               f"({exc.strerror or exc}): free space there, then try again. The kernel runs on, "
+                               "unchanged.") from exc
         cmd, env = self._transplant_argv(kernel_name, str(folder), str(connection_file))
         env = {**os.environ, **env, "CUDA_VISIBLE_DEVICES": uuid or "", DETACH_OUTPUT: "1"}
         # Its output goes to a log here until it is told to go, then to /dev/null (the kernel's own output goes
