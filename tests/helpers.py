@@ -539,6 +539,13 @@ def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+def resident(paths: list[Path]) -> int:
+    """Bytes of ``paths`` in the page cache (util-linux's fincore, which asks mincore(2))."""
+    out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES", *map(str, paths)],
+                         capture_output=True, text=True, check=True).stdout
+    return sum(int(line) for line in out.split())
+
+
 def fill(disk: Path) -> Path:
     """Fill ``disk`` up: a file ``filler`` on it, written until there is no room left; its path."""
     import errno

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
-from helpers import small_tmpfs
+from helpers import resident, small_tmpfs
 from servers import LocalServer
 from test_hibernation import notebook_running, tab_on, taken_back
 
@@ -54,6 +54,24 @@ def test_to_disk_moves_every_file_and_leaves_the_manifest_readable(tmp_path: Pat
     assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in moved.iterdir())
     assert store.to_disk("k1") == moved, "images already on disk stay where they are"
+
+
+def test_images_written_to_disk_leave_the_page_cache_to_others(tmp_path: Path) -> None:
+    """Images go to disk to be read once, at the resume: cached, they would push other processes' files out of
+    memory. Those a dump wrote (made whole by write_manifest) and those moved from memory are dropped from the
+    page cache once on disk; images in memory (a tmpfs, whose pages are the files) are not touched."""
+    store = _store(tmp_path)
+    on_disk = store.create("k1", DISK)
+    (on_disk / "pages-1.img").write_bytes(os.urandom(32 << 20))
+    assert resident([on_disk / "pages-1.img"]) > 16 << 20, "just written: cached"
+    store.write_manifest(on_disk, Manifest(kernel_id="k1", kernel_name="python3", pid=1, ids=[1]))
+    assert resident([on_disk / "pages-1.img"]) < 1 << 20
+    in_memory = store.create("k2", MEMORY)
+    (in_memory / "pages-1.img").write_bytes(os.urandom(32 << 20))
+    store.write_manifest(in_memory, Manifest(kernel_id="k2", kernel_name="python3", pid=1, ids=[1]))
+    assert resident([in_memory / "pages-1.img"]) > 16 << 20, "a memory folder's files are left alone"
+    moved = store.to_disk("k2")
+    assert resident([moved / "pages-1.img"]) < 1 << 20
 
 
 def test_a_move_cut_short_is_finished_at_the_next_start(tmp_path: Path) -> None:

@@ -24,6 +24,7 @@ from helpers import (
     hold_pid,
     notebook,
     operate,
+    resident,
     start_kernel,
 )
 
@@ -559,3 +560,17 @@ async def test_a_suspended_kernel_resumes_though_ipythons_history_file_grew_mean
     op = await operate(jp_fetch, kernel.id, "resume")
     assert op["status"] == "succeeded", op["error"]
     assert (await kernel.run("print(x + 1, any('x = 41' in cell for cell in In))")).strip() == "42 True"
+
+
+async def test_a_suspend_to_disk_leaves_the_page_cache_to_others(jp_fetch, jp_serverapp, kernel):
+    """CRIU writes the kernel's 200 MB through the page cache; once the images are whole they leave it (read
+    once, at the resume, they would otherwise push other processes' cached files out of memory)."""
+    assert (await kernel.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 200\n"
+                             "before = hashlib.sha256(blob).hexdigest(); print('set')")).strip() == "set"
+    assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
+    images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kernel.id
+    pages = list(images.glob("pages-*.img"))
+    written = sum(p.stat().st_size for p in pages)
+    assert written > 200 << 20 and resident(pages) < written // 20, (written, resident(pages))
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    assert (await kernel.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"

@@ -111,6 +111,20 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def _written(path: Path, cached: bool = False) -> None:
+    """``path``, an image file just written, on disk; then, unless ``cached`` (a file in memory: on a tmpfs its
+    pages are the file), out of the page cache. Images are read once, at the resume: kept cached, a suspend to
+    disk of 32 GB would push 32 GB of other processes' cached files out of memory (the host stash drops its
+    own files' pages the same way, kernel/hoststash.py)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        if not cached:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def write_durably(path: Path, text: str) -> None:
     """``text`` into ``path``, 0600, all or nothing, on disk once this returns (a temporary file of its own,
     made exclusively: two writers never mix, and no link planted there is followed)."""
@@ -232,7 +246,7 @@ class ImageStore:
                 if entry.is_file() and not entry.is_symlink():
                     shutil.copyfile(entry, temporary / entry.name, follow_symlinks=False)
                     os.chmod(temporary / entry.name, 0o600)
-                    _fsync_file(temporary / entry.name)
+                    _written(temporary / entry.name)
             _fsync_file(temporary)
         except BaseException:
             _remove(temporary)  # a full disk, say: the memory images stay the kernel's, whole
@@ -357,10 +371,11 @@ class ImageStore:
         """Make the images a complete record, durably: every file private and on disk, the secrets, then
         the manifest, written last (a temporary name, fsync, rename, fsync of the folder). A folder
         without a manifest is an unfinished dump, never taken for a kernel."""
+        in_memory = self.memory_root is not None and path.parent == self.memory_root
         for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
             if entry.is_file() and not entry.is_symlink():
                 entry.chmod(0o600)
-                _fsync_file(entry)
+                _written(entry, cached=in_memory)
         if secrets is not None:
             write_durably(path / SECRETS, json.dumps(secrets))
         manifest.files = {entry.name: entry.stat().st_size for entry in sorted(path.iterdir())
