@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import http.client
 import ipaddress
@@ -135,6 +136,12 @@ class UnknownPeer(MigrateError):
 
 class GuestNotFound(MigrateError):
     http_status = 404
+
+
+class NoRoomHere(MigrateError):
+    """This host's disk (or memory folder) is full: what a peer sent cannot be kept here."""
+
+    http_status = 507
 
 
 class GuestsNotBack(MigrateError):
@@ -1686,7 +1693,7 @@ class GuestHost:
                 json.dump({**connection_info, "kernel_name": kernel_name}, f)
         except OSError as exc:  # a full disk, say: said, not an internal error
             self.discard(kernel_id)
-            raise MigrateError(f"The new kernel process's connection file could not be written here in {folder} "
+            raise (NoRoomHere if exc.errno in (errno.ENOSPC, errno.EDQUOT) else MigrateError)(f"The new kernel process's connection file could not be written here in {folder} "
                                f"({exc.strerror or exc}): free space there, then try again. The kernel runs on, "
                                "unchanged.") from exc
         cmd, env = self._transplant_argv(kernel_name, str(folder), str(connection_file))

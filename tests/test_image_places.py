@@ -56,6 +56,28 @@ def test_to_disk_moves_every_file_and_leaves_the_manifest_readable(tmp_path: Pat
     assert store.to_disk("k1") == moved, "images already on disk stay where they are"
 
 
+def test_a_dump_is_taken_as_finished_only_by_its_own_log_and_with_its_images(tmp_path: Path) -> None:
+    """finished_dump: the pending manifest of images that lack only their manifest. Not for a folder whose
+    CRIU images were never all written (no inventory), nor on a log left by an earlier dump of the kernel."""
+    store = _store(tmp_path)
+    folder = store.create("k1", DISK)
+    pending = Manifest(kernel_id="k1", kernel_name="python3", pid=1, ids=[1])
+    log = store.log_path("k1", "dump")
+    log.write_text("(00.5) Dumping finished successfully\n")
+    os.utime(log, (time.time() - 60, time.time() - 60))  # an earlier dump's
+    store.write_pending(folder, pending)
+    (folder / "pages-1.img").write_bytes(b"x" * 4096)
+    assert store.finished_dump("k1") is None, "no inventory: CRIU did not get to the end"
+    (folder / "inventory.img").write_bytes(b"i")
+    assert store.finished_dump("k1") is None, "the log is older than this dump"
+    log.write_text("(00.1) Error (criu/cr-dump.c:2000): Dumping FAILED.\n")
+    assert store.finished_dump("k1") is None, "this dump's log says it failed"
+    log.write_text("(00.5) Dumping finished successfully\n")
+    assert store.finished_dump("k1") == pending
+    store.write_manifest(folder, pending)
+    assert store.finished_dump("k1") is None and store.read_manifest("k1").kernel_id == "k1"
+
+
 def test_images_written_to_disk_leave_the_page_cache_to_others(tmp_path: Path) -> None:
     """Images go to disk to be read once, at the resume: cached, they would push other processes' files out of
     memory. Those a dump wrote (made whole by write_manifest) and those moved from memory are dropped from the

@@ -243,12 +243,15 @@ def test_a_stop_request_undoes_the_plan_before_a_stoppable_phase_and_only_there(
 @pytest.mark.parametrize("code, filename, said", [
     (28, "/state/images/k/marker.json", "The disk of /state/images/k is full (No space left on device). Free space"),
     (122, None, "A disk is full (or your quota on it) (Disk quota exceeded). Free space"),
+    (28, ("/dev/shm/source.img", "/state/images/k/pages-1.img"), "The disk of /state/images/k is full"),  # a copy's
 ])
 def test_a_full_disk_no_step_foresaw_is_said_in_a_sentence_not_as_an_errno(code, filename, said):
     def write(ctx: World) -> None:
         ctx.world.append("half a file")
         ctx.undo(lambda: ctx.world.remove("half a file"))
-        raise OSError(code, "No space left on device" if code == 28 else "Disk quota exceeded", filename)
+        why = "No space left on device" if code == 28 else "Disk quota exceeded"
+        raise OSError(code, why, *filename[:1], None, filename[1]) if isinstance(filename, tuple) else \
+            OSError(code, why, filename)
 
     ctx = World(Kernel())
     with pytest.raises(PhaseFailed) as info:

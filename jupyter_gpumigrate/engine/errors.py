@@ -113,7 +113,9 @@ def said(cause: BaseException) -> str:
     """``cause`` as a sentence: its own words for our errors; a full disk that no step foresaw (a raw
     ENOSPC or EDQUOT) says which disk is full and what to do, instead of "[Errno 28] ..."."""
     if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
-        where = f"The disk of {os.path.dirname(os.fsdecode(cause.filename))}" if cause.filename else "A disk"
+        written = cause.filename2 or cause.filename  # a copy's: (source, destination)
+        folder = os.path.dirname(os.path.abspath(os.fsdecode(written))) if written else ""
+        where = f"The disk of {folder}" if folder else "A disk"
         quota = " (or your quota on it)" if cause.errno == errno.EDQUOT else ""
         return f"{where} is full{quota} ({cause.strerror or 'no space left'}). Free space on it, then try again."
     return str(cause) or type(cause).__name__

@@ -34,6 +34,8 @@ SECRETS = "secrets.json"
 #: the manifest to be, written before CRIU runs: with CRIU's log, it completes images whose server died
 #: between the end of the dump and the manifest (revive.py)
 PENDING = "pending.json"
+#: CRIU's own record of a dump, written once its images are (the last of them)
+INVENTORY = "inventory.img"
 
 
 @dataclass
@@ -370,7 +372,8 @@ class ImageStore:
     def write_manifest(self, path: Path, manifest: Manifest, secrets: dict | None = None) -> None:
         """Make the images a complete record, durably: every file private and on disk, the secrets, then
         the manifest, written last (a temporary name, fsync, rename, fsync of the folder). A folder
-        without a manifest is an unfinished dump, never taken for a kernel."""
+        without a manifest is an unfinished dump, never taken for a kernel, unless :meth:`finished_dump` says
+        CRIU finished it (the manifest is then written from the pending one)."""
         in_memory = self.memory_root is not None and path.parent == self.memory_root
         for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
             if entry.is_file() and not entry.is_symlink():
@@ -404,12 +407,19 @@ class ImageStore:
         """The manifest to be of ``name``'s images where they are whole but lack their manifest: CRIU's dump
         finished (its log says so), and the manifest was not written after it (its server died right then,
         or the disk filled). None otherwise. :meth:`write_manifest` with it makes them a complete record."""
-        if (self.path_for(name) / MANIFEST).exists():
-            return None
+        folder = self.path_for(name)
+        if (folder / MANIFEST).exists() or not (folder / INVENTORY).is_file():
+            return None  # complete, or CRIU never finished writing here (its inventory comes last)
         pending = self.read_pending(name)
         if pending is None or pending.kernel_id != name:
             return None
-        return pending if dump_finished(self.root / LOGS / f"{self.path_for(name).name}-dump.log") else None
+        log = self.root / LOGS / f"{folder.name}-dump.log"
+        try:  # that dump's log, not one an earlier dump of the kernel left (dump() removes it before CRIU runs)
+            if log.stat().st_mtime < (folder / PENDING).stat().st_mtime:
+                return None
+        except OSError:
+            return None
+        return pending if dump_finished(log) else None
 
     def read_secrets(self, name: str) -> dict:
         """The secrets kept with ``name``'s images ({} if none were)."""

@@ -27,8 +27,9 @@ each written whole (a temporary file, then a rename):
                           before its call) at its safe point
     release-PID.json      {"id", "for", "args"}: go on (after what args      the server; the kernel replies in
                           say), for the wait "for" (its request's id)       reply-ID.json
-    reserve-PID           RESERVE bytes, written with each request; given   the server
-                          up to make room for the release and its reply
+    reserve-PID           RESERVE bytes, made (best effort) with each       the server
+                          request; given up to make room for the
+                          release and its reply
                           where the disk filled meanwhile
 
 The reserve is there because the release matters most when the disk is full: a stash taken at the safe point,
@@ -43,6 +44,7 @@ import json
 import os
 import platform
 import secrets
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -148,21 +150,34 @@ class SafePoint:
         return None
 
     def _reserve(self) -> None:
-        """The reserve (:data:`RESERVE` bytes, real blocks) in the folder, if it is not there whole."""
+        """The reserve (:data:`RESERVE` bytes, real blocks) in the folder, if it is not there whole; those of
+        processes that ended (a restart's, a transplant's source) go. Best effort: without it (a disk all but
+        full already, a file system that cannot allocate ahead) the call is made all the same, as before there
+        was one."""
+        for other in self.folder.glob("reserve-*"):
+            pid = other.name.removeprefix("reserve-")
+            if pid.isdigit() and int(pid) != self.pid and not os.path.exists(f"/proc/{pid}"):
+                other.unlink(missing_ok=True)
         path = self.folder / f"reserve-{self.pid}"
         try:
-            if path.stat().st_blocks * 512 >= RESERVE:
+            found = os.lstat(path)
+            if stat.S_ISREG(found.st_mode) and found.st_blocks * 512 >= RESERVE:
                 return
+            path.unlink()  # short, or not a plain file (a link, a pipe): made again
         except FileNotFoundError:
             pass
-        write = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        except OSError:
+            return
+        try:
+            write = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_NONBLOCK, 0o600)
+        except OSError:
+            return
         try:
             os.posix_fallocate(write, 0, RESERVE)
         except OSError:
-            os.close(write)
             path.unlink(missing_ok=True)
-            raise
-        os.close(write)
+        finally:
+            os.close(write)
 
     def waiting(self) -> dict | None:
         """What this process waits for at its safe point (``{"id", "call"}``), or None."""
@@ -178,8 +193,8 @@ class SafePoint:
         request = self.folder / f"request-{self.pid}.json"
         rid = secrets.token_hex(8)
         (self.folder / f"reply-{rid}.json").unlink(missing_ok=True)
+        self._reserve()
         try:
-            self._reserve()
             write_whole(request, {"id": rid, "call": name, "args": args})
         except OSError as exc:
             self.reason = f"the request could not be written in {self.folder} ({exc.strerror or exc})"

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from .errors import InvalidState, PhaseFailed, Stopped
+from .errors import InvalidState, PhaseFailed, Stopped, said
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ class Saga(Generic[C]):
             kernel.state = BROKEN
             remedy = getattr(kernel, "broken_remedy", None)  # the kernel knows what is left of it
             undone = "; ".join(undo_errors).rstrip(".")
-            kernel.broken_reason = (f"{phase} failed ({str(exc) or type(exc).__name__}), and undoing it failed "
+            kernel.broken_reason = (f"{phase} failed ({said(exc)}), and undoing it failed "
                                     f"too: {undone}. {remedy() if callable(remedy) else 'Restart the kernel.'}")
         else:
             kernel.state = initial
@@ -212,7 +212,7 @@ class Saga(Generic[C]):
                 undo.do()
             except Exception as exc:  # keep undoing the rest, report all
                 log.exception("undo of phase %s failed", undo.phase)
-                errors.append((f"undo of {undo.phase}: {str(exc) or type(exc).__name__}", undo.cleanup))
+                errors.append((f"undo of {undo.phase}: {said(exc)}", undo.cleanup))
         return errors
 
     def _finish(self, ctx: C, kind: str) -> None:

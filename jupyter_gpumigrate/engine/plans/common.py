@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
-from ..criu import Criu, dump_finished
+from ..criu import Criu, dump_finished, error_lines
 from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
@@ -211,6 +211,7 @@ def dump(ctx: KernelContext) -> None:
     # outside the images, which the rollback deletes. The manifest to be goes first: should this server
     # die once CRIU has killed the tree, the next one completes the images from it (revive.py).
     log_path = store.log_path(kernel.kernel_id, "dump")
+    log_path.unlink(missing_ok=True)  # an earlier dump's: only this one's may say it finished (finished_dump)
     images, manifest = ctx.images, ctx.manifest  # the undo's, whatever the context holds by then (back.py)
     with disk_full_said(ctx, "runs on, unchanged."):
         store.write_pending(ctx.images, ctx.manifest, kernel.secrets())
@@ -392,7 +393,9 @@ def criu_restore(ctx: KernelContext) -> int:
     except CriuFailed as exc:
         # CRIU writes its log and the restored tree's PID file beside the images: on a disk filled since they
         # were written it fails with no word of its own ("no error logged"). The disk's room says it.
-        if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images):
+        # Only where CRIU said nothing else (a log it could not write) or said ENOSPC: a cause it logged stands.
+        logged = error_lines(Path(exc.log_path)) if exc.log_path else []
+        if _disk_full(f"{exc}\n{exc.log_tail}") or (not logged and _no_room(ctx.images)):
             raise CriuFailed(
                 f"{_full(ctx.images.parent, ctx.tools.store)} is full: CRIU could not write its log there, so it "
                 "could not restore the kernel. Free room there, then resume again; the images are kept.",
