@@ -573,6 +573,7 @@ class GPUMigrateApp(ExtensionApp):
             await self._settle_restarts()
             return
         self._stopping = True
+        self.settings["gpumigrate_operations"].closing = True  # from now on only the stop starts operations
         if self._retention_task is not None:
             self._retention_task.cancel()  # nothing is discarded while the server stops
         if self._sources_task is not None:
@@ -735,7 +736,7 @@ class GPUMigrateApp(ExtensionApp):
             if kernel_id in operations.active:
                 continue  # an operation of its own is under way; wait_idle waits for it
             try:
-                started.append(operations.start(kernel_id, "suspend"))
+                started.append(operations.start(kernel_id, "suspend", for_stop=True))
             except MigrateError as exc:
                 self.log.warning("gpumigrate: stopping: kernel %s cannot be suspended (%s): it is shut down",
                                  kernel_id, exc)

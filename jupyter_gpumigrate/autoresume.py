@@ -155,8 +155,10 @@ def resuming(base: type[ZMQChannelsWebsocketConnection], operations: Any,
                         continue
                     self._deliver(provisioner)
                     return
-                # Otherwise suspended, or in between (an operation, a restart): wait.
-                if active is None and self._cell is not None and resume_on_execute:
+                # Otherwise suspended, or in between (an operation, a restart, a move of its images to disk,
+                # which refuses a resume for its few seconds: asked once it is over): wait.
+                if active is None and self._cell is not None and resume_on_execute and \
+                        self.kernel_id not in operations.moving_images:
                     cell, self._cell = self._cell, None
                     op = operations.resume_for_cell(self.kernel_id)
                     if op.done and op.error:

@@ -53,14 +53,16 @@ async def relieve(kernel_manager: Any, operations: OperationManager, low: float)
         if kernel_id in operations.active or kernel_id in operations.discarding:
             continue
         operations.moving_images.add(kernel_id)
+        move = asyncio.ensure_future(asyncio.to_thread(provisioner.images.to_disk, kernel_id))
+        # Marked as moving until the copy itself ends, not this coroutine: the server's stop cancels it, and
+        # must then wait for the copy (app.py), not start a second one on the same folder.
+        move.add_done_callback(lambda _, kernel_id=kernel_id: operations.moving_images.discard(kernel_id))
         try:
-            folder = await asyncio.to_thread(provisioner.images.to_disk, kernel_id)
+            folder = await asyncio.shield(move)
         except OSError as exc:
             log.error("gpumigrate: memory runs short (%s), but kernel %s's images could not be moved to disk: %s",
                       said, kernel_id, exc)
             continue
-        finally:
-            operations.moving_images.discard(kernel_id)
         log.warning("gpumigrate: memory runs short (%s): kernel %s's images (%s) moved from memory to %s", said,
                     kernel_id, size(image_bytes), folder)
         moved.append(kernel_id)

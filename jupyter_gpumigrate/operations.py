@@ -58,6 +58,12 @@ KEEP_FINISHED = 200
 __all__ = ["KernelNotFound", "Operation", "OperationManager", "OperationNotFound"]
 
 
+class ServerStopping(MigrateError):
+    """The server is stopping: it starts no operation but those of its own stop."""
+
+    http_status = 503
+
+
 class OperationNotFound(MigrateError):
     http_status = 404
 
@@ -148,6 +154,10 @@ class OperationManager:
         self.discarding: set[str] = set()
         #: kernels whose images are being moved from memory to disk (memorywatch.py, a stopping server)
         self.moving_images: set[str] = set()
+        #: set as the server's stop begins (app.py): no operation starts but the stop's own. A resume started
+        #: then (by a cell still open in a tab, say) would bring back a kernel that the stop keeps suspended,
+        #: only for jupyter_server's shutdown to end it, images and record gone.
+        self.closing = False
 
     # -- kernels ----------------------------------------------------------------------------------------
 
@@ -172,10 +182,14 @@ class OperationManager:
 
     def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
               fast_path: str = "auto", images: str | None = None, accept_left: list[str] | None = None,
-              to_gpus: list[int] | None = None) -> Operation:
+              to_gpus: list[int] | None = None, for_stop: bool = False) -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start.
         ``to_gpus`` (a migrate or resume of a kernel on several GPUs): one GPU for each GPU it holds, in
-        the order of their indices; it stands for ``to_gpu``."""
+        the order of their indices; it stands for ``to_gpu``. ``for_stop``: the server's stop's own (the stop
+        policy 'suspend'), the only ones that start once it began."""
+        if self.closing and not for_stop:
+            raise ServerStopping(f"The server is stopping: kernel {kernel_id} stays as it is, and no {action} "
+                                 "starts now. Try again once the server runs again.")
         if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
             raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
@@ -443,6 +457,8 @@ class OperationManager:
         else the GPU of any model with the most room, or else to the CPU, provided that everything of it
         carries (the dry run names nothing left). A kernel no longer on the GPU when its turn comes is
         left alone, and not listed."""
+        if self.closing:
+            raise ServerStopping("The server is stopping: no drain starts now. Try again once it runs again.")
         gpus = gpus_mod.snapshot()
         placement.gpu_by_index(gpus, index)
         if to_gpu is not None:

@@ -6,6 +6,7 @@ Real servers, run as processes and stopped for real; real CRIU; real kernels.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import re
@@ -333,6 +334,21 @@ async def test_a_server_stopped_while_jupyter_restarts_a_dead_kernel_stops_and_l
     pytest.fail("the restart was over before the stop began, three times")
 
 
+async def _stopped_then_back_with_its_value(server: LocalServer, kept: str) -> None:
+    """Once ``server`` has stopped (signalled already), ``kept`` has whole images; the next start lists it
+    suspended, and a cell brings it back with its ``value`` (41)."""
+    try:
+        server.proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"the server did not stop within 60 s:\n{server.server_log()}")
+    assert (server.state / "images" / kept / "manifest.json").is_file(), server.server_log()
+    server.start()
+    assert taken_back(server, kept)["state"] == "suspended"
+    tab = await tab_on(server, kept)
+    assert (await tab.run("print(value + 1)", timeout=120)).strip() == "42"
+    tab.ws.close()
+
+
 async def test_a_second_signal_during_the_stop_keeps_the_images_of_a_kernel_suspended_before(tmp_path):
     """An attack: with the stop policy 'suspend', a second SIGTERM while the first stop suspends the running
     kernels. jupyter_server then shuts every kernel down at once; the extension said the server was stopping
@@ -357,22 +373,58 @@ async def test_a_second_signal_during_the_stop_keeps_the_images_of_a_kernel_susp
             assert time.monotonic() < deadline and server.proc.poll() is None, server.server_log()
             time.sleep(0.01)
         server.proc.send_signal(signal.SIGTERM)
-        try:
-            server.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pytest.fail(f"the server did not stop within 60 s of its second SIGTERM:\n{server.server_log()}")
-        assert (server.state / "images" / kept / "manifest.json").is_file(), server.server_log()
-        server.start()
-        assert taken_back(server, kept)["state"] == "suspended"
-        tab = await tab_on(server, kept)
-        assert (await tab.run("print(value + 1)", timeout=120)).strip() == "42"
-        tab.ws.close()
+        await _stopped_then_back_with_its_value(server, kept)
         # The kernel the first stop was suspending: its shutdown waited for that suspend, which it finished.
         assert taken_back(server, big)["state"] == "suspended"
         tab = await tab_on(server, big)
         assert (await tab.run("print(len(blob))", timeout=120)).strip() == str(256 * 8_000_000)
         tab.ws.close()
     finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
+async def test_a_cell_run_on_a_suspended_kernel_while_the_server_stops_does_not_lose_it(tmp_path):
+    """An attack: the server stops (the stop policy 'suspend', held open here by another kernel's dump, which
+    is SIGSTOPped), and a cell is run in the open tab of a kernel its user suspended before. The cell used to
+    resume that kernel, only for jupyter_server's shutdown to end it as the stop went on: its images and record
+    gone for good. Now no operation starts once the stop has begun but the stop's own: the tab is told, the
+    kernel stays suspended, and the next server brings it back when the cell is run again."""
+    server = LocalServer(tmp_path / "server", extra_config={"GPUMigrateApp": {"stop_policy": "suspend"}})
+    criu = None
+    try:
+        server.start()
+        _, kept = notebook_session(server, "kept.ipynb")
+        tab = await tab_on(server, kept)
+        assert (await tab.run("value = 41\nprint('ok')")).strip() == "ok"
+        assert server.operate(kept, "suspend")["status"] == "succeeded"
+        _, other = notebook_session(server, "other.ipynb")
+        other_tab = await tab_on(server, other)
+        assert (await other_tab.run("print('ok')")).strip() == "ok"
+        other_tab.ws.close()
+        server.proc.send_signal(signal.SIGTERM)
+        criu = criu_of(server.proc.pid, b"dump", 30)
+        assert criu is not None, server.server_log()
+        os.kill(criu, signal.SIGSTOP)  # the stop waits for that suspend: the window stays open
+        asked = tab.send("execute_request", {"code": "print(value + 1)", "silent": False, "store_history": True,
+                                             "user_expressions": {}, "allow_stdin": False})
+        said = ""
+        deadline = time.monotonic() + 30
+        while "The server is stopping" not in said:
+            raw = await asyncio.wait_for(tab.ws.read_message(), max(0.1, deadline - time.monotonic()))
+            assert raw is not None and time.monotonic() < deadline, said
+            reply = json.loads(raw) if isinstance(raw, str) else {}
+            if reply.get("parent_header", {}).get("msg_id") == asked and reply.get("msg_type") == "stream":
+                said += reply["content"]["text"]
+        assert "could not be resumed" in said and "stays as it is" in said, said
+        os.kill(criu, signal.SIGCONT)
+        criu = None
+        tab.ws.close()
+        await _stopped_then_back_with_its_value(server, kept)
+        assert taken_back(server, other)["state"] == "suspended", "the stop's own suspend went on"
+    finally:
+        if criu is not None:
+            os.kill(criu, signal.SIGCONT)
         server.stop(signal.SIGKILL)
         server.kill_kernels()
 

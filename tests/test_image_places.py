@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import resident, small_tmpfs
 from servers import LocalServer
-from test_hibernation import notebook_running, tab_on, taken_back
+from test_hibernation import notebook_running, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import images
 from jupyter_gpumigrate.engine.errors import ImageError
@@ -246,6 +246,68 @@ async def test_memory_images_go_to_disk_when_the_hosts_memory_runs_short(tmp_pat
             time.sleep(0.2)
         tab = await tab_on(server, kernel_id)  # a cell resumes it, from disk, with its state
         assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
+        tab.ws.close()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
+def _moving_soon(server: LocalServer, kernel_id: str, timeout: float = 60) -> None:
+    """Once the memory watcher's move of the kernel's images to disk has begun (its folder ``.moving-<id>``)."""
+    deadline = time.monotonic() + timeout
+    while not (server.state / "images" / f".moving-{kernel_id}").exists():
+        assert time.monotonic() < deadline, server.server_log()
+        time.sleep(0.002)
+
+
+#: 1.5 GB: its images take a second or more to copy to disk, a window to act in
+BIG = "value = 41\nblob = bytes(range(256)) * 6_000_000\nprint('set')"
+
+
+async def test_a_cell_run_while_the_images_move_to_disk_runs_once_they_are_there(tmp_path):
+    """An attack: a cell run on a suspended kernel while the memory watcher moves its images to disk. Its resume
+    was refused ('being moved... try again') and never asked again: the cell waited for ever. Now the resume is
+    asked once the move is over, and the cell runs."""
+    server = LocalServer(tmp_path / "server", {"GPUMigrateApp": {"memory_low": 1.0, "memory_check_interval": 0.5}})
+    try:
+        server.start()
+        _, kernel_id = notebook_session(server)
+        tab = await tab_on(server, kernel_id)
+        assert (await tab.run(BIG, timeout=120)).strip() == "set"
+        op = server.operate(kernel_id, "suspend", {"images": "memory"})
+        assert op["status"] == "succeeded" and op["images"] == "memory", op
+        _moving_soon(server, kernel_id)
+        assert (await tab.run("print(value + 1, len(blob))", timeout=120)).split() == ["42", str(256 * 6_000_000)]
+        assert "could not be resumed" not in server.server_log()
+        tab.ws.close()
+    finally:
+        server.stop(signal.SIGKILL)
+        server.kill_kernels()
+
+
+async def test_a_stop_during_the_memory_watchers_move_waits_for_it_and_makes_no_second(tmp_path):
+    """An attack: SIGTERM while the memory watcher moves a suspended kernel's images to disk. The stop cancelled
+    the watcher, which said at once that the move was over while its copy went on; the stop then began a second
+    move of the same images, which removed the first one's copy under it: both failed (the images stayed in
+    memory, lost if the host restarts), or the memory copy went with a partial one in its place. Now the stop
+    waits for the copy, finds the images on disk, and the next server resumes the kernel from there."""
+    server = LocalServer(tmp_path / "server", {"GPUMigrateApp": {"memory_low": 1.0, "memory_check_interval": 0.5}})
+    try:
+        server.start()
+        _, kernel_id, out = await notebook_running(server, BIG, timeout=120)
+        assert out == "set"
+        op = server.operate(kernel_id, "suspend", {"images": "memory"})
+        assert op["status"] == "succeeded" and op["images"] == "memory", op
+        _moving_soon(server, kernel_id)
+        server.stop(signal.SIGTERM, timeout=120)
+        log = server.server_log()
+        assert "moving the images of" not in log and "stay in memory" not in log, log
+        assert (server.state / "images" / kernel_id / "manifest.json").is_file(), log
+        assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}")), "no copy left in memory"
+        server.start()
+        assert taken_back(server, kernel_id)["images"] == "disk"
+        tab = await tab_on(server, kernel_id)
+        assert (await tab.run("print(value + 1, len(blob))", timeout=120)).split() == ["42", str(256 * 6_000_000)]
         tab.ws.close()
     finally:
         server.stop(signal.SIGKILL)

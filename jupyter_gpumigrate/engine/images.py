@@ -18,6 +18,7 @@ import shutil
 import stat
 import socket
 import tempfile
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -111,6 +112,15 @@ def _fsync_file(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+_LOCKS: dict[Path, threading.Lock] = {}
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock_of(path: Path) -> threading.Lock:
+    with _LOCKS_LOCK:
+        return _LOCKS.setdefault(path, threading.Lock())
 
 
 def _written(path: Path, cached: bool = False) -> None:
@@ -235,7 +245,13 @@ class ImageStore:
     def to_disk(self, name: str) -> Path:
         """Move ``name``'s memory images to disk; their disk folder. Crash-safe: the copy is made under a
         temporary name, synced, renamed (a disk folder with a manifest is complete, and wins over the memory
-        one), and only then is the memory folder removed. A no-op for images already on disk."""
+        one), and only then is the memory folder removed. A no-op for images already on disk. Two moves of one
+        kernel at once (the memory watcher's and the stop's) go one after the other: the second finds the
+        images on disk, instead of removing the first one's copy under it."""
+        with _lock_of(self.root / name):
+            return self._to_disk(name)
+
+    def _to_disk(self, name: str) -> Path:
         source = self.path_for(name)
         if self.where(name) != MEMORY:
             return source
