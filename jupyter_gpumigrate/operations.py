@@ -16,10 +16,12 @@ import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import yaml
+from traitlets import TraitError
 
 from .engine import gpus as gpus_mod
 from .engine import cudackpt, placement
@@ -182,14 +184,18 @@ class OperationManager:
 
     def start(self, kernel_id: str, action: str, to_gpu: int | None = None, to_host: str | None = None,
               fast_path: str = "auto", images: str | None = None, accept_left: list[str] | None = None,
-              to_gpus: list[int] | None = None, for_stop: bool = False) -> Operation:
+              to_gpus: list[int] | None = None, for_stop: bool = False, idle_since: datetime | None = None
+              ) -> Operation:
         """Check the request, then start the operation; raises a :class:`MigrateError` if it cannot start.
         ``to_gpus`` (a migrate or resume of a kernel on several GPUs): one GPU for each GPU it holds, in
         the order of their indices; it stands for ``to_gpu``. ``for_stop``: the server's stop's own (the stop
-        policy 'suspend'), the only ones that start once it began."""
+        policy 'suspend'), the only ones that start once it began. ``idle_since`` (a suspend or transplant):
+        only if the kernel is idle and was not active after that time."""
         if self.closing and not for_stop:
             raise ServerStopping(f"The server is stopping: kernel {kernel_id} stays as it is, and no {action} "
                                  "starts now. Try again once the server runs again.")
+        if idle_since is not None:
+            self._still_idle(kernel_id, idle_since)
         if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
             raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
@@ -258,6 +264,23 @@ class OperationManager:
                 op.stager = {"path": stash.path, "token": stash.token}
         self.active[kernel_id] = op
         return self._launch(op, self._run(op, provisioner, criu, stash=stash, invite=fast_path != "caller", via=via))
+
+    def _still_idle(self, kernel_id: str, since: datetime) -> None:
+        """Refuse (InvalidState) unless the kernel is idle and was last active at ``since`` or before: the
+        caller decided on what it saw then (the Hub's idle policy), and a cell may have started since."""
+        kernel = self.views.kernel(kernel_id)
+        heard = getattr(kernel, "execution_state", None)
+        try:
+            last = getattr(kernel, "last_activity", None)
+        except TraitError:  # not set yet: the kernel is starting, and was never active
+            last = None
+        since = since if since.tzinfo else since.replace(tzinfo=timezone.utc)
+        if isinstance(last, datetime) and last.tzinfo is None:
+            last = last.replace(tzinfo=timezone.utc)
+        if heard not in ("idle", "starting") or (isinstance(last, datetime) and last > since):
+            when = last.isoformat() if isinstance(last, datetime) else "unknown"
+            raise InvalidState(f"Kernel {kernel_id} is {heard}, last active at {when}, after {since.isoformat()} "
+                               "(idle_since): it is left as it is.")
 
     @staticmethod
     def _move_via(provisioner: MigratableProvisioner, move: placement.Move | None, fast_path: str) -> str | None:

@@ -580,8 +580,17 @@ class ThisServer:
 
     async def call(self, server: Any, path: str, method: str = "GET", body: Any = None, timeout: float | None = None
                    ) -> Any:
-        expect = 202 if method == "POST" and not (body or {}).get("dry_run") else 200
-        return await api(self.jp_fetch, *path.split("/"), method=method, body=body, expect=expect)
+        """The answer, or ServerError with the server's message and status, as the service's own call says."""
+        from jupyter_gpumigrate_client.hub.servers import ServerError
+
+        kwargs: dict[str, Any] = {"method": method, "raise_error": False}
+        if method == "POST":
+            kwargs["body"] = json.dumps(body or {})
+        response = await self.jp_fetch("api", "gpumigrate", *path.split("/"), **kwargs)
+        answer = json.loads(response.body) if response.body else None
+        if response.code >= 400:
+            raise ServerError(str((answer or {}).get("message") or response.code), response.code)
+        return answer
 
 
 def transplant_processes() -> list[int]:

@@ -181,7 +181,7 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
         ("ResumeRequest", [1], "The body must be a JSON object"),
         ("ResumeRequest", {"to_gpu": "one"}, "'to_gpu' must be a whole number >= 0 or null (got 'one')"),
         ("ResumeRequest", {"to_gpu": True}, "'to_gpu' must be a whole number >= 0"),
-        ("SuspendRequest", {"to_gpu": 0}, "Unknown field(s) to_gpu; allowed fields: images."),
+        ("SuspendRequest", {"to_gpu": 0}, "Unknown field(s) to_gpu; allowed fields: idle_since, images."),
         ("SuspendRequest", {"images": "ram"}, "'images' is one of auto, memory, disk"),
         ("MigrateRequest", {"to_gpu": None}, "'migrate' needs to_gpu, to_gpus (a kernel on several GPUs: one GPU for "
                                               "each) or to_host"),

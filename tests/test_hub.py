@@ -21,7 +21,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -599,6 +599,28 @@ async def test_the_idle_policy_decides_on_real_kernel_records(jp_fetch, kernel):
     ]:
         with pytest.raises(ContractError, match=words):
             check_answers([record], dict(gpus, gpus=[broken]))
+
+
+async def test_the_idle_policy_leaves_a_kernel_that_was_active_after_it_looked(jp_fetch, kernel):
+    """The policy decides from a view of a server's kernels, then asks for each suspend: a cell run in between
+    was suspended at its safe point, its work frozen until another cell resumed it. The suspend now carries the
+    last activity the policy saw (idle_since): the server refuses it (409), and the kernel runs on. A request
+    whose idle_since is not a time is refused (400); one that matches what the server saw goes ahead."""
+    servers = ThisServer(jp_fetch)
+    [server] = await servers.running()
+    await server_sees_idle(jp_fetch, kernel)
+    [view] = await servers.views([server])  # what the policy sees
+    assert (await kernel.run("y = 6 * 7\nprint(y)")).strip() == "42"  # a cell, after that
+    await server_sees_idle(jp_fetch, kernel)
+    policy = IdlePolicy(minutes=0, gpu_only=False, grace_minutes=0)
+    [decision] = await policy._server(servers, server, view, datetime.now(timezone.utc))
+    assert decision["suspend"] and "operation" not in decision, decision
+    assert f"Kernel {kernel.id} is idle, last active at" in decision["error"] and "(idle_since)" in decision["error"]
+    assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
+    await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", body={"idle_since": "yesterday"}, expect=400)
+    seen = (await api(jp_fetch, "kernels", kernel.id))["last_activity"]
+    op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", body={"idle_since": seen}, expect=202)
+    assert (await wait_operation(jp_fetch, op))["status"] == "succeeded"
 
 
 async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objects_all_carry(jp_fetch, kernel):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+
 from jupyter_server.auth.decorator import authorized
 from tornado import web
 
@@ -56,10 +58,19 @@ class KernelActionHandler(BaseHandler):
             except MigrateError as exc:
                 self.send_migrate_error(exc)
             return
+        idle_since = None
+        if body.get("idle_since") is not None:
+            try:
+                idle_since = datetime.fromisoformat(body["idle_since"])
+            except ValueError:
+                self.send_error_message(400, f"'idle_since' is a time in ISO 8601, as a kernel's last_activity "
+                                             f"(got {body['idle_since']!r}).")
+                return
         try:
             op = self.operations.start(kernel_id, action, to_gpu=body.get("to_gpu"), to_host=body.get("to_host"),
                                        fast_path=fast_path, images=body.get("images"),
-                                       accept_left=body.get("accept_left"), to_gpus=body.get("to_gpus"))
+                                       accept_left=body.get("accept_left"), to_gpus=body.get("to_gpus"),
+                                       idle_since=idle_since)
         except MigrateError as exc:
             self.send_migrate_error(exc)
             return

@@ -631,6 +631,10 @@ export interface SuspendRequest {
    * memory (a tmpfs: fast, holds host memory, lost with a reboot, moved to disk when the server stops), disk, or auto (memory where there is room); absent: c.MigratableProvisioner.suspend_to.
    */
   images?: 'auto' | 'memory' | 'disk';
+  /**
+   * only if the kernel is still idle and has had no activity since this time (ISO 8601: its last_activity as the caller saw it); a decision made on an older view, as the Hub's idle policy makes, is then refused (409) instead of suspending a cell that started meanwhile
+   */
+  idle_since?: string;
 }
 /**
  * POST /kernels/{id}/resume.
@@ -678,6 +682,10 @@ export interface TransplantRequest2 {
    * the names the dry run said would not carry, as shown to whoever confirmed: the transplant is refused if more would be left behind
    */
   accept_left?: string[];
+  /**
+   * only if the kernel is still idle and has had no activity since this time (ISO 8601: its last_activity as the caller saw it); a decision made on an older view, as the Hub's idle policy makes, is then refused (409) instead of suspending a cell that started meanwhile
+   */
+  idle_since?: string;
 }
 /**
  * POST /kernels/{id}/back: no fields; the kernel goes back to the process its last transplant replaced, and what it did since is lost.

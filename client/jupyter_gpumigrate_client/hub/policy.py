@@ -166,6 +166,7 @@ class IdlePolicy:
                         decisions.append(decision)
                         continue
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
+                    body["idle_since"] = kernel["last_activity"]  # refused if a cell started since this view
                     op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
                     decision.update(operation=op["id"], action=action, reason=reason)
                     if action == "transplant":
