@@ -957,7 +957,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         manager = getattr(self.parent, "parent", None)
         return self._server_stopping() or bool(getattr(manager, "gpumigrate_leaving", False))
 
-    def _keep_or_discard(self) -> None:
+    async def _keep_or_discard(self) -> None:
         """A suspended kernel shut down: by its user, its images go; by its server stopping, they stay, and
         the next server takes it back (revive.py); taken by another host (engine/shared.py), they are its now."""
         if self.given_away:
@@ -971,12 +971,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             self.log.info("gpumigrate: kernel %s stays suspended for the next server (its images are in %s)",
                           self.kernel_id, self.images.path_for(self.kernel_id))
         else:
-            self._discard_images()
+            await self._discard_images()
 
     async def _end(self, signum: int) -> None:
         await self._migration_done("the kernel is being shut down")
         if self.state == SUSPENDED:
-            self._keep_or_discard()
+            await self._keep_or_discard()
             return
         if self._keeps_peer_copy():
             await self.leave_remote()
@@ -986,7 +986,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                 await self.send_signal(signum)
             except ProcessLookupError:
                 pass
-            self._keep_or_discard()
+            await self._keep_or_discard()
             return
         if self.state == REMOTE:
             await self._end_remote()
@@ -1000,7 +1000,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         # A suspended kernel never reads the shutdown message: shutting it down means deleting it.
         await self._migration_done("the kernel is being restarted" if restart else "the kernel is being shut down")
         if self.state == SUSPENDED:
-            self._keep_or_discard()
+            await self._keep_or_discard()
         elif self.state == REMOTE:
             self._remote_ending = True  # poll() now asks the other host whether it has exited
 
@@ -1038,12 +1038,15 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         self.remote_gpus, self._remote_ending = [], False
         self.state = STOPPED
 
-    def _discard_images(self) -> None:
+    async def _discard_images(self) -> None:
+        self.state = STOPPED  # first: nothing starts on it while its images go
         try:
-            self.images.remove(self.kernel_id)
+            # In a thread: a move of them from memory to disk under way (the memory watcher's) is waited for
+            # (ImageStore.remove), or it would put a whole copy on disk after they were deleted, and the next
+            # server would bring back a kernel its user discarded.
+            await asyncio.to_thread(self.images.remove, self.kernel_id)
         except MigrateError as exc:  # the node helper does not answer: say where they stay
             self.log.warning("gpumigrate: the images of kernel %s were not deleted: %s", self.kernel_id, exc)
-        self.state = STOPPED
 
     async def cleanup(self, restart: bool = False) -> None:
         if self._keeps_peer_copy():

@@ -78,8 +78,8 @@ async def discard_expired(kernel_manager: Any, operations: OperationManager, ret
         return []
     done: list[Discarded] = []
     for kernel_id, age, image_bytes in expired(kernel_manager, retention):
-        if kernel_id in operations.active:
-            continue  # a resume (or another operation) under way: it is not idle; the next pass looks again
+        if kernel_id in operations.active or kernel_id in operations.moving_images:
+            continue  # a resume (or another operation, a move to disk) under way: the next pass looks again
         operations.discarding.add(kernel_id)
         try:
             await kernel_manager.shutdown_kernel(kernel_id)  # what DELETE /api/kernels/{id} does: discard

@@ -78,6 +78,28 @@ def test_a_dump_is_taken_as_finished_only_by_its_own_log_and_with_its_images(tmp
     assert store.finished_dump("k1") is None and store.read_manifest("k1").kernel_id == "k1"
 
 
+def test_images_removed_while_they_move_to_disk_are_gone_from_both(tmp_path: Path) -> None:
+    """A kernel discarded (DELETE, the retention) while the memory watcher moves its images to disk: the
+    removal waits for the move, then deletes both copies. Before, the move went on after the memory copy was
+    deleted and renamed a whole copy into place on disk, and the next server brought back the kernel its user
+    had discarded."""
+    import threading
+
+    store = _store(tmp_path)
+    folder = _suspended(store, "k1", MEMORY)
+    (folder / "pages-2.img").write_bytes(os.urandom(256 << 20))  # a copy that lasts a while
+    mover = threading.Thread(target=store.to_disk, args=("k1",))
+    mover.start()
+    deadline = time.monotonic() + 30
+    while not (store.root / ".moving-k1").exists():
+        assert time.monotonic() < deadline and mover.is_alive(), "the move did not begin"
+        time.sleep(0.0005)
+    store.remove("k1")
+    mover.join(30)
+    assert not (store.root / "k1").exists() and not folder.exists() and not (store.root / ".moving-k1").exists()
+    assert store.names() == []
+
+
 def test_images_written_to_disk_leave_the_page_cache_to_others(tmp_path: Path) -> None:
     """Images go to disk to be read once, at the resume: cached, they would push other processes' files out of
     memory. Those a dump wrote (made whole by write_manifest) and those moved from memory are dropped from the

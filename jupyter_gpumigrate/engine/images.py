@@ -114,13 +114,14 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-_LOCKS: dict[Path, threading.Lock] = {}
+_LOCKS: dict[Path, threading.RLock] = {}
 _LOCKS_LOCK = threading.Lock()
 
 
-def _lock_of(path: Path) -> threading.Lock:
+def _lock_of(path: Path) -> threading.RLock:
+    """The lock of one kernel's images in this process: a move to disk and a removal, one after the other."""
     with _LOCKS_LOCK:
-        return _LOCKS.setdefault(path, threading.Lock())
+        return _LOCKS.setdefault(path, threading.RLock())
 
 
 def _written(path: Path, cached: bool = False) -> None:
@@ -481,7 +482,12 @@ class ImageStore:
                 log.unlink(missing_ok=True)
 
     def remove(self, name: str, keep_logs: bool = False) -> None:
-        """Delete ``name``'s images, in memory and on disk, and (unless ``keep_logs``) the logs kept beside them."""
+        """Delete ``name``'s images, in memory and on disk, and (unless ``keep_logs``) the logs kept beside them;
+        once a move of them to disk under way (:meth:`to_disk`) is over."""
+        with _lock_of(self.root / name):
+            self._remove_images(name, keep_logs)
+
+    def _remove_images(self, name: str, keep_logs: bool) -> None:
         if not keep_logs:
             self.remove_logs(name)
         self.path_for(name)  # a valid name
