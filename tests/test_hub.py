@@ -33,7 +33,7 @@ from tornado.websocket import websocket_connect
 
 from jupyter_gpumigrate_client.contract import ContractError
 from jupyter_gpumigrate_client.hub.policy import IdlePolicy, last_operations
-from jupyter_gpumigrate_client.hub.servers import check_answers
+from jupyter_gpumigrate_client.hub.servers import ServerError, check_answers
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -621,6 +621,22 @@ async def test_the_idle_policy_leaves_a_kernel_that_was_active_after_it_looked(j
     seen = (await api(jp_fetch, "kernels", kernel.id))["last_activity"]
     op = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", body={"idle_since": seen}, expect=202)
     assert (await wait_operation(jp_fetch, op))["status"] == "succeeded"
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+
+    # A user's server of an older version refuses the field it does not know (as its schema says, 400): the
+    # policy asks again without it, as it did before it had one.
+    class Older(ThisServer):
+        async def call(self, server, path, method="GET", body=None, timeout=None):
+            if "idle_since" in (body or {}):
+                raise ServerError("Unknown field(s) idle_since; allowed fields: images.", 400)
+            return await super().call(server, path, method, body, timeout)
+
+    await server_sees_idle(jp_fetch, kernel)
+    [view] = await servers.views([server])
+    [decision] = await policy._server(Older(jp_fetch), server, view, datetime.now(timezone.utc))
+    assert decision["suspend"] and "operation" in decision, decision
+    assert (await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"])))["status"] == \
+        "succeeded"
 
 
 async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objects_all_carry(jp_fetch, kernel):

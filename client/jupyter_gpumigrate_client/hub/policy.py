@@ -167,7 +167,14 @@ class IdlePolicy:
                         continue
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
                     body["idle_since"] = kernel["last_activity"]  # refused if a cell started since this view
-                    op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
+                    try:
+                        op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
+                    except ServerError as exc:
+                        if exc.status != 400 or "idle_since" not in str(exc):
+                            raise
+                        # A server of an older version, which does not know the field: as before it had one.
+                        del body["idle_since"]
+                        op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
                     decision.update(operation=op["id"], action=action, reason=reason)
                     if action == "transplant":
                         self._sent.add(kernel["id"])
