@@ -195,8 +195,8 @@ class GPUMigrateApp(ExtensionApp):
         ["shutdown", "suspend"], default_value="shutdown",
         help="What stopping the server does to its running kernels. 'shutdown': they end, as with any "
         "Jupyter server. 'suspend': each is suspended first (in parallel, within stop_timeout) and comes back "
-        "at the next start, with its notebook; one that cannot be suspended in time is shut down, and the log "
-        "says so; one that runs on a peer is suspended there, and the next start resumes it there. Kernels that "
+        "at the next start, with its notebook (to memory if its disk is full, where there is room there); one that "
+        "cannot be suspended in time is shut down, and the log says so; one that runs on a peer is suspended there, and the next start resumes it there. Kernels that "
         "are already suspended always stay suspended, whatever the policy (README, 'Kernels outlive their "
         "server').",
     ).tag(config=True)
@@ -746,8 +746,28 @@ class GPUMigrateApp(ExtensionApp):
                       self.stop_timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.stop_timeout
-        while any(not op.done for op in started) and loop.time() < deadline:
-            await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
+
+        async def finished() -> None:
+            while any(not op.done for op in started) and loop.time() < deadline:
+                await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
+
+        await finished()
+        # A suspend that found the disk full goes to memory, where there is room, rather than the kernel being
+        # shut down with all it held: the move to disk below then fails too, and leaves the images in memory,
+        # where the next start on this host takes them back (lost only if the host restarts meanwhile).
+        for op in list(started):
+            if op.done and op.status == "failed" and " is full" in (op.error or "") and \
+                    not (op.error or "").startswith("The memory folder"):
+                try:
+                    again = operations.start(op.kernel_id, "suspend", images="memory", for_stop=True)
+                except MigrateError as exc:
+                    self.log.warning("gpumigrate: stopping: kernel %s: its disk is full, and its images cannot go "
+                                     "to memory either (%s)", op.kernel_id, exc)
+                    continue
+                self.log.warning("gpumigrate: stopping: kernel %s: its disk is full (%s); suspending it to memory "
+                                 "instead", op.kernel_id, op.error)
+                started[started.index(op)] = again
+        await finished()
         late = [op for op in started if not op.done]
         if late:
             # Their CRIU runs stopped, their dumps give the kernels back (each plan rolls back); then they are

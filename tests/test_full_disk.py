@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from helpers import api, fill, operate, small_tmpfs
 from servers import LocalServer
-from test_hibernation import criu_of, notebook_session, tab_on
+from test_hibernation import criu_of, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import proctree
 
@@ -125,6 +125,37 @@ async def test_a_disk_filled_between_the_dump_and_its_manifest_leaves_the_kernel
             assert op["status"] == "succeeded", op
             tab = await tab_on(srv, kernel_id)
             assert (await tab.run("print(x + 1)")).strip() == "42"
+            tab.ws.close()
+        finally:
+            srv.stop(signal.SIGKILL)
+            srv.kill_kernels()
+
+
+async def test_a_server_stopping_with_its_disk_full_suspends_its_kernels_to_memory_instead(tmp_path):
+    """The stop policy 'suspend', images to disk, and the disk full: the stop's suspend failed and the kernel was
+    shut down, with all it held. Now its images go to memory instead (where there is room): the move to disk as
+    the server stops fails too and leaves them there, and the next start on this host takes the kernel back."""
+    with small_tmpfs(tmp_path / "small", "200m") as small:
+        srv = LocalServer(tmp_path / "server", {
+            "MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"},
+            "GPUMigrateApp": {"stop_policy": "suspend"}})
+        try:
+            srv.start()
+            _, kernel_id = notebook_session(srv)
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("x = 41; print('set')")).strip() == "set"
+            tab.ws.close()
+            filler = fill(small)
+            srv.stop(signal.SIGTERM, timeout=120)
+            log = srv.server_log()
+            assert f"kernel {kernel_id}: its disk is full" in log and "suspending it to memory instead" in log, log
+            assert "It is shut down" not in log, log
+            filler.unlink()
+            srv.start()
+            view = taken_back(srv, kernel_id)
+            assert view["state"] == "suspended" and view["images"] == "memory", view
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
             tab.ws.close()
         finally:
             srv.stop(signal.SIGKILL)
