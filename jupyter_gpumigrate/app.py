@@ -34,7 +34,7 @@ from .engine.access import images_root, open_criu
 from .engine.errors import MigrateError
 from .engine.images import write_durably
 from .engine.migration import SUSPENDED
-from .operations import EVENT_SCHEMA_ID, OperationManager, event_schema
+from .operations import EVENT_SCHEMA_ID, Operation, OperationManager, event_schema
 from .peers import RUNNING_GUESTS, GuestHost, Peer
 from .provisioner import PROVISIONER_NAME, RECORDS, MigratableProvisioner
 from .memorywatch import keep_relieving
@@ -719,6 +719,28 @@ class GPUMigrateApp(ExtensionApp):
                 self.log.info("gpumigrate: kernel %s: its images moved from memory to %s in %.1f s", kernel_id,
                               move.result(), time.monotonic() - started)
 
+    def _disk_was_full(self, op: Operation) -> bool:
+        """Whether ``op`` failed because the disk of the kernel's images was full (not its memory folder)."""
+        provisioner = getattr(self.serverapp.kernel_manager.get_kernel(op.kernel_id), "provisioner", None) \
+            if op.kernel_id in self.serverapp.kernel_manager else None
+        memory = provisioner.images.memory_root if isinstance(provisioner, MigratableProvisioner) else None
+        return op.no_room is not None and (memory is None or not Path(op.no_room).is_relative_to(memory))
+
+    def _suspend_to_memory(self, operations: OperationManager, failed: Operation) -> Operation:
+        """The stop's suspend of a kernel whose disk was full, again, with its images in memory where there is
+        room, rather than the kernel being shut down with all it held: the move to disk as the server stops
+        then fails too and leaves them in memory, where the next start on this host takes them back (lost only
+        if the host restarts meanwhile). ``failed`` itself where that cannot start."""
+        try:
+            again = operations.start(failed.kernel_id, "suspend", images="memory", for_stop=True)
+        except MigrateError as exc:
+            self.log.warning("gpumigrate: stopping: kernel %s: its disk is full, and its images cannot go to memory "
+                             "either (%s)", failed.kernel_id, exc)
+            return failed
+        self.log.warning("gpumigrate: stopping: kernel %s: its disk is full (%s); suspending it to memory instead",
+                         failed.kernel_id, failed.error)
+        return again
+
     def _images_of(self, kernel_id: str) -> Path:
         km = self.serverapp.kernel_manager
         provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None) if kernel_id in km else None
@@ -746,28 +768,15 @@ class GPUMigrateApp(ExtensionApp):
                       self.stop_timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.stop_timeout
-
-        async def finished() -> None:
-            while any(not op.done for op in started) and loop.time() < deadline:
-                await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
-
-        await finished()
-        # A suspend that found the disk full goes to memory, where there is room, rather than the kernel being
-        # shut down with all it held: the move to disk below then fails too, and leaves the images in memory,
-        # where the next start on this host takes them back (lost only if the host restarts meanwhile).
-        for op in list(started):
-            if op.done and op.status == "failed" and " is full" in (op.error or "") and \
-                    not (op.error or "").startswith("The memory folder"):
-                try:
-                    again = operations.start(op.kernel_id, "suspend", images="memory", for_stop=True)
-                except MigrateError as exc:
-                    self.log.warning("gpumigrate: stopping: kernel %s: its disk is full, and its images cannot go "
-                                     "to memory either (%s)", op.kernel_id, exc)
-                    continue
-                self.log.warning("gpumigrate: stopping: kernel %s: its disk is full (%s); suspending it to memory "
-                                 "instead", op.kernel_id, op.error)
-                started[started.index(op)] = again
-        await finished()
+        retried: set[str] = set()
+        while loop.time() < deadline:
+            for i, op in enumerate(started):  # as soon as each fails
+                if op.done and op.status == "failed" and op.kernel_id not in retried and self._disk_was_full(op):
+                    retried.add(op.kernel_id)
+                    started[i] = self._suspend_to_memory(operations, op)
+            if all(op.done for op in started):
+                break
+            await operations.wait_any_change(max(0.0, min(1.0, deadline - loop.time())))
         late = [op for op in started if not op.done]
         if late:
             # Their CRIU runs stopped, their dumps give the kernels back (each plan rolls back); then they are

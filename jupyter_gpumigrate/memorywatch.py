@@ -56,7 +56,7 @@ async def relieve(kernel_manager: Any, operations: OperationManager, low: float)
         move = asyncio.ensure_future(asyncio.to_thread(provisioner.images.to_disk, kernel_id))
         # Marked as moving until the copy itself ends, not this coroutine: the server's stop cancels it, and
         # must then wait for the copy (app.py), not start a second one on the same folder.
-        move.add_done_callback(lambda _, kernel_id=kernel_id: operations.moving_images.discard(kernel_id))
+        move.add_done_callback(lambda done, kernel_id=kernel_id: _moved(operations, kernel_id, done))
         try:
             folder = await asyncio.shield(move)
         except OSError as exc:
@@ -67,6 +67,12 @@ async def relieve(kernel_manager: Any, operations: OperationManager, low: float)
                     kernel_id, size(image_bytes), folder)
         moved.append(kernel_id)
     return moved
+
+
+def _moved(operations: OperationManager, kernel_id: str, move: asyncio.Future) -> None:
+    operations.moving_images.discard(kernel_id)
+    if not move.cancelled() and move.exception() is not None:  # read: said here if no one waits for it any more
+        log.debug("gpumigrate: the move of kernel %s's images to disk failed: %s", kernel_id, move.exception())
 
 
 async def keep_relieving(kernel_manager: Any, operations: OperationManager, low: float, interval: float) -> None:

@@ -28,7 +28,7 @@ from .engine import cudackpt, placement
 from .engine.access import open_criu
 from .engine.criu import Criu
 from .engine.nodehelper import HelperCriu
-from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed
+from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed, no_room
 from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
 from .engine.plans import ALL_PHASES, PHASES
 from .engine.plans import gpu_move, host_move
@@ -108,6 +108,9 @@ class Operation:
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
     #: "retention" (a discard of a kernel suspended longer than c.GPUMigrateApp.retention)
     trigger: str = "api"
+    #: a failed operation: the folder whose file system was full, where that is why (engine/errors.no_room);
+    #: the server's own (a stop tries memory instead), not in the API
+    no_room: str | None = None
     #: a transplant: where to, what it carries and what it leaves (the dry run's answer), then its seconds
     transplant: dict[str, Any] | None = None
     #: the phases of its plan, in order (engine/plans); empty for a drain
@@ -122,6 +125,7 @@ class Operation:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("stager")
+        data.pop("no_room")
         data["total"] = round(sum(self.timings.values()), 4)
         data["timings"] = {k: round(v, 4) for k, v in self.timings.items()}
         return data
@@ -663,6 +667,7 @@ class OperationManager:
         except PhaseFailed as exc:
             await asyncio.sleep(0)  # let the last progress callbacks land first
             op.status, op.error, op.failed_phase = FAILED, str(exc), exc.phase
+            op.no_room = no_room(exc.cause)
             log.warning("gpumigrate: %s of kernel %s failed in %s: %s", op.action, op.kernel_id, exc.phase, exc)
         except Exception as exc:  # an operation must always end with a status
             log.exception("gpumigrate: %s of kernel %s failed", op.action, op.kernel_id)

@@ -566,6 +566,7 @@ class ThisServer:
     decisions on kernels the Hub tests cannot make (one on a GPU)."""
 
     parallel = 1
+    view_timeout = 10.0
 
     def __init__(self, jp_fetch: Any) -> None:
         self.jp_fetch = jp_fetch

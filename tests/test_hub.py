@@ -681,3 +681,16 @@ async def test_the_idle_policys_cpu_option_transplants_only_a_kernel_whose_objec
     assert decision["suspend"] and decision["action"] == "suspend" and decision["kernel"] == kernel.id, decision
     op = await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"]))
     assert op["action"] == "suspend" and op["status"] == "succeeded", op
+
+    # Acted on as a kernel on a GPU is (its view says it holds one: the dry run runs, then the request, with the
+    # last activity read once the dry run, which ran code in the kernel, was over: a view's own would be refused).
+    assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    await kernel.run("del g")
+    await server_sees_idle(jp_fetch, kernel)
+    [view] = await servers.views([server])
+    view["kernels"][0]["gpus"] = on_gpu["gpus"]
+    policy = IdlePolicy(minutes=0, gpu_only=False, grace_minutes=0, to_cpu=True)
+    [decision] = await policy._server(servers, server, view, datetime.now(timezone.utc))
+    assert decision.get("action") == "transplant" and "operation" in decision, decision
+    op = await wait_operation(jp_fetch, await api(jp_fetch, "operations", decision["operation"]))
+    assert op["action"] == "transplant" and op["status"] == "succeeded", op

@@ -8,6 +8,10 @@ from __future__ import annotations
 
 import errno
 import os
+from typing import TypeVar
+
+
+E = TypeVar("E", bound=BaseException)
 
 
 class MigrateError(Exception):
@@ -119,3 +123,21 @@ def said(cause: BaseException) -> str:
         quota = " (or your quota on it)" if cause.errno == errno.EDQUOT else ""
         return f"{where} is full{quota} ({cause.strerror or 'no space left'}). Free space on it, then try again."
     return str(cause) or type(cause).__name__
+
+
+def no_room(cause: BaseException) -> str | None:
+    """The folder whose file system was full, where that is why ``cause`` failed (our errors that say so carry
+    it as ``full_folder``; a raw ENOSPC or EDQUOT names it in its file name), or None."""
+    found = getattr(cause, "full_folder", None)
+    if found:
+        return str(found)
+    if isinstance(cause, OSError) and cause.errno in (errno.ENOSPC, errno.EDQUOT):
+        written = cause.filename2 or cause.filename
+        return os.path.dirname(os.path.abspath(os.fsdecode(written))) if written else None
+    return None
+
+
+def for_full(error: E, folder: str | os.PathLike[str]) -> E:
+    """``error``, marked as caused by the full file system of ``folder`` (:func:`no_room`)."""
+    error.full_folder = os.fspath(folder)  # type: ignore[attr-defined]
+    return error

@@ -20,8 +20,10 @@ import socket
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from .criu import dump_finished
 from .errors import ImageError
@@ -114,14 +116,19 @@ def _fsync_file(path: Path) -> None:
         os.close(fd)
 
 
-_LOCKS: dict[Path, threading.RLock] = {}
+#: held only while in use (a kernel's lock goes once no one holds it: no lock kept per kernel ever seen)
+_LOCKS: weakref.WeakValueDictionary[Path, Any] = weakref.WeakValueDictionary()
 _LOCKS_LOCK = threading.Lock()
 
 
-def _lock_of(path: Path) -> threading.RLock:
-    """The lock of one kernel's images in this process: a move to disk and a removal, one after the other."""
+def _lock_of(path: Path) -> Any:
+    """The lock (an RLock) of one kernel's images in this process: a move to disk and a removal, one after the
+    other."""
     with _LOCKS_LOCK:
-        return _LOCKS.setdefault(path, threading.RLock())
+        lock = _LOCKS.get(path)
+        if lock is None:
+            lock = _LOCKS[path] = threading.RLock()
+        return lock
 
 
 def _written(path: Path, cached: bool = False) -> None:

@@ -166,11 +166,23 @@ class IdlePolicy:
                         decisions.append(decision)
                         continue
                     body = {"to_cpu": True, "accept_left": []} if action == "transplant" else {"images": self.images}
-                    body["idle_since"] = kernel["last_activity"]  # refused if a cell started since this view
+                    # Refused if a cell started since this view. A dry run ran code in the kernel (silently),
+                    # which its server counts as activity: then the kernel is read again, and left if busy.
+                    body["idle_since"] = kernel["last_activity"]
+                    if self.to_cpu and kernel["gpus"]:
+                        fresh = await self._after_dry_run(servers, server, kernel["id"])
+                        if fresh.get("execution_state") not in ("idle", "starting"):
+                            if action == "transplant":
+                                self._nodes.discard(node)
+                            decision.update(suspend=False, reason=(
+                                f"{why}, but it was {fresh.get('execution_state')} once its dry run was over"))
+                            decisions.append(decision)
+                            continue
+                        body["idle_since"] = fresh.get("last_activity") or kernel["last_activity"]
                     try:
                         op = await servers.call(server, kernel_path(kernel["id"], action), "POST", body)
                     except ServerError as exc:
-                        if exc.status != 400 or "idle_since" not in str(exc):
+                        if exc.status != 400 or "Unknown field(s) idle_since" not in str(exc):
                             raise
                         # A server of an older version, which does not know the field: as before it had one.
                         del body["idle_since"]
@@ -190,6 +202,18 @@ class IdlePolicy:
                 log.debug("idle policy: keeping %s's kernel %s%s: %s", server.user, kernel["id"], server.where, why)
             decisions.append(decision)
         return decisions
+
+    @staticmethod
+    async def _after_dry_run(servers: Servers, server: UserServer, kernel_id: str) -> dict:
+        """The kernel's view once its dry run is over: the server hears the kernel idle again a moment after the
+        dry run answers (its status comes on another channel), so a kernel still heard busy is read again, for
+        a second at most."""
+        for _ in range(5):
+            fresh = await servers.call(server, f"kernels/{kernel_id}", timeout=servers.view_timeout)
+            if fresh.get("execution_state") in ("idle", "starting"):
+                break
+            await asyncio.sleep(0.25)
+        return fresh
 
     async def _cpu_or_suspend(self, servers: Servers, server: UserServer, kernel: dict, why: str,
                               node: str = "") -> tuple[str, str]:

@@ -18,7 +18,7 @@ from pathlib import Path
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
 from ..criu import Criu, dump_finished, error_lines
-from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict
+from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict, for_full
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
 from ..images import DISK, ImageStore, Manifest, choose
@@ -237,8 +237,8 @@ def disk_full_said(ctx: KernelContext, then: str) -> Iterator[None]:
         yield
     except OSError as exc:
         if exc.errno == errno.ENOSPC:
-            raise ImageError(full_disk(ctx.images.parent, "the kernel's manifest could not be written",
-                                       ctx.tools.store) + f" The kernel {then}") from exc
+            raise for_full(ImageError(full_disk(ctx.images.parent, "the kernel's manifest could not be written",
+                                                ctx.tools.store) + f" The kernel {then}"), ctx.images.parent) from exc
         raise
 
 
@@ -253,9 +253,9 @@ def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
             exc.log_path, exc.log_tail) from exc
     # CRIU's own log may be cut short by the full disk it writes to ("page-xfer: Una"): the disk's room says it.
     if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images.parent):
-        raise CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images", ctx.tools.store) +
-                         " The kernel "
-                         f"runs on, unchanged. Full log: {exc.log_path}", exc.log_path, exc.log_tail) from exc
+        raise for_full(CriuFailed(full_disk(ctx.images.parent, "CRIU could not write the kernel's images",
+                                            ctx.tools.store) + f" The kernel runs on, unchanged. Full log: "
+                                  f"{exc.log_path}", exc.log_path, exc.log_tail), ctx.images.parent) from exc
     raise CriuFailed(
         f"{exc} The kernel runs on, unchanged. If the log names a file, socket or device the kernel "
         "holds, close it in the notebook and try again.", exc.log_path, exc.log_tail) from exc
@@ -396,10 +396,10 @@ def criu_restore(ctx: KernelContext) -> int:
         # Only where CRIU said nothing else (a log it could not write) or said ENOSPC: a cause it logged stands.
         logged = error_lines(Path(exc.log_path)) if exc.log_path else []
         if _disk_full(f"{exc}\n{exc.log_tail}") or (not logged and _no_room(ctx.images)):
-            raise CriuFailed(
+            raise for_full(CriuFailed(
                 f"{_full(ctx.images.parent, ctx.tools.store)} is full: CRIU could not write its log there, so it "
                 "could not restore the kernel. Free room there, then resume again; the images are kept.",
-                exc.log_path, exc.log_tail) from exc
+                exc.log_path, exc.log_tail), ctx.images.parent) from exc
         raise
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import errno
 
 from .. import proctree
-from ..errors import ImageError, InvalidState, MigrateError
+from ..errors import ImageError, InvalidState, MigrateError, for_full
 from ..kernelproc import KernelProcess
 from ..saga import ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, checkpoint, disk_full_said, dump, full_disk, lock, new_images,
@@ -95,9 +95,9 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
                            "wrote once it is done, and runs on.") from exc
     except RuntimeError as exc:
         if f"[Errno {errno.ENOSPC}]" in str(exc):
-            raise ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers",
-                                       ctx.tools.store) +
-                             " The kernel runs on, unchanged.") from exc
+            raise for_full(ImageError(full_disk(ctx.images.parent, "the kernel could not write its large buffers",
+                                                ctx.tools.store) + " The kernel runs on, unchanged."),
+                           ctx.images.parent) from exc
         raise MigrateError(f"The kernel could not write its large buffers ({exc}); it runs on, unchanged.") from exc
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
         pid = ctx.pid or ctx.manifest.pid
