@@ -438,8 +438,9 @@ class ImageStore:
         if pending is None or pending.kernel_id != name:
             return None
         log = self.root / LOGS / f"{folder.name}-dump.log"
-        try:  # that dump's log, not one an earlier dump of the kernel left (dump() removes it before CRIU runs)
-            if log.stat().st_mtime < (folder / PENDING).stat().st_mtime:
+        try:  # that dump's log, not one an earlier dump of the kernel left (dump() removes it before CRIU runs):
+            # written to after the manifest to be and after CRIU's inventory (its last image)
+            if log.stat().st_mtime < min((folder / PENDING).stat().st_mtime, (folder / INVENTORY).stat().st_mtime):
                 return None
         except OSError:
             return None
