@@ -572,14 +572,24 @@ class _Connection(socketserver.BaseRequestHandler):
             log.warning("%s: busy: %s", caller, busy)
             self._reply(caller, failure(BUSY, f"the helper is busy ({busy}): try again"))
             return
+        self._counted = caller.uid
         try:
             self._serve(sock, caller)
         finally:
-            with server.lock:
-                server.per_user[caller.uid] -= 1
-                if not server.per_user[caller.uid]:
-                    del server.per_user[caller.uid]
-            server.slots.release()
+            self._uncount()
+
+    def _uncount(self) -> None:
+        """This request no longer counts as in progress: done before its answer is sent, so that a client
+        asking again as soon as it has the answer is never refused as busy with the request it just had."""
+        uid, self._counted = getattr(self, "_counted", None), None
+        if uid is None:
+            return
+        server = self.server
+        with server.lock:
+            server.per_user[uid] -= 1
+            if not server.per_user[uid]:
+                del server.per_user[uid]
+        server.slots.release()
 
     def _serve(self, sock: socket.socket, caller: Caller) -> None:
         start = time.monotonic()
@@ -606,6 +616,7 @@ class _Connection(socketserver.BaseRequestHandler):
         outcome = "ok" if reply.get("ok") else f"{reply.get('code')}: {reply.get('error')}"
         level = logging.WARNING if reply.get("code") == REFUSED else logging.INFO
         log.log(level, "%s: %s: %s (%.3f s)", caller, _summary(request), outcome, time.monotonic() - start)
+        self._uncount()
         self._reply(caller, reply)
         if reply.get("ok") and isinstance(request, dict) and request.get("op") == "dump":
             self.server.broker.reap()
