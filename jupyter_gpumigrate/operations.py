@@ -70,6 +70,11 @@ class OperationNotFound(MigrateError):
     http_status = 404
 
 
+#: Fields of an Operation that the API never shows: the fast path's socket (told only to the kernel that
+#: serves it, with its start), and why it failed where that is a full disk (the server's own).
+NOT_WRITTEN = ("stager", "no_room")
+
+
 @dataclass
 class Operation:
     kernel_id: str
@@ -124,8 +129,8 @@ class Operation:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data.pop("stager")
-        data.pop("no_room")
+        for private in NOT_WRITTEN:
+            data.pop(private)
         data["total"] = round(sum(self.timings.values()), 4)
         data["timings"] = {k: round(v, 4) for k, v in self.timings.items()}
         return data
