@@ -391,6 +391,13 @@ async def test_a_large_source_stashes_its_buffers_before_its_dump_and_takes_them
     assert await kernel.run("print(big_digest())") == digest, "the new process has them all"
     assert not images.path_for(kernel.id).exists()
 
+    # Back to the source, dumped with its stash: it reads its buffers back once restored.
+    op = await operate(jp_fetch, kernel.id, "back")
+    assert op["status"] == "succeeded", op
+    assert list(op["timings"]) == ["prepare", "stash", "dump", "restore", "unstash", "adopt"], op
+    assert (await api(jp_fetch, "kernels", kernel.id))["pid"] == pid
+    assert await kernel.run("print(big_digest())") == digest, "the source has them all again"
+
 
 async def _kill_the_new_process_once_ready(jp_fetch, images, started: dict) -> dict:
     """SIGKILL the transplant's new process as soon as it holds the objects; the operation, once over."""
