@@ -208,6 +208,29 @@ async def test_a_kernel_moves_to_the_other_host_and_back_while_its_tab_keeps_exe
     await call(a.api, "DELETE", f"api/kernels/{kernel_id}", expect=204)
 
 
+async def test_a_folder_of_the_kernels_left_in_this_hosts_memory_does_not_keep_it_from_coming_home(hosts):
+    """A folder of the kernel's in a's memory folder, as a cleanup that could not finish leaves it: the move
+    home makes its images' folder on disk, replacing that one, and must write there. (It fetched into the
+    replaced folder's path, failed, and left the kernel on b.)"""
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    digest = __import__("hashlib").sha256(os.path.realpath(a.root / "state").encode()).hexdigest()[:12]
+    memory = Path(f"/dev/shm/jupyter-gpumigrate-{os.geteuid()}-{digest}")
+    try:
+        await tab.run("x = 41")
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+        assert op["status"] == "succeeded", op
+        (memory / kernel_id).mkdir(mode=0o700, parents=True)
+        os.chmod(memory, 0o700)
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        assert (await tab.run("print(x + 1)")).strip() == "42"
+        assert not (memory / kernel_id).exists()
+    finally:
+        await end_kernel(a, kernel_id, tab)
+        shutil.rmtree(memory / kernel_id, ignore_errors=True)
+
+
 async def test_two_kernels_of_this_host_run_on_the_other_at_once_and_each_reaches_its_server(hosts):
     """Every kernel of a knows a's server by one loopback address, where b listens for their calls while they run
     there: the second kernel to go shares that listener with the first (before, b refused it: 'port not free').

@@ -313,7 +313,9 @@ def prepare_home(ctx: HostContext) -> None:
         raise InvalidState(f"The kernel cannot come back here: {'; '.join(problems)}. It runs on "
                            f"{ctx.link.host} as before.")
     store, kernel_id = ctx.tools.store, ctx.kernel.kernel_id
-    store.create(kernel_id)
+    # Where they go now: a folder of the kernel's left in the memory folder (ctx.images, as the context found
+    # it) is replaced by this one on disk.
+    ctx.images = store.create(kernel_id)
     ctx.undo(lambda: store.remove(kernel_id, keep_logs=True), cleanup=True)
 
 
