@@ -220,17 +220,25 @@ async def test_migrate_suspend_writes_the_notebooks_buffers_at_its_own_safe_poin
         ["went", "on", expected(0).split()[0]]
 
 
-class TestFullDisk:
-    """A 200 MB tmpfs: room for the kernel's CRIU images, not for its 288 MB of buffers."""
+class _OnASmallDisk:
+    """A server whose state folder is on a tmpfs of :attr:`size`."""
+
+    size = ""
 
     @pytest.fixture
     def small_disk(self, tmp_path: Path):
-        with small_tmpfs(tmp_path / "small", "200m") as folder:
+        with small_tmpfs(tmp_path / "small", self.size) as folder:
             yield folder
 
     @pytest.fixture
     def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
         return _config(small_disk / "gpumigrate")
+
+
+class TestFullDisk(_OnASmallDisk):
+    """A 200 MB tmpfs: room for the kernel's CRIU images, not for its 288 MB of buffers."""
+
+    size = "200m"
 
     async def test_a_disk_that_fills_during_the_stash_at_a_safe_point_leaves_the_cell_going_on_whole(
             self, jp_fetch, jp_serverapp, kernel, small_disk):
@@ -246,17 +254,10 @@ class TestFullDisk:
         assert not list(provisioner.safe_point_dir.glob("waiting-*"))
 
 
-class TestDiskFullForTheDump:
+class TestDiskFullForTheDump(_OnASmallDisk):
     """A 310 MB tmpfs: room for the kernel's 288 MB of buffers, not for CRIU's images after them."""
 
-    @pytest.fixture
-    def small_disk(self, tmp_path: Path):
-        with small_tmpfs(tmp_path / "small", "310m") as folder:
-            yield folder
-
-    @pytest.fixture
-    def jp_server_config(self, small_disk: Path) -> dict[str, Any]:
-        return _config(small_disk / "gpumigrate")
+    size = "310m"
 
     async def test_a_dump_that_fills_the_disk_after_the_stash_gives_the_cell_its_buffers_back(
             self, jp_fetch, jp_serverapp, kernel, small_disk):
