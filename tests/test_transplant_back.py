@@ -6,6 +6,7 @@ failures are made for real (a PID of the source taken, its images damaged, its t
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 from pathlib import Path
@@ -197,15 +198,18 @@ async def test_the_cli_says_what_is_lost_and_asks_first(jp_fetch, jp_serverapp, 
     assert (await kernel.run("print(marker)")).strip() == "source"
 
 
-@pytest.mark.parametrize("when", ["source half restored", "source adopted"])
+@pytest.mark.parametrize("when", ["source half restored", "source reading its stash", "source adopted"])
 async def test_a_server_killed_while_the_kernel_goes_back_loses_nothing(process_server, when):
-    """Half restored: the next server stops what CRIU made of the source and takes the current process back
-    from its images (the source stays kept). Adopted: the next server adopts the source."""
+    """Half restored, or restored and reading back the buffers it stashed as it left (held there, stopped):
+    the next server stops what CRIU made of the source and takes the current process back from its images
+    (the source stays kept). Adopted: the next server adopts the source."""
     server = process_server
     assert proctree.become_subreaper()  # the init of what its servers leave (collect_exited)
     server.start()
-    _, kernel_id, out = await notebook_running(
-        server, "x = 41\nblob = bytes(range(256)) * 1_600_000\nprint('ok')")  # some 400 MB to restore
+    # Some 400 MB: in CRIU's pages (bytes), or, a bytearray, in the stash (over the server's host_stash_min).
+    blob = "bytearray(bytes(range(256)) * 1_600_000)" if when == "source reading its stash" else \
+        "bytes(range(256)) * 1_600_000"
+    _, kernel_id, out = await notebook_running(server, f"x = 41\nblob = {blob}\nprint('ok')")
     assert out == "ok"
     source = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
     assert server.operate(kernel_id, "transplant", {"to_cpu": True})["status"] == "succeeded"
@@ -214,12 +218,15 @@ async def test_a_server_killed_while_the_kernel_goes_back_loses_nothing(process_
     tab.ws.close()
 
     op = server.api("POST", f"api/gpumigrate/kernels/{kernel_id}/back", {}, expect=202)
-    phase = "restore" if when == "source half restored" else "adopt"
+    phase = {"source half restored": "restore", "source reading its stash": "unstash"}.get(when, "adopt")
     deadline = time.monotonic() + 120
     while op["phase"] != phase:
         assert op["status"] in ("pending", "running") and time.monotonic() < deadline, op
         op = server.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-    if phase == "restore":
+    if phase == "unstash":
+        os.kill(source, signal.SIGSTOP)  # its reading stops there (the next server kills it, stopped)
+        assert "stash" in op["timings"] and "restore" in op["timings"], op
+    elif phase == "restore":
         criu = criu_of(server.proc.pid, b"restore", 5)
         assert criu is not None, "CRIU's restore had ended before it was seen: make the kernel bigger"
         while not proctree.is_alive(source):
@@ -236,7 +243,7 @@ async def test_a_server_killed_while_the_kernel_goes_back_loses_nothing(process_
     server.start()
     view = taken_back(server, kernel_id)
     assert view["state"] in ("running", "suspended"), view
-    if phase == "restore":
+    if phase in ("restore", "unstash"):
         assert not proctree.is_alive(source), "what CRIU had made of the source is stopped"
         left = server.kernel_processes()
         assert view["state"] == "suspended" and left == {}, (view, left)
@@ -244,10 +251,10 @@ async def test_a_server_killed_while_the_kernel_goes_back_loses_nothing(process_
     else:
         assert view["pid"] == source and view["state"] == "running", view
     tab = await tab_on(server, kernel_id)  # a cell resumes a suspended kernel
-    expected = "99" if phase == "restore" else "41"
+    expected = "99" if phase in ("restore", "unstash") else "41"
     assert (await tab.run("print(x, len(blob))", timeout=120)).split() == [expected, str(256 * 1_600_000)]
     tab.ws.close()
-    if phase == "restore":  # the source stayed kept: the kernel can still go back
+    if phase in ("restore", "unstash"):  # the source stayed kept: the kernel can still go back
         assert server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["back_until"]
         collect_exited(source)  # what the new server killed came to this process, the subreaper
         op = server.operate(kernel_id, "back")
