@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
@@ -39,6 +40,9 @@ from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .views import KernelNotFound, Views
 
 log = logging.getLogger(__name__)
+
+#: Threads for transplants' dry runs: as many kernels are asked at once, the others wait their turn.
+SURVEY_THREADS = 4
 
 EVENT_SCHEMA_ID = "https://events.jupyter.org/jupyter_gpumigrate/operation/v1"
 EVENT_SCHEMA_FILE = Path(__file__).parent / "event_schemas" / "operation" / "v1.yaml"
@@ -169,6 +173,11 @@ class OperationManager:
         #: then (by a cell still open in a tab, say) would bring back a kernel that the stop keeps suspended,
         #: only for jupyter_server's shutdown to end it, images and record gone.
         self.closing = False
+        #: each kernel's dry run under way (a transplant's survey): asked again meanwhile, the kernel is not
+        #: asked twice; the dry runs' own threads, so that kernels slow to answer (a long cell: up to
+        #: transplant.WAIT) never hold up the threads that suspends and the rest of the server use
+        self._surveys: dict[str, asyncio.Future] = {}
+        self._survey_threads = ThreadPoolExecutor(max_workers=SURVEY_THREADS, thread_name_prefix="gpumigrate-survey")
 
     # -- kernels ----------------------------------------------------------------------------------------
 
@@ -334,8 +343,15 @@ class OperationManager:
                                "for it to finish.")
         to_host = None if to_host == self.host_name else to_host
         same_model = self._check_transplant(kernel_id, provisioner, to_gpu, to_host)
+        asked = self._surveys.get(kernel_id)
+        if asked is None:
+            loop = asyncio.get_running_loop()
+            asked = self._surveys[kernel_id] = loop.run_in_executor(self._survey_threads, provisioner.transplant_survey,
+                                                                    transplant_plan.WAIT)
+            asked.add_done_callback(lambda done: self._surveys.pop(kernel_id) if self._surveys.get(kernel_id) is done
+                                    else None)
         try:
-            said = await asyncio.to_thread(provisioner.transplant_survey, transplant_plan.WAIT)
+            said = dict(await asyncio.shield(asked))
         except TimeoutError as exc:
             raise InvalidState(f"Kernel {kernel_id} did not answer within {transplant_plan.WAIT:.0f} s (a cell that "
                                "runs long?): ask again once it is idle.") from exc

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from helpers import operate, peer_server_config
+from helpers import api, operate, peer_server_config, ready_kernel, start_busy
 from jsonschema import Draft202012Validator
 from jupyter_client.asynchronous import AsyncKernelClient
 from servers import free_port
@@ -186,8 +186,10 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
         ("MigrateRequest", {"to_gpu": None}, "'migrate' needs to_gpu, to_gpus (a kernel on several GPUs: one GPU for "
                                               "each) or to_host"),
         ("MigrateRequest", {"to_gpu": 1, "to_gpus": [1, 0]}, "to_gpus goes alone"),
-        ("MigrateRequest", {"to_gpus": [1, 1]}, "'to_gpus' must be a list (got [1, 1]): GPU indices, one per GPU a "
-                                                "kernel holds, in the order of their indices; each once"),
+        ("MigrateRequest", {"to_gpus": [1, 1]}, "'to_gpus' names 1 more than once (got [1, 1]): GPU indices, one per "
+                                                "GPU a kernel holds, in the order of their indices; each once"),
+        ("MigrateRequest", None, "The body must be a JSON object (got None)"),
+        ("TransplantRequest", [], "The body must be a JSON object (got [])"),
         ("ResumeRequest", {"to_gpu": 0, "to_gpus": [1, 0]}, "'resume' takes to_gpu (one GPU) or to_gpus"),
         ("MigrateRequest", {"to_gpu": 1, "fast_path": "warp"}, "'fast_path' is one of auto, off, caller"),
         ("PeerSignalRequest", {}, "The body needs the field 'signum'"),
@@ -201,6 +203,10 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
             contract.validate(name, body)
         assert words in str(info.value), (name, body, str(info.value))
         assert info.value.http_status == 400 and info.value.definition == name
+    # A long list that mixes types is checked in one pass: jsonschema's own uniqueItems compared every pair
+    # (8,000 items took 19 s, these 100,000 would take hours), and the server checks bodies on its event loop.
+    with pytest.raises(ContractError, match=r"'to_gpus\[100000\]' must be a whole number"):
+        contract.validate("MigrateRequest", {"to_gpus": [*range(100_000), "x"]})
     contract.validate("MigrateRequest", {"to_gpu": None, "to_host": "b"})  # what a kernel's %migrate sends
     contract.validate("MigrateRequest", {"to_gpus": [1, 0], "fast_path": "caller"})  # a %migrate --to-gpu 1,0
 
@@ -208,6 +214,51 @@ def test_request_bodies_are_refused_with_the_field_and_what_it_may_be():
 # -- the live server -------------------------------------------------------------------------------------
 
 pytestmark_criu = pytest.mark.usefixtures("criu_binary")
+
+
+async def test_hostile_requests_get_a_sentence_each_and_hold_up_nothing(jp_fetch, jp_serverapp, kernel, tmp_path):
+    """What an attacker with a token (or a kernel with its credential) may send: a body too large, one with too
+    many values, odd version numbers and GPU indices; and dry runs of a transplant of a kernel busy with a cell,
+    asked many times at once, which wait for the cell's end (up to a minute) and held every thread the server's
+    other work uses: another kernel's suspend waited for them."""
+    kid = kernel.id
+    error = await api(jp_fetch, "kernels", kid, "transplant", method="POST", expect=413,
+                      body={"to_cpu": True, "accept_left": ["x" * 100] * 11_000})
+    assert "bytes; this API's bodies are at most 1048576 bytes" in error["message"], error
+    error = await api(jp_fetch, "kernels", kid, "transplant", method="POST", expect=400,
+                      body={"to_cpu": True, "accept_left": ["x"] * 20_000})
+    assert "holds more than 10000 values" in error["message"], error
+    error = await api(jp_fetch, "kernels", kid, "migrate", method="POST", body={"to_gpus": [0, 0]}, expect=400)
+    assert "'to_gpus' names 0 more than once" in error["message"], error
+    op = await operate(jp_fetch, kid, "suspend")
+    for after in ("\u00b2", "9" * 5000, "-1"):
+        error = await api(jp_fetch, "operations", op["id"], params={"after": after}, expect=400)
+        assert "'after' must be a version number" in error["message"], error
+    response = await jp_fetch("api", "gpumigrate", "gpus", "9" * 5000, "drain", method="POST", body="{}",
+                              raise_error=False)
+    assert response.code == 404, response.code  # no such route: a GPU index has at most 6 digits
+    assert (await operate(jp_fetch, kid, "resume"))["status"] == "succeeded"
+
+    flag = tmp_path / "go"
+    cell = await start_busy(jp_fetch, kernel, f"import os, time\nwhile not os.path.exists({str(flag)!r}): "
+                                              "time.sleep(0.05)\nprint('done')")
+    other = await ready_kernel(jp_fetch, jp_serverapp)
+    try:
+        await other.run("y = 7")
+        dry = [asyncio.create_task(api(jp_fetch, "kernels", kid, "transplant", method="POST",
+                                       body={"to_cpu": True, "dry_run": True})) for _ in range(8)]
+        await asyncio.sleep(1)
+        op = await operate(jp_fetch, other.id, "suspend")
+        assert op["status"] == "succeeded", op
+        assert not [t for t in dry if t.done()], "the dry runs still wait for the cell, and held nothing up"
+        flag.touch()
+        said = await asyncio.gather(*dry)
+        assert all(s["to"] == "cpu" for s in said) and (await cell).out.strip() == "done"
+        assert (await operate(jp_fetch, other.id, "resume"))["status"] == "succeeded"
+        assert (await other.run("print(y)")).strip() == "7"
+    finally:
+        flag.touch()
+        other.close()
 
 
 @pytestmark_criu

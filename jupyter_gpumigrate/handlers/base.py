@@ -21,6 +21,25 @@ from ..engine.errors import MigrateError
 from ..operations import OperationManager
 from ..views import Views
 
+#: The largest JSON body this API reads (its largest, a transplant's accept_left, holds names of objects),
+#: and the most values (strings, numbers, lists, objects...) in one: checked before the schema, so that no
+#: body keeps the server's event loop busy.
+MAX_BODY = 1 << 20
+MAX_VALUES = 10_000
+
+
+def _values(data: Any) -> int:
+    """How many values ``data`` holds, itself included (counting stops past MAX_VALUES)."""
+    count, stack = 0, [data]
+    while stack and count <= MAX_VALUES:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return count
+
 #: What a kernel's own credential may do on a route (credentials.py explains the credential).
 READ, OWN_KERNEL, OWN_OPERATION = "read", "own kernel", "own operation"
 
@@ -119,6 +138,10 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
         sent."""
         raw = self.request.body.strip()
         body: Any = {}
+        if len(raw) > MAX_BODY:
+            self.send_error_message(413, f"The request body is {len(raw)} bytes; this API's bodies are at most "
+                                         f"{MAX_BODY} bytes.")
+            return None
         if raw:
             try:
                 body = json.loads(raw)
@@ -129,6 +152,10 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
             except ValueError as exc:
                 self.send_error_message(400, f"The request body is not JSON: {exc}.")
                 return None
+        if _values(body) > MAX_VALUES:
+            self.send_error_message(400, f"The request body holds more than {MAX_VALUES} values; none of this API's "
+                                         "bodies needs as many.")
+            return None
         try:
             contract.validate(name, body)
         except contract.ContractError as exc:

@@ -28,7 +28,7 @@ class OperationHandler(BaseHandler):
         try:
             op = self.operations.get(op_id)
             if after is not None:
-                if not after.isdigit():
+                if not (after.isascii() and after.isdigit() and len(after) <= 18):
                     self.send_error_message(400, f"'after' must be a version number (got {after!r}).")
                     return
                 # Answer as soon as the operation has moved past the version the caller has seen.

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from importlib.resources import files
 from typing import Any
 
-from jsonschema import Draft202012Validator
+from jsonschema import Draft202012Validator, validators
 from jsonschema.exceptions import ValidationError
 from referencing import Registry, Resource
 
@@ -118,13 +118,45 @@ def _open(node: Any) -> Any:
     return node
 
 
+def _key(value: Any) -> str:
+    """``value`` as a text that two JSON values share exactly when JSON Schema calls them equal (1 and 1.0
+    are, true and 1 are not)."""
+    def plain(v: Any) -> Any:
+        if isinstance(v, float) and v.is_integer():
+            return int(v)
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return v
+
+    return json.dumps(plain(value), sort_keys=True)
+
+
+def _unique_items(validator: Any, unique: Any, instance: Any, schema: Any) -> Iterator[ValidationError]:
+    """uniqueItems in one pass: jsonschema's own compares every pair of a list that mixes types (a body of
+    8,000 such items held the server's event loop 19 s)."""
+    if not unique or not validator.is_type(instance, "array"):
+        return
+    seen: set[str] = set()
+    for item in instance:
+        key = _key(item)
+        if key in seen:
+            yield ValidationError(f"{item!r} is there more than once")
+            return
+        seen.add(key)
+
+
+_Validator = validators.extend(Draft202012Validator, {"uniqueItems": _unique_items})
+
+
 @functools.cache
 def _validator(name: str, strict: bool = True) -> Draft202012Validator:
     schema(name)  # a clear error for an unknown name
     doc = document() if strict else _open(document())
     registry: Registry = Registry().with_resource(doc["$id"], Resource.from_contents(doc))
-    return Draft202012Validator({"$ref": f"{doc['$id']}#/$defs/{name}"}, registry=registry,
-                                format_checker=Draft202012Validator.FORMAT_CHECKER)
+    return _Validator({"$ref": f"{doc['$id']}#/$defs/{name}"}, registry=registry,
+                      format_checker=Draft202012Validator.FORMAT_CHECKER)
 
 
 def validate(name: str, data: Any, strict: bool = True) -> None:
@@ -221,7 +253,7 @@ def _kind(schema: Any) -> str:
         return "one of " + ", ".join("null" if v is None else str(v) for v in schema["enum"])
     if "const" in schema:
         return json.dumps(schema["const"])
-    if "anyOf" in schema or "oneOf" in schema:
+    if ("anyOf" in schema or "oneOf" in schema) and "type" not in schema:  # else a rule across its fields
         return " or ".join(dict.fromkeys(_kind(s) for s in schema.get("anyOf") or schema["oneOf"]))
     types = schema.get("type")
     if types is None and "pattern" in schema:
@@ -281,6 +313,10 @@ def _sentence(error: ValidationError) -> str:
     if "propertyNames" in error.relative_schema_path:
         return f"The field names of {_label(path, start=False)} must each be {_kind(sub)} (got {got})."
     about = _about(sub, ": ") if path else ""
+    if error.validator == "uniqueItems" and isinstance(value, list):
+        seen: set[str] = set()
+        twice = next((item for item in value if _key(item) in seen or seen.add(_key(item))), None)
+        return f"{_label(path)} names {json.dumps(twice)} more than once (got {got}){about}."
     if error.validator in ("enum", "const"):
         return f"{_label(path)} is {_kind(sub)} (got {got}){about}."
     return f"{_label(path)} must be {_kind(sub)} (got {got}){about}."
