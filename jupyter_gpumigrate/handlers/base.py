@@ -21,17 +21,18 @@ from ..engine.errors import MigrateError
 from ..operations import OperationManager
 from ..views import Views
 
-#: The largest JSON body this API reads (its largest, a transplant's accept_left, holds names of objects),
-#: and the most values (strings, numbers, lists, objects...) in one: checked before the schema, so that no
-#: body keeps the server's event loop busy.
+#: The largest JSON body this API reads from a user (its largest, a transplant's accept_left, holds names of
+#: objects), and the most values (strings, numbers, lists, objects...) in one: checked before the schema, so
+#: that no body keeps the server's event loop busy. A peer's (handlers/peer.py: a kernel's processes, files
+#: and sockets) may be larger.
 MAX_BODY = 1 << 20
 MAX_VALUES = 10_000
 
 
-def _values(data: Any) -> int:
-    """How many values ``data`` holds, itself included (counting stops past MAX_VALUES)."""
+def _values(data: Any, most: int) -> int:
+    """How many values ``data`` holds, itself included (counting stops past ``most``)."""
     count, stack = 0, [data]
-    while stack and count <= MAX_VALUES:
+    while stack and count <= most:
         value = stack.pop()
         count += 1
         if isinstance(value, dict):
@@ -67,6 +68,9 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
     # Moving a kernel reads and writes kernels: the server's authorizer decides with the "kernels"
     # resource, like jupyter_server's own kernel API (GET -> read, POST -> write).
     auth_resource = "kernels"
+    #: what json_body reads at most (MAX_BODY, MAX_VALUES)
+    max_body = MAX_BODY
+    max_values = MAX_VALUES
 
     kernel_identity: str | None = None
 
@@ -138,9 +142,9 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
         sent."""
         raw = self.request.body.strip()
         body: Any = {}
-        if len(raw) > MAX_BODY:
+        if len(raw) > self.max_body:
             self.send_error_message(413, f"The request body is {len(raw)} bytes; this API's bodies are at most "
-                                         f"{MAX_BODY} bytes.")
+                                         f"{self.max_body} bytes.")
             return None
         if raw:
             try:
@@ -152,9 +156,9 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
             except ValueError as exc:
                 self.send_error_message(400, f"The request body is not JSON: {exc}.")
                 return None
-        if _values(body) > MAX_VALUES:
-            self.send_error_message(400, f"The request body holds more than {MAX_VALUES} values; none of this API's "
-                                         "bodies needs as many.")
+        if _values(body, self.max_values) > self.max_values:
+            self.send_error_message(400, f"The request body holds more than {self.max_values} values; none of this "
+                                         "API's bodies needs as many.")
             return None
         try:
             contract.validate(name, body)

@@ -48,6 +48,10 @@ def peer_allowed(settings: dict, authorization: str) -> tuple[bool, str]:
 class PeerHandler(BaseHandler):
     """A route for peers only. The peer token replaces the server's user authentication here."""
 
+    # A peer's bodies name a kernel's processes, threads, open files and sockets: a large tree has thousands.
+    max_body = 64 << 20
+    max_values = 4_000_000
+
     @property
     def guests(self) -> GuestHost:
         return self.settings["gpumigrate_guests"]
