@@ -111,16 +111,25 @@ def _die_with_parent() -> None:
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
+#: What CRIU's dump logs once every image is written: its last line; and, before it, the line where it
+#: turns to killing the tree (the final state TASK_DEAD, 2), chosen only for a dump that succeeded, after
+#: its inventory and the flush of its images (criu/cr-dump.c, cr_dump_finish). A CRIU killed in between
+#: (its server SIGKILLed: CRIU dies with it) logs the second alone, the tree dead or dying.
+DUMP_DONE = (b"Dumping finished successfully", b"Unfreezing tasks into 2\n")
+
+
 def dump_finished(log_path: Path) -> bool:
-    """Whether the CRIU dump that logged to ``log_path`` wrote all its images (and so killed the tree), even
-    if CRIU itself was killed just after."""
+    """Whether the CRIU dump that logged to ``log_path`` wrote all its images (and so kills the tree), even
+    if CRIU itself was killed just after. (Whether the tree is gone is for the caller to check: a CRIU
+    killed as it began to kill the tree may have let some of it go.)"""
     try:
         with open(log_path, "rb") as f:
             f.seek(0, os.SEEK_END)
-            f.seek(max(0, f.tell() - 4096))
-            return b"Dumping finished successfully" in f.read()
+            f.seek(max(0, f.tell() - (256 << 10)))  # the unseizing of each task follows the second
+            tail = f.read()
     except OSError:
         return False
+    return any(line in tail for line in DUMP_DONE)
 
 
 def stop_runs(images_dirs: list[Path]) -> int:
