@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -89,6 +90,15 @@ class Server:
 
 def find_servers(args: argparse.Namespace) -> list[Server]:
     if args.url:
+        try:
+            parts = urllib.parse.urlsplit(args.url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        except ValueError as exc:
+            raise CliError(f"--url {args.url!r} is not an address ({exc}): give the server's, as "
+                           "`jupyter server list` prints it (http://127.0.0.1:8888/).", EXIT_USAGE) from None
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise CliError(f"--url {args.url!r} is not an http:// or https:// address: give the server's, as "
+                           "`jupyter server list` prints it (http://127.0.0.1:8888/).", EXIT_USAGE)
         return [Server(args.url, args.token or os.environ.get("JUPYTER_TOKEN", ""))]
     from jupyter_server.serverapp import list_running_servers
 
@@ -115,6 +125,9 @@ def all_kernels(servers: list[Server]) -> list[tuple[Server, dict]]:
 
 def find_kernel(servers: list[Server], wanted: str) -> tuple[Server, dict]:
     """The kernel whose id is ``wanted`` or starts with it (unique prefix)."""
+    if not wanted.strip():  # an empty variable in a script: it would match every kernel
+        raise CliError("Name a kernel: its id, or a unique prefix of it (an empty one names none; "
+                       "`jupyter gpumigrate list` shows the ids).", EXIT_USAGE)
     kernels = all_kernels(servers)
     exact = [(s, k) for s, k in kernels if k["id"] == wanted]
     matches = exact or [(s, k) for s, k in kernels if k["id"].startswith(wanted)]
@@ -130,9 +143,10 @@ def refused_records(server: Server) -> list[dict]:
     """The records ``server`` did not take back as it started (GET /refused); none from a server too old
     to say."""
     try:
-        return server.call(lambda c: c.get("refused"))
+        records = server.call(lambda c: c.get("refused"))
     except CliError:
         return []
+    return [r for r in records if isinstance(r, dict)] if isinstance(records, list) else []
 
 
 def _images(kernel: dict) -> str:
@@ -517,6 +531,9 @@ def _run(argv: list[str] | None) -> int:
             print(f"jupyter gpumigrate: {exc}", file=sys.stderr)
         return exc.code
     except KeyboardInterrupt:
+        if getattr(args, "json", False):  # what a script reads: what stopped, and that the server goes on
+            print(json.dumps({"error": "Interrupted: an operation already started goes on in the server "
+                                       "(`jupyter gpumigrate list` shows it)."}))
         return 130
 
 

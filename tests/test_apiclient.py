@@ -101,3 +101,47 @@ def test_no_server_is_unreachable_and_follow_keeps_asking_for_its_patience():
     with pytest.raises(Unreachable):
         nobody.follow({"id": "x", "status": "running", "version": 1, "phase": None}, patience=0.6)
     assert time.monotonic() - started >= 0.6, "it kept asking"
+
+
+def test_a_server_its_user_controls_cannot_hold_a_client_or_feed_it_what_json_forbids():
+    """The Hub's service reads user servers, whose users control them: an answer dripped a byte at a time
+    (each read within the timeout, the whole never) is given up once the timeout has passed; lists nested
+    100,000 deep and NaN (which Python's json takes and browsers refuse) are not JSON."""
+    import http.server
+    import threading
+
+    class Hostile(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            if self.path.endswith("/drip"):
+                self.send_header("Content-Length", "1000000")
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b" ")
+                        self.wfile.flush()
+                        time.sleep(0.2)
+                except OSError:  # the client gave up
+                    return
+            body = b"[" * 100_000 + b"]" * 100_000 if self.path.endswith("/deep") else b'[{"extra": NaN}]'
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Hostile)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        client = Client(f"http://127.0.0.1:{server.server_address[1]}/", "", timeout=1.0)
+        with pytest.raises(Unreachable) as given_up:
+            client.get("drip")
+        assert given_up.value.timed_out and "did not answer in time" in str(given_up.value), given_up.value
+        for path in ("deep", "nan"):
+            with pytest.raises(ApiError, match="answered something that is not JSON"):
+                client.get(path)
+    finally:
+        server.shutdown()
+        server.server_close()

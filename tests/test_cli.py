@@ -132,6 +132,15 @@ async def test_discard_deletes_a_suspended_kernels_images_and_refuses_a_running_
     assert code == 0, err
     images = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "images" / kernel.id
     assert images.is_dir()
+    # An empty id (a script's empty variable) names no kernel: it matched every one, and this one was the only.
+    for empty in ("", " "):
+        code, out, err = await cli("discard", empty, "--json", *remote(jp_serverapp))
+        assert code == 2 and "Name a kernel" in json.loads(out)["error"], (code, out, err)
+    assert images.is_dir()
+    # An address that is none: a sentence, in JSON too, not a traceback.
+    for url in ("foo", "http://[::1", "http://127.0.0.1:port/"):
+        code, out, err = await cli("list", "--json", "--url", url, "--token", "t")
+        assert code == 2 and "is not an" in json.loads(out)["error"] and "Traceback" not in err, (url, out, err)
     code, out, err = await cli("discard", kernel.id[:8], "--json", *remote(jp_serverapp))
     assert code == 0, err
     result = json.loads(out)

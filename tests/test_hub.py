@@ -383,6 +383,12 @@ async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make
     assert code == 202 and result["operations"] == [] and result["errors"] == [], result
     code, body = hub.service("POST", "api/gpus/GPU-00000000-0000-0000-0000-000000000000/drain", carol, {})
     assert code == 404 and "uuid" in body["message"], body
+    # Numbers that are none (a superscript digit, 5000 digits): 400 with a sentence, not a 500.
+    code, body = hub.service("POST", f"api/gpus/{'9' * 5000}/drain", boss, {})
+    assert code == 400 and "more than 6 digits" in body["message"], body
+    for after in ("%C2%B2", "9" * 5000):
+        code, body = hub.service("GET", f"api/users/alice/operations/{op['id']}?after={after}", boss)
+        assert code == 400 and "'after' must be a version number" in body["message"], body
 
     # A server that does not answer is an error row, after --server-timeout; the others are listed.
     pid = hub.server_pid("bob")

@@ -85,6 +85,32 @@ def _message(exc: urllib.error.HTTPError, url: str) -> str:
     return str(message or exc.reason or f"HTTP {exc.code}")
 
 
+#: The largest answer read from a server (its user may control it): the longest list of operations or
+#: kernels is a small fraction of it.
+MAX_ANSWER = 64 << 20
+
+
+def _read_all(resp: Any, deadline: float) -> bytes:
+    """The whole answer, by the ``deadline`` (the request's timeout bounds each read of the socket, not the
+    whole: a server sending a byte every few seconds held a thread, and the Hub's service with it, for
+    minutes); raises TimeoutError past it, or a ValueError past :data:`MAX_ANSWER` bytes."""
+    parts, size = [], 0
+    while True:
+        part = resp.read1(1 << 16)
+        if not part:
+            return b"".join(parts)
+        parts.append(part)
+        size += len(part)
+        if size > MAX_ANSWER:
+            raise http.client.HTTPException(f"an answer of more than {MAX_ANSWER} bytes")
+        if time.monotonic() > deadline:
+            raise TimeoutError("its answer was still coming when the time was up")
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity, which browsers refuse
+
+
 @dataclass
 class Client:
     """One server's ``/api/gpumigrate`` (or, with ``prefix=""``, any JSON API under ``url``).
@@ -127,9 +153,10 @@ class Client:
             req.add_header("Authorization", self.authorization)
         for name, value in self.headers.items():
             req.add_header(name, value)
+        wait = self.timeout if timeout is None else timeout
         try:
-            with _OPENER.open(req, timeout=self.timeout if timeout is None else timeout) as resp:
-                status, raw = resp.status, resp.read()
+            with _OPENER.open(req, timeout=wait) as resp:
+                status, raw = resp.status, _read_all(resp, time.monotonic() + wait)
         except urllib.error.HTTPError as exc:
             raise ApiError(_message(exc, url), exc.code, url) from None
         except (TimeoutError, socket.timeout) as exc:
@@ -144,8 +171,8 @@ class Client:
             raise Unreachable(f"The server at {url} does not answer ({exc or type(exc).__name__}).", url,
                               str(exc) or type(exc).__name__) from None
         try:
-            return json.loads(raw or b"null")
-        except ValueError:
+            return json.loads(raw or b"null", parse_constant=_no_constant)
+        except (ValueError, RecursionError):  # RecursionError: lists nested thousands deep
             raise ApiError(f"{url} answered something that is not JSON: is it a Jupyter server with "
                            "jupyter-gpumigrate?", status, url) from None
 

@@ -192,7 +192,7 @@ class IdlePolicy:
                         self._sent.add(kernel["id"])
                     log.info("idle policy: %s %s's kernel %s%s: %s", "transplanting to the CPU" if action ==
                              "transplant" else "suspending", server.user, kernel["id"], server.where, decision["reason"])
-                except (ServerError, KeyError, TypeError) as exc:
+                except (ServerError, KeyError, TypeError, AttributeError) as exc:  # nonsense from a server
                     if action == "transplant":
                         self._nodes.discard(node)  # none started: the node's next kernel may go
                     decision.update(error=str(exc), action=action)
@@ -210,6 +210,8 @@ class IdlePolicy:
         a second at most."""
         for _ in range(5):
             fresh = await servers.call(server, f"kernels/{kernel_id}", timeout=servers.view_timeout)
+            if not isinstance(fresh, dict):  # its user controls the server: nonsense leaves the kernel be
+                raise ServerError(f"{server.label} did not answer with a kernel for {kernel_id}.")
             if fresh.get("execution_state") in ("idle", "starting"):
                 break
             await asyncio.sleep(0.25)

@@ -141,7 +141,7 @@ class Servers:
         for server in await self.running():
             if server.user == user and server.name == server_name:
                 return server
-        which = f"a running server named {server_name!r}" if server_name else "a running default server"
+        which = f"running server named {server_name!r}" if server_name else "running default server"
         raise ServerError(f"{user} has no {which}: check the user and the ?server= argument "
                           "(GET api/kernels lists every running server).", 404)
 

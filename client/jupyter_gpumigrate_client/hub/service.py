@@ -128,7 +128,9 @@ class OperationHandler(ApiHandler):
         name = self.get_query_argument("server", "")
         server = await self.relay(self.servers.find(user, name))
         after = self.get_query_argument("after", None)
-        path = f"operations/{op_id}" + (f"?after={int(after)}" if after and after.isdigit() else "")
+        if after is not None and not (after.isascii() and after.isdigit() and len(after) <= 18):
+            raise web.HTTPError(400, f"'after' must be a version number (got {after[:40]!r}).")
+        path = f"operations/{op_id}" + (f"?after={int(after)}" if after else "")
         op = await self.relay(self.servers.call(server, path, timeout=60))
         if not isinstance(op, dict):
             raise web.HTTPError(502, f"{server.label} did not answer with an operation.")
@@ -143,7 +145,9 @@ class DrainHandler(ApiHandler):
         index each server gives it)."""
         host = self.get_query_argument("host", None)
         body = self.body()
-        by_uuid = not gpu.isdigit()
+        by_uuid = not (gpu.isascii() and gpu.isdigit())
+        if not by_uuid and len(gpu) > 6:
+            raise web.HTTPError(400, f"GPU index {gpu[:20]}... has more than 6 digits: give an index or a uuid.")
         listed = await self.relay(self.servers.running())
         views = await self.servers.views(listed)
         targets, errors, seen = [], [], False
