@@ -124,7 +124,13 @@ def test_a_server_its_user_controls_cannot_hold_a_client_or_feed_it_what_json_fo
                         time.sleep(0.2)
                 except OSError:  # the client gave up
                     return
-            body = b"[" * 100_000 + b"]" * 100_000 if self.path.endswith("/deep") else b'[{"extra": NaN}]'
+            if self.path.endswith("/cut"):  # says 100 bytes, sends 10, and closes
+                self.send_header("Content-Length", "100")
+                self.end_headers()
+                self.wfile.write(b'{"a": 1, "')
+                return
+            body = {"/deep": b"[" * 100_000 + b"]" * 100_000, "/nan": b'[{"extra": NaN}]',
+                    "/huge": b'[{"extra": 1e999}]'}[self.path[self.path.rindex("/"):]]
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -139,9 +145,11 @@ def test_a_server_its_user_controls_cannot_hold_a_client_or_feed_it_what_json_fo
         with pytest.raises(Unreachable) as given_up:
             client.get("drip")
         assert given_up.value.timed_out and "did not answer in time" in str(given_up.value), given_up.value
-        for path in ("deep", "nan"):
+        for path in ("deep", "nan", "huge"):
             with pytest.raises(ApiError, match="answered something that is not JSON"):
                 client.get(path)
+        with pytest.raises(Unreachable, match="does not answer"):  # cut short: not "not JSON", not None
+            client.get("cut")
     finally:
         server.shutdown()
         server.server_close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import http.client
 import json
+import math
 import socket
 import time
 import urllib.error
@@ -93,11 +94,14 @@ MAX_ANSWER = 64 << 20
 def _read_all(resp: Any, deadline: float) -> bytes:
     """The whole answer, by the ``deadline`` (the request's timeout bounds each read of the socket, not the
     whole: a server sending a byte every few seconds held a thread, and the Hub's service with it, for
-    minutes); raises TimeoutError past it, or a ValueError past :data:`MAX_ANSWER` bytes."""
+    minutes); raises TimeoutError past it, an HTTPException past :data:`MAX_ANSWER` bytes, and
+    IncompleteRead for an answer cut short (a connection closed before its Content-Length)."""
     parts, size = [], 0
     while True:
         part = resp.read1(1 << 16)
         if not part:
+            if resp.length:  # bytes it said would come, and did not
+                raise http.client.IncompleteRead(b"".join(parts), resp.length)
             return b"".join(parts)
         parts.append(part)
         size += len(part)
@@ -109,6 +113,13 @@ def _read_all(resp: Any, deadline: float) -> bytes:
 
 def _no_constant(name: str) -> Any:
     raise ValueError(f"{name} is not JSON")  # json.loads takes NaN and Infinity, which browsers refuse
+
+
+def _finite(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e999: json.loads makes it inf, which json.dumps writes as Infinity
+        raise ValueError(f"{text} is too large a number")
+    return value
 
 
 @dataclass
@@ -171,7 +182,7 @@ class Client:
             raise Unreachable(f"The server at {url} does not answer ({exc or type(exc).__name__}).", url,
                               str(exc) or type(exc).__name__) from None
         try:
-            return json.loads(raw or b"null", parse_constant=_no_constant)
+            return json.loads(raw or b"null", parse_constant=_no_constant, parse_float=_finite)
         except (ValueError, RecursionError):  # RecursionError: lists nested thousands deep
             raise ApiError(f"{url} answered something that is not JSON: is it a Jupyter server with "
                            "jupyter-gpumigrate?", status, url) from None

@@ -26,7 +26,7 @@ from ..views import Views
 #: that no body keeps the server's event loop busy. A peer's (handlers/peer.py: a kernel's processes, files
 #: and sockets) may be larger.
 MAX_BODY = 1 << 20
-MAX_VALUES = 10_000
+MAX_VALUES = 50_000
 
 
 def _values(data: Any, most: int) -> int:

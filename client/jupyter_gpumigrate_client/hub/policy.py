@@ -43,7 +43,10 @@ def last_operations(operations: Any) -> dict[str, datetime]:
         stamp = op.get("finished") or op.get("created")
         if not isinstance(stamp, (int, float)) or isinstance(stamp, bool):
             continue
-        when = datetime.fromtimestamp(stamp, timezone.utc)
+        try:
+            when = datetime.fromtimestamp(stamp, timezone.utc)
+        except (OverflowError, ValueError, OSError):  # 1e300, NaN: its user controls the server
+            continue
         if op["kernel_id"] not in last or when > last[op["kernel_id"]]:
             last[op["kernel_id"]] = when
     return last
