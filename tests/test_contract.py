@@ -248,8 +248,8 @@ async def test_hostile_requests_get_a_sentence_each_and_hold_up_nothing(jp_fetch
         await other.run("y = 7")
         # As many as the default threads of a 2-core machine (6); under the test client's 10 connections.
         dry = [asyncio.ensure_future(jp_fetch("api", "gpumigrate", "kernels", kid, "transplant", method="POST",
-                                            body=json.dumps({"to_cpu": True, "dry_run": True}),
-                                            request_timeout=120)) for _ in range(6)]
+                                              body=json.dumps({"to_cpu": True, "dry_run": True}),
+                                              request_timeout=120)) for _ in range(6)]
         await asyncio.sleep(1)
         op = await operate(jp_fetch, other.id, "suspend")
         assert op["status"] == "succeeded", op
