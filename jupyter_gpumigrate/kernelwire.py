@@ -27,6 +27,13 @@ HOST_STASH_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['
 HOST_TAKE_BACK_CALL = "__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']).take_back({folder!r})"
 #: The same with a prefetch (engine/prefetch.py), which a kernel suspended by an older version, whose
 #: take_back has no ``gpu`` yet, is not given.
+#: A resume with a prefetch: the kernel begins mapping the helper's memory while the helper reads the files
+#: (kernel/hoststash.py's open_prefetch; returns at once). A kernel suspended by an older version has none.
+HOST_OPEN_PREFETCH_CALL = (
+    "(lambda m: m.open_prefetch({handle!r}, {session!r}) if hasattr(m, 'open_prefetch') else "
+    "'{{\"opening\": false, \"reason\": \"its jupyter-gpumigrate is older\"}}')"
+    "(__import__('jupyter_gpumigrate.kernel.hoststash', fromlist=['take_back']))"
+)
 HOST_TAKE_BACK_GPU_CALL = (
     "(lambda m, c: m.take_back({folder!r}, gpu={gpu!r}) if 'gpu' in c.co_varnames[:c.co_argcount] "
     "else m.take_back({folder!r}))(*(lambda m: (m, m.take_back.__code__))"

@@ -1268,6 +1268,9 @@ class Guest:
         return json.loads(evaluate_silently(self._keyed(), HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
                                             alive=self._alive(pid)))
 
+    def host_open_prefetch(self, folder: str, gpu: dict, timeout: float, pid: int | None = None) -> str | None:
+        return "a guest's restore makes no prefetch"
+
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host
 

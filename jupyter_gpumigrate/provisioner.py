@@ -53,8 +53,8 @@ from .engine.errors import ImageError, InvalidState, MigrateError
 from .engine.safepoint import FOLDER_ENV as SAFE_POINT_ENV, Claim, SafePoint
 from .kernel.hoststash import StashDamaged, read_index as read_stash_index
 from .engine.kernelproc import BROKEN, MIGRATING, REMOTE, RUNNING, STOPPED, SUSPENDED
-from .kernelwire import (HOST_STASH_CALL, HOST_TAKE_BACK_CALL, HOST_TAKE_BACK_GPU_CALL, RELEASE_TORCH_CACHE,
-                         evaluate_silently, kernel_answers, run_silently, send_silently)
+from .kernelwire import (HOST_OPEN_PREFETCH_CALL, HOST_STASH_CALL, HOST_TAKE_BACK_CALL, HOST_TAKE_BACK_GPU_CALL,
+                         RELEASE_TORCH_CACHE, evaluate_silently, kernel_answers, run_silently, send_silently)
 
 PROVISIONER_NAME = "gpumigrate-provisioner"
 
@@ -670,6 +670,27 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                 pass
         return give_back_stash(folder, root, self.safe_point_dir, self.connection_info, timeout,
                                asked_at_safe_point=claim is not None, gpu=gpu)
+
+    def host_open_prefetch(self, folder: str, gpu: dict, timeout: float, pid: int | None = None) -> str | None:
+        root = pid if pid is not None else self.pid
+        if root is None:
+            return "the kernel has no process"
+        claim = self._stash_claim
+        try:
+            index = read_stash_index(folder)
+        except StashDamaged:
+            index = {}
+        if ((claim is not None and claim.point.pid == root) or SafePoint(self.safe_point_dir, root).waiting()
+                or (index.get("pid") == root and index.get("safe_point"))):
+            # its main thread waits in a cell: a silent request would wait for the cell's end
+            return "the kernel waits at its safe point: it maps the memory once released"
+        try:
+            said = json.loads(evaluate_silently(self.connection_info, HOST_OPEN_PREFETCH_CALL.format(
+                handle=str(gpu["handle"]), session=gpu.get("session")), timeout,
+                alive=lambda: proctree.is_alive(root)))
+        except (OSError, RuntimeError, TimeoutError, ValueError, ConnectionError) as exc:
+            return f"it was not asked ({exc})"
+        return None if said.get("opening") else str(said.get("reason") or said)
 
     # -- a transplant (engine/plans/transplant.py, kernel/transplant.py) -------------------------------
 

@@ -448,6 +448,33 @@ async def test_suspend_writes_the_buffers_itself_and_resume_reads_them_back(jp_f
     assert not folder.exists(), "the images are removed once the kernel runs"
 
 
+async def test_a_kernel_asked_to_map_a_prefetch_early_says_why_not_and_changes_nothing(jp_fetch, jp_serverapp,
+                                                                                        kernel, tmp_path):
+    """A resume with a prefetch asks the restored kernel to map the helper's memory while the helper still reads
+    (kernel/hoststash.py's open_prefetch). Through the real wire, a kernel that cannot says why at once, and
+    its buffers come back from the files all the same: CPU buffers, another stash, an older version."""
+    digest = (await kernel.run(MAKE)).strip()
+    provisioner = jp_serverapp.kernel_manager.get_kernel(kernel.id).provisioner
+    folder = tmp_path / "stash"
+    folder.mkdir()
+    said = await asyncio.to_thread(provisioner.host_stash, str(folder), 10**8, 60)
+    assert said["stashed"] == 3 * 96 << 20, said
+    session = json.loads((folder / hoststash.INDEX).read_text())["session"]
+    handle = "ab" * 64
+
+    def early(session: str) -> str | None:
+        return provisioner.host_open_prefetch(str(folder), {"handle": handle, "session": session}, 10)
+
+    assert await asyncio.to_thread(early, "another") == "it is not this kernel's stash"
+    assert await asyncio.to_thread(early, session) == "its CUDA buffers are not on one GPU"
+    await kernel.run("import jupyter_gpumigrate.kernel.hoststash as _m; _saved = _m.open_prefetch; del _m.open_prefetch")
+    assert await asyncio.to_thread(early, session) == "its jupyter-gpumigrate is older"
+    await kernel.run("_m.open_prefetch = _saved")
+    said = await asyncio.to_thread(provisioner.host_take_back, str(folder), 60)
+    assert said["unstashed"] == 3 * 96 << 20, said
+    assert (await kernel.run("print(digest(), alias is blobs[1])")).split() == [digest, "True"]
+
+
 async def test_a_client_gone_while_the_kernel_was_suspended_is_named_and_not_waited_for(jp_fetch, jp_serverapp,
                                                                                         kernel, caplog):
     """A client counted at the suspend (a subscriber of the kernel's IOPub, outside the kernel) closes before the

@@ -76,6 +76,12 @@ class KernelProcess(Protocol):
         RuntimeError naming ``StashDamaged`` if a file does not hold what was written. ``gpu``: a prefetch
         holds its CUDA buffers on its GPU already (engine/prefetch.py; where it runs here only)."""
 
+    def host_open_prefetch(self, folder: str, gpu: dict, timeout: float, pid: int | None = None) -> str | None:
+        """Where the kernel (its process ``pid``) is idle, have it begin mapping a prefetch's memory (``gpu``:
+        ``handle``, ``session``) for its stash in ``folder`` while the helper reads the files, so that
+        :meth:`host_take_back` need not wait for that; returns at once. None if it began, else why not
+        (nothing changed; best effort)."""
+
     def transplant_survey(self, timeout: float) -> dict:
         """The dry run of a transplant (kernel/transplant.py's survey): what carries, what not and why.
         :class:`~.errors.MigrateError` where the kernel cannot be transplanted (not an IPython kernel with

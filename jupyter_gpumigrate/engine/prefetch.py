@@ -8,8 +8,11 @@ spare, its Python and the driver's bindings loaded) makes its context there, all
 buffers and reads the files into it with 16 threads through pinned buffers, checking every chunk against
 the index's checksum, while CRIU and the driver work. Once remapped, the kernel checks that the index's
 checksums are those of its own memory (so the helper read what it wrote), copies each buffer from the
-helper's memory (an IPC handle, the same GPU: 32 GB in 0.26 s on 2 x H100) and reads the rest (host
-memory) from the files as before; then the helper frees.
+helper's memory (an IPC handle, the same GPU) and reads the rest (host memory) from the files as before;
+then the helper frees. The helper says its handle as soon as it has allocated, and the restored kernel maps
+that memory in a thread while the helper still reads (kernel/hoststash.py's ``open_prefetch``): the
+driver's mapping of 32 GB took 0.17-0.20 s on an H200 and the copy itself 0.02 s (bench/ipc_probe.py), so
+the kernel's part after the helper is done fell from 0.30 s to its copy and the mapping's close.
 
 It steps aside, and the kernel reads every file itself as before, where the target GPU has no room for the
 helper's copy beside all the kernel holds once its buffers are back, where that GPU takes one process's
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,6 +58,8 @@ class Prefetch:
     helper: Helper | None = None
     #: why it stepped aside (None: it did not, or not yet)
     reason: str | None = None
+    #: why the kernel did not map its memory while it read (None: it did, or was not asked yet)
+    mapped_late: str | None = None
     seconds: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
 
@@ -61,24 +67,37 @@ class Prefetch:
         self.helper = Helper(self.gpu_uuid)
         self.helper.fill(str(self.folder))
 
+    def allocated(self, timeout: float) -> dict | None:
+        """Once the helper holds its memory, before it has read the files: ``handle`` and ``session``, for the
+        kernel to map that memory while the helper reads (kernel/hoststash.py's ``open_prefetch``: 0.17-0.20 s
+        for 32 GB on an H200, bench/ipc_probe.py); None if it stepped aside (:attr:`reason` says why)."""
+        early = self._ask(lambda helper: helper.allocated(timeout))
+        return {"handle": early["handle"], "session": early.get("session")} if early is not None else None
+
     def result(self, timeout: float) -> dict | None:
         """Once the helper has read everything: what the kernel needs to copy from it (``handle``, ``bases``,
         ``size``, ``session``); None if it stepped aside (:attr:`reason` says why)."""
-        if self.helper is None:
-            return None
         waited = time.perf_counter()
-        try:
-            answer = self.helper.filled(timeout)
-        except GpuError as exc:
-            self.reason = str(exc)
-            self.helper = None  # ended by filled()
-            log.warning("the prefetch of %s stepped aside: %s", self.folder, exc)
+        answer = self._ask(lambda helper: helper.filled(timeout))
+        if answer is None or self.helper is None:
             return None
         now = time.perf_counter()
         self.seconds.update(read=float(answer.get("seconds") or 0.0), waited=round(now - waited, 4),
                             ready=round(now - self.started, 4))
         self.seconds.update(self.helper.seconds())
         return {k: answer[k] for k in ("handle", "bases", "size", "session")}
+
+    def _ask(self, what: Callable[[Helper], dict]) -> dict | None:
+        """The helper's answer; None if there is no helper or it failed (it is killed: :attr:`reason` says why)."""
+        if self.helper is None:
+            return None
+        try:
+            return what(self.helper)
+        except GpuError as exc:
+            self.reason = str(exc)
+            self.helper = None  # killed by the helper's own call
+            log.warning("the prefetch of %s stepped aside: %s", self.folder, exc)
+            return None
 
     def stop(self) -> None:
         """Free the helper's memory and end it (idempotent): at once, killed, if it is still reading (it reads
@@ -96,6 +115,8 @@ class Prefetch:
         out: dict = {"bytes": int(copied or 0), "seconds": self.seconds}
         if self.reason:
             out["reason"] = self.reason
+        if self.mapped_late and copied:
+            out["mapped_late"] = self.mapped_late
         elif not copied:
             out["reason"] = "the kernel was not given it (it read its buffers back at its safe point) or took none"
         return out

@@ -150,6 +150,8 @@ class Helper:
         self._say(f"gpu {gpu_uuid}")
         threading.Thread(target=prestart, daemon=True, name="gpumigrate-stash-spare").start()  # the next move's
         self.handle: str | None = None
+        #: a fill's first line (allocated)
+        self._early: dict | None = None
         #: bytes asked for (0: not yet)
         self.size = 0
         if size:
@@ -186,10 +188,24 @@ class Helper:
         :meth:`filled` waits for it. Instead of :meth:`allocate`."""
         self._say(f"fill {folder}")
 
+    def allocated(self, timeout: float) -> dict:
+        """After :meth:`fill`, once the helper has allocated its memory, before it reads the files: ``handle``
+        and ``session`` (the stash's), for the kernel to map that memory while it waits (kernel/hoststash.py's
+        ``open_prefetch``); or a GpuError (the helper is killed)."""
+        if self._early is None:
+            self._early = self._answer(timeout, f"hold the stash on GPU {self.gpu_uuid}", kill=True)
+        return self._early
+
     def filled(self, timeout: float) -> dict:
         """The helper's answer to :meth:`fill`: ``handle``, ``bases`` (each buffer's offset in its memory, None
         for a buffer not on the GPU), ``size``, ``filled`` (bytes); or a GpuError (the helper is killed)."""
-        answer = self._answer(timeout, f"read the stash onto GPU {self.gpu_uuid}", kill=True)
+        started = time.monotonic()
+        early = self.allocated(timeout)  # its first line, if not read yet
+        answer = self._answer(max(timeout - (time.monotonic() - started), 0.1),
+                              f"read the stash onto GPU {self.gpu_uuid}", kill=True)
+        if answer.get("handle") != early.get("handle"):
+            self.kill()
+            raise GpuError("The stash helper answered for memory other than the one it held at first.")
         self.handle = str(answer["handle"])
         return answer
 
@@ -611,6 +627,10 @@ def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float]) -> tuple[
     pointer = ok(driver.cuMemAlloc(size))
     stamps["allocated"] = time.monotonic()
     try:
+        # Said at once, before the files are read: the kernel maps this memory meanwhile (Helper.allocated).
+        handle = ok(driver.cuIpcGetMemHandle(pointer))
+        print(json.dumps({"early": True, "handle": bytes(handle.reserved).hex(),  # type: ignore[attr-defined]
+                          "session": index.get("session")}), flush=True)
         addresses = [int(pointer) + (base or 0) for base in bases]  # type: ignore[call-overload]
         on_gpu = [base is not None for base in bases]
         chunks = [c for c in index["chunks"] if on_gpu[c.buffer]]

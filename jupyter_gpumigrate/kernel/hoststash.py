@@ -650,11 +650,18 @@ def take_back(folder: str, threads: int = THREADS, gpu: dict | None = None) -> s
 
     on_gpu = [b.kind == "cuda" for b in buffers]
     from_gpu, refused = 0, None
-    if gpu and cuda is not None:
-        try:
-            from_gpu = _copy_prefetched(gpu, index, buffers, addresses, torch, device)
-        except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
-            refused = f"{type(exc).__name__}: {exc}"
+    opened = _claim_opening(OPEN_WAIT)  # the prefetch's memory, mapped while the helper read (if it was)
+    try:
+        if gpu and cuda is not None:
+            ahead = None
+            if opened is not None and opened.handle == gpu.get("handle") and opened.device == device:
+                ahead, opened.pointer = opened.pointer, None  # _copy_prefetched closes it
+            try:
+                from_gpu = _copy_prefetched(gpu, index, buffers, addresses, torch, device, ahead)
+            except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
+                refused = f"{type(exc).__name__}: {exc}"
+    finally:
+        _close_opening(opened)  # one not used
     if from_gpu:
         chunks = [c for c in chunks if not on_gpu[c.buffer]]  # the rest, in host memory, from the files
     copied = time.perf_counter()
@@ -687,42 +694,135 @@ def take_back(folder: str, threads: int = THREADS, gpu: dict | None = None) -> s
     return json.dumps(said)
 
 
+@dataclass
+class _Opening:
+    """A prefetch's memory being mapped into this kernel ahead of :func:`take_back` (:func:`open_prefetch`)."""
+
+    handle: str
+    device: int
+    thread: threading.Thread
+    pointer: int | None = None
+    error: str | None = None
+    #: take_back did not wait for it: the thread closes what it opened
+    abandoned: bool = False
+
+
+_opening: _Opening | None = None
+_opening_lock = threading.Lock()
+#: How long take_back waits for a mapping begun by open_prefetch (0.2 s for 32 GB on an H200).
+OPEN_WAIT = 30.0
+
+
+def open_prefetch(handle: str, session: str) -> str:
+    """Begin mapping a prefetch's memory (engine/prefetch.py; its CUDA IPC ``handle``) into this kernel, in a
+    thread, while the stash helper still reads the files: the driver took 0.17-0.20 s to open 32 GB on an
+    H200 (bench/ipc_probe.py), which :func:`take_back` then need not wait for. Returns at once, JSON:
+    ``{"opening": true}`` or ``{"opening": false, "reason": ...}`` (nothing begun). Nothing else changes:
+    take_back uses the mapping if it is given the same handle, and closes it whatever happens."""
+    global _opening
+    torch = sys.modules.get("torch")
+    if session != _session or not _away:
+        return json.dumps({"opening": False, "reason": "it is not this kernel's stash"})
+    devices = {b.obj.device.index for b in _away if b.kind == "cuda" and b.away}
+    if torch is None or len(devices) != 1:
+        return json.dumps({"opening": False, "reason": "its CUDA buffers are not on one GPU"})
+    _close_opening(_claim_opening(0.0))  # one begun before (a resume asked again): closed
+    from .stager import Driver
+
+    device = devices.pop()
+    opening = _Opening(handle, device, threading.Thread(target=lambda: None))
+
+    def work() -> None:
+        try:
+            with torch.cuda.device(device):
+                pointer = Driver().open(handle)
+        except Exception as exc:  # noqa: BLE001 - take_back opens it itself, or reads the files
+            opening.error = f"{type(exc).__name__}: {exc}"
+            return
+        with _opening_lock:
+            opening.pointer = pointer
+            late = opening.abandoned
+        if late:
+            _close_opening(opening)
+
+    opening.thread = threading.Thread(target=work, daemon=True, name="gpumigrate-open-prefetch")
+    _opening = opening
+    opening.thread.start()
+    return json.dumps({"opening": True})
+
+
+def _claim_opening(wait: float) -> _Opening | None:
+    """The mapping open_prefetch began, once its thread is done (None if none was begun, or if it is not done
+    within ``wait`` seconds: its thread then closes it)."""
+    global _opening
+    opening, _opening = _opening, None
+    if opening is None:
+        return None
+    opening.thread.join(wait)
+    with _opening_lock:
+        if opening.thread.is_alive() and opening.pointer is None:
+            opening.abandoned = True
+            return None
+    return opening
+
+
+def _close_opening(opening: _Opening | None) -> None:
+    if opening is None or opening.pointer is None:
+        return
+    from .stager import Driver
+
+    pointer, opening.pointer = opening.pointer, None
+    torch = sys.modules["torch"]
+    try:
+        with torch.cuda.device(opening.device):
+            Driver().close(pointer)
+    except Exception:  # noqa: BLE001 - the process's end unmaps it in any case
+        pass
+
+
 def _copy_prefetched(gpu: dict, index: dict, buffers: list[Buffer], addresses: list[int], torch: Any,
-                     device: int | None) -> int:
+                     device: int | None, opened: int | None = None) -> int:
     """Copy this kernel's CUDA buffers that are away from a prefetch's memory on its GPU (:func:`take_back`);
     the bytes copied. Raises ValueError where the prefetch cannot be trusted to hold what this kernel wrote:
     a stash without checksums, another session, an index whose table (checksums included) is not this
-    kernel's own, an offset out of the prefetch's bounds."""
+    kernel's own, an offset out of the prefetch's bounds. ``opened``: that memory, mapped already
+    (:func:`open_prefetch`); closed here whatever happens, as is a mapping made here."""
     from .stager import Driver
 
-    if not _checked:
-        raise ValueError("this stash carries no checksums")
-    if gpu.get("session") != _session or index.get("session") != _session:
-        raise ValueError("the prefetch read another stash")
+    pointer = opened
+    try:
+        if not _checked:
+            raise ValueError("this stash carries no checksums")
+        if gpu.get("session") != _session or index.get("session") != _session:
+            raise ValueError("the prefetch read another stash")
 
-    def row(c: Chunk) -> tuple:
-        return c.buffer, c.at, c.size, c.part, c.offset, c.xxh3
+        def row(c: Chunk) -> tuple:
+            return c.buffer, c.at, c.size, c.part, c.offset, c.xxh3
 
-    ours = [row(c) for c in _chunks if buffers[c.buffer].kind == "cuda"]
-    theirs = [row(c) for c in index["chunks"] if c.buffer < len(buffers) and buffers[c.buffer].kind == "cuda"]
-    listed = [(b.get("kind"), int(b.get("size", -1))) for b in index["buffers"]]
-    if ours != theirs or listed != [(b.kind, b.size) for b in buffers]:
-        raise ValueError("the stash's index on disk is not this kernel's own table")
-    bases, size = list(gpu["bases"]), int(gpu["size"])
-    wanted = [(i, int(bases[i])) for i, b in enumerate(buffers) if b.kind == "cuda" and b.away]
-    if any(base < 0 or base + buffers[i].size > size for i, base in wanted):
-        raise ValueError("the prefetch's memory does not hold every buffer")
-    driver = Driver()
-    with torch.cuda.device(device):
-        pointer = driver.open(str(gpu["handle"]))
-        try:
-            stream = int(torch.cuda.current_stream(device).cuda_stream)
-            for i, base in wanted:
-                driver.copy(addresses[i], pointer + base, buffers[i].size, stream)
-        finally:
-            torch.cuda.synchronize(device)  # no copy queued reads the mapping once it is closed
-            driver.close(pointer)  # no mapping of another process's memory is kept
-    return sum(buffers[i].size for i, _ in wanted)
+        ours = [row(c) for c in _chunks if buffers[c.buffer].kind == "cuda"]
+        theirs = [row(c) for c in index["chunks"] if c.buffer < len(buffers) and buffers[c.buffer].kind == "cuda"]
+        listed = [(b.get("kind"), int(b.get("size", -1))) for b in index["buffers"]]
+        if ours != theirs or listed != [(b.kind, b.size) for b in buffers]:
+            raise ValueError("the stash's index on disk is not this kernel's own table")
+        bases, size = list(gpu["bases"]), int(gpu["size"])
+        wanted = [(i, int(bases[i])) for i, b in enumerate(buffers) if b.kind == "cuda" and b.away]
+        if any(base < 0 or base + buffers[i].size > size for i, base in wanted):
+            raise ValueError("the prefetch's memory does not hold every buffer")
+        driver = Driver()  # no CUDA call before here: a refusal above changes nothing
+        with torch.cuda.device(device):
+            if pointer is None:
+                pointer = driver.open(str(gpu["handle"]))
+            try:
+                stream = int(torch.cuda.current_stream(device).cuda_stream)
+                for i, base in wanted:
+                    driver.copy(addresses[i], pointer + base, buffers[i].size, stream)
+            finally:
+                torch.cuda.synchronize(device)  # no copy queued reads the mapping once it is closed
+        return sum(buffers[i].size for i, _ in wanted)
+    finally:
+        if pointer is not None:
+            with torch.cuda.device(device):
+                Driver().close(pointer)  # no mapping of another process's memory is kept
 
 
 def away() -> int:

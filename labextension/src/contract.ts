@@ -396,6 +396,10 @@ export interface HostStash {
      * Why it was not made or not used.
      */
     reason?: string;
+    /**
+     * Why the kernel mapped the prefetch's memory only once the helper had read everything, not while it read (kernel/hoststash.py's open_prefetch: the kernel waited at a busy cell's safe point, or its version is older); absent where it mapped it meanwhile.
+     */
+    mapped_late?: string;
   };
 }
 /**

@@ -126,6 +126,11 @@ def prefetch(ctx: ResumeContext) -> None:
     ctx.prefetch = fetch
 
 
+#: How long a resume waits for the restored kernel to say that it begins mapping the prefetch's memory (it
+#: answers at once, the mapping made in a thread).
+OPEN_WAIT = 10.0
+
+
 def unstash(ctx: ResumeContext) -> None:
     """The restored kernel reads its buffers back from the stash files (its CUDA buffers from the prefetch,
     where one holds them). A file that does not hold what was written fails the resume: the restore's undo
@@ -133,6 +138,11 @@ def unstash(ctx: ResumeContext) -> None:
     assert ctx.manifest is not None
     timeout = STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / STASH_RATE
     fetch = ctx.prefetch
+    if fetch is not None:
+        # The kernel maps the helper's memory while the helper reads (32 GB: 0.2 s no longer waited for).
+        early = fetch.allocated(timeout)
+        if early is not None:
+            fetch.mapped_late = ctx.kernel.host_open_prefetch(str(ctx.images), early, OPEN_WAIT, ctx.pid)
     try:
         gpu = fetch.result(timeout) if fetch is not None else None
         try:
