@@ -219,6 +219,28 @@ def test_a_prefetch_is_taken_only_if_the_index_it_was_checked_against_is_the_ker
     assert not prefetch.room_for(free=60 * 10**9, needed=33 * 10**9, nbytes=32 * 10**9)
 
 
+def test_the_helpers_lines_are_each_read_at_once_however_they_arrive() -> None:
+    """A prefetch's helper says two lines (its handle once allocated, then what it read): when both are in
+    the pipe together, the second is read at once, not after the timeout (a buffered readline after a select
+    took both and left the second waiting); a line that comes in pieces is whole; the end is "" at once."""
+    from jupyter_gpumigrate.engine.stash import _readline
+
+    read_end, write_end = os.pipe()
+    with os.fdopen(read_end, "r") as stream:
+        pending = bytearray()
+        os.write(write_end, b'{"early": true}\n{"handle": "ab"}\n{"par')
+        started = time.monotonic()
+        assert _readline(stream, pending, 30) == '{"early": true}'
+        assert _readline(stream, pending, 30) == '{"handle": "ab"}'
+        assert time.monotonic() - started < 5
+        assert _readline(stream, pending, 0.2) == "", "a line not yet whole is not said"
+        threading.Timer(0.2, lambda: os.write(write_end, b'tial": 1}\n')).start()
+        assert _readline(stream, pending, 30) == '{"partial": 1}'
+        os.close(write_end)
+        started = time.monotonic()
+        assert _readline(stream, pending, 30) == "" and time.monotonic() - started < 5
+
+
 def test_odd_classes_do_not_break_the_search() -> None:
     """A metaclass with __eq__ and no __hash__, and a class whose __module__ is not a string, in the process
     and in a handed thread's frame: the searches read past them (before, one raised out of the kernel's side)."""

@@ -152,6 +152,8 @@ class Helper:
         self.handle: str | None = None
         #: a fill's first line (allocated)
         self._early: dict | None = None
+        #: what was read of its output and not yet taken as a line
+        self._pending = bytearray()
         #: bytes asked for (0: not yet)
         self.size = 0
         if size:
@@ -220,7 +222,7 @@ class Helper:
         """The helper's next line, with a handle in it; else it is stopped (``kill``: killed) and a GpuError
         says why."""
         try:
-            line = _readline(self.proc.stdout, timeout)  # type: ignore[arg-type]
+            line = _readline(self.proc.stdout, self._pending, timeout)
             answer = json.loads(line) if line.startswith("{") else {}
         except (OSError, ValueError) as exc:
             answer = {"error": str(exc)}
@@ -333,14 +335,26 @@ def _take_spare() -> subprocess.Popen | None:
     return spare if spare is not None and spare.poll() is None else None
 
 
-def _readline(stream, timeout: float) -> str:  # type: ignore[no-untyped-def]
+def _readline(stream, pending: bytearray, timeout: float) -> str:  # type: ignore[no-untyped-def]
+    """The next line of a helper's ``stream`` (stripped; "" at its end or after ``timeout`` seconds), read from
+    its descriptor through ``pending``, the bytes read but not yet returned: a buffered ``readline`` after a
+    ``select`` would take two lines that came together and leave the second waiting for the timeout."""
     import selectors
 
-    with selectors.DefaultSelector() as sel:
-        sel.register(stream, selectors.EVENT_READ)
-        if not sel.select(timeout):
+    deadline = time.monotonic() + timeout
+    fd = stream.fileno()
+    while b"\n" not in pending:
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            if not sel.select(max(deadline - time.monotonic(), 0.0)):
+                return ""
+        chunk = os.read(fd, 65536)
+        if not chunk:
             return ""
-    return stream.readline().strip()
+        pending += chunk
+    line, _, rest = bytes(pending).partition(b"\n")
+    pending[:] = rest
+    return line.decode(errors="replace").strip()
 
 
 class Stash:

@@ -651,11 +651,16 @@ def take_back(folder: str, threads: int = THREADS, gpu: dict | None = None) -> s
     on_gpu = [b.kind == "cuda" for b in buffers]
     from_gpu, refused = 0, None
     opened = _claim_opening(OPEN_WAIT)  # the prefetch's memory, mapped while the helper read (if it was)
+    late = None  # why a mapping begun ahead was of no use
     try:
         if gpu and cuda is not None:
             ahead = None
             if opened is not None and opened.handle == gpu.get("handle") and opened.device == device:
                 ahead, opened.pointer = opened.pointer, None  # _copy_prefetched closes it
+                if opened.error:
+                    late = f"the kernel's mapping of it failed ({opened.error})"
+            elif opened is not None:
+                late = "the kernel had mapped other memory"
             try:
                 from_gpu = _copy_prefetched(gpu, index, buffers, addresses, torch, device, ahead)
             except (RuntimeError, OSError, ValueError, KeyError, TypeError, IndexError) as exc:
@@ -691,6 +696,8 @@ def take_back(folder: str, threads: int = THREADS, gpu: dict | None = None) -> s
         said["split"]["from_gpu"] = round(copied - allocated, 4)
         if refused:
             said["prefetch_refused"] = refused
+        if late:
+            said["mapped_late"] = late
     return json.dumps(said)
 
 
@@ -731,11 +738,19 @@ def open_prefetch(handle: str, session: str) -> str:
 
     device = devices.pop()
     opening = _Opening(handle, device, threading.Thread(target=lambda: None))
+    try:
+        with torch.cuda.device(device):
+            context = Driver().current()  # the thread makes it its own: a new thread has no current context
+    except Exception as exc:  # noqa: BLE001 - nothing begun: take_back opens it itself
+        return json.dumps({"opening": False, "reason": f"its CUDA context cannot be read ({exc})"})
+    if not context:
+        return json.dumps({"opening": False, "reason": "it has no CUDA context"})
 
     def work() -> None:
         try:
-            with torch.cuda.device(device):
-                pointer = Driver().open(handle)
+            driver = Driver()
+            driver.use(context)
+            pointer = driver.open(handle)
         except Exception as exc:  # noqa: BLE001 - take_back opens it itself, or reads the files
             opening.error = f"{type(exc).__name__}: {exc}"
             return

@@ -293,7 +293,20 @@ class Driver:
         lib.cuIpcOpenMemHandle_v2.argtypes = [ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint]
         lib.cuIpcCloseMemHandle.argtypes = [ctypes.c_uint64]
         lib.cuMemcpyDtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]
+        lib.cuCtxGetCurrent.argtypes = [ctypes.POINTER(ctypes.c_void_p)]
+        lib.cuCtxSetCurrent.argtypes = [ctypes.c_void_p]
         self.lib = lib
+
+    def current(self) -> int:
+        """This thread's current CUDA context (0: none)."""
+        context = ctypes.c_void_p()
+        self._check(self.lib.cuCtxGetCurrent(ctypes.byref(context)), "reading the current context")
+        return context.value or 0
+
+    def use(self, context: int) -> None:
+        """Make ``context`` current in this thread (a thread of the kernel's own has none until then: torch sets
+        a device only where it differs from the one it believes current)."""
+        self._check(self.lib.cuCtxSetCurrent(context), "making the context current")
 
     @staticmethod
     def _check(result: int, what: str) -> None:

@@ -172,6 +172,8 @@ def unstash(ctx: ResumeContext) -> None:
         said = fetch.said(ctx.stash.get("from_gpu")) if fetch is not None else {"bytes": 0, "reason": ctx.no_prefetch}
         if ctx.stash.get("prefetch_refused"):
             said["reason"] = f"the kernel refused it: {ctx.stash.pop('prefetch_refused')}"
+        if ctx.stash.get("mapped_late"):
+            said["mapped_late"] = ctx.stash.pop("mapped_late")
         ctx.stash["prefetch"] = said
 
 
