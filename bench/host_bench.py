@@ -16,7 +16,10 @@ buffers into the images itself (the host stash, ``c.MigratableProvisioner.host_s
 named with ``-stream`` (``criu-stream``, ``stash-stream``) has ``c.GPUMigrateApp.stream_dump`` on: CRIU's
 pages files go as the dump writes them (phase ``stream``), either way; with ``-after``, off: once the dump is
 over; without either, as 'auto' decides on this machine (on with 8 CPUs or more). Side by side in one run,
-``criu-stream,criu-after`` says what the streaming gains here.
+``criu-stream,criu-after`` says what the streaming gains here. With ``-files`` (``stash-after-files``) a GPU
+kernel's restores make no prefetch (``c.MigratableProvisioner.resume_prefetch`` off on both hosts): the
+kernel reads its stash's files itself once restored, as before 2026-11-29. With --device cuda the kernel goes
+from a's GPU 0 to b's GPU 1, or to b's GPU 0 on a machine of one GPU.
 The goal column is issue 18's bound on a move's downtime: bytes / the TLS floor x 1.3 + 2 s.
 
     .venv/bin/python bench/host_bench.py [--sizes 1,4] [--ways stash,criu] [--images auto|disk|memory]
@@ -134,13 +137,14 @@ def run_cell(host: Host, kernel_id: str, code: str, timeout: float = 600) -> str
     return asyncio.run(go())
 
 
-def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu") -> dict:
+def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there: int | None = None) -> dict:
     kernel_id = a.api("POST", "api/kernels", {"name": "python3"})["id"]
     try:
         count = max(1, int(size * GB / MB))
         nbytes = count * MB
         if device == "cuda":
-            fill, check, there, here = FILL_CUDA.format(nbytes=nbytes, size=size), CHECK_CUDA, 1, 0
+            fill, check, here = FILL_CUDA.format(nbytes=nbytes, size=size), CHECK_CUDA, 0
+            there = 1 if there is None else there
         else:
             fill, check, there, here = FILL.format(mb=MB, count=count, size=size), CHECK, None, None
         run_cell(a, kernel_id, fill)
@@ -154,9 +158,11 @@ def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu") -> di
     finally:
         a.api("DELETE", f"api/kernels/{kernel_id}")
     return {"way": way, "device": device, "size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
+            "to_gpu": there,
             "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"],
                      "stash": away.get("stash")},
-            "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"]},
+            "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"],
+                     "stash": home.get("stash")},
             # what each server said of this kernel: the transfer's split, the other host's own phases
             "said": {h.name: said_of(h, kernel_id) for h in (a, b)}}
 
@@ -191,6 +197,13 @@ def main() -> int:
         print("host_bench: needs root (network namespaces)", file=sys.stderr)
         return 2
     root = Path(tempfile.mkdtemp(prefix="gpumigrate-host-bench-"))
+    there = None
+    if args.device == "cuda":
+        from jupyter_gpumigrate.engine import gpus as gpus_mod
+
+        # b's GPU: GPU 1 where there are two (the hosts share the machine's GPUs), else GPU 0, which the kernel
+        # has left by the time b restores it
+        there = 1 if len(gpus_mod.snapshot()) > 1 else 0
     net = Network(200 + os.getpid() % 50).up()
     a = b = None
     rows = []
@@ -199,14 +212,16 @@ def main() -> int:
         for way in args.ways.split(","):
             for host in (a, b):
                 host.stop()
+                parts = way.split("-")
                 host.extra = {"MigratableProvisioner": {"suspend_to": args.images, "host_stash_min":
-                                                        args.stash_min if way.startswith("stash") else None},
-                              "GPUMigrateApp": {"stream_dump": "off" if way.endswith("-after") else
-                                                "on" if way.endswith("-stream") else "auto"}}
+                                                        args.stash_min if parts[0] == "stash" else None,
+                                                        "resume_prefetch": "files" not in parts},
+                              "GPUMigrateApp": {"stream_dump": "off" if "after" in parts else
+                                                "on" if "stream" in parts else "auto"}}
             a.start({"b": b.peer_entry()})
             b.start({"a": a.peer_entry()})
             for size in (float(s) for s in args.sizes.split(",")):
-                rows.append(one_size(a, b, size, way, args.device))
+                rows.append(one_size(a, b, size, way, args.device, there))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for host in (a, b):
@@ -227,6 +242,12 @@ def main() -> int:
     return 0
 
 
+def prefetched(trip: dict) -> str:
+    """GB the restored kernel copied from a prefetch on its GPU (engine/prefetch.py), or why none: '-'."""
+    fetched = (trip.get("stash") or {}).get("prefetch") or {}
+    return f"{fetched['bytes'] / GB:.2f}" if fetched.get("bytes") else "-"
+
+
 def table_of(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
     """The rows as a table: phases, the link's floors, and each trip against issue 18's goal. Going away, the
     kernel reads its stash back within the other host's restore; coming home, in its own phase (unstash)."""
@@ -240,11 +261,11 @@ def table_of(rows: list[dict]) -> tuple[list[str], list[list[str]]]:
             table.append([r.get("way", "criu"), f"{r['size_gb']:g}", trip, f"{r[trip]['bytes'] / GB:.2f}",
                           f"{r[trip]['total']:.2f}", f"{t.get('stash', 0):.2f}", f"{t.get('dump', 0):.2f}",
                           f"{t.get('transfer', 0):.2f}", f"{t.get('restore', 0):.2f}", f"{t.get('adopt', 0):.2f}",
-                          f"{t.get('unstash', 0):.2f}", f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}",
+                          f"{t.get('unstash', 0):.2f}", prefetched(r[trip]), f"{r['floors_gbps']['tcp']:.2f}", f"{tls:.2f}",
                           f"{floor:.2f}", f"{t.get('transfer', 0) / floor:.2f}", f"{goal:.2f}",
                           f"{r[trip]['total'] / goal:.2f}"])
     return (["way", "GB", "trip", "sent GB", "total s", "stash s", "dump s", "transfer s", "restore s", "adopt s",
-             "unstash s", "TCP GB/s", "TLS GB/s", "TLS floor s", "transfer / floor", "goal s", "total / goal"],
+             "unstash s", "prefetch GB", "TCP GB/s", "TLS GB/s", "TLS floor s", "transfer / floor", "goal s", "total / goal"],
             table)
 
 

@@ -344,7 +344,10 @@ what is left after the dump, so transfer / floor reads low; total / goal is the 
 other host's images (what it received, and its dump and stash for the way home) were on its disk, by a
 fault: its stash on the way home wrote at the disk's speed. The way home's **adopt** waited about 1 s (a client
 counted before the restore that had closed meanwhile) in 5 of 20 GPU trips home; since 95736a6 that wait counts
-from the restore (not measured on a GPU yet). `bench/results/2026-11-26-host-move.md`,
+from the restore (not measured on a GPU yet). Since 2026-11-29 a GPU kernel's restore on either host has the
+stash helper read its buffers onto its GPU while CRIU restores it, as a local resume does (**prefetch**; the
+column says how many GB the kernel copied from it; a way named `-files` turns it off); on a machine of one
+GPU, b's GPU is GPU 0 too. `bench/results/2026-11-26-host-move.md`,
 `bench/results/2026-11-27-host-stream.md` and `bench/results/2026-11-27-trips-and-rounds.md` say what the runs
 found.
 """
@@ -360,11 +363,17 @@ def host_section(path: Path) -> str:
             goal = sent / tls * 1.3 + 2
             body.append([r["way"], f"{r['size_gb']:g}", trip, f"{sent:.2f}", f"{total:.2f}",
                          ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k != "prepare"),
-                         f"{tls:.2f}", f"{t.get('transfer', 0) / (sent / tls):.2f}", f"{goal:.2f}",
-                         f"{total / goal:.2f}"])
+                         fetched(r[trip]), f"{tls:.2f}", f"{t.get('transfer', 0) / (sent / tls):.2f}",
+                         f"{goal:.2f}", f"{total / goal:.2f}"])
     return (f"### Run `{path.name}`\n\n{data.get('when', '?')}, images {data.get('images', '?')}.\n\n" +
-            md_table(["way", "GB", "trip", "sent GB", "total s", "phases (s)", "TLS floor GB/s", "transfer / floor",
-                      "goal s", "total / goal"], body) + "\n")
+            md_table(["way", "GB", "trip", "sent GB", "total s", "phases (s)", "prefetch GB", "TLS floor GB/s",
+                      "transfer / floor", "goal s", "total / goal"], body) + "\n")
+
+
+def fetched(trip: dict) -> str:
+    """GB a trip's restored kernel copied from a prefetch on its GPU; '-' where none (or not recorded)."""
+    got = ((trip.get("stash") or {}).get("prefetch") or {}).get("bytes")
+    return f"{got / 10**9:.2f}" if got else "-"
 
 
 def newest_host_runs() -> list[Path]:

@@ -173,6 +173,7 @@ class GPUMigrateApp(ExtensionApp):
                                 received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,
                                 records=Path(defaults.state_dir) / RUNNING_GUESTS)
         self.guests.serve_growing = self._streams_dumps()
+        self.guests.prefetch = defaults.resume_prefetch
         try:
             if any(self.guests.records.glob("*.json")):
                 self.guests.back.clear()  # there are guests to take back: until _take_back_guests has run

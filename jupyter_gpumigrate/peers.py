@@ -60,7 +60,8 @@ from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manife
 from .engine.migration import BROKEN, MIGRATING, RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
 from .kernel.hoststash import INDEX as STASH_INDEX, PART as STASH_PART
 from .kernel.transplant import DETACH_OUTPUT
-from .kernelwire import HOST_STASH_CALL, HOST_TAKE_BACK_CALL, RELEASE_TORCH_CACHE, evaluate_silently, run_silently
+from .kernelwire import (HOST_OPEN_PREFETCH_CALL, HOST_STASH_CALL, HOST_TAKE_BACK_CALL, HOST_TAKE_BACK_GPU_CALL,
+                         RELEASE_TORCH_CACHE, evaluate_silently, run_silently)
 from . import __version__ as _VERSION
 from .relay import ApiListeners, RelayClient
 
@@ -1260,16 +1261,28 @@ class Guest:
             alive=self._alive()))
 
     def host_take_back(self, folder: str, timeout: float, pid: int | None = None, gpu: dict | None = None) -> dict:
-        # ``gpu``: never given here: a guest's restore makes no prefetch (_migration)
+        """Have the kernel read its buffers back from ``folder`` (``gpu``: its CUDA buffers from the prefetch's
+        memory, engine/prefetch.py), with the key its owner sent. A guest stashed between cells only (its
+        owner asks an idle kernel): no safe point waits to be released."""
         if self.key is None:
             raise InvalidState("The kernel's large buffers are in its images here, but its owner sent no key to have "
                                "it read them back.")
+        call = (HOST_TAKE_BACK_GPU_CALL.format(folder=folder, gpu=gpu) if gpu
+                else HOST_TAKE_BACK_CALL.format(folder=folder))
         # During a resume, ``pid`` is the restored tree's root, not adopted yet.
-        return json.loads(evaluate_silently(self._keyed(), HOST_TAKE_BACK_CALL.format(folder=folder), timeout,
-                                            alive=self._alive(pid)))
+        return json.loads(evaluate_silently(self._keyed(), call, timeout, alive=self._alive(pid)))
 
     def host_open_prefetch(self, folder: str, gpu: dict, timeout: float, pid: int | None = None) -> str | None:
-        return "a guest's restore makes no prefetch"
+        """Have the restored kernel begin mapping the prefetch's memory while the helper reads; None if it
+        does, else why not (it then maps it when given the layout)."""
+        if self.key is None:
+            return "its owner sent no key"
+        try:
+            said = json.loads(evaluate_silently(self._keyed(), HOST_OPEN_PREFETCH_CALL.format(
+                handle=str(gpu["handle"]), session=gpu.get("session")), timeout, alive=self._alive(pid)))
+        except (OSError, RuntimeError, TimeoutError, ValueError, ConnectionError) as exc:
+            return f"it was not asked ({exc})"
+        return None if said.get("opening") else str(said.get("reason") or said)
 
     def secrets(self) -> dict:
         return {}  # its owner keeps them: a guest's images are never taken back by this host
@@ -1317,6 +1330,9 @@ class GuestHost:
         self.dumping: dict[str, DumpRun] = {}
         #: whether this host serves its dumps' pages files as they are written (c.GPUMigrateApp.stream_dump)
         self.serve_growing = True
+        #: whether the restore of a guest that stashed has the stash helper read its CUDA buffers onto its GPU
+        #: while CRIU restores it (engine/prefetch.py; this server's c.MigratableProvisioner.resume_prefetch)
+        self.prefetch = True
         #: (kernel, file) sent as it grows now, by a thread of its own: one at a time each
         self.serving: set[tuple[str, str]] = set()
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
@@ -1883,9 +1899,8 @@ class GuestHost:
     # running them (blocking: call from a worker thread)
 
     def _migration(self, guest: Guest, stash_min: int | None = None) -> Migration:
-        # No resume prefetch (engine/prefetch.py) for a guest: its kernel reads its files itself, as before
         kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images, "host_stash_min": stash_min,
-                                  "prefetch": False}
+                                  "prefetch": self.prefetch}
         if self.inventory is not None:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)

@@ -2035,6 +2035,34 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
 
 
 @pytest.mark.gpu
+async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_from_a_prefetch_each_way(hosts):
+    # One GPU is enough: both hosts restore onto GPU 0 (a's kernel has left it by then). Going away, b's stash
+    # helper reads the 1 GiB tensor's file onto b's GPU while b's CRIU restores the kernel; coming home, a's
+    # does; each time the restored kernel copies it from there (having mapped it while the helper read).
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run(GPU_TENSORS)
+        for to_host, where in (("b", f"{b.ip}/24"), ("a", None)):
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": to_host, "to_gpu": 0})
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+            stash = op["stash"]
+            assert stash["stashed"] >= 1 << 30 and stash["unstashed"] == stash["stashed"], op
+            fetched = stash["prefetch"]
+            assert fetched["bytes"] >= 1 << 30 and "reason" not in fetched and "mapped_late" not in fetched, op
+            if to_host == "a":  # the home's own phase, between the transfer and the restore
+                phases = list(op["timings"])
+                assert phases.index("transfer") < phases.index("prefetch") < phases.index("restore"), phases
+            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+            assert view["host"] == to_host and [g["index"] for g in view["gpus"]] == [0], view
+            if where:
+                assert (await tab.run(WHERE)).strip() == where
+            assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+@pytest.mark.gpu
 async def test_a_gpu_kernel_on_the_other_host_outlives_this_hosts_server_with_its_tensors(hosts):
     """a's server SIGKILLed while its GPU kernel runs on b's GPU 1: a's next server relays to it again and
     shows the GPU it holds there (b's answer); its tensors are whole, and it comes home onto GPU 0."""

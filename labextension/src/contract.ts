@@ -387,7 +387,7 @@ export interface HostStash {
   aside?: string;
   from_gpu?: Bytes1;
   /**
-   * A resume of a GPU kernel: the stash helper's reading of its CUDA buffers onto its GPU during the restore (engine/prefetch.py), or why there was none (its reason; the kernel then read its files itself).
+   * A resume of a GPU kernel, or a move of one to another host (the other host's restore going away, this host's coming home): the stash helper's reading of its CUDA buffers onto its GPU during the restore (engine/prefetch.py), or why there was none (its reason; the kernel then read its files itself).
    */
   prefetch?: {
     bytes: Bytes2;

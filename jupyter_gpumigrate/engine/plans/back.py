@@ -35,7 +35,6 @@ from ..errors import ImageError, InvalidState, PidConflict
 from ..gpustate import GpuState
 from ..images import MANIFEST, Manifest, write_durably
 from ..kernelproc import KernelProcess
-from ..prefetch import Prefetch
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from . import resume, suspend
 from .transplant import SWITCHED
@@ -77,10 +76,6 @@ class BackContext(KernelContext):
         self.current: Path | None = None
         #: what the source read back of its stash (the current process's own stash stays in ``stash``)
         self.unstashed: dict = {}
-        #: what resume.unstash reads: a back makes no prefetch (engine/prefetch.py), the source reads its stash
-        #: files itself
-        self.prefetch: Prefetch | None = None
-        self.no_prefetch: str | None = None
 
 
 def kept_source(ctx: KernelContext) -> tuple[Path, Manifest]:

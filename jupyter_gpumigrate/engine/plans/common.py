@@ -24,6 +24,7 @@ from ..gpustate import GpuState
 from ..images import DISK, ImageStore, Manifest, choose
 from ..kernelproc import KernelProcess, public_connection_info
 from ..placement import Move
+from ..prefetch import Prefetch
 from ..saga import Context, Result
 
 log = logging.getLogger(__name__)
@@ -127,6 +128,10 @@ class KernelContext(Context):
         self.estimate = 0
         #: when the tree was restored (time.monotonic()): its ports listen again from then on
         self.restored_at: float | None = None
+        #: a restore's prefetch (engine/prefetch.py: the stash helper reads the kernel's CUDA buffers onto its
+        #: GPU while CRIU restores it), and why none was made where the plan asked for one
+        self.prefetch: Prefetch | None = None
+        self.no_prefetch: str | None = None
 
     def on_gpu(self) -> bool:
         return self.gpu.holds_gpu()

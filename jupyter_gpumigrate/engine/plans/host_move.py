@@ -37,10 +37,15 @@ Home (``return_home``):
     transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
                 came whole as it was written is kept); choose
                 the GPU
+    prefetch    (GPU, stash) the stash helper reads the stashed    undo: the helper frees and ends
+                CUDA buffers onto that GPU while the next three
+                phases run (as a resume's: engine/prefetch.py)
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
-    unstash     the kernel reads its buffers back (if it wrote)   (undone with the restore)
+    unstash     the kernel reads its buffers back (if it wrote):   (undone with the restore)
+                its CUDA buffers from the prefetch where it
+                holds them; then the helper ends
     adopt       the tree is the kernel again; its record names    (last)
                 the dump there until that is removed
     on success  the images here and there are removed (a dump there that cannot be, a server that dies
@@ -67,7 +72,7 @@ from pathlib import Path
 from typing import Protocol
 
 from .. import hostfit, netstate
-from . import suspend
+from . import resume, suspend
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
 from ..kernelproc import KernelProcess, kernel_listens
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
@@ -108,6 +113,7 @@ def home() -> Saga[HostContext]:
             Step("stream", stream_home, when=lambda ctx: ctx.link.takes_growing()),
             Step("dump", dump_there),
             Step("transfer", fetch_images),
+            Step("prefetch", resume.prefetch, when=resume.prefetching),
             Step("restore", restore_here),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
@@ -274,7 +280,10 @@ def restore_there(ctx: HostContext) -> None:
         raise MigrateError(f"{exc} The move is undone: the kernel is brought back here, from its images here.") \
             from exc
     if "stashed" in ctx.stash:
-        ctx.stash["unstashed"] = int((ctx.there.get("stash") or {}).get("unstashed") or 0)
+        said = ctx.there.get("stash") or {}
+        ctx.stash["unstashed"] = int(said.get("unstashed") or 0)
+        if isinstance(said.get("prefetch"), dict):  # that host's prefetch, where it made one
+            ctx.stash["prefetch"] = said["prefetch"]
     # A kernel runs there now: if it cannot be discarded, two copies may run, which is no litter.
     ctx.undo(ctx.link.discard)
 
@@ -356,13 +365,13 @@ def unstash_here(ctx: HostContext) -> None:
     """The kernel, restored here, reads back the buffers it wrote there, each chunk checked. If it cannot,
     everything is undone: it runs on there, from its images there."""
     assert ctx.manifest is not None
-    timeout = suspend.STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / suspend.STASH_RATE
     try:
-        said = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+        said = resume.take_back(ctx)
     except (RuntimeError, OSError, TimeoutError) as exc:
         raise ImageError(f"The kernel could not read its large buffers back here ({exc or 'no answer in time'}); "
                          f"it runs on, on {ctx.link.host}.") from exc
-    ctx.stash = {"stashed": int(ctx.manifest.stash.get("stashed", 0)), "unstashed": int(said.get("unstashed") or 0)}
+    ctx.stash = {"stashed": int(ctx.manifest.stash.get("stashed", 0)), "unstashed": int(said.get("unstashed") or 0),
+                 **({"prefetch": said["prefetch"]} if "prefetch" in said else {})}
 
 
 def adopt_home(ctx: HostContext) -> None:

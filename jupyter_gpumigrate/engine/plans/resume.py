@@ -44,7 +44,7 @@ def saga() -> Saga[ResumeContext]:
         "resume",
         [
             Step("prepare", prepare),
-            Step("prefetch", prefetch, when=lambda ctx: bool(ctx.tools.prefetch and ctx.on_gpu() and stashed(ctx))),
+            Step("prefetch", prefetch, when=prefetching),
             Step("restore", restore_tree),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
@@ -64,9 +64,6 @@ class ResumeContext(KernelContext):
     def __init__(self, kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None) -> None:
         super().__init__(kernel, tools)
         self.to_gpu = to_gpu
-        self.prefetch: Prefetch | None = None
-        #: why no prefetch was made, where the plan asked for one
-        self.no_prefetch: str | None = None
 
 
 def stashed(ctx: ResumeContext) -> bool:
@@ -88,10 +85,11 @@ def prepare(ctx: ResumeContext) -> None:
     free_pids(manifest)
 
 
-def prefetch(ctx: ResumeContext) -> None:
+def prefetch(ctx: KernelContext) -> None:
     """Where the kernel comes back onto one GPU with room for a second copy of its CUDA buffers, the stash
-    helper starts reading them there (engine/prefetch.py). Never fails the resume: where it cannot, the
-    kernel reads its files itself, and :attr:`ResumeContext.no_prefetch` says why."""
+    helper starts reading them there (engine/prefetch.py). Never fails the restore: where it cannot, the
+    kernel reads its files itself, and :attr:`KernelContext.no_prefetch` says why. A local resume's, a
+    kernel's coming home from another host (plans/host_move.py), and that host's restore of it."""
     assert ctx.manifest is not None
     move = ctx.move
     if move is None or move.several:
@@ -126,15 +124,23 @@ def prefetch(ctx: ResumeContext) -> None:
     ctx.prefetch = fetch
 
 
-#: How long a resume waits for the restored kernel to say that it begins mapping the prefetch's memory (it
+def prefetching(ctx: KernelContext) -> bool:
+    """Whether a restore should try a prefetch: a GPU kernel that stashed, where the setting lets it."""
+    return bool(ctx.tools.prefetch and ctx.on_gpu() and ctx.manifest and ctx.manifest.stash)
+
+
+#: How long a restore waits for the restored kernel to say that it begins mapping the prefetch's memory (it
 #: answers at once, the mapping made in a thread).
 OPEN_WAIT = 10.0
 
 
-def unstash(ctx: ResumeContext) -> None:
-    """The restored kernel reads its buffers back from the stash files (its CUDA buffers from the prefetch,
-    where one holds them). A file that does not hold what was written fails the resume: the restore's undo
-    kills the tree, and the images are kept as they are."""
+def take_back(ctx: KernelContext) -> dict:
+    """The restored kernel reads back the buffers it stashed, each chunk checked: its CUDA buffers from the
+    prefetch where one holds them (the kernel maps the helper's memory while the helper still reads, and
+    copies once it is done), the rest from the files; then the helper frees. What the kernel said, with the
+    prefetch's account under ``prefetch``. Raises as :meth:`KernelProcess.host_take_back` does (RuntimeError:
+    the kernel's own refusal, a damaged file; OSError, TimeoutError: no answer): the caller says what it
+    means for the kernel."""
     assert ctx.manifest is not None
     timeout = STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / STASH_RATE
     fetch = ctx.prefetch
@@ -143,19 +149,36 @@ def unstash(ctx: ResumeContext) -> None:
         early = fetch.allocated(timeout)
         if early is not None:
             fetch.mapped_late = ctx.kernel.host_open_prefetch(str(ctx.images), early, OPEN_WAIT, ctx.pid)
+    gpu = fetch.result(timeout) if fetch is not None else None
     try:
-        gpu = fetch.result(timeout) if fetch is not None else None
-        try:
-            ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid, gpu=gpu)
-        except RuntimeError as exc:
-            if gpu is None or "unexpected keyword argument 'gpu'" not in str(exc):
-                raise
-            # A kernel suspended by an older version, waiting at a busy cell's safe point, whose take_back has no
-            # ``gpu``: it said so having changed nothing, and waits there still.
-            log.warning("kernel %s did not take the prefetch (%s): it reads its files itself",
-                        ctx.kernel.kernel_id, exc)
-            fetch.reason = f"the kernel did not take it ({exc})"  # type: ignore[union-attr]
-            ctx.stash = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+        said = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid, gpu=gpu)
+    except RuntimeError as exc:
+        if gpu is None or "unexpected keyword argument 'gpu'" not in str(exc):
+            raise
+        # A kernel suspended by an older version, waiting at a busy cell's safe point, whose take_back has no
+        # ``gpu``: it said so having changed nothing, and waits there still.
+        log.warning("kernel %s did not take the prefetch (%s): it reads its files itself", ctx.kernel.kernel_id, exc)
+        fetch.reason = f"the kernel did not take it ({exc})"  # type: ignore[union-attr]
+        said = ctx.kernel.host_take_back(str(ctx.images), timeout, ctx.pid)
+    # The kernel holds its copy: the helper's memory goes while the restore goes on. (On a failure the undo
+    # stops it, once the restore's undo has killed the tree: never while the kernel may still be copying.)
+    if fetch is not None:
+        fetch.stop()
+    if fetch is not None or ctx.no_prefetch:
+        account = fetch.said(said.get("from_gpu")) if fetch is not None else {"bytes": 0, "reason": ctx.no_prefetch}
+        if said.get("prefetch_refused"):
+            account["reason"] = f"the kernel refused it: {said.pop('prefetch_refused')}"
+        if said.get("mapped_late"):
+            account["mapped_late"] = said.pop("mapped_late")
+        said["prefetch"] = account
+    return said
+
+
+def unstash(ctx: KernelContext) -> None:
+    """The restored kernel reads its buffers back (:func:`take_back`). A file that does not hold what was
+    written fails the resume: the restore's undo kills the tree, and the images are kept as they are."""
+    try:
+        ctx.stash = take_back(ctx)
     except RuntimeError as exc:
         raise ImageError(f"The kernel could not read its large buffers back from {ctx.images} ({exc}). It is "
                          "left suspended and its images are kept; if a file there was damaged, the kernel cannot "
@@ -164,17 +187,6 @@ def unstash(ctx: ResumeContext) -> None:
     except (OSError, TimeoutError) as exc:
         raise ImageError(f"The restored kernel did not read its large buffers back ({exc}); it is left "
                          "suspended, its images kept. Try again.") from exc
-    # The kernel holds its copy: the helper's memory goes while the resume goes on. (On a failure the undo
-    # stops it, once the restore's undo has killed the tree: never while the kernel may still be copying.)
-    if fetch is not None:
-        fetch.stop()
-    if fetch is not None or ctx.no_prefetch:
-        said = fetch.said(ctx.stash.get("from_gpu")) if fetch is not None else {"bytes": 0, "reason": ctx.no_prefetch}
-        if ctx.stash.get("prefetch_refused"):
-            said["reason"] = f"the kernel refused it: {ctx.stash.pop('prefetch_refused')}"
-        if ctx.stash.get("mapped_late"):
-            said["mapped_late"] = ctx.stash.pop("mapped_late")
-        ctx.stash["prefetch"] = said
 
 
 def run(kernel: KernelProcess, tools: Tools, to_gpu: int | Sequence[int] | None = None,
