@@ -214,6 +214,13 @@ class OperationManager:
                                  "starts now. Try again once the server runs again.")
         if idle_since is not None:
             self._still_idle(kernel_id, idle_since)
+        named = {*(to_gpus or ()), *(() if to_gpu is None else (to_gpu,))} if to_host is None else set()
+        drained = sorted(named & self._draining())
+        if drained:
+            drain = next(o for o in self.operations.values()
+                         if o.action == "drain" and not o.done and o.gpu == drained[0])
+            raise InvalidState(f"GPU {drained[0]} is being drained (operation {drain.id}): no kernel is sent there "
+                               f"until it is over. Name another GPU, or wait; kernel {kernel_id} stays as it is.")
         if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
             raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
@@ -521,15 +528,19 @@ class OperationManager:
         if to_gpu is not None and to_gpu in self._draining():
             raise InvalidState(f"GPU {to_gpu} is being drained itself: name another GPU, or none.")
         op = Operation(kernel_id="", action="drain", gpu=index, to_gpu=to_gpu)
-        return self._launch(op, self._drain(op, self.views.kernels_on(index, gpus), transplant))
+        return self._launch(op, self._drain(op, transplant))
 
-    async def _drain(self, op: Operation, kernel_ids: list[str], transplant: bool) -> None:
+    async def _drain(self, op: Operation, transplant: bool) -> None:
         # One kernel after the other: each move already saturates the driver's copy path, and a GPU's
         # free memory is known for the next choice only once the previous move is done.
         op.status = RUNNING_OP
         self._emit(op)
         try:
-            await self._drain_each(op, kernel_ids, transplant)
+            # From now on no operation sends a kernel to the GPU (start refuses it, the plans avoid it); one
+            # begun before may still: its kernel is there once it is over, and is listed with the others.
+            await self._landing_on(op)
+            assert op.gpu is not None
+            await self._drain_each(op, self.views.kernels_on(op.gpu, gpus_mod.snapshot()), transplant)
         except Exception as exc:  # a drain must always end with a status (NVML may fail on a failing GPU)
             log.exception("gpumigrate: drain of GPU %s failed", op.gpu)
             op.status, op.error = FAILED, f"The drain stopped: {exc}. Kernels not yet moved run where they were."
@@ -624,6 +635,23 @@ class OperationManager:
                  "the CPU" if target is None else f"GPU {target}", why)
         return self.start(kernel_id, "transplant", to_gpu=target, accept_left=[]), target
 
+    async def _landing_on(self, drain: Operation) -> None:
+        """Wait for the operations begun before ``drain`` that may still place a kernel on its GPU: a resume
+        (where it was, or the roomiest), a move or transplant there, a back, a kernel coming home."""
+        def may_land(o: Operation) -> bool:
+            if o.done or o is drain or o.created > drain.created or o.action == "drain":
+                return False
+            if o.to_host is not None and o.to_host != self.host_name:
+                return False  # to another host: its GPUs are that host's
+            named = {*(o.to_gpus or ()), *(() if o.to_gpu is None else (o.to_gpu,))}
+            return drain.gpu in named or (not named and o.action in ("resume", "back", "migrate"))
+
+        for other in [o for o in self.operations.values() if may_land(o)]:
+            log.info("gpumigrate: the drain of GPU %s waits for operation %s (%s of kernel %s) first", drain.gpu,
+                     other.id, other.action, other.kernel_id)
+            while not other.done:
+                await self.wait_change(other, other.version, 30)
+
     def _draining(self) -> set[int]:
         """GPUs being drained now: no kernel is sent there."""
         return {o.gpu for o in self.operations.values() if o.action == "drain" and not o.done and o.gpu is not None}
@@ -662,7 +690,7 @@ class OperationManager:
                               lock_timeout=provisioner.gpu_lock_timeout, host_stash_min=provisioner.host_stash_min,
                               images=op.images or provisioner.suspend_to,
                               keep_source=provisioner.keep_transplant_source,
-                              prefetch=provisioner.resume_prefetch)
+                              prefetch=provisioner.resume_prefetch, avoid=self._draining)
         steps = {
             "suspend": migration.suspend,
             "resume": lambda: migration.resume(op.to_gpus if op.to_gpus is not None else op.to_gpu),

@@ -419,6 +419,33 @@ async def test_draining_gpu_0_moves_both_kernels_on_it(jp_fetch, jp_serverapp, k
         other.close()
 
 
+async def test_no_kernel_lands_on_a_gpu_while_it_is_drained(jp_fetch, jp_serverapp, kernel):
+    """A resume going back to GPU 0 is under way as GPU 0's drain starts: the drain waits for it, and at its
+    end neither kernel is on GPU 0 (the resumed one was drained too, or went to GPU 1: its plan avoids a
+    GPU being drained). Meanwhile a move that names GPU 0 is refused, saying that it is being drained."""
+    first = await build(kernel)
+    other_id = await start_kernel(jp_fetch)
+    other = KernelSession(jp_serverapp, other_id)
+    await other.ready()
+    try:
+        second = await build(other)
+        op = await operate(jp_fetch, other_id, "suspend")
+        assert op["status"] == "succeeded", op
+        resume = await api(jp_fetch, "kernels", other_id, "resume", method="POST", body={}, expect=202)
+        drain = await api(jp_fetch, "gpus", "0", "drain", method="POST", expect=202)
+        refused = await api(jp_fetch, "kernels", kernel.id, "migrate", method="POST", body={"to_gpu": 0}, expect=409)
+        assert f"GPU 0 is being drained (operation {drain['id']})" in refused["message"], refused
+        resume = await wait_operation(jp_fetch, resume, timeout=300)
+        drain = await wait_operation(jp_fetch, drain, timeout=300)
+        assert resume["status"] == "succeeded" and drain["status"] == "succeeded", (resume, drain)
+        assert kernel.id in [r["kernel_id"] for r in drain["results"]], drain
+        assert where(first) == {1} and where(second) == {1}, "nothing is left on the drained GPU"
+        for session in (kernel, other):
+            assert (await session.run("print(state_digest() == before)")).strip() == "True"
+    finally:
+        other.close()
+
+
 async def test_a_gpu_suspend_whose_dump_fails_leaves_the_kernel_on_its_gpu_unlocked(jp_fetch, kernel):
     pid = await build(kernel)
     await kernel.run(OPEN_IO_URING)  # the dump fails after the CUDA checkpoint

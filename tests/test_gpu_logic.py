@@ -103,6 +103,20 @@ def test_resume_goes_back_where_it_was_else_to_the_emptiest_gpu_of_its_model():
         placement.plan_resume(gpus, was, 1, 570)
 
 
+def test_a_resume_goes_to_no_gpu_being_drained_unless_it_names_it():
+    """While GPU 0 is drained (operations.py refuses a request that names it), a resume that would go back
+    there goes to the roomiest other GPU of its model; with every such GPU drained, it is refused, saying so."""
+    was = {"index": 0, "uuid": UUIDS[0], "name": "NVIDIA H200", "memory_used": 4 * GIB}
+    gpus = [gpu(0), gpu(1, used=30 * GIB), gpu(2, used=10 * GIB), gpu(3, name="NVIDIA H100")]
+    assert placement.plan_resume(gpus, was, None, 580, avoid={0}).target.index == 2
+    assert placement.plan_resume(gpus, was, None, 580, avoid={0, 2}).target.index == 1
+    with pytest.raises(GpuError, match=r"being drained \(GPU 0, 1, 2\).*Resume it then; its images are kept"):
+        placement.plan_resume(gpus, was, None, 580, avoid={0, 1, 2})
+    two = [{"index": 1, "uuid": UUIDS[1], "name": "NVIDIA H200", "memory_used": 16 * GIB},
+           {"index": 0, "uuid": UUIDS[0], "name": "NVIDIA H200", "memory_used": 16 * GIB}]
+    assert placement.plan_resume(gpus, two, None, 580, avoid={1}).to_gpus == [0, 2]
+
+
 def test_a_kernel_on_two_gpus_swaps_them_counting_what_it_frees_on_each():
     # 30 GB on each of two 80 GB GPUs, each 70 GB full: neither has room for the other's 30 GB until the
     # kernel's own leaves it; the driver checkpoints every GPU before it restores any.

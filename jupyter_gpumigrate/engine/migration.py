@@ -31,7 +31,7 @@ Nothing in the engine knows about Jupyter: the kernel is anything that fits :cla
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 from . import gpus as gpus_mod
 from . import proctree
@@ -68,11 +68,12 @@ class Migration:
         images: str = "disk",
         keep_source: float = 0.0,
         prefetch: bool = True,
+        avoid: Callable[[], Collection[int]] = tuple,
     ) -> None:
         self.kernel = kernel
         self.progress = progress
         self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min,
-                           images, keep_source, prefetch=prefetch)
+                           images, keep_source, prefetch=prefetch, avoid=avoid)
 
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)

@@ -237,17 +237,18 @@ def plan_move(gpus: list[GpuInfo], held: list[dict], to: int | Sequence[int], dr
 
 
 def plan_resume(gpus: list[GpuInfo], suspended_on: list[dict] | dict, to: int | Sequence[int] | None,
-                driver_major: int | None) -> Move:
+                driver_major: int | None, avoid: Collection[int] = ()) -> Move:
     """Where a suspended GPU kernel comes back: onto ``to`` (a GPU, or one per GPU it held), else where it
-    was, else onto the GPUs of its model with the most free memory. ``suspended_on`` is the manifest's
-    record of its GPUs: index, uuid, name, memory_used each."""
+    was, else onto the GPUs of its model with the most free memory; never, unless named, onto a GPU of
+    ``avoid`` (indices: GPUs being drained). ``suspended_on`` is the manifest's record of its GPUs: index,
+    uuid, name, memory_used each."""
     records = [suspended_on] if isinstance(suspended_on, dict) else sorted(suspended_on, key=lambda g: int(g["index"]))
     needed = [int(r.get("memory_used", 0)) for r in records]
     was = [_by_uuid(gpus, r["uuid"]) for r in records]
     if to is not None:
         targets = wanted_gpus(to, [int(r["index"]) for r in records], gpus)
     else:
-        targets = _resume_targets(gpus, records, was, needed)
+        targets = _resume_targets(gpus, records, was, needed, avoid)
     pairs = []
     for record, old, target, n in zip(records, was, targets, needed):
         if old is not None and target.uuid == old.uuid:
@@ -265,17 +266,22 @@ def plan_resume(gpus: list[GpuInfo], suspended_on: list[dict] | dict, to: int | 
 
 
 def _resume_targets(gpus: list[GpuInfo], records: list[dict], was: list[GpuInfo | None],
-                    needed: list[int]) -> list[GpuInfo]:
-    """Each GPU back where it was if that has room; the others onto the roomiest GPUs of their model not
-    taken yet (if none has room, the roomiest, and check_target says so)."""
-    chosen: list[GpuInfo | None] = [g if g is not None and free(g) >= n + HEADROOM else None
-                                    for g, n in zip(was, needed)]
+                    needed: list[int], avoid: Collection[int] = ()) -> list[GpuInfo]:
+    """Each GPU back where it was if that has room and is not in ``avoid``; the others onto the roomiest GPUs
+    of their model not taken yet nor avoided (if none has room, the roomiest, and check_target says so)."""
+    chosen: list[GpuInfo | None] = [g if g is not None and g.index not in avoid and free(g) >= n + HEADROOM
+                                    else None for g, n in zip(was, needed)]
     for i, record in enumerate(records):
         if chosen[i] is not None:
             continue
         taken = {g.index for g in chosen if g is not None}
         model = str(record.get("name"))
-        candidates = same_model(gpus, model, exclude=taken)
+        candidates = same_model(gpus, model, exclude=taken | set(avoid))
+        if not candidates and same_model(gpus, model, exclude=taken):
+            drained = ", ".join(str(i) for i in sorted(g.index for g in same_model(gpus, model, exclude=taken)))
+            raise GpuError(f"The GPUs of the kernel's model ({model}) that could take it are being drained (GPU "
+                           f"{drained}): no kernel is sent there until the drain is over. Resume it then; its "
+                           "images are kept.")
         if not candidates:
             if len(records) > 1 and any(g.name == model for g in gpus):
                 raise GpuError(f"The kernel held {len(records)} GPUs ({model}); this machine has too few of that "

@@ -10,7 +10,7 @@ import errno
 import logging
 import shutil
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +54,8 @@ class Tools:
     #: whether a resume of a GPU kernel that stashed has the stash helper read its CUDA buffers onto its GPU
     #: while CRIU restores it (engine/prefetch.py)
     prefetch: bool = True
+    #: GPUs (indices) no kernel is sent to unless it names them: those being drained now
+    avoid: Callable[[], Collection[int]] = tuple
 
 
 @dataclass
@@ -359,7 +361,8 @@ def place(ctx: KernelContext, manifest: Manifest, to_gpu: int | Sequence[int] | 
     was, else the roomiest); ``no_gpu`` is the sentence for a ``to_gpu`` asked of a kernel that holds none."""
     ctx.manifest = manifest
     if manifest.gpus:
-        move = ctx.move = placement.plan_resume(ctx.tools.inventory(), manifest.gpus, to_gpu, ctx.tools.driver_major())
+        move = ctx.move = placement.plan_resume(ctx.tools.inventory(), manifest.gpus, to_gpu, ctx.tools.driver_major(),
+                                                ctx.tools.avoid())
         ctx.gpu.track(manifest.cuda_pids, [p.source.uuid for p in move.pairs], move.needed)
     elif to_gpu is not None:
         raise GpuError(no_gpu)
