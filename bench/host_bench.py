@@ -117,6 +117,32 @@ def link_floor(a: Host, b: Host, nbytes: int, tls: bool) -> float:
     return nbytes / float(sender.stdout.strip()) / GB
 
 
+def link_floor_parallel(a: Host, b: Host, nbytes: int, streams: int) -> float:
+    """GB/s of ``streams`` TLS streams at once from a's namespace to b's, ``nbytes`` in all (what a transfer of
+    several files at once could reach, against the one stream of :func:`link_floor`)."""
+    share = nbytes // streams
+    receivers = [subprocess.Popen(["ip", "netns", "exec", b.ns, sys.executable, "-c", RECEIVE, b.ip,
+                                   str(FLOOR_PORT + 1 + i), str(b.cert), str(b.key), "1", str(share)],
+                                  stdout=subprocess.PIPE, text=True) for i in range(streams)]
+    try:
+        for r in receivers:
+            assert r.stdout is not None and r.stdout.readline().strip() == "ready"
+        started = time.perf_counter()
+        senders = [subprocess.Popen(["ip", "netns", "exec", a.ns, sys.executable, "-c", SEND, b.ip,
+                                     str(FLOOR_PORT + 1 + i), str(b.cert), str(share), "1"],
+                                    stdout=subprocess.PIPE, text=True) for i in range(streams)]
+        for sender in senders:
+            sender.communicate(timeout=1800)
+            assert sender.returncode == 0
+        seconds = time.perf_counter() - started
+        got = sum(int(r.stdout.readline()) for r in receivers if r.stdout is not None)
+    finally:
+        for r in receivers:
+            r.wait(timeout=60)
+    assert got == share * streams, (got, share * streams)
+    return share * streams / seconds / GB
+
+
 def run_cell(host: Host, kernel_id: str, code: str, timeout: float = 600) -> str:
     """Run ``code`` in the kernel through the host's /api/kernels/{id}/channels; what it printed."""
     import asyncio
@@ -137,7 +163,8 @@ def run_cell(host: Host, kernel_id: str, code: str, timeout: float = 600) -> str
     return asyncio.run(go())
 
 
-def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there: int | None = None) -> dict:
+def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there: int | None = None,
+             streams: tuple[int, ...] = ()) -> dict:
     kernel_id = a.api("POST", "api/kernels", {"name": "python3"})["id"]
     try:
         count = max(1, int(size * GB / MB))
@@ -149,6 +176,8 @@ def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there
             fill, check, there, here = FILL.format(mb=MB, count=count, size=size), CHECK, None, None
         run_cell(a, kernel_id, fill)
         floors = {"tcp": link_floor(a, b, nbytes, tls=False), "tls": link_floor(a, b, nbytes, tls=True)}
+        for n in streams:
+            floors[f"tls_x{n}"] = link_floor_parallel(a, b, nbytes, n)
         away = a.operate(kernel_id, "migrate", {"to_host": "b", "to_gpu": there}, timeout=1800)
         assert away["status"] == "succeeded", away
         assert run_cell(a, kernel_id, check).split() == ["True", str(nbytes)]
@@ -189,6 +218,9 @@ def main() -> int:
                         help="the stash way's c.MigratableProvisioner.host_stash_min, in bytes")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the kernel's bytes are: its memory, or a tensor on GPU 0 (moved to b's GPU 1)")
+    parser.add_argument("--streams", default="",
+                        help="also measure the link with this many TLS streams at once, comma-separated (4,8): "
+                             "the floors tls_x4, tls_x8 (what a transfer of several files at once could reach)")
     parser.add_argument("--out", help="write the results as JSON here")
     parser.add_argument("--out-dir", help="or into this folder, named by date and --tag (scripts/gpu-suite.sh)")
     parser.add_argument("--tag", default="dev", help="the machine's tag in the file name")
@@ -221,7 +253,8 @@ def main() -> int:
             a.start({"b": b.peer_entry()})
             b.start({"a": a.peer_entry()})
             for size in (float(s) for s in args.sizes.split(",")):
-                rows.append(one_size(a, b, size, way, args.device, there))
+                rows.append(one_size(a, b, size, way, args.device, there,
+                                     tuple(int(n) for n in args.streams.split(",") if n)))
                 print(json.dumps(rows[-1]), flush=True)
     finally:
         for host in (a, b):

@@ -1316,6 +1316,7 @@ class GuestHost:
         #: the guests' images, on disk under ``root`` or in memory under ``memory_root`` (a tmpfs), where
         #: ``images`` (images.choose) puts them: they live only until the kernel runs, here or back home
         self.store = ImageStore(root, memory_root)
+        self.store.drop_removing()  # what an earlier server had begun to delete
         self.images = images
         self.criu = criu
         self.inventory = inventory

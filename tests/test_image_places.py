@@ -45,6 +45,29 @@ def test_a_kernel_in_memory_is_found_there_listed_and_removed(tmp_path: Path) ->
     assert store.names() == ["k2"]
 
 
+def test_images_removed_later_free_their_name_at_once_and_go_in_a_thread(tmp_path: Path) -> None:
+    import threading
+
+    store = _store(tmp_path)
+    _suspended(store, "k1", MEMORY)
+    _suspended(store, "k2", DISK)
+    store.remove("k1", later=True)
+    # The name is free at once: new images of k1 go where asked, not mixed with the old ones.
+    assert store.names() == ["k2"] and not (store.memory_root / "k1").exists()
+    fresh = _suspended(store, "k1", DISK)
+    assert store.path_for("k1") == fresh and store.read_manifest("k1").kernel_id == "k1"
+    for thread in [t for t in threading.enumerate() if t.name == "gpumigrate-remove-images"]:
+        thread.join(30)
+    assert not store.memory_root.exists(), "the memory folder, empty, is gone with the last of it"
+    assert sorted(p.name for p in store.root.iterdir() if not p.name.startswith(".logs")) == ["k1", "k2"]
+    # One that a server ended before it was gone (SIGKILL) is deleted at the next start.
+    left = store.root / f"{images.REMOVING}0123456789abcdef"
+    left.mkdir()
+    (left / "pages-1.img").write_bytes(b"stale")
+    assert store.drop_removing() == [left.name] and not left.exists()
+    assert store.names() == ["k1", "k2"]
+
+
 def test_to_disk_moves_every_file_and_leaves_the_manifest_readable(tmp_path: Path) -> None:
     store = _store(tmp_path)
     folder = _suspended(store, "k1", MEMORY)

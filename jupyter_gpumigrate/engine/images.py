@@ -170,6 +170,9 @@ MEMORY, DISK, AUTO = "memory", "disk", "auto"
 MOVING = ".moving-"
 #: the prefix of a transplant's folder (:meth:`ImageStore.scratch`)
 TRANSPLANT = ".transplant-"
+#: the prefix of a folder of images being deleted by a thread of its own (:meth:`ImageStore.remove`, ``later``);
+#: one that a server ended before it was gone is deleted by :meth:`ImageStore.drop_removing` at the next start
+REMOVING = ".removing-"
 #: the folder (in the disk root) of the transplants' sources, one per kernel id, kept so that the kernel can go
 #: back to it (:meth:`ImageStore.keep`); a plain name, as the node helper takes only those
 KEPT = "kept"
@@ -371,8 +374,9 @@ class ImageStore:
     def tidy(self) -> list[str]:
         """At start: finish what a server stopped during :meth:`to_disk` left (a partial copy is removed; a
         memory folder whose disk copy is complete is removed), and remove the folders of transplants it left
-        (:meth:`scratch`). The names it acted on."""
+        (:meth:`scratch`) and those it had begun to delete (:meth:`remove`, ``later``). The names it acted on."""
         done = []
+        self.drop_removing()
         for root in (self.root, self._memory()):
             for folder in root.glob(f"{TRANSPLANT}*") if root is not None and root.is_dir() else []:
                 _remove(folder)
@@ -489,11 +493,50 @@ class ImageStore:
             for log in (self.root / LOGS).glob(f"{self.path_for(name).name}-*.log"):
                 log.unlink(missing_ok=True)
 
-    def remove(self, name: str, keep_logs: bool = False) -> None:
+    def remove(self, name: str, keep_logs: bool = False, later: bool = False) -> None:
         """Delete ``name``'s images, in memory and on disk, and (unless ``keep_logs``) the logs kept beside them;
-        once a move of them to disk under way (:meth:`to_disk`) is over."""
+        once a move of them to disk under way (:meth:`to_disk`) is over. ``later``: each folder is renamed at once
+        (the name is free for new images) and deleted by a thread of its own, which the server's exit waits for:
+        freeing 32 GB of a tmpfs takes some 2 s, which a kernel that runs again need not wait for (the restore of
+        a kernel moved here from another host answers its owner only after its images are forgotten)."""
+        doomed: list[Path] = []
         with _lock_of(self.root / name):
-            self._remove_images(name, keep_logs)
+            if not later:
+                self._remove_images(name, keep_logs)
+                return
+            if not keep_logs:
+                self.remove_logs(name)
+            self.path_for(name)  # a valid name
+            for path in self._both(name):
+                away = path.with_name(f"{REMOVING}{os.urandom(8).hex()}")
+                try:
+                    if path.is_dir() and not path.is_symlink():
+                        path.rename(away)
+                        doomed.append(away)
+                        continue
+                except OSError:
+                    pass  # deleted here, then
+                _remove(path)
+        if doomed:
+            threading.Thread(target=self._remove_doomed, args=(doomed,), name="gpumigrate-remove-images").start()
+
+    def _remove_doomed(self, doomed: list[Path]) -> None:
+        for path in doomed:
+            _remove(path)
+        if self.memory_root is not None:
+            try:
+                self.memory_root.rmdir()  # no litter in /dev/shm once no kernel is there
+            except OSError:
+                pass
+
+    def drop_removing(self) -> list[str]:
+        """At start: delete the folders that an earlier server renamed to delete (:meth:`remove`, ``later``) and
+        ended before it had; their names."""
+        found = [p for root in (self.root, self._memory()) if root is not None and root.is_dir()
+                 for p in root.glob(f"{REMOVING}*")]
+        for path in found:
+            _remove(path)
+        return [p.name for p in found]
 
     def _remove_images(self, name: str, keep_logs: bool) -> None:
         if not keep_logs:

@@ -448,6 +448,7 @@ def adopt_restored(ctx: KernelContext) -> None:
 
 
 def forget_images(ctx: KernelContext) -> None:
-    """The kernel runs again (here or elsewhere): its images are stale, and they hold its memory."""
-    ctx.tools.store.remove(ctx.kernel.kernel_id)
+    """The kernel runs again (here or elsewhere): its images are stale, and they hold its memory (freed by a
+    thread of its own: the kernel runs meanwhile)."""
+    ctx.tools.store.remove(ctx.kernel.kernel_id, later=True)
 
