@@ -523,9 +523,13 @@ class ImageStore:
     def _remove_doomed(self, doomed: list[Path]) -> None:
         for path in doomed:
             _remove(path)
+        self._drop_memory_root()
+
+    def _drop_memory_root(self) -> None:
+        """No litter in /dev/shm once no kernel is there: the memory folder goes once empty."""
         if self.memory_root is not None:
             try:
-                self.memory_root.rmdir()  # no litter in /dev/shm once no kernel is there
+                self.memory_root.rmdir()
             except OSError:
                 pass
 
@@ -544,11 +548,7 @@ class ImageStore:
         self.path_for(name)  # a valid name
         for path in self._both(name):
             _remove(path)
-        if self.memory_root is not None:
-            try:
-                self.memory_root.rmdir()  # no litter in /dev/shm once no kernel is there
-            except OSError:
-                pass
+        self._drop_memory_root()
 
     def names(self) -> list[str]:
         found: set[str] = set()
