@@ -363,11 +363,18 @@ def host_section(path: Path) -> str:
             goal = sent / tls * 1.3 + 2
             body.append([r["way"], f"{r['size_gb']:g}", trip, f"{sent:.2f}", f"{total:.2f}",
                          ", ".join(f"{k} {v:.2f}" for k, v in t.items() if k != "prepare"),
-                         fetched(r[trip]), f"{tls:.2f}", f"{t.get('transfer', 0) / (sent / tls):.2f}",
+                         fetched(r[trip]), f"{tls:.2f}", parallel(r["floors_gbps"]),
+                         f"{t.get('transfer', 0) / (sent / tls):.2f}",
                          f"{goal:.2f}", f"{total / goal:.2f}"])
     return (f"### Run `{path.name}`\n\n{data.get('when', '?')}, images {data.get('images', '?')}.\n\n" +
             md_table(["way", "GB", "trip", "sent GB", "total s", "phases (s)", "prefetch GB", "TLS floor GB/s",
-                      "transfer / floor", "goal s", "total / goal"], body) + "\n")
+                      "TLS, N streams at once", "transfer / floor", "goal s", "total / goal"], body) + "\n")
+
+
+def parallel(floors: dict) -> str:
+    """The link's floors with several TLS streams at once (host_bench --streams), or '-'."""
+    said = sorted((int(k[5:]), v) for k, v in floors.items() if k.startswith("tls_x"))
+    return ", ".join(f"{n}: {v:.2f} GB/s" for n, v in said) or "-"
 
 
 def fetched(trip: dict) -> str:
