@@ -18,7 +18,7 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{API_PREFIX}/operations/?", operations.OperationListHandler),
         (rf"{API_PREFIX}/operations/(?P<op_id>[\w-]+)/?", operations.OperationHandler),
         (rf"{API_PREFIX}/gpus/?", gpus.GpuListHandler),
-        (rf"{API_PREFIX}/gpus/(?P<index>[0-9]{{1,6}})/drain/?", gpus.DrainHandler),
+        (rf"{API_PREFIX}/gpus/(?P<index>[0-9]+)/drain/?", gpus.DrainHandler),
         (rf"{API_PREFIX}/refused/?", refused.RefusedListHandler),
         (rf"{PEER}/check/?", peer.CheckHandler),
         (rf"{PEER}/transplants/check/?", peer.TransplantCheckHandler),

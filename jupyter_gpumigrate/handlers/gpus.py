@@ -22,6 +22,10 @@ class DrainHandler(BaseHandler):
     @web.authenticated
     @authorized
     async def post(self, index: str) -> None:
+        if len(index) > 6:  # no machine has a million GPUs: said as for any index that is not here, in JSON
+            self.send_error_message(404, f"This host has no GPU {index[:12]}{'...' if len(index) > 12 else ''}: "
+                                         "list them with GET api/gpumigrate/gpus.")
+            return
         body = self.json_body("DrainRequest")
         if body is None:
             return
