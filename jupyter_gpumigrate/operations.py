@@ -214,7 +214,9 @@ class OperationManager:
                                  "starts now. Try again once the server runs again.")
         if idle_since is not None:
             self._still_idle(kernel_id, idle_since)
-        named = {*(to_gpus or ()), *(() if to_gpu is None else (to_gpu,))} if to_host is None else set()
+        # GPUs of this host the operation names (a kernel brought home names one of ours too)
+        named = ({*(to_gpus or ()), *(() if to_gpu is None else (to_gpu,))} if to_host in (None, self.host_name)
+                 else set())
         drained = sorted(named & self._draining())
         if drained:
             drain = next(o for o in self.operations.values()
@@ -653,8 +655,10 @@ class OperationManager:
                 await self.wait_change(other, other.version, 30)
 
     def _draining(self) -> set[int]:
-        """GPUs being drained now: no kernel is sent there."""
-        return {o.gpu for o in self.operations.values() if o.action == "drain" and not o.done and o.gpu is not None}
+        """GPUs being drained now: no kernel is sent there. Called from the plans' threads too (Tools.avoid),
+        while the event loop adds and trims operations: it reads a copy."""
+        return {o.gpu for o in tuple(self.operations.values())
+                if o.action == "drain" and not o.done and o.gpu is not None}
 
     async def wait_any_change(self, timeout: float) -> None:
         """Return once any operation changes, or after ``timeout`` seconds."""

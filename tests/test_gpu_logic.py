@@ -110,7 +110,7 @@ def test_a_resume_goes_to_no_gpu_being_drained_unless_it_names_it():
     gpus = [gpu(0), gpu(1, used=30 * GIB), gpu(2, used=10 * GIB), gpu(3, name="NVIDIA H100")]
     assert placement.plan_resume(gpus, was, None, 580, avoid={0}).target.index == 2
     assert placement.plan_resume(gpus, was, None, 580, avoid={0, 2}).target.index == 1
-    with pytest.raises(GpuError, match=r"being drained \(GPU 0, 1, 2\).*Resume it then; its images are kept"):
+    with pytest.raises(GpuError, match=r"being drained \(GPU 0, 1, 2\).*Try again then; the kernel stays as it is"):
         placement.plan_resume(gpus, was, None, 580, avoid={0, 1, 2})
     two = [{"index": 1, "uuid": UUIDS[1], "name": "NVIDIA H200", "memory_used": 16 * GIB},
            {"index": 0, "uuid": UUIDS[0], "name": "NVIDIA H200", "memory_used": 16 * GIB}]

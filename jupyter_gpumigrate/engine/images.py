@@ -24,6 +24,7 @@ import weakref
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
+from collections.abc import Callable
 
 from .criu import dump_finished
 from .errors import ImageError
@@ -239,7 +240,7 @@ class ImageStore:
             self._ensure_root(base)
             for old in self._both(name):
                 _remove(old)
-            path.mkdir(mode=0o700)
+            _mkdir_in(path, lambda: self._ensure_root(base))
             os.chmod(path, 0o700)
         except OSError as exc:
             raise ImageError(
@@ -310,7 +311,7 @@ class ImageStore:
             path = base / f"{TRANSPLANT}{name}-{os.urandom(4).hex()}"
             try:
                 self._ensure_root(base)
-                path.mkdir(mode=0o700)
+                _mkdir_in(path, lambda: self._ensure_root(base))
             except OSError as exc:
                 raise ImageError(f"Cannot create {path} for the kernel's objects: {exc}. The kernel runs on.") from exc
             return path
@@ -557,6 +558,16 @@ class ImageStore:
                 found.update(p.name for p in root.iterdir()
                              if p.is_dir() and not p.is_symlink() and not p.name.startswith(".") and p.name != KEPT)
         return sorted(found)
+
+
+def _mkdir_in(path: Path, ensure_root: Callable[[], None]) -> None:
+    """Make ``path`` (0700) in its root, which :meth:`ImageStore.remove` may have removed, once empty, just
+    after ``ensure_root`` made it: then once more."""
+    try:
+        path.mkdir(mode=0o700)
+    except FileNotFoundError:
+        ensure_root()
+        path.mkdir(mode=0o700)
 
 
 def _remove(path: Path) -> None:

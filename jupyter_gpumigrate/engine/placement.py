@@ -280,8 +280,8 @@ def _resume_targets(gpus: list[GpuInfo], records: list[dict], was: list[GpuInfo 
         if not candidates and same_model(gpus, model, exclude=taken):
             drained = ", ".join(str(i) for i in sorted(g.index for g in same_model(gpus, model, exclude=taken)))
             raise GpuError(f"The GPUs of the kernel's model ({model}) that could take it are being drained (GPU "
-                           f"{drained}): no kernel is sent there until the drain is over. Resume it then; its "
-                           "images are kept.")
+                           f"{drained}): no kernel is sent there until the drain is over. Try again then; the "
+                           "kernel stays as it is.")
         if not candidates:
             if len(records) > 1 and any(g.name == model for g in gpus):
                 raise GpuError(f"The kernel held {len(records)} GPUs ({model}); this machine has too few of that "

@@ -20,7 +20,8 @@ context at a time, where the kernel comes back onto several GPUs, where the stas
 checksum, and when the helper fails or finds a chunk that does not match its checksum
 (the kernel, reading the file itself, then fails the resume with its images kept, naming the file).
 ``c.MigratableProvisioner.resume_prefetch = False`` turns it off (the bench compares both in one run).
-Not made for a kernel restored on this host for its peer (a move here; peers.py): it reads its files itself.
+A move to another host makes one too: for the other host's restore of its guest (peers.py) and for the
+restore at home (plans/host_move.py), each as its server's ``resume_prefetch`` says.
 
 The helper reads no word from the server while it reads the files: an undo or a timeout kills it (its GPU
 memory goes with it). Once it has answered, it frees when told, or :data:`~.stash.FILL_GRACE` seconds after
