@@ -74,6 +74,7 @@ def test_to_disk_moves_every_file_and_leaves_the_manifest_readable(tmp_path: Pat
     before = {p.name: p.read_bytes() for p in folder.iterdir()}
     moved = store.to_disk("k1")
     assert moved == store.root / "k1" and not folder.exists() and store.where("k1") == DISK
+    assert not store.memory_root.exists(), "no empty memory folder left once no kernel is there"
     assert {p.name: p.read_bytes() for p in moved.iterdir()} == before
     assert all(p.stat().st_mode & 0o777 == 0o600 for p in moved.iterdir())
     assert store.to_disk("k1") == moved, "images already on disk stay where they are"

@@ -286,6 +286,7 @@ class ImageStore:
         os.rename(temporary, target)
         _fsync_file(self.root)
         _remove(source)
+        self._drop_memory_root()  # the last kernel in memory gone to disk: no empty folder left in /dev/shm
         return target
 
     def scratch(self, name: str, nbytes: int, pid: int | None = None) -> Path:
