@@ -159,7 +159,14 @@ async def test_criu_killed_while_the_cell_waits_at_its_safe_point_gives_the_cell
     assert criu is not None, "the dump did not start"
     os.kill(criu, signal.SIGKILL)
     op = await wait_operation(jp_fetch, op)
-    assert op["status"] == "failed" and op["failed_phase"] == "dump" and "stash" in op["timings"], op
+    if op["status"] == "succeeded":
+        # Found late (a loaded machine), CRIU was killed once it had written everything and said its final
+        # state (criu.dump_finished takes that as a dump that succeeded): the kernel is suspended whole, and
+        # its resume gives the cell its buffers back instead of the undo.
+        assert "stash" in op["timings"], op
+        assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+    else:
+        assert op["status"] == "failed" and op["failed_phase"] == "dump" and "stash" in op["timings"], op
     assert (await api(jp_fetch, "kernels", kernel.id))["state"] == "running"
     result = await cell
     assert result.status == "ok" and result.out.strip() == expected(80), result.errors
