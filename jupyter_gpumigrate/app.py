@@ -20,9 +20,10 @@ from jupyter_server.services.kernels.connection.channels import ZMQChannelsWebso
 from tornado.httpserver import HTTPServer
 from tornado.ioloop import PeriodicCallback
 from tornado.netutil import bind_sockets
-from traitlets import Bool, Dict, Enum, Float, TraitError, Unicode, default, validate
+from traitlets import Bool, Dict, Enum, Float, Int, TraitError, Unicode, default, validate
 
 from .autoresume import resuming
+from .bulkd import BulkListener, BulkSettings
 from .credentials import KernelCredentials
 from .engine import criu as criu_mod
 from .engine import proctree
@@ -95,6 +96,14 @@ class GPUMigrateApp(ExtensionApp):
     peer_token = Unicode(
         "", help="The credential peers must present to move kernels to this server (and back). Empty: this "
         "server hosts no kernels for peers. Keep it secret; it lets a peer run processes here as this server's user.",
+    ).tag(config=True)
+
+    bulk_port = Int(
+        0, help="Where this server takes kernels from peers (peer_token): the port on which the large image files "
+        "of a move arrive, each received by a process of its own (a server's one process received four at 1.10 "
+        "GB/s in all where four processes took 4.1 GB/s; docs/cross-host.md). On the server's address, with its "
+        "certificate; peers learn it as they ask to move a kernel here. 0 (the default): any free port; -1: none, "
+        "the files come through the server's port. Peers that cannot connect to it use the server's port.",
     ).tag(config=True)
 
     @default("host_name")
@@ -181,6 +190,8 @@ class GPUMigrateApp(ExtensionApp):
             pass  # an unreadable folder: take_back says so, and takes none back
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
+        if self.peer_token and self.bulk_port >= 0:
+            self._start_bulk_listener()
         self._keep_culler_off_moving_kernels()
         self._record_sessions()
         threading.Thread(target=self._initialise_cuda, name="gpumigrate-cuda-init", daemon=True).start()
@@ -191,6 +202,29 @@ class GPUMigrateApp(ExtensionApp):
         else:
             self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
                              "not resume a second time if PID 1 does not reap it")
+
+    def _start_bulk_listener(self) -> None:
+        """Start the bulk listener (bulkd.py) in a thread of its own (a Python process takes a second to start):
+        peers use it once it is up, and the server's port meanwhile."""
+        app = self.serverapp
+        ip = "" if app.ip in ("", "*", "0.0.0.0") else app.ip  # noqa: S104 - the server's own choice
+        self._bulk = BulkListener(BulkSettings(
+            token=self.peer_token, root=str(self.guests.store.root),
+            memory_root=str(self.guests.store.memory_root) if self.guests.store.memory_root else None,
+            base_url=app.base_url, host=ip, port=self.bulk_port, certfile=app.certfile or None,
+            keyfile=app.keyfile or None))
+
+        def start(bulk: BulkListener, guests: GuestHost) -> None:
+            try:
+                port = bulk.start()
+            except MigrateError as exc:
+                self.log.warning("gpumigrate: %s", exc)
+                return
+            guests.bulk_port, guests.bulk_tls = port, bulk.tls
+            self.log.info("gpumigrate: peers' image files are received on port %d, each by a process of its own",
+                          port)
+
+        threading.Thread(target=start, args=(self._bulk, self.guests), name="gpumigrate-bulkd", daemon=True).start()
 
     stop_policy = Enum(
         ["shutdown", "suspend"], default_value="shutdown",
@@ -502,6 +536,7 @@ class GPUMigrateApp(ExtensionApp):
     _shared: Sharing | None = None
 
     _retention_task: asyncio.Task | None = None
+    _bulk: BulkListener | None = None
     _sources_task: asyncio.Task | None = None
 
     def _start_retention(self) -> None:
@@ -601,6 +636,8 @@ class GPUMigrateApp(ExtensionApp):
             await self._leave_remote_kernels(operations)
         await self._images_to_disk()
         await asyncio.to_thread(stash_mod.end_spare)
+        if self._bulk is not None:
+            await asyncio.to_thread(self._bulk.stop)
         guests = self.settings.get("gpumigrate_guests")
         for memory in (MigratableProvisioner(config=self.serverapp.config).images.memory_root,
                        guests.store.memory_root if guests is not None else None):

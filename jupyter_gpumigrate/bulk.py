@@ -24,6 +24,7 @@ reads the answer rather than a reset.
 from __future__ import annotations
 
 import errno
+import hmac
 import json
 import logging
 import os
@@ -95,6 +96,35 @@ def _drain(sock: socket.socket, seconds: float = 2.0, most: int = 64 * BLOCK) ->
 
 def error(status: int, message: str) -> dict:
     return {"message": message, "reason": HTTPStatus(status).phrase}
+
+
+#: The largest image file a peer may send (a CRIU pages file is one process's memory).
+MAX_IMAGE_FILE = 1 << 40
+
+
+def body_length(headers: Any) -> int | None:
+    """An image file PUT's body length from its headers (a mapping): None for a chunked body (a file sent as
+    it grows; its end says its size). ValueError, saying what to send, for anything else."""
+    if headers.get("Transfer-Encoding", "").lower() == "chunked":
+        return None
+    try:
+        length = int(headers.get("Content-Length", ""))
+    except ValueError:
+        length = -1
+    if not 0 <= length <= MAX_IMAGE_FILE:
+        raise ValueError("An image file's PUT says its Content-Length, or comes in chunks.")
+    return length
+
+
+def verdict(name: str, digest: str, said: str | None, record: Callable[[str], None]) -> tuple[int, dict]:
+    """(status, answer) for image file ``name``, arrived whole with checksum ``digest`` (peers.Checksum): checked
+    against ``said`` (its X-Content-XXH3 header) or, without one, handed to ``record``, for the check once all
+    the images arrived (the sender checksums as it sends, and lists them at the end)."""
+    if said is None:
+        record(digest)
+    elif not hmac.compare_digest(digest.encode(), said.strip().encode("utf-8", "replace")):
+        return 400, error(400, f"{name} arrived damaged (its checksum differs); send it again.")
+    return 201, {"name": name}
 
 
 def receive(sock: socket.socket, leftover: bytes, length: int | None, path: Path,

@@ -82,6 +82,9 @@ DETACH_MIN = 16 * BLOCK
 #: GPU machines (bench/results/2026-11-26-host-move.md). Each stream takes a core or so on both hosts: one
 #: on a small machine (on 2 CPUs, four were slower than one).
 STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
+#: How long a move waits to connect to its peer's bulk listener before it sends through the peer's server
+#: port instead (seconds).
+BULK_PROBE = 3.0
 #: Files checksummed at once for a listing (the way home).
 DIGESTS = 8
 #: The image files that CRIU's dump appends to as it goes, and only appends to (criu/page-xfer.c splices
@@ -150,6 +153,58 @@ class GuestsNotBack(MigrateError):
     does not list yet may be among them."""
 
     http_status = 503
+
+
+def credential_ok(expected: str, authorization: str) -> tuple[bool, str]:
+    """(allowed, why not) for a request's Authorization header, against this server's peer token."""
+    if not expected:
+        return False, ("This server takes no kernels from peers: set c.GPUMigrateApp.peer_token on it, and give "
+                       "that token to its peers.")
+    scheme, _, secret = authorization.strip().partition(" ")
+    if scheme != SCHEME or not hmac.compare_digest(secret.strip().encode(), expected.encode()):
+        return False, "This peer credential is not valid here."
+    return True, ""
+
+
+def image_path(store: ImageStore, kernel_id: str, name: str) -> Path:
+    """Where image file ``name`` of ``kernel_id``, sent by a peer, goes: ImageError for a name that is not an
+    image file's, or a kernel whose images are not being received (POST images/{id} first)."""
+    if not _IMAGE_NAME.match(name) or name in _NOT_SENT:
+        raise ImageError(f"{name!r} is not the name of an image file.")
+    folder = store.path_for(kernel_id)
+    if folder.is_symlink() or not folder.is_dir():
+        raise ImageError(f"No images are being received for kernel {kernel_id}: start with POST images/{kernel_id}.")
+    return folder / name
+
+
+#: A received image file's checksum, beside it in its folder, as the bulk listener's processes record it for
+#: the server (bulkd.py); no image file's name begins with a dot.
+RECEIVED_MARK = ".received-{}"
+
+
+def mark_received(path: Path, checksum: str) -> None:
+    """Record, beside ``path``, the checksum it arrived with (read by :meth:`GuestHost.complete`)."""
+    mark = path.with_name(RECEIVED_MARK.format(path.name))
+    temporary = mark.with_name(mark.name + ".tmp")
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(checksum)
+    os.replace(temporary, mark)
+
+
+def received_marks(folder: Path) -> dict[str, str]:
+    """The checksums recorded by :func:`mark_received` in ``folder``, by file name; the marks go."""
+    prefix = RECEIVED_MARK.format("")
+    marks = {}
+    for mark in folder.glob(prefix + "*"):
+        if mark.name.endswith(".tmp"):
+            continue
+        try:
+            marks[mark.name[len(prefix):]] = mark.read_text().strip()
+            mark.unlink()
+        except OSError:
+            pass  # gone meanwhile: the file's size and the sender's list still decide
+    return marks
 
 
 @dataclass(frozen=True)
@@ -482,12 +537,13 @@ def _done_with(conn: http.client.HTTPConnection, response: http.client.HTTPRespo
 class PeerClient:
     """Requests to one peer, from a worker thread."""
 
-    def __init__(self, peer: Peer, timeout: float = 60.0) -> None:
+    def __init__(self, peer: Peer, timeout: float = 60.0, port: int | None = None) -> None:
+        """``port``: another port of the peer's host than its URL's (its bulk listener's, bulkd.py)."""
         self.peer = peer
         self.timeout = timeout
         parts = urllib.parse.urlsplit(peer.url)
         self.https = parts.scheme == "https"
-        self.host, self.port = parts.hostname or "", parts.port or (443 if self.https else 80)
+        self.host, self.port = parts.hostname or "", port or parts.port or (443 if self.https else 80)
         self.base = parts.path.rstrip("/") + "/"
         self.context = ssl.create_default_context(cafile=peer.ca_file) if self.https else None
 
@@ -708,8 +764,10 @@ class _Sending:
     each over a connection of its own (:data:`FOLLOWED` at a time, apart from the STREAMS), until each is
     whole (:class:`Written`)."""
 
-    def __init__(self, client: PeerClient, kernel_id: str) -> None:
+    def __init__(self, client: PeerClient, kernel_id: str, bulk: PeerClient | None = None) -> None:
+        """``bulk``: the client of the peer's bulk listener (bulkd.py), for the large files and those that grow."""
         self.client, self.kernel_id = client, kernel_id
+        self.bulk = bulk or client
         self.kept = Kept()
         self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send")
         self.followers = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-grow")
@@ -733,6 +791,9 @@ class _Sending:
                     self.sends[path.name] = self.pool.submit(self._put, path, size)
 
     def _put(self, path: Path, size: int) -> dict:
+        if size >= DETACH_MIN:  # over a connection of its own (the bulk listener's, where the peer has one)
+            return {"name": path.name, "size": size, "xxh3": self.bulk.put_file(
+                f"images/{self.kernel_id}/{path.name}", path, size, None, self.stopped)}
         return {"name": path.name, "size": size, "xxh3": self.client.put_file(
             f"images/{self.kernel_id}/{path.name}", path, size, self.kept, self.stopped)}
 
@@ -751,7 +812,7 @@ class _Sending:
             self.final.wait(0.01)
 
     def _put_growing(self, path: Path) -> dict:
-        size, digest = self.client.put_growing(f"images/{self.kernel_id}/{path.name}", path,
+        size, digest = self.bulk.put_growing(f"images/{self.kernel_id}/{path.name}", path,
                                                Written(path, self.final), self.stopped, self.progress)
         return {"name": path.name, "size": size, "xxh3": digest}
 
@@ -893,6 +954,8 @@ class PeerLink(HostLink):
         self._fetching: _Fetching | None = None
         #: a transplant's object files, as sent (name, size, xxh3)
         self._sent: list[dict] = []
+        #: the client of the peer's bulk listener, where :meth:`check` found one (bulkd.py)
+        self.bulk: PeerClient | None = None
 
     # -- moving there --------------------------------------------------------------------------------
 
@@ -908,6 +971,24 @@ class PeerLink(HostLink):
         self._same_checksum(answer, "It runs here as before.")
         self.peer_stash = bool(answer.get("stash"))
         self.peer_growing = bool(answer.get("growing"))
+        self.bulk = self._bulk_client(answer.get("bulk_port")) if answer.get("bulk_tls") == self.client.https \
+            else None
+
+    def _bulk_client(self, port: Any) -> PeerClient | None:
+        """A client of the peer's bulk listener (bulkd.py), where it said it has one and it can be reached from
+        here; None (the files go through its server's port, received by one process there) otherwise."""
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536 or port == self.client.port:
+            return None
+        try:
+            socket.create_connection((self.client.host, port), timeout=BULK_PROBE).close()
+        except OSError as exc:
+            log.warning("gpumigrate: %s's bulk listener (port %d) cannot be reached from here (%s): the kernel's "
+                        "files go through its server's port, received there by one process (slower); open that "
+                        "port between the hosts, or set c.GPUMigrateApp.bulk_port there", self.host, port, exc)
+            return None
+        log.info("gpumigrate: kernel %s: its large files go to %s's bulk listener (port %d)", self.kernel_id,
+                 self.host, port)
+        return PeerClient(self.peer, self.client.timeout, port)
 
     def _same_checksum(self, answer: dict, then: str) -> None:
         """Refuse a peer whose image files carry another checksum than this version's (an older one)."""
@@ -926,7 +1007,7 @@ class PeerLink(HostLink):
     def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         self.stop_sending()
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": int(expect)})
-        self._sending = _Sending(self.client, self.kernel_id)
+        self._sending = _Sending(self.client, self.kernel_id, self.bulk)
         self._sending.send(_sized(images))
         if follow:
             self._sending.follow(images)
@@ -1338,6 +1419,9 @@ class GuestHost:
         self.serving: set[tuple[str, str]] = set()
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
         self.kernelspec = kernelspec
+        #: the port of this server's bulk listener, once it listens, and whether it takes TLS (bulkd.py)
+        self.bulk_port: int | None = None
+        self.bulk_tls = False
         #: transplants' new processes started here, not yet switched to, by kernel id
         self._transplants: dict[str, subprocess.Popen] = {}
         self._transplant_lock = threading.Lock()
@@ -1606,12 +1690,7 @@ class GuestHost:
         self.discard(kernel_id)
 
     def image_path(self, kernel_id: str, name: str) -> Path:
-        if not _IMAGE_NAME.match(name) or name in _NOT_SENT:
-            raise ImageError(f"{name!r} is not the name of an image file.")
-        folder = self.store.path_for(kernel_id)
-        if folder.is_symlink() or not folder.is_dir():
-            raise ImageError(f"No images are being received for kernel {kernel_id}: start with POST images/{kernel_id}.")
-        return folder / name
+        return image_path(self.store, kernel_id, name)
 
     def received_file(self, kernel_id: str, name: str, checksum: str) -> None:
         """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`."""
@@ -1619,7 +1698,7 @@ class GuestHost:
 
     def _check_received(self, kernel_id: str, files: list[dict]) -> None:
         """Every file the sender lists arrived whole, its checksum as the sender says; :class:`ImageError` if not."""
-        received = self.received.get(kernel_id, {})
+        received = {**self.received.get(kernel_id, {}), **received_marks(self.store.path_for(kernel_id))}
         for entry in files:
             path = self.image_path(kernel_id, str(entry["name"]))
             if not path.is_file() or path.stat().st_size != int(entry["size"]):

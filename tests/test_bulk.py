@@ -18,7 +18,7 @@ import xxhash
 
 import pytest
 
-from jupyter_gpumigrate.peers import BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError
+from jupyter_gpumigrate.peers import BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError, received_marks
 
 from helpers import peer_server_config
 
@@ -54,11 +54,26 @@ def raw_put(port: int, base: str, path: str, head_extra: dict[str, str], body: b
     return answer.decode("latin-1")
 
 
+async def bulk_port(serverapp) -> int:
+    """The port of the server's bulk listener (bulkd.py), once it listens."""
+    guests = serverapp.web_app.settings["gpumigrate_guests"]
+    deadline = time.monotonic() + 60
+    while guests.bulk_port is None:
+        assert time.monotonic() < deadline, "the bulk listener did not start"
+        await asyncio.sleep(0.05)
+    return guests.bulk_port
+
+
+@pytest.mark.parametrize("via", ["server", "bulk"])
 async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp_serverapp, jp_http_port,
-                                                                              jp_base_url, jp_fetch, tmp_path):
+                                                                              jp_base_url, jp_fetch, tmp_path, via):
+    # Through the server's port (a thread of its own there) and through its bulk listener's (a process of its
+    # own, bulkd.py): the same answers, the same files.
     kid = str(uuid.uuid4())
-    client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
-    await asyncio.to_thread(client.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
+    server = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    port = jp_http_port if via == "server" else await bulk_port(jp_serverapp)
+    client = PeerClient(server.peer, port=port)
+    await asyncio.to_thread(server.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
     folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
     assert folder.is_dir()
     data = os.urandom(SIZE)
@@ -71,21 +86,23 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     assert said == checksum_of(data)
     assert (folder / "pages-1.img").read_bytes() == data
     assert oct((folder / "pages-1.img").stat().st_mode & 0o777) == "0o600"
+    if via == "bulk":  # its checksum, beside it, for the server's check once the images are complete
+        assert received_marks(folder) == {"pages-1.img": said}
 
     # A client that sends all at once: what tornado read past the head is not lost.
-    answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-2.img",
+    answer = await asyncio.to_thread(raw_put, port, jp_base_url, f"images/{kid}/pages-2.img",
                                      {"X-Content-XXH3": checksum_of(data)}, data)
     assert answer.startswith("HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 201 Created"), answer[:200]
     assert (folder / "pages-2.img").read_bytes() == data
 
     # A checksum that differs: refused, and the file is not kept.
-    answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
+    answer = await asyncio.to_thread(raw_put, port, jp_base_url, f"images/{kid}/pages-3.img",
                                      {"X-Content-XXH3": "0" * 16}, data)
     assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged (its checksum differs)" in answer, answer[:400]
     assert not (folder / "pages-3.img").exists()
 
     # A checksum header that is not even hex: refused, not a thread that dies and a peer left waiting.
-    answer = await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-3.img",
+    answer = await asyncio.to_thread(raw_put, port, jp_base_url, f"images/{kid}/pages-3.img",
                                      {"X-Content-XXH3": "\u00e9t\u00e9"}, data)
     assert "HTTP/1.1 400 Bad Request" in answer and "arrived damaged" in answer, answer[:400]
     assert not (folder / "pages-3.img").exists()
@@ -97,28 +114,112 @@ async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp
     (folder / "pages-6.img").rmdir()
 
     # A sender gone mid-file leaves no half file.
-    await asyncio.to_thread(raw_put, jp_http_port, jp_base_url, f"images/{kid}/pages-4.img", {}, data, SIZE // 3)
+    await asyncio.to_thread(raw_put, port, jp_base_url, f"images/{kid}/pages-4.img", {}, data, SIZE // 3)
     deadline = time.monotonic() + 30
     while (folder / "pages-4.img").exists():
         assert time.monotonic() < deadline, "the half file stayed"
         await asyncio.sleep(0.05)
 
     # A wrong credential is refused before the body: the client says so, having sent none of it.
-    stranger = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", "wrong"))
+    stranger = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", "wrong"), port=port)
     with pytest.raises(PeerError, match="refused our credential"):
         await asyncio.to_thread(stranger.put_file, f"images/{kid}/pages-5.img", source, SIZE)
     assert not (folder / "pages-5.img").exists()
 
     # And back, as the way home fetches it (a thread of its own there too), checked against its checksum.
     back = tmp_path / "back.img"
-    await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, checksum_of(data))
+    await asyncio.to_thread(server.get_file, f"images/{kid}/pages-1.img", back, SIZE, checksum_of(data))
     assert back.read_bytes() == data
     with pytest.raises(PeerError, match="damaged"):
-        await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, "0" * 16)
+        await asyncio.to_thread(server.get_file, f"images/{kid}/pages-1.img", back, SIZE, "0" * 16)
 
     # The server's loop went on serving meanwhile, and still does.
     response = await jp_fetch("api", "gpumigrate", "gpus", method="GET")
     assert response.code == 200
+
+
+def holders(path: Path) -> list[int]:
+    """The processes that have ``path`` open."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:
+            continue
+    return found
+
+
+def raw_request(port: int, data: bytes) -> str:
+    """Send ``data`` on a plain socket; what came back, up to the server's closing the connection."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(data)
+        answer = bytearray()
+        try:
+            while chunk := sock.recv(1 << 16):
+                answer += chunk
+        except ConnectionResetError:
+            pass
+    return answer.decode("latin-1")
+
+
+async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refuses_the_rest_and_ends_with_it(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):  # jp_fetch: the server listens
+    kid = str(uuid.uuid4())
+    server = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    port = await bulk_port(jp_serverapp)
+    await asyncio.to_thread(server.call, "POST", f"images/{kid}", {"bytes": 4 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    listener = jp_serverapp.web_app.settings["gpumigrate_guests"]
+    bulkd = next(ext for ext in jp_serverapp.extension_manager.extension_apps["jupyter_gpumigrate"])._bulk.process
+    assert listener.bulk_tls is False  # as the server: plain HTTP here
+
+    # A file on its way is held by a process of the listener's, not by the server (this process).
+    head = (f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img HTTP/1.1\r\nHost: x\r\n"
+            f"Authorization: {SCHEME} {PEER_TOKEN}\r\nContent-Length: {SIZE}\r\n\r\n").encode()
+    sock = socket.create_connection(("127.0.0.1", port), timeout=30)
+    sock.sendall(head + os.urandom(SIZE // 2))
+    deadline = time.monotonic() + 30
+    while not (held := holders(folder / "pages-1.img")):
+        assert time.monotonic() < deadline, "no process took the file"
+        await asyncio.sleep(0.05)
+    (child,) = held
+    assert child != os.getpid()
+    assert Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(bulkd.pid)  # its parent
+
+    # Garbage and what the port does not serve: each answered in one sentence, nothing written.
+    answers = {
+        "garbage": raw_request(port, b"\x16\x03\x01 not http at all\r\n\r\n"),
+        "a head too long": raw_request(port, b"PUT / HTTP/1.1\r\nX: " + b"a" * 70000 + b"\r\n\r\n"),
+        "no credential": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-2.img "
+                                           "HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc".encode()),
+        "another route": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/kernels/{kid} HTTP/1.1\r\n"
+                                           f"Authorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
+        "no length": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-2.img HTTP/1.1"
+                                       f"\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
+        "a kernel not expected": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{uuid.uuid4()}/"
+                                                   f"pages-2.img HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}"
+                                                   "\r\nContent-Length: 3\r\n\r\nabc".encode()),
+    }
+    expected = {"garbage": "400 Bad Request", "a head too long": "431", "no credential": "403 Forbidden",
+                "another route": "404 Not Found", "no length": "411", "a kernel not expected": "No images are being "
+                "received for kernel"}
+    for what, answer in answers.items():
+        assert expected[what] in answer and '"message"' in answer, (what, answer[:300])
+    assert sorted(p.name for p in folder.iterdir()) == ["pages-1.img"]
+
+    # The listener killed: the file on its way ends with it (its process dies too), and the server says
+    # nothing more of a port that no longer listens.
+    bulkd.kill()
+    deadline = time.monotonic() + 30
+    while os.path.exists(f"/proc/{child}") and Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+        assert time.monotonic() < deadline, "the listener's process outlived it"
+        await asyncio.sleep(0.05)
+    with pytest.raises(OSError):
+        sock.sendall(os.urandom(SIZE // 2))
+        sock.recv(1)  # a reset, or the end of the stream
+        raise ConnectionResetError
+    sock.close()
 
 
 def raw_chunked(port: int, base: str, path: str, body: bytes) -> str:

@@ -340,6 +340,11 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
             assert (await tab.run(WHERE)).strip() == f"{there.ip}/24"
             assert (await tab.run(check)).strip() == f"True True {1050 << 20}"
+            if dest == "b":  # the large files went to b's bulk listener, each received by a process of its own
+                assert f"kernel {kernel_id}: its large files go to b's bulk listener" in a.server_log(), \
+                    a.server_log()
+                assert f"kernel {kernel_id}: stash-" in (b.root / "server.log").read_text(errors="replace")
+                assert "received by a process of its own (201)" in (b.root / "server.log").read_text(errors="replace")
             assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
             assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
             assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
-import hmac
 import ipaddress
 import json
 import os
@@ -26,23 +25,14 @@ from tornado.websocket import WebSocketHandler
 from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
-from ..peers import BLOCK, CHECKSUM, DETACH_MIN, SCHEME, FileSink, GuestHost, follows
+from ..peers import BLOCK, CHECKSUM, DETACH_MIN, FileSink, GuestHost, credential_ok, follows
 from ..relay import RelayServerEnd
 from .base import BaseHandler
-
-MAX_IMAGE_FILE = 1 << 40
 
 
 def peer_allowed(settings: dict, authorization: str) -> tuple[bool, str]:
     """(allowed, why not) for an Authorization header on a peer route."""
-    expected = settings.get("gpumigrate_peer_token") or ""
-    if not expected:
-        return False, ("This server takes no kernels from peers: set c.GPUMigrateApp.peer_token on it, and give "
-                       "that token to its peers.")
-    scheme, _, secret = authorization.strip().partition(" ")
-    if scheme != SCHEME or not hmac.compare_digest(secret.strip().encode(), expected.encode()):
-        return False, "This peer credential is not valid here."
-    return True, ""
+    return credential_ok(settings.get("gpumigrate_peer_token") or "", authorization)
 
 
 class PeerHandler(BaseHandler):
@@ -92,7 +82,9 @@ class CheckHandler(PeerHandler):
         # "stash": this host has a kernel write and read back its large buffers when its owner sends the key;
         # "checksum": the image files' checksum it takes and gives (an older peer says none: it is refused)
         # "growing": it takes an image file sent in chunks as a dump writes it
-        self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM, "growing": True})
+        # "bulk_port", "bulk_tls": the port of its bulk listener (bulkd.py), None while it has none
+        self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM, "growing": True,
+                        "bulk_port": self.guests.bulk_port, "bulk_tls": self.guests.bulk_tls})
 
 
 class TransplantCheckHandler(PeerHandler):
@@ -214,7 +206,7 @@ class ImageFileHandler(PeerHandler):
         if self.request.headers.get("Expect", "").lower() == "100-continue":
             self._in_thread(kernel_id, name)
             return
-        self.request.connection.set_max_body_size(MAX_IMAGE_FILE)  # type: ignore[union-attr]
+        self.request.connection.set_max_body_size(bulk.MAX_IMAGE_FILE)  # type: ignore[union-attr]
         read_body_whole(self.request.connection)
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         self._file = FileSink(fd)
@@ -232,16 +224,10 @@ class ImageFileHandler(PeerHandler):
 
     def _in_thread(self, kernel_id: str, name: str) -> None:
         """The body goes into the file in a thread of its own, off the event loop (bulk.py)."""
-        length: int | None
-        if self.request.headers.get("Transfer-Encoding", "").lower() == "chunked":
-            length = None  # a file sent as it grows (a dump's pages): its end says its size
-        else:
-            try:
-                length = int(self.request.headers.get("Content-Length", ""))
-            except ValueError:
-                length = -1
-            if not 0 <= length <= MAX_IMAGE_FILE:
-                raise web.HTTPError(411, "An image file's PUT says its Content-Length, or comes in chunks.")
+        try:
+            length = bulk.body_length(self.request.headers)
+        except ValueError as exc:
+            raise web.HTTPError(411, str(exc)) from None
         path = self._path
         sock, leftover = bulk.detach(self)
         bulk.in_thread(lambda: bulk.receive(sock, leftover, length, path,
@@ -249,12 +235,8 @@ class ImageFileHandler(PeerHandler):
 
     def _verdict(self, kernel_id: str, name: str, digest: str) -> tuple[int, dict]:
         """(status, answer) for ``name``, arrived whole with this checksum (peers.Checksum)."""
-        said = self.request.headers.get("X-Content-XXH3")
-        if said is None:  # the sender checksummed as it sent: checked once all arrived (images/{id}/complete)
-            self.guests.received_file(kernel_id, name, digest)
-        elif not hmac.compare_digest(digest.encode(), said.strip().encode("utf-8", "replace")):
-            return 400, bulk.error(400, f"{name} arrived damaged (its checksum differs); send it again.")
-        return 201, {"name": name}
+        return bulk.verdict(name, digest, self.request.headers.get("X-Content-XXH3"),
+                            lambda checksum: self.guests.received_file(kernel_id, name, checksum))
 
     async def put(self, kernel_id: str, name: str) -> None:
         failed, digest = self._failed, ""

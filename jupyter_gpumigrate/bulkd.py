@@ -1,0 +1,284 @@
+"""The bulk listener: the large image files that peers send to this host, each received by a process of its own.
+
+Why: a move's files reach the other host's server over TLS, and that server received them in threads of its
+one process (bulk.py). On the GPU machine (16 CPUs) four files received so went at 1.10 GB/s in all, one at
+1.11, where four receiving processes took 4.09-4.22 GB/s, whatever the sender (bench/transfer_probe.py,
+bench/results/2026-11-29-h200x1-transfer-probe.md): Python's TLS socket gives back at most one TLS record
+(16 KiB) a read, and each read takes the GIL back, 64 times a MiB, on every thread. Sending is not bound so
+(a write of a MiB is one call). TLS state cannot leave the process that made the handshake, so the files
+come to a port of their own, whose connections are each taken by a process.
+
+How: where the server takes kernels from peers (c.GPUMigrateApp.peer_token) it starts
+``python -m jupyter_gpumigrate.bulkd`` (:class:`BulkListener`) and writes its :class:`BulkSettings` on its
+stdin, which it keeps open: the listener ends once that closes (the server stopped, or died), and its
+processes with it. The listener, one thread, binds ``c.GPUMigrateApp.bulk_port`` (0: any free port) on the
+server's address, with the server's certificate, says the port on stdout, and forks a process for each
+connection (a fork of one thread: the modules are loaded once, nothing is held). That process takes one
+image file PUT as the server's own route does (the same token, names, checks and answers: bulk.receive), and
+records the file's checksum beside it (peers.mark_received), where the server reads it when the images are
+complete. Peers learn the port from ``POST peer/check`` (``bulk_port``) and use it where they can connect to
+it; otherwise the files go through the server's port, as before.
+
+Hand-written rather than ``socketserver.ForkingTCPServer``: the listener must also end when its stdin
+closes, and kill the processes it forked then.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import http.client
+import io
+import json
+import logging
+import os
+import selectors
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from urllib.parse import unquote, urlsplit
+
+from . import bulk
+from .engine.errors import MigrateError
+from .engine.images import ImageStore
+from .peers import PEER_API, credential_ok, image_path, mark_received
+
+log = logging.getLogger(__name__)
+
+#: The most a request's head may take (its line and headers).
+MAX_HEAD = 64 * 1024
+#: How long the server waits for the listener to say its port (seconds).
+START_TIMEOUT = 30.0
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class BulkSettings:
+    """What the listener needs of its server."""
+
+    #: the peer token the requests must carry
+    token: str
+    #: the guests' images, on disk and in memory (GuestHost.store)
+    root: str
+    memory_root: str | None
+    #: the server's base URL (its routes' prefix)
+    base_url: str
+    #: the address and port to listen on ('' : every address; 0: any free port)
+    host: str
+    port: int
+    #: the server's certificate and key (None: plain HTTP, as the server)
+    certfile: str | None = None
+    keyfile: str | None = None
+
+
+class BulkListenerError(MigrateError):
+    """The bulk listener could not start."""
+
+
+class BulkListener:
+    """The server's side: the listener's process (:func:`main`), started by :meth:`start`, ended by :meth:`stop`
+    or with the server."""
+
+    def __init__(self, settings: BulkSettings) -> None:
+        self.settings = settings
+        self.process: subprocess.Popen | None = None
+        #: the port it listens on, once started
+        self.port: int | None = None
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.settings.certfile)
+
+    def start(self) -> int:
+        """Start the listener; the port it listens on. BulkListenerError if it cannot (the port is taken...)."""
+        self.process = subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.bulkd"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, close_fds=True)
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
+        self.process.stdin.flush()
+        with selectors.DefaultSelector() as waiting:
+            waiting.register(self.process.stdout, selectors.EVENT_READ)
+            said = self.process.stdout.readline() if waiting.select(START_TIMEOUT) else b""
+        try:
+            answer = json.loads(said)
+        except ValueError:
+            answer = {}
+        if not isinstance(answer.get("port"), int):
+            self.stop()
+            why = answer.get("error") or "it said nothing (its log above says why)"
+            raise BulkListenerError(f"The bulk listener did not start on {self.settings.host or '*'}:"
+                                    f"{self.settings.port}: {why}. Set c.GPUMigrateApp.bulk_port to a free port "
+                                    "(0: any), or to -1 to receive through the server's port.")
+        self.port = answer["port"]
+        return self.port
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the listener and the files it receives (a move under way then fails, and its kernel stays where
+        it ran)."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        try:
+            if process.stdin is not None:
+                process.stdin.close()
+            process.wait(timeout)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
+        finally:
+            if process.stdout is not None:
+                process.stdout.close()
+
+
+# -- the listener's process ----------------------------------------------------------------------------
+
+
+def main() -> None:
+    logging.basicConfig(level=logging.INFO, format="[gpumigrate bulkd %(process)d] %(message)s")
+    settings = BulkSettings(**json.loads(sys.stdin.buffer.readline()))
+    try:
+        listener = socket.create_server((settings.host, settings.port), backlog=128)
+        context = _tls(settings)
+    except (OSError, ssl.SSLError) as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return
+    print(json.dumps({"port": listener.getsockname()[1]}), flush=True)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    store = ImageStore(settings.root, settings.memory_root)
+    children: set[int] = set()
+    try:
+        with selectors.DefaultSelector() as events:
+            events.register(listener, selectors.EVENT_READ)
+            events.register(sys.stdin.buffer, selectors.EVENT_READ)
+            while True:
+                for key, _ in events.select(1.0):
+                    if key.fileobj is sys.stdin.buffer:
+                        if not os.read(sys.stdin.fileno(), 4096):
+                            return  # the server closed it: stopped or died
+                        continue
+                    try:
+                        conn, _ = listener.accept()
+                    except OSError:
+                        continue
+                    pid = os.fork()
+                    if pid == 0:
+                        _child(listener, conn, settings, context, store)
+                    conn.close()
+                    children.add(pid)
+                _reap(children)
+    finally:
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        _reap(children, block=True)
+
+
+def _tls(settings: BulkSettings) -> ssl.SSLContext | None:
+    if not settings.certfile:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    context.load_cert_chain(settings.certfile, settings.keyfile or None)
+    return context
+
+
+def _reap(children: set[int], block: bool = False) -> None:
+    for pid in list(children):
+        try:
+            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+        except ChildProcessError:
+            done = pid
+        if done:
+            children.discard(pid)
+
+
+def _child(listener: socket.socket, conn: socket.socket, settings: BulkSettings, context: ssl.SSLContext | None,
+           store: ImageStore) -> None:
+    """A connection's process: it takes the one request, and exits."""
+    code = 0
+    try:
+        listener.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        conn.settimeout(bulk.TIMEOUT)
+        if context is not None:
+            conn = context.wrap_socket(conn, server_side=True)
+        serve(conn, settings, store)
+    except Exception:  # a handshake that failed, a peer gone: it sees a closed connection
+        log.debug("a bulk connection ended early", exc_info=True)
+        code = 1
+    finally:
+        os._exit(code)
+
+
+def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore) -> None:
+    """Take one image file PUT off ``sock`` (answered and closed whatever happens)."""
+    head, leftover = _head(sock)
+    if head is None:
+        bulk.respond(sock, 431, bulk.error(431, f"A request's head is over {MAX_HEAD} bytes, or did not end."))
+        return
+    line, _, rest = head.partition(b"\r\n")
+    try:
+        method, target, _ = line.decode("latin-1").split(" ")
+        headers = http.client.parse_headers(io.BytesIO(rest + b"\r\n\r\n"))
+    except (ValueError, http.client.HTTPException):
+        bulk.respond(sock, 400, bulk.error(400, "Not an HTTP/1.1 request."))
+        return
+    allowed, why = credential_ok(settings.token, headers.get("Authorization", ""))
+    if not allowed:
+        log.warning("refused a peer request: %s", why)
+        bulk.respond(sock, 403, bulk.error(403, why))
+        return
+    prefix = f"{settings.base_url.rstrip('/')}/{PEER_API}/images/"
+    parts = urlsplit(target)
+    where = parts.path[len(prefix):].split("/") if parts.path.startswith(prefix) and not parts.query else []
+    if len(where) != 2 or not all(where):
+        bulk.respond(sock, 404, bulk.error(404, f"This port takes image files only (PUT {prefix}{{kernel}}/"
+                                                "{name}); send the rest to the server's port."))
+        return
+    if method != "PUT":
+        bulk.respond(sock, 405, bulk.error(405, "This port takes image files only, by PUT."))
+        return
+    kernel_id, name = (unquote(part) for part in where)
+    try:
+        path = image_path(store, kernel_id, name)
+        length = bulk.body_length(headers)
+    except MigrateError as exc:
+        bulk.respond(sock, exc.http_status, bulk.error(exc.http_status, str(exc)))
+        return
+    except ValueError as exc:
+        bulk.respond(sock, 411, bulk.error(411, str(exc)))
+        return
+    said = headers.get("X-Content-XXH3")
+
+    def done(digest: str) -> tuple[int, dict]:
+        status, answer = bulk.verdict(name, digest, said, lambda checksum: mark_received(path, checksum))
+        log.info("kernel %s: %s received by a process of its own (%d)", kernel_id, name, status)
+        return status, answer
+
+    bulk.receive(sock, leftover, length, path, done)
+
+
+def _head(sock: socket.socket) -> tuple[bytes | None, bytes]:
+    """A request's head (its line and headers, without the blank line) and what came after it; None if it is
+    over :data:`MAX_HEAD` or the peer closed first."""
+    data = bytearray()
+    began = time.monotonic()
+    while (end := data.find(b"\r\n\r\n")) < 0:
+        if len(data) > MAX_HEAD or time.monotonic() - began > bulk.TIMEOUT:
+            return None, b""
+        got = sock.recv(16384)
+        if not got:
+            return None, b""
+        data += got
+    if end > MAX_HEAD:
+        return None, b""
+    return bytes(data[:end]), bytes(data[end + 4:])
+
+
+if __name__ == "__main__":
+    main()
