@@ -190,8 +190,8 @@ class GPUMigrateApp(ExtensionApp):
             pass  # an unreadable folder: take_back says so, and takes none back
         self.settings["gpumigrate_guests"] = self.guests
         self.settings["gpumigrate_peer_token"] = self.peer_token
-        if self.peer_token and self.bulk_port >= 0:
-            self._start_bulk_listener()
+        if self.bulk_port >= 0 and (self.peer_token or self.peers):
+            self._start_bulk_listener(operations)
         self._keep_culler_off_moving_kernels()
         self._record_sessions()
         threading.Thread(target=self._initialise_cuda, name="gpumigrate-cuda-init", daemon=True).start()
@@ -203,15 +203,17 @@ class GPUMigrateApp(ExtensionApp):
             self.log.warning("gpumigrate: could not become a child subreaper: a kernel restored once may "
                              "not resume a second time if PID 1 does not reap it")
 
-    def _start_bulk_listener(self) -> None:
+    def _start_bulk_listener(self, operations: OperationManager) -> None:
         """Start the bulk listener (bulkd.py) in a thread of its own (a Python process takes a second to start):
-        peers use it once it is up, and the server's port meanwhile."""
+        peers use it once it is up, and the server's port meanwhile; so do this server's ways home. It listens
+        only where the server takes kernels from peers (peer_token)."""
         app = self.serverapp
         ip = "" if app.ip in ("", "*", "0.0.0.0") else app.ip  # noqa: S104 - the server's own choice
         self._bulk = BulkListener(BulkSettings(
             token=self.peer_token, root=str(self.guests.store.root),
             memory_root=str(self.guests.store.memory_root) if self.guests.store.memory_root else None,
-            base_url=app.base_url, host=ip, port=self.bulk_port, certfile=app.certfile or None,
+            base_url=app.base_url, host=ip, port=self.bulk_port if self.peer_token else -1,
+            certfile=app.certfile or None,
             keyfile=app.keyfile or None))
 
         def start(bulk: BulkListener, guests: GuestHost) -> None:
@@ -220,9 +222,11 @@ class GPUMigrateApp(ExtensionApp):
             except MigrateError as exc:
                 self.log.warning("gpumigrate: %s", exc)
                 return
-            guests.bulk_port, guests.bulk_tls = port, bulk.tls
-            self.log.info("gpumigrate: peers' image files are received on port %d, each by a process of its own",
-                          port)
+            operations.bulk = bulk
+            if port is not None:
+                guests.bulk_port, guests.bulk_tls = port, bulk.tls
+                self.log.info("gpumigrate: peers' image files are received on port %d, each by a process of its "
+                              "own", port)
 
         threading.Thread(target=start, args=(self._bulk, self.guests), name="gpumigrate-bulkd", daemon=True).start()
 
@@ -389,6 +393,10 @@ class GPUMigrateApp(ExtensionApp):
                 sessions.add(provisioner.pgid)  # kernels start in a session of their own
                 if provisioner.process is not None:
                     skip.add(provisioner.process.pid)  # its Popen reaps it
+        bulk = self._bulk.process if self._bulk is not None else None
+        if bulk is not None:  # the bulk listener's processes, where it was killed (bulkd.py); its Popen reaps it
+            sessions.add(bulk.pid)
+            skip.add(bulk.pid)
         if sessions:
             proctree.reap_orphans(sessions, skip)
 

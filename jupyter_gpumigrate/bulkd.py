@@ -28,6 +28,7 @@ from __future__ import annotations
 import ctypes
 import http.client
 import io
+import itertools
 import json
 import logging
 import os
@@ -37,14 +38,18 @@ import socket
 import ssl
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from . import bulk
 from .engine.errors import MigrateError
 from .engine.images import ImageStore
-from .peers import PEER_API, credential_ok, image_path, mark_received
+from .peers import DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, credential_ok, image_path, mark_received
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +71,8 @@ class BulkSettings:
     memory_root: str | None
     #: the server's base URL (its routes' prefix)
     base_url: str
-    #: the address and port to listen on ('' : every address; 0: any free port)
+    #: the address and port to listen on ('' : every address; 0: any free port; -1: none, the listener only
+    #: fetches, for a server that takes no kernels from peers)
     host: str
     port: int
     #: the server's certificate and key (None: plain HTTP, as the server)
@@ -85,17 +91,24 @@ class BulkListener:
     def __init__(self, settings: BulkSettings) -> None:
         self.settings = settings
         self.process: subprocess.Popen | None = None
-        #: the port it listens on, once started
+        #: the port it listens on, once started (None: it takes no files, it fetches only)
         self.port: int | None = None
+        self._lock = threading.Lock()
+        self._orders = itertools.count(1)
+        #: order id -> its answer, once the listener gave it
+        self._waiting: dict[int, Future] = {}
+        self._reader: threading.Thread | None = None
 
     @property
     def tls(self) -> bool:
         return bool(self.settings.certfile)
 
-    def start(self) -> int:
-        """Start the listener; the port it listens on. BulkListenerError if it cannot (the port is taken...)."""
+    def start(self) -> int | None:
+        """Start the listener; the port it listens on (None: it fetches only). BulkListenerError if it cannot (the port is taken...)."""
+        # A session of its own: where the listener is killed, its processes end (their parent-death signal) and
+        # come to the server, a subreaper, which reaps that session's orphans as it does a kernel's.
         self.process = subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.bulkd"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, close_fds=True)
+                                        stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
         assert self.process.stdin is not None and self.process.stdout is not None
         self.process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
         self.process.stdin.flush()
@@ -106,14 +119,77 @@ class BulkListener:
             answer = json.loads(said)
         except ValueError:
             answer = {}
-        if not isinstance(answer.get("port"), int):
+        if "port" not in answer:
             self.stop()
             why = answer.get("error") or "it said nothing (its log above says why)"
             raise BulkListenerError(f"The bulk listener did not start on {self.settings.host or '*'}:"
                                     f"{self.settings.port}: {why}. Set c.GPUMigrateApp.bulk_port to a free port "
                                     "(0: any), or to -1 to receive through the server's port.")
         self.port = answer["port"]
+        self._reader = threading.Thread(target=self._read_answers, args=(self.process.stdout,),
+                                        name="gpumigrate-bulkd-answers", daemon=True)
+        self._reader.start()
         return self.port
+
+    @property
+    def running(self) -> bool:
+        """Started, and not ended."""
+        return self._reader is not None and self.process is not None and self.process.poll() is None
+
+    def _read_answers(self, out: Any) -> None:
+        for line in out:
+            try:
+                answer = json.loads(line)
+                future = self._waiting.pop(int(answer["id"]), None)
+            except (ValueError, KeyError, TypeError):
+                continue
+            if future is not None:
+                future.set_result(answer)
+        for order in list(self._waiting):  # the listener ended: nothing more comes
+            future = self._waiting.pop(order, None)
+            if future is not None:
+                future.set_result({"id": order, "error": "the bulk listener ended (the server stops, or it was "
+                                                         "killed)"})
+
+    def _order(self, order: dict) -> None:
+        process = self.process
+        if process is None or process.stdin is None:
+            raise BrokenPipeError("no bulk listener")
+        with self._lock:
+            process.stdin.write(json.dumps(order).encode() + b"\n")
+            process.stdin.flush()
+
+    def fetch(self, peer: Peer, path: str, dest: Path, stop: threading.Event, size: int | None = None,
+              checksum: str | None = None) -> tuple[int, str]:
+        """Fetch ``path`` of ``peer``'s peer API into ``dest`` (0600) in a process of the listener's, as
+        :meth:`PeerClient.get_file` does (``size``: that many bytes, and ``checksum`` if given) or, with ``size``
+        None, :meth:`PeerClient.get_growing` (a file the peer's dump still writes): its size and checksum.
+        ``stop``, once set, calls it off. PeerError, and no file, if it fails."""
+        order = next(self._orders)
+        future: Future = Future()
+        self._waiting[order] = future
+        try:
+            self._order({"id": order, "fetch": {"peer": asdict(peer), "path": path, "dest": str(dest), "size": size,
+                                                "checksum": checksum}})
+            while True:
+                try:
+                    answer = future.result(timeout=0.1)
+                    break
+                except FutureTimeout:
+                    if stop.is_set():
+                        self._order({"cancel": order})
+                        answer = future.result()
+                        break
+        except OSError as exc:
+            self._waiting.pop(order, None)
+            answer = {"error": f"the bulk listener cannot be reached ({exc})"}
+        if "error" in answer:
+            dest.unlink(missing_ok=True)  # a process killed mid-file leaves what it had written
+            error = PeerError(answer["error"] if answer.get("peer") else
+                              f"Receiving {dest.name} from {peer.name} failed: {answer['error']}.")
+            error.status = answer.get("status")
+            raise error
+        return int(answer["size"]), str(answer["digest"])
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the listener and the files it receives (a move under way then fails, and its kernel stays where
@@ -133,32 +209,59 @@ class BulkListener:
                 process.stdout.close()
 
 
+class BulkFetcher:
+    """What a move fetches of one peer (the way home: :class:`~.peers.PeerLink`'s ``fetcher``), each large
+    file received by a process of the bulk listener's, as a :class:`~.peers.PeerClient` would in this one;
+    small ones by this process, over the connections it keeps."""
+
+    def __init__(self, listener: BulkListener, client: PeerClient) -> None:
+        self.listener, self.client = listener, client
+
+    def get_growing(self, path: str, dest: Path, stop: threading.Event, conns: Any = None) -> tuple[int, str]:
+        return self.listener.fetch(self.client.peer, path, dest, stop)
+
+    def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Any = None) -> str:
+        if size < DETACH_MIN:
+            return self.client.get_file(path, dest, size, checksum, kept)
+        return self.listener.fetch(self.client.peer, path, dest, threading.Event(), size, checksum)[1]
+
+
 # -- the listener's process ----------------------------------------------------------------------------
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[gpumigrate bulkd %(process)d] %(message)s")
     settings = BulkSettings(**json.loads(sys.stdin.buffer.readline()))
+    listener: socket.socket | None = None
     try:
-        listener = socket.create_server((settings.host, settings.port), backlog=128)
+        if settings.port >= 0:
+            listener = socket.create_server((settings.host, settings.port), backlog=128)
         context = _tls(settings)
     except (OSError, ssl.SSLError) as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+        _say({"error": str(exc)})
         return
-    print(json.dumps({"port": listener.getsockname()[1]}), flush=True)
+    _say({"port": listener.getsockname()[1] if listener is not None else None})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     store = ImageStore(settings.root, settings.memory_root)
-    children: set[int] = set()
+    #: pid -> the fetch order it runs (None: a connection it takes)
+    children: dict[int, int | None] = {}
+    pending = b""
     try:
         with selectors.DefaultSelector() as events:
-            events.register(listener, selectors.EVENT_READ)
-            events.register(sys.stdin.buffer, selectors.EVENT_READ)
+            if listener is not None:
+                events.register(listener, selectors.EVENT_READ)
+            events.register(0, selectors.EVENT_READ)
             while True:
                 for key, _ in events.select(1.0):
-                    if key.fileobj is sys.stdin.buffer:
-                        if not os.read(sys.stdin.fileno(), 4096):
+                    if key.fileobj == 0:
+                        data = os.read(0, 65536)
+                        if not data:
                             return  # the server closed it: stopped or died
+                        *lines, pending = (pending + data).split(b"\n")
+                        for line in lines:
+                            _take_order(line, children, listener)
                         continue
+                    assert listener is not None
                     try:
                         conn, _ = listener.accept()
                     except OSError:
@@ -167,7 +270,7 @@ def main() -> None:
                     if pid == 0:
                         _child(listener, conn, settings, context, store)
                     conn.close()
-                    children.add(pid)
+                    children[pid] = None
                 _reap(children)
     finally:
         for pid in children:
@@ -178,6 +281,55 @@ def main() -> None:
         _reap(children, block=True)
 
 
+def _say(answer: dict) -> None:
+    """A line to the server (one write: the processes share the pipe, and a line is under PIPE_BUF)."""
+    os.write(1, json.dumps(answer).encode()[:4000] + b"\n")
+
+
+def _take_order(line: bytes, children: dict[int, int | None], listener: socket.socket | None) -> None:
+    try:
+        order = json.loads(line)
+    except ValueError:
+        return
+    if "cancel" in order:
+        for pid, running in children.items():
+            if running == order["cancel"]:
+                os.kill(pid, signal.SIGKILL)  # the reaper answers for it
+        return
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            if listener is not None:
+                listener.close()
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+            _say({"id": order["id"], **_fetch(order["fetch"])})
+            code = 0
+        finally:
+            os._exit(code)
+    children[pid] = int(order["id"])
+
+
+def _fetch(order: dict) -> dict:
+    """Run one fetch order (BulkListener.fetch): its size and checksum, or its error."""
+    client = PeerClient(Peer(**order["peer"]))
+    dest = Path(order["dest"])
+    try:
+        if order["size"] is None:
+            size, digest = client.get_growing(order["path"], dest, threading.Event())
+        else:
+            size = int(order["size"])
+            digest = client.get_file(order["path"], dest, size, order["checksum"])
+    except PeerError as exc:
+        return {"error": str(exc), "status": exc.status, "peer": True}
+    except Exception as exc:  # a bug: said, and the move is undone
+        log.exception("a fetch failed")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    log.info("%s fetched from %s by a process of its own (%d bytes)", order["path"], client.peer.name, size)
+    return {"size": size, "digest": digest}
+
+
 def _tls(settings: BulkSettings) -> ssl.SSLContext | None:
     if not settings.certfile:
         return None
@@ -186,14 +338,19 @@ def _tls(settings: BulkSettings) -> ssl.SSLContext | None:
     return context
 
 
-def _reap(children: set[int], block: bool = False) -> None:
+def _reap(children: dict[int, int | None], block: bool = False) -> None:
+    """Wait for the processes that ended; a fetch's that ended without its answer (killed: called off) is
+    answered for."""
     for pid in list(children):
+        status = 0
         try:
-            done, _ = os.waitpid(pid, 0 if block else os.WNOHANG)
+            done, status = os.waitpid(pid, 0 if block else os.WNOHANG)
         except ChildProcessError:
             done = pid
         if done:
-            children.discard(pid)
+            order = children.pop(pid)
+            if order is not None and status != 0:
+                _say({"id": order, "error": "called off" if os.WIFSIGNALED(status) else "its process failed"})
 
 
 def _child(listener: socket.socket, conn: socket.socket, settings: BulkSettings, context: ssl.SSLContext | None,

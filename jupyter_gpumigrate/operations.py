@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 from traitlets import TraitError
 
+from .bulkd import BulkFetcher, BulkListener
 from .engine import gpus as gpus_mod
 from .engine import cudackpt, placement
 from .engine.access import open_criu
@@ -151,6 +152,8 @@ class OperationManager:
         self.kernel_manager = kernel_manager
         #: a move to another host sends CRIU's pages as the dump writes them (c.GPUMigrateApp.stream_dump)
         self.stream_dump = stream_dump
+        #: the server's bulk listener (bulkd.py), whose processes receive the large files of a way home
+        self.bulk: BulkListener | None = None
         self.session_manager = session_manager
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
@@ -485,6 +488,8 @@ class OperationManager:
                         self.host_name, stream=self.stream_dump)
         if provisioner is not None:
             link.clients, link.idle = provisioner.client_identities, provisioner.can_stash_now
+        if self.bulk is not None and self.bulk.running:
+            link.fetcher = BulkFetcher(self.bulk, link.client)
         return link
 
     def _criu(self, provisioner: MigratableProvisioner) -> Criu | HelperCriu:

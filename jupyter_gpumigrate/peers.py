@@ -868,8 +868,10 @@ class _Fetching:
     chunked answer that ends with the file: :class:`Written`), :data:`FOLLOWED` at a time. One that fails is fetched again
     after the dump, as the other files are."""
 
-    def __init__(self, client: PeerClient, kernel_id: str, images: Path) -> None:
+    def __init__(self, client: PeerClient, kernel_id: str, images: Path, fetcher: Any = None) -> None:
+        """``fetcher``: what receives the files (PeerLink.fetcher); ``client`` by default."""
         self.client, self.kernel_id, self.images = client, kernel_id, images
+        self.fetcher = fetcher or client
         self.pool = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-follow")
         self.gets: dict[str, Future] = {}
         self.final, self.stopped = threading.Event(), threading.Event()
@@ -893,7 +895,7 @@ class _Fetching:
                 for entry in (answer or {}).get("files") or []:
                     name = str(entry.get("name", ""))
                     if _IMAGE_NAME.match(name) and follows(name) and name not in self.gets:
-                        self.gets[name] = self.pool.submit(self.client.get_growing,
+                        self.gets[name] = self.pool.submit(self.fetcher.get_growing,
                                                            f"images/{self.kernel_id}/{name}?growing=true",
                                                            self.images / name, self.stopped, self.conns)
                 self.final.wait(0.05)
@@ -956,6 +958,9 @@ class PeerLink(HostLink):
         self._sent: list[dict] = []
         #: the client of the peer's bulk listener, where :meth:`check` found one (bulkd.py)
         self.bulk: PeerClient | None = None
+        #: what receives the files fetched from the peer (the way home): ``client``, or a BulkFetcher, whose
+        #: processes receive the large ones (bulkd.py; same calls: get_growing, get_file)
+        self.fetcher: Any = self.client
 
     # -- moving there --------------------------------------------------------------------------------
 
@@ -1156,7 +1161,7 @@ class PeerLink(HostLink):
 
     def start_fetching(self, images: Path) -> None:
         self.stop_fetching()
-        self._fetching = _Fetching(self.client, self.kernel_id, images)
+        self._fetching = _Fetching(self.client, self.kernel_id, images, self.fetcher)
 
     def stop_fetching(self) -> None:
         fetching, self._fetching = self._fetching, None
@@ -1201,8 +1206,8 @@ class PeerLink(HostLink):
 
         def get(entry: dict) -> tuple[str, str]:
             name = str(entry["name"])
-            return name, self.client.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
-                                              None, kept)
+            return name, self.fetcher.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
+                                               None, kept)
 
         with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS + 1, thread_name_prefix="gpumigrate-fetch") \
                 as pool:
@@ -1218,8 +1223,8 @@ class PeerLink(HostLink):
             if name in whole and not hmac.compare_digest(got[name].encode(), said.encode("utf-8", "replace")):
                 log.warning("gpumigrate: kernel %s: %s, fetched as %s's dump wrote it, differs from the file there; "
                             "fetched again", self.kernel_id, name, self.host)
-                got[name] = self.client.get_file(f"images/{self.kernel_id}/{name}", images / name,
-                                                 int(entry["size"]), None)
+                got[name] = self.fetcher.get_file(f"images/{self.kernel_id}/{name}", images / name,
+                                                  int(entry["size"]), None)
             if not hmac.compare_digest(got[name].encode(), said.encode("utf-8", "replace")):
                 raise PeerError(f"{name} arrived from {self.host} damaged (its checksum is not the one {self.host} "
                                 "lists); nothing was changed there.")

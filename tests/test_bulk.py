@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -18,6 +19,7 @@ import xxhash
 
 import pytest
 
+from jupyter_gpumigrate.bulkd import BulkListener, BulkSettings
 from jupyter_gpumigrate.peers import BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError, received_marks
 
 from helpers import peer_server_config
@@ -212,14 +214,91 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
     # nothing more of a port that no longer listens.
     bulkd.kill()
     deadline = time.monotonic() + 30
-    while os.path.exists(f"/proc/{child}") and Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-        assert time.monotonic() < deadline, "the listener's process outlived it"
+    while state(child) != "gone":  # killed with it, and reaped by the server (its subreaper)
+        assert time.monotonic() < deadline, f"the listener's process outlived it ({state(child)})"
         await asyncio.sleep(0.05)
     with pytest.raises(OSError):
         sock.sendall(os.urandom(SIZE // 2))
         sock.recv(1)  # a reset, or the end of the stream
         raise ConnectionResetError
     sock.close()
+
+
+def state(pid: int) -> str:
+    """The state letter of process ``pid``, or "gone"."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def children_of(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+async def test_the_bulk_listener_fetches_each_file_in_a_process_of_its_own_and_a_fetch_called_off_ends(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    # The way home's fetches (BulkListener.fetch, what a BulkFetcher asks): from this server, as its peer.
+    kid = str(uuid.uuid4())
+    peer = Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN)
+    await asyncio.to_thread(PeerClient(peer).call, "POST", f"images/{kid}", {"bytes": SIZE})
+    data = os.urandom(SIZE)
+    (tmp_path / "pages-1.img").write_bytes(data)
+    await asyncio.to_thread(PeerClient(peer).put_file, f"images/{kid}/pages-1.img", tmp_path / "pages-1.img", SIZE)
+    listener = BulkListener(BulkSettings(token="", root=str(tmp_path / "unused"), memory_root=None, base_url="/",
+                                         host="", port=-1))  # it fetches only, as a server that takes no kernels
+    silent = socket.create_server(("127.0.0.1", 0))  # a peer that takes the connection and never answers
+    try:
+        assert await asyncio.to_thread(listener.start) is None
+        dest = tmp_path / "fetched.img"
+        size, digest = await asyncio.to_thread(listener.fetch, peer, f"images/{kid}/pages-1.img", dest,
+                                               threading.Event(), SIZE, checksum_of(data))
+        assert (size, digest) == (SIZE, checksum_of(data)) and dest.read_bytes() == data
+        assert oct(dest.stat().st_mode & 0o777) == "0o600"
+        with pytest.raises(PeerError, match="damaged"):  # not the checksum said: no file
+            await asyncio.to_thread(listener.fetch, peer, f"images/{kid}/pages-1.img", dest, threading.Event(),
+                                    SIZE, "0" * 16)
+        assert not dest.exists()
+        with pytest.raises(PeerError, match="Kernel .* has no image file"):  # the peer's own sentence
+            await asyncio.to_thread(listener.fetch, peer, f"images/{kid}/pages-9.img", dest, threading.Event(),
+                                    SIZE, None)
+
+        # Called off while its process waits on the peer: it ends at once, and so does its process.
+        stop = threading.Event()
+        waiting = asyncio.ensure_future(asyncio.to_thread(
+            listener.fetch, Peer("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", "t"),
+            f"images/{kid}/pages-1.img", dest, stop, SIZE, None))
+        deadline = time.monotonic() + 30
+        while not children_of(listener.process.pid):
+            assert time.monotonic() < deadline, "no process fetches"
+            await asyncio.sleep(0.05)
+        began = time.monotonic()
+        stop.set()
+        with pytest.raises(PeerError, match="called off"):
+            await waiting
+        assert time.monotonic() - began < 5
+        deadline = time.monotonic() + 10
+        while children_of(listener.process.pid):
+            assert time.monotonic() < deadline, "the fetch's process outlived its call"
+            await asyncio.sleep(0.05)
+
+        # The listener killed mid-fetch: the fetch fails, saying so; its process ends with it.
+        waiting = asyncio.ensure_future(asyncio.to_thread(
+            listener.fetch, Peer("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", "t"),
+            f"images/{kid}/pages-1.img", dest, threading.Event(), SIZE, None))
+        while not (fetching := children_of(listener.process.pid)):
+            await asyncio.sleep(0.05)
+        listener.process.kill()
+        with pytest.raises(PeerError, match="the bulk listener ended"):
+            await asyncio.wait_for(waiting, 30)
+        deadline = time.monotonic() + 10
+        while any(state(pid) not in ("gone", "Z") for pid in fetching):  # a zombie: the server's reaper's
+            assert time.monotonic() < deadline, "the fetch's process outlived the listener"
+            await asyncio.sleep(0.05)
+        assert not dest.exists() and not listener.running
+    finally:
+        silent.close()
+        listener.stop()
 
 
 def raw_chunked(port: int, base: str, path: str, body: bytes) -> str:

@@ -345,6 +345,9 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
                     a.server_log()
                 assert f"kernel {kernel_id}: stash-" in (b.root / "server.log").read_text(errors="replace")
                 assert "received by a process of its own (201)" in (b.root / "server.log").read_text(errors="replace")
+            else:  # and home, each fetched by a process of a's bulk listener
+                assert f"images/{kernel_id}/stash-" in a.server_log() and "fetched from b by a process of its own" \
+                    in a.server_log(), a.server_log()
             assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
             assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
             assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
