@@ -106,6 +106,12 @@ class GPUMigrateApp(ExtensionApp):
         "the files come through the server's port. Peers that cannot connect to it use the server's port.",
     ).tag(config=True)
 
+    transfer_streams = Int(
+        0, help="How many image files a move to another host sends or fetches at once, each over a connection "
+        "of its own (this server's, both ways: away it sends, home it fetches). 0 (the default): half this "
+        "host's CPUs, at most 8 (each stream takes about a core on both hosts).",
+    ).tag(config=True)
+
     @default("host_name")
     def _default_host_name(self) -> str:
         return socket.gethostname()
@@ -163,6 +169,7 @@ class GPUMigrateApp(ExtensionApp):
             stream_dump=self._streams_dumps(),
         )
         self.settings["gpumigrate_operations"] = operations
+        operations.transfer_streams = max(0, self.transfer_streams)
         #: the records not taken back at start (revive.py), for GET /refused
         self.settings["gpumigrate_refused"] = []
         self._resume_on_cells(operations)

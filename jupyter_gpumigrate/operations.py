@@ -36,7 +36,7 @@ from .engine.plans import ALL_PHASES, PHASES
 from .engine.plans import gpu_move, host_move
 from .engine.plans import transplant as transplant_plan
 from .engine.stash import Stash
-from .peers import Peer, PeerLink, UnknownPeer
+from .peers import STREAMS, Peer, PeerLink, UnknownPeer
 from .provisioner import PROVISIONER_NAME, MigratableProvisioner
 from .views import KernelNotFound, Views
 
@@ -154,6 +154,9 @@ class OperationManager:
         self.stream_dump = stream_dump
         #: the server's bulk listener (bulkd.py), whose processes receive the large files of a way home
         self.bulk: BulkListener | None = None
+        #: image files sent or fetched at once by a move to another host (c.GPUMigrateApp.transfer_streams; 0:
+        #: peers.STREAMS)
+        self.transfer_streams = 0
         self.session_manager = session_manager
         self.emit = emit or (lambda data: None)
         self.criu_path = criu_path
@@ -490,6 +493,7 @@ class OperationManager:
             link.clients, link.idle = provisioner.client_identities, provisioner.can_stash_now
         if self.bulk is not None and self.bulk.running:
             link.fetcher = BulkFetcher(self.bulk, link.client)
+        link.streams = self.transfer_streams or STREAMS
         return link
 
     def _criu(self, provisioner: MigratableProvisioner) -> Criu | HelperCriu:

@@ -77,11 +77,13 @@ CHECKSUM = "xxh3"
 #: Image files at least this large go between hosts through a thread of their own on the serving side, off
 #: its event loop (bulk.py); smaller ones share a connection kept open (:class:`Kept`).
 DETACH_MIN = 16 * BLOCK
-#: Image files sent or fetched at once between hosts, each over a connection of its own, and each served
-#: by a thread of its own on the other side (bulk.py) and here: TLS runs at about 1.4 GB/s on one core of the
-#: GPU machines (bench/results/2026-11-26-host-move.md). Each stream takes a core or so on both hosts: one
-#: on a small machine (on 2 CPUs, four were slower than one).
-STREAMS = max(1, min(4, (os.cpu_count() or 2) // 4))
+#: Image files sent or fetched at once between hosts by default (c.GPUMigrateApp.transfer_streams), each over a
+#: connection of its own, each sent by a thread and received by a process of its own (bulkd.py): TLS runs at
+#: about 1.2-1.4 GB/s on one core of the GPU machines, and the link between the bench's two namespaces on
+#: the H200 machine (16 CPUs) carried 1.2 GB/s with one TLS stream, 3.9-4.7 with four, 8.1-9.7 with eight
+#: (bench/host_bench.py --streams 4,8). Each stream takes a core or so on both hosts: one on a small machine
+#: (on 2 CPUs, four were slower than one).
+STREAMS = max(1, min(8, (os.cpu_count() or 2) // 2))
 #: How long a move waits to connect to its peer's bulk listener before it sends through the peer's server
 #: port instead (seconds).
 BULK_PROBE = 3.0
@@ -764,12 +766,14 @@ class _Sending:
     each over a connection of its own (:data:`FOLLOWED` at a time, apart from the STREAMS), until each is
     whole (:class:`Written`)."""
 
-    def __init__(self, client: PeerClient, kernel_id: str, bulk: PeerClient | None = None) -> None:
-        """``bulk``: the client of the peer's bulk listener (bulkd.py), for the large files and those that grow."""
+    def __init__(self, client: PeerClient, kernel_id: str, bulk: PeerClient | None = None,
+                 streams: int = STREAMS) -> None:
+        """``bulk``: the client of the peer's bulk listener (bulkd.py), for the large files and those that grow;
+        ``streams``: how many files go at once."""
         self.client, self.kernel_id = client, kernel_id
         self.bulk = bulk or client
         self.kept = Kept()
-        self.pool = ThreadPoolExecutor(max_workers=STREAMS, thread_name_prefix="gpumigrate-send")
+        self.pool = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="gpumigrate-send")
         self.followers = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-grow")
         #: file name -> its send: {name, size, xxh3}
         self.sends: dict[str, Future] = {}
@@ -961,6 +965,8 @@ class PeerLink(HostLink):
         #: what receives the files fetched from the peer (the way home): ``client``, or a BulkFetcher, whose
         #: processes receive the large ones (bulkd.py; same calls: get_growing, get_file)
         self.fetcher: Any = self.client
+        #: image files sent or fetched at once (c.GPUMigrateApp.transfer_streams)
+        self.streams = STREAMS
 
     # -- moving there --------------------------------------------------------------------------------
 
@@ -1012,7 +1018,7 @@ class PeerLink(HostLink):
     def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         self.stop_sending()
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": int(expect)})
-        self._sending = _Sending(self.client, self.kernel_id, self.bulk)
+        self._sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams)
         self._sending.send(_sized(images))
         if follow:
             self._sending.follow(images)
@@ -1209,7 +1215,7 @@ class PeerLink(HostLink):
             return name, self.fetcher.get_file(f"images/{self.kernel_id}/{name}", images / name, int(entry["size"]),
                                                None, kept)
 
-        with Kept() as kept, ThreadPoolExecutor(max_workers=STREAMS + 1, thread_name_prefix="gpumigrate-fetch") \
+        with Kept() as kept, ThreadPoolExecutor(max_workers=self.streams + 1, thread_name_prefix="gpumigrate-fetch") \
                 as pool:
             said = pool.submit(lambda: PeerClient(self.peer).call("GET", f"images/{self.kernel_id}", timeout=600))
             got = {**dict(pool.map(get, [e for e in entries if str(e["name"]) not in whole])), **whole}

@@ -772,6 +772,14 @@ export interface PeerCheckResponse {
    * This host takes an image file PUT in chunks (Transfer-Encoding: chunked) as a dump writes it: the move's CRIU pages then go while the dump runs; absent from older versions, to which they go after it.
    */
   growing?: boolean;
+  /**
+   * The port of this host's bulk listener (c.GPUMigrateApp.bulk_port), on the same address as its server: large image files PUT there (same path, token and answers as the server's image route; nothing else is served there) are each received by a process of their own. Null while it has none (not started yet, or bulk_port -1); absent from older versions. A peer that cannot connect to it sends through the server's port.
+   */
+  bulk_port?: number | null;
+  /**
+   * Whether the bulk listener takes TLS (with the server's certificate), as the server does; a peer uses the port only where this matches its link's scheme.
+   */
+  bulk_tls?: boolean;
 }
 /**
  * POST /peer/images/{id}: images are about to be sent.
