@@ -38,7 +38,7 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written
+from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written, drop_mark
 
 log = logging.getLogger(__name__)
 
@@ -147,6 +147,7 @@ def _receive(sock: socket.socket, leftover: bytes, length: int | None, path: Pat
              done: Callable[[str], tuple[int, dict]]) -> None:
     failed: OSError | None = None
     sink: FileSink | None = None
+    drop_mark(path)
     try:
         sink = FileSink(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600))
     except OSError as exc:

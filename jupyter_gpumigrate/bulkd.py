@@ -40,6 +40,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future, TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -55,6 +56,19 @@ log = logging.getLogger(__name__)
 
 #: The most a request's head may take (its line and headers).
 MAX_HEAD = 64 * 1024
+#: The most connections taken at once (a process each): more wait in the listening socket's backlog. A move
+#: sends 8 files at once and follows up to 16 as they grow; whoever can reach the port, with or without the
+#: token, gets no more processes than this.
+MAX_CONNECTIONS = 64
+#: The most of those from one address: a move takes up to 24 at once (8 files, and 16 followed as they
+#: grow); whoever else shares a slot's address cannot take them all.
+MAX_PER_ADDRESS = 32
+#: How long a connection has for its TLS handshake and its request's head, token included (seconds).
+AUTH_TIMEOUT = 10.0
+#: The longest error sentence a fetch's answer carries (characters): an answer is one line under PIPE_BUF.
+MAX_SENTENCE = 800
+#: How long a fetch called off waits for its process's end (seconds).
+CANCEL_WAIT = 30.0
 #: How long the server waits for the listener to say its port (seconds).
 START_TIMEOUT = 30.0
 _PR_SET_PDEATHSIG = 1
@@ -98,6 +112,7 @@ class BulkListener:
         #: order id -> its answer, once the listener gave it
         self._waiting: dict[int, Future] = {}
         self._reader: threading.Thread | None = None
+        self._stopped = False
 
     @property
     def tls(self) -> bool:
@@ -107,11 +122,18 @@ class BulkListener:
         """Start the listener; the port it listens on (None: it fetches only). BulkListenerError if it cannot (the port is taken...)."""
         # A session of its own: where the listener is killed, its processes end (their parent-death signal) and
         # come to the server, a subreaper, which reaps that session's orphans as it does a kernel's.
-        self.process = subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.bulkd"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, close_fds=True, start_new_session=True)
+        with self._lock:  # a stop() that came first wins
+            if self._stopped:
+                raise BulkListenerError("The bulk listener was stopped before it started.")
+            self.process = subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.bulkd"],
+                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
+                                            start_new_session=True)
         assert self.process.stdin is not None and self.process.stdout is not None
-        self.process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
-        self.process.stdin.flush()
+        try:
+            self.process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
+            self.process.stdin.flush()
+        except (OSError, ValueError):  # stopped meanwhile
+            pass
         with selectors.DefaultSelector() as waiting:
             waiting.register(self.process.stdout, selectors.EVENT_READ)
             said = self.process.stdout.readline() if waiting.select(START_TIMEOUT) else b""
@@ -126,6 +148,8 @@ class BulkListener:
                                     f"{self.settings.port}: {why}. Set c.GPUMigrateApp.bulk_port to a free port "
                                     "(0: any), or to -1 to receive through the server's port.")
         self.port = answer["port"]
+        if self.process is None:
+            raise BulkListenerError("The bulk listener was stopped as it started.")
         self._reader = threading.Thread(target=self._read_answers, args=(self.process.stdout,),
                                         name="gpumigrate-bulkd-answers", daemon=True)
         self._reader.start()
@@ -152,10 +176,10 @@ class BulkListener:
                                                          "killed)"})
 
     def _order(self, order: dict) -> None:
-        process = self.process
-        if process is None or process.stdin is None:
-            raise BrokenPipeError("no bulk listener")
         with self._lock:
+            process = self.process
+            if process is None or process.stdin is None:
+                raise BrokenPipeError("no bulk listener")
             process.stdin.write(json.dumps(order).encode() + b"\n")
             process.stdin.flush()
 
@@ -176,13 +200,20 @@ class BulkListener:
                     answer = future.result(timeout=0.1)
                     break
                 except FutureTimeout:
+                    if not self.running:  # its processes may hold the answers' pipe open: not waited for
+                        answer = {"error": "the bulk listener ended (the server stops, or it was killed)"}
+                        break
                     if stop.is_set():
                         self._order({"cancel": order})
-                        answer = future.result()
+                        try:
+                            answer = future.result(timeout=CANCEL_WAIT)
+                        except FutureTimeout:
+                            answer = {"error": "called off"}
                         break
-        except OSError as exc:
-            self._waiting.pop(order, None)
+        except (OSError, ValueError) as exc:  # ValueError: its stdin closed by stop()
             answer = {"error": f"the bulk listener cannot be reached ({exc})"}
+        finally:
+            self._waiting.pop(order, None)
         if "error" in answer:
             dest.unlink(missing_ok=True)  # a process killed mid-file leaves what it had written
             error = PeerError(answer["error"] if answer.get("peer") else
@@ -194,7 +225,9 @@ class BulkListener:
     def stop(self, timeout: float = 5.0) -> None:
         """End the listener and the files it receives (a move under way then fails, and its kernel stays where
         it ran)."""
-        process, self.process = self.process, None
+        with self._lock:
+            self._stopped = True
+            process, self.process = self.process, None
         if process is None:
             return
         try:
@@ -235,7 +268,7 @@ def main() -> None:
     listener: socket.socket | None = None
     try:
         if settings.port >= 0:
-            listener = socket.create_server((settings.host, settings.port), backlog=128)
+            listener = _listen(settings.host, settings.port)
         context = _tls(settings)
     except (OSError, ssl.SSLError) as exc:
         _say({"error": str(exc)})
@@ -243,15 +276,18 @@ def main() -> None:
     _say({"port": listener.getsockname()[1] if listener is not None else None})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     store = ImageStore(settings.root, settings.memory_root)
-    #: pid -> the fetch order it runs (None: a connection it takes)
-    children: dict[int, int | None] = {}
+    children: dict[int, _Work] = {}
     pending = b""
     try:
         with selectors.DefaultSelector() as events:
-            if listener is not None:
-                events.register(listener, selectors.EVENT_READ)
             events.register(0, selectors.EVENT_READ)
             while True:
+                if listener is not None:  # no more connections taken while MAX_CONNECTIONS are
+                    busy = sum(work.order is None for work in children.values()) >= MAX_CONNECTIONS
+                    if busy and listener in events.get_map():
+                        events.unregister(listener)
+                    elif not busy and listener not in events.get_map():
+                        events.register(listener, selectors.EVENT_READ)
                 for key, _ in events.select(1.0):
                     if key.fileobj == 0:
                         data = os.read(0, 65536)
@@ -259,18 +295,10 @@ def main() -> None:
                             return  # the server closed it: stopped or died
                         *lines, pending = (pending + data).split(b"\n")
                         for line in lines:
-                            _take_order(line, children, listener)
+                            _take_order(line, children, events, listener)
                         continue
                     assert listener is not None
-                    try:
-                        conn, _ = listener.accept()
-                    except OSError:
-                        continue
-                    pid = os.fork()
-                    if pid == 0:
-                        _child(listener, conn, settings, context, store)
-                    conn.close()
-                    children[pid] = None
+                    _take_connection(listener, children, events, settings, context, store)
                 _reap(children)
     finally:
         for pid in children:
@@ -281,34 +309,109 @@ def main() -> None:
         _reap(children, block=True)
 
 
+@dataclass
+class _Work:
+    """What a process of the listener's does: a fetch order (its id), or a connection (from that address)."""
+
+    order: int | None = None
+    address: str | None = None
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The listening socket: IPv6 for an IPv6 address, both families for every address ('') where the
+    host has IPv6."""
+    if host == "" and socket.has_dualstack_ipv6():
+        return socket.create_server(("", port), family=socket.AF_INET6, dualstack_ipv6=True, backlog=128)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host.strip("[]"), port), family=family, backlog=128)
+
+
 def _say(answer: dict) -> None:
-    """A line to the server (one write: the processes share the pipe, and a line is under PIPE_BUF)."""
-    os.write(1, json.dumps(answer).encode()[:4000] + b"\n")
+    """A line to the server, in one write under PIPE_BUF (the processes share the pipe): an error's sentence
+    is cut to fit, never the line."""
+    if isinstance(answer.get("error"), str):
+        answer = {**answer, "error": answer["error"][:MAX_SENTENCE]}
+    os.write(1, json.dumps(answer, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
 
 
-def _take_order(line: bytes, children: dict[int, int | None], listener: socket.socket | None) -> None:
+def _spawn(work: Callable[[], bool], events: selectors.BaseSelector, listener: socket.socket | None,
+           answers: bool) -> int | None:
+    """Fork a process that runs ``work`` (True: it ended as it should) and exits; its PID, or None if no
+    process could be forked. The process holds nothing of the listener's (its socket, its selector, the
+    server's orders; the answers' pipe where ``answers`` is False), and dies with it."""
+    parent = os.getpid()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        log.warning("no process could be forked (%s)", exc)
+        return None
+    if pid:
+        return pid
+    code = 1
+    try:
+        events.close()
+        if listener is not None:
+            listener.close()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+        if os.getppid() != parent:  # the listener died before the signal was set
+            os._exit(1)
+        null = os.open(os.devnull, os.O_RDWR)
+        os.dup2(null, 0)
+        if not answers:
+            os.dup2(null, 1)
+        os.close(null)
+        code = 0 if work() else 1
+    except BaseException:  # a handshake that failed, a peer gone: it sees a closed connection
+        log.debug("a process of the bulk listener's ended early", exc_info=True)
+    finally:
+        os._exit(code)
+
+
+def _take_connection(listener: socket.socket, children: dict[int, _Work], events: selectors.BaseSelector,
+                     settings: BulkSettings, context: ssl.SSLContext | None, store: ImageStore) -> None:
+    try:
+        conn, address = listener.accept()
+    except OSError:
+        return
+    host = str(address[0])
+    if sum(work.address == host for work in children.values()) >= MAX_PER_ADDRESS:
+        log.warning("refused a connection from %s: %d of its connections are being taken", host, MAX_PER_ADDRESS)
+        conn.close()
+        return
+
+    def take() -> bool:
+        _connection(conn, settings, context, store)
+        return True
+
+    pid = _spawn(take, events, listener, answers=False)
+    conn.close()
+    if pid is not None:
+        children[pid] = _Work(address=host)
+
+
+def _take_order(line: bytes, children: dict[int, _Work], events: selectors.BaseSelector,
+                listener: socket.socket | None) -> None:
     try:
         order = json.loads(line)
-    except ValueError:
+        ident = int(order.get("id") or order.get("cancel"))
+    except (ValueError, TypeError, AttributeError):
         return
     if "cancel" in order:
-        for pid, running in children.items():
-            if running == order["cancel"]:
+        for pid, work in children.items():
+            if work.order == ident:
                 os.kill(pid, signal.SIGKILL)  # the reaper answers for it
         return
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            if listener is not None:
-                listener.close()
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-            _say({"id": order["id"], **_fetch(order["fetch"])})
-            code = 0
-        finally:
-            os._exit(code)
-    children[pid] = int(order["id"])
+
+    def fetch() -> bool:
+        _say({"id": ident, **_fetch(order["fetch"])})
+        return True
+
+    pid = _spawn(fetch, events, listener, answers=True)
+    if pid is None:
+        _say({"id": ident, "error": "the bulk listener could not fork a process for it"})
+    else:
+        children[pid] = _Work(order=ident)
 
 
 def _fetch(order: dict) -> dict:
@@ -338,7 +441,7 @@ def _tls(settings: BulkSettings) -> ssl.SSLContext | None:
     return context
 
 
-def _reap(children: dict[int, int | None], block: bool = False) -> None:
+def _reap(children: dict[int, _Work], block: bool = False) -> None:
     """Wait for the processes that ended; a fetch's that ended without its answer (killed: called off) is
     answered for."""
     for pid in list(children):
@@ -348,35 +451,30 @@ def _reap(children: dict[int, int | None], block: bool = False) -> None:
         except ChildProcessError:
             done = pid
         if done:
-            order = children.pop(pid)
-            if order is not None and status != 0:
-                _say({"id": order, "error": "called off" if os.WIFSIGNALED(status) else "its process failed"})
+            work = children.pop(pid)
+            if work.order is not None and status != 0:
+                _say({"id": work.order, "error": "called off" if os.WIFSIGNALED(status) else "its process failed"})
 
 
-def _child(listener: socket.socket, conn: socket.socket, settings: BulkSettings, context: ssl.SSLContext | None,
-           store: ImageStore) -> None:
-    """A connection's process: it takes the one request, and exits."""
-    code = 0
-    try:
-        listener.close()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-        conn.settimeout(bulk.TIMEOUT)
-        if context is not None:
-            conn = context.wrap_socket(conn, server_side=True)
-        serve(conn, settings, store)
-    except Exception:  # a handshake that failed, a peer gone: it sees a closed connection
-        log.debug("a bulk connection ended early", exc_info=True)
-        code = 1
-    finally:
-        os._exit(code)
+def _connection(conn: socket.socket, settings: BulkSettings, context: ssl.SSLContext | None,
+                store: ImageStore) -> None:
+    """A connection's process: the TLS handshake and the request's head within :data:`AUTH_TIMEOUT` (no
+    slot held long by whoever connects without a word, or a byte a minute), then the one request."""
+    deadline = time.monotonic() + AUTH_TIMEOUT
+    conn.settimeout(AUTH_TIMEOUT)
+    if context is not None:
+        conn = context.wrap_socket(conn, server_side=True)
+    serve(conn, settings, store, deadline)
 
 
-def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore) -> None:
-    """Take one image file PUT off ``sock`` (answered and closed whatever happens)."""
-    head, leftover = _head(sock)
+def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore, deadline: float) -> None:
+    """Take one image file PUT off ``sock`` (answered and closed whatever happens), its head by ``deadline``
+    (time.monotonic)."""
+    head, leftover = _head(sock, deadline)
+    sock.settimeout(bulk.TIMEOUT)
     if head is None:
-        bulk.respond(sock, 431, bulk.error(431, f"A request's head is over {MAX_HEAD} bytes, or did not end."))
+        bulk.respond(sock, 431, bulk.error(431, f"A request's head is over {MAX_HEAD} bytes, or did not come whole "
+                                                f"within {AUTH_TIMEOUT:.0f} s."))
         return
     line, _, rest = head.partition(b"\r\n")
     try:
@@ -420,15 +518,19 @@ def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore) -> Non
     bulk.receive(sock, leftover, length, path, done)
 
 
-def _head(sock: socket.socket) -> tuple[bytes | None, bytes]:
+def _head(sock: socket.socket, deadline: float) -> tuple[bytes | None, bytes]:
     """A request's head (its line and headers, without the blank line) and what came after it; None if it is
-    over :data:`MAX_HEAD` or the peer closed first."""
+    over :data:`MAX_HEAD`, not whole by ``deadline``, or the peer closed first."""
     data = bytearray()
-    began = time.monotonic()
     while (end := data.find(b"\r\n\r\n")) < 0:
-        if len(data) > MAX_HEAD or time.monotonic() - began > bulk.TIMEOUT:
+        left = deadline - time.monotonic()
+        if len(data) > MAX_HEAD or left <= 0:
             return None, b""
-        got = sock.recv(16384)
+        sock.settimeout(left)
+        try:
+            got = sock.recv(16384)
+        except TimeoutError:
+            return None, b""
         if not got:
             return None, b""
         data += got

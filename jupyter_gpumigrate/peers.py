@@ -123,7 +123,7 @@ RECEIVED_EXPIRE = 1800.0
 _TRANSPLANT_FILES = ("connection.json", "prelude.json", "ready.json", "started.json", "failed.json",
                      "new-process.log")
 #: image files that travel: CRIU's images and our manifest (never logs, pid files or temporaries)
-_IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+_IMAGE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*\Z")  # \Z: "$" lets a name end in a newline
 _NOT_SENT = {"restore.pid", "dump.log", "restore.log", SECRETS, PENDING}
 
 
@@ -192,6 +192,12 @@ def mark_received(path: Path, checksum: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write(checksum)
     os.replace(temporary, mark)
+
+
+def drop_mark(path: Path) -> None:
+    """A receipt of ``path`` begins: the checksum recorded of an earlier copy (:func:`mark_received`) goes."""
+    with contextlib.suppress(OSError):
+        path.with_name(RECEIVED_MARK.format(path.name)).unlink(missing_ok=True)
 
 
 def received_marks(folder: Path) -> dict[str, str]:
@@ -740,8 +746,10 @@ class PeerClient:
         try:  # this thread decrypts; the sink's writes and checksums
             sink = FileSink(os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
             while block := response.read(BLOCK):
-                sink.put_blocking(block)
                 got += len(block)
+                if got > size:  # an answer longer than the file listed: not written on and on
+                    raise OSError(f"more than the {size} bytes listed")
+                sink.put_blocking(block)
             sink, digest = None, sink.close_blocking()
         except (OSError, http.client.HTTPException) as exc:
             if sink is not None:
@@ -1039,7 +1047,7 @@ class PeerLink(HostLink):
         sending, self._sending = self._sending, None
         if sending is None:
             self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
-            sending = _Sending(self.client, self.kernel_id)
+            sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams)
         try:
             followed, by_then = sending.dumped()
             early = len(sending.sends) - followed
@@ -1704,8 +1712,11 @@ class GuestHost:
         return image_path(self.store, kernel_id, name)
 
     def received_file(self, kernel_id: str, name: str, checksum: str) -> None:
-        """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`."""
+        """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`
+        (the bulk listener's word of an earlier copy, beside it, goes: the last copy's checksum counts)."""
         self.received.setdefault(kernel_id, {})[name] = checksum
+        with contextlib.suppress(ImageError):
+            drop_mark(self.store.path_for(kernel_id) / name)
 
     def _check_received(self, kernel_id: str, files: list[dict]) -> None:
         """Every file the sender lists arrived whole, its checksum as the sender says; :class:`ImageError` if not."""

@@ -8,6 +8,7 @@ clients might (all at once, a wrong checksum, a sender that goes away mid-file),
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import threading
@@ -199,16 +200,34 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
                                            f"Authorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
         "no length": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-2.img HTTP/1.1"
                                        f"\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
+        "a name ending in a newline": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/"
+                                                        f"pages-2.img%0A HTTP/1.1\r\nAuthorization: {SCHEME} "
+                                                        f"{PEER_TOKEN}\r\nContent-Length: 3\r\n\r\nabc".encode()),
         "a kernel not expected": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{uuid.uuid4()}/"
                                                    f"pages-2.img HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}"
                                                    "\r\nContent-Length: 3\r\n\r\nabc".encode()),
     }
     expected = {"garbage": "400 Bad Request", "a head too long": "431", "no credential": "403 Forbidden",
-                "another route": "404 Not Found", "no length": "411", "a kernel not expected": "No images are being "
+                "another route": "404 Not Found", "no length": "411", "a name ending in a newline": "409 Conflict",
+                "a kernel not expected": "No images are being "
                 "received for kernel"}
     for what, answer in answers.items():
         assert expected[what] in answer and '"message"' in answer, (what, answer[:300])
     assert sorted(p.name for p in folder.iterdir()) == ["pages-1.img"]
+
+    # Whoever connects and says nothing has the handshake and head's 10 s (AUTH_TIMEOUT), then a 431; one
+    # address gets 32 connections at once (MAX_PER_ADDRESS), a 33rd is closed at once.
+    quiet = [socket.create_connection(("127.0.0.1", port), timeout=30) for _ in range(31)]  # with the file's: 32
+    deadline = time.monotonic() + 30
+    while len(children_of(bulkd.pid)) < 32:
+        assert time.monotonic() < deadline, "the quiet connections were not taken"
+        await asyncio.sleep(0.05)
+    assert await asyncio.to_thread(raw_request, port, b"PUT / HTTP/1.1\r\n\r\n") == ""  # closed, no answer
+    began = time.monotonic()
+    said = await asyncio.to_thread(quiet[0].recv, 4096)
+    assert b"431" in said and b"within 10 s" in said and time.monotonic() - began < 15, said
+    for conn in quiet:
+        conn.close()
 
     # The listener killed: the file on its way ends with it (its process dies too), and the server says
     # nothing more of a port that no longer listens.
@@ -230,6 +249,19 @@ def state(pid: int) -> str:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "gone"
+
+
+def answer_once(listener: socket.socket, answer: bytes) -> None:
+    """Take one connection on ``listener``, read its request's head, send ``answer``, and close."""
+    conn, _ = listener.accept()
+    with conn:
+        head = b""
+        while b"\r\n\r\n" not in head and (got := conn.recv(4096)):
+            head += got
+        try:
+            conn.sendall(answer)
+        except OSError:
+            pass  # the fetch stopped reading: what it got was enough
 
 
 def children_of(pid: int) -> list[int]:
@@ -281,6 +313,23 @@ async def test_the_bulk_listener_fetches_each_file_in_a_process_of_its_own_and_a
         while children_of(listener.process.pid):
             assert time.monotonic() < deadline, "the fetch's process outlived its call"
             await asyncio.sleep(0.05)
+
+        # A peer whose refusal is long (5000 non-ASCII characters): its sentence comes back cut, not a fetch left
+        # waiting on an answer that no longer parses; one that sends more than the file listed is cut off.
+        for answer, said in ((b"HTTP/1.1 500 Internal Server Error\r\nContent-Type: application/json\r\n"
+                              b"Connection: close\r\n\r\n" + json.dumps({"message": "\u00e9" * 5000}).encode(),
+                              "\u00e9" * 100),
+                             (b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\n" + b"x" * (SIZE + BLOCK),
+                              "more than the")):
+            with socket.create_server(("127.0.0.1", 0)) as rude:
+                serving = threading.Thread(target=answer_once, args=(rude, answer), daemon=True)
+                serving.start()
+                with pytest.raises(PeerError, match=said):
+                    await asyncio.wait_for(asyncio.to_thread(
+                        listener.fetch, Peer("rude", f"http://127.0.0.1:{rude.getsockname()[1]}/", "t"),
+                        f"images/{kid}/pages-1.img", dest, threading.Event(), SIZE, None), 30)
+                serving.join(30)
+            assert not dest.exists()
 
         # The listener killed mid-fetch: the fetch fails, saying so; its process ends with it.
         waiting = asyncio.ensure_future(asyncio.to_thread(

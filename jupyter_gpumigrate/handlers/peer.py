@@ -25,7 +25,7 @@ from tornado.websocket import WebSocketHandler
 from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
-from ..peers import BLOCK, CHECKSUM, DETACH_MIN, FileSink, GuestHost, credential_ok, follows
+from ..peers import BLOCK, CHECKSUM, DETACH_MIN, FileSink, GuestHost, credential_ok, drop_mark, follows
 from ..relay import RelayServerEnd
 from .base import BaseHandler
 
@@ -208,6 +208,7 @@ class ImageFileHandler(PeerHandler):
             return
         self.request.connection.set_max_body_size(bulk.MAX_IMAGE_FILE)  # type: ignore[union-attr]
         read_body_whole(self.request.connection)
+        drop_mark(self._path)
         fd = os.open(self._path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         self._file = FileSink(fd)
 
