@@ -245,16 +245,19 @@ class BulkListener:
 class BulkFetcher:
     """What a move fetches of one peer (the way home: :class:`~.peers.PeerLink`'s ``fetcher``), each large
     file received by a process of the bulk listener's, as a :class:`~.peers.PeerClient` would in this one;
-    small ones by this process, over the connections it keeps."""
+    small ones by this process, over the connections it keeps; all by this process once the listener ended
+    (a link lives as long as its kernel is on the peer)."""
 
     def __init__(self, listener: BulkListener, client: PeerClient) -> None:
         self.listener, self.client = listener, client
 
     def get_growing(self, path: str, dest: Path, stop: threading.Event, conns: Any = None) -> tuple[int, str]:
+        if not self.listener.running:
+            return self.client.get_growing(path, dest, stop, conns)
         return self.listener.fetch(self.client.peer, path, dest, stop)
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Any = None) -> str:
-        if size < DETACH_MIN:
+        if size < DETACH_MIN or not self.listener.running:
             return self.client.get_file(path, dest, size, checksum, kept)
         return self.listener.fetch(self.client.peer, path, dest, threading.Event(), size, checksum)[1]
 

@@ -366,6 +366,99 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
                 await call(host.start, peers)
 
 
+def bulk_listener_of(host: Host) -> int:
+    """The PID of ``host``'s bulk listener (bulkd.py), once it runs."""
+    deadline = time.monotonic() + 30
+    while True:
+        for pid in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                ppid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError):
+                continue
+            if b"jupyter_gpumigrate.bulkd" in cmdline and ppid == host.proc.pid:
+                return int(pid)
+        assert time.monotonic() < deadline, f"{host.name} has no bulk listener"
+        time.sleep(0.1)
+
+
+async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_where_it_ran_and_the_next_move_goes_without_it(
+        hosts):
+    # Going away, b's bulk listener is SIGKILLed as the stash's parts arrive: the move is undone and the kernel
+    # runs on here, whole. The next move goes through b's server port (a cannot connect to the listener) and
+    # succeeds. Coming home, a's listener is SIGKILLed as its processes fetch: the kernel runs on there, whole;
+    # the next way home fetches in a's server process, and succeeds. Nothing of it is left on either host.
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
+    whole = f"True True {1100 << 20}"
+    guest = b.root / "state" / "guests" / kernel_id
+    try:
+        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
+                      "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+        listener_b = bulk_listener_of(b)
+
+        def kill_bs_listener_as_a_part_arrives() -> dict:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            deadline = time.monotonic() + 60
+            while not any(f.name.startswith("stash-") and f.stat().st_size > (16 << 20)
+                          for folder in [guest, *guest_images_in_memory(kernel_id)] if folder.is_dir()
+                          for f in folder.iterdir()):
+                assert time.monotonic() < deadline, "no part of the stash reached b"
+                time.sleep(0.001)
+            os.kill(listener_b, signal.SIGKILL)
+            return finished(a, op)
+
+        op = await call(kill_bs_listener_as_a_part_arrives)
+        assert op["status"] == "failed", op
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert (await tab.run(check)).strip() == whole
+
+        logged = len((a.root / "server.log").read_bytes())
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        since = (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
+        assert "bulk listener (port" in since and "cannot be reached from here" in since, since
+        assert f"kernel {kernel_id}: its large files go to b's bulk listener" not in since, since
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        assert (await tab.run(check)).strip() == whole
+
+        listener_a = bulk_listener_of(a)
+
+        def kill_as_listener_as_it_fetches() -> dict:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
+            deadline = time.monotonic() + 60
+            while not any(Path(f"/proc/{pid}/cmdline").exists() and int(Path(f"/proc/{pid}/stat").read_text()
+                                                                        .rsplit(")", 1)[1].split()[1]) == listener_a
+                          for pid in filter(str.isdigit, os.listdir("/proc"))
+                          if Path(f"/proc/{pid}/stat").exists()):
+                assert time.monotonic() < deadline, "a's listener fetched nothing"
+                time.sleep(0.001)
+            os.kill(listener_a, signal.SIGKILL)
+            return finished(a, op)
+
+        op = await call(kill_as_listener_as_it_fetches)
+        if op["status"] == "failed":  # a file fetched after the dump was on its way: undone, the kernel runs there
+            assert "bulk listener" in op["error"] or "called off" in op["error"], op["error"]
+            assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+            assert (await tab.run(check)).strip() == whole
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        # else the files followed as b's dump wrote them were on their way: each that failed was fetched again
+        # after the dump, by a's server process, as a file followed that fails always is
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert (await tab.run(check)).strip() == whole
+        deadline = time.monotonic() + 30
+        while guest.exists() or guest_images_in_memory(kernel_id):
+            assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
+            await asyncio.sleep(0.1)
+    finally:
+        await end_kernel(a, kernel_id, tab)
+        for host, peers in ((b, {"a": a.peer_entry()}), (a, a_peers(b))):  # their listeners again
+            host.stop()
+            await call(host.start, peers)
+
+
 def reading_back(pid: int) -> bool:
     """Whether process ``pid`` has a stash file open (kernel/hoststash.py: it reads its buffers back)."""
     try:
