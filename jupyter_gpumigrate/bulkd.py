@@ -1,4 +1,5 @@
-"""The bulk listener: the large image files that peers send to this host, each received by a process of its own.
+"""The bulk listener: the large image files of moves between hosts, each received by a process of its own:
+those peers send to this host, and those this host fetches for a way home.
 
 Why: a move's files reach the other host's server over TLS, and that server received them in threads of its
 one process (bulk.py). On the GPU machine (16 CPUs) four files received so went at 1.10 GB/s in all, one at
@@ -8,16 +9,20 @@ bench/results/2026-11-29-h200x1-transfer-probe.md): Python's TLS socket gives ba
 (a write of a MiB is one call). TLS state cannot leave the process that made the handshake, so the files
 come to a port of their own, whose connections are each taken by a process.
 
-How: where the server takes kernels from peers (c.GPUMigrateApp.peer_token) it starts
+How: where the server takes kernels from peers (c.GPUMigrateApp.peer_token) or has peers, it starts
 ``python -m jupyter_gpumigrate.bulkd`` (:class:`BulkListener`) and writes its :class:`BulkSettings` on its
 stdin, which it keeps open: the listener ends once that closes (the server stopped, or died), and its
-processes with it. The listener, one thread, binds ``c.GPUMigrateApp.bulk_port`` (0: any free port) on the
-server's address, with the server's certificate, says the port on stdout, and forks a process for each
-connection (a fork of one thread: the modules are loaded once, nothing is held). That process takes one
-image file PUT as the server's own route does (the same token, names, checks and answers: bulk.receive), and
-records the file's checksum beside it (peers.mark_received), where the server reads it when the images are
-complete. Peers learn the port from ``POST peer/check`` (``bulk_port``) and use it where they can connect to
-it; otherwise the files go through the server's port, as before.
+processes with it. The listener, one thread, forks a process for each piece of work (a fork of one thread:
+the modules are loaded once, nothing is held):
+- where the server takes kernels, it binds ``c.GPUMigrateApp.bulk_port`` (0: any free port) on the
+  server's address, with the server's certificate, says the port on stdout, and takes each connection in a
+  process, which takes one image file PUT as the server's own route does (the same token, names, checks and
+  answers: bulk.receive), and records the file's checksum beside it (peers.mark_received), where the server
+  reads it when the images are complete. Peers learn the port from ``POST peer/check`` (``bulk_port``) and
+  use it where they can connect to it; otherwise the files go through the server's port, as before.
+- the server's further lines on its stdin are fetch orders (:meth:`BulkListener.fetch`, for a way home's
+  :class:`BulkFetcher`): a process fetches each file (PeerClient.get_file or get_growing) and answers a line
+  on stdout; a cancel order kills it.
 
 Hand-written rather than ``socketserver.ForkingTCPServer``: the listener must also end when its stdin
 closes, and kill the processes it forked then.
