@@ -9,7 +9,7 @@ and written to /dev/shm. On the GPU machine (16 CPUs, 2026-11-29) four files wen
 sides as threads and at 4.09-4.22 GB/s wherever the receiver's streams were processes, whatever the sender
 was: the receiving process is the bound (bench/results/2026-11-29-h200x1-transfer-probe.md).
 
-    python3 bench/transfer_probe.py FILES TOTAL_GB SENDER(t|p) RECEIVER(t|p)
+    python3 bench/transfer_probe.py FILES TOTAL_GB SENDER(t|p) RECEIVER(t|p) [growing]
     e.g. for m in "4 8 t t" "4 8 t p" "4 8 p t" "4 8 p p"; do python3 bench/transfer_probe.py $m; done
 
 Needs the package importable (the repository, or the kit's /tmp/site on the GPU machine) and openssl.
@@ -55,7 +55,8 @@ def take_one(raw: socket.socket, cert: str, key: str) -> None:
     head, _, leftover = head.partition(b"\r\n\r\n")
     lines = head.decode().split("\r\n")
     name = lines[0].split()[1].rsplit("/", 1)[1]
-    length = next(int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:"))
+    length = next((int(line.split(":", 1)[1]) for line in lines if line.lower().startswith("content-length:")),
+                  None)  # None: chunked (a file sent as it grows)
     conn.settimeout(60)
     dest = SHM / f"received-{name}"
     bulk.receive(conn, leftover, length, dest, lambda digest: (201, {"name": name, "xxh3": digest}))
@@ -76,13 +77,18 @@ def receiver(listener: socket.socket, files: int, processes: bool, cert: str, ke
         worker.join()
 
 
-def sender(port: int, files: list[Path], cert: str, out: multiprocessing.Queue) -> None:
+def sender(port: int, files: list[Path], cert: str, out: multiprocessing.Queue, growing: bool = False) -> None:
     client = PeerClient(Peer("b", f"https://127.0.0.1:{port}/", "token", ca_file=cert))
     spans: list[tuple[float, float]] = []
+    whole = threading.Event()
+    whole.set()
 
     def one(path: Path) -> None:
         began = time.time()
-        client.put_file(f"images/probe/{path.name}", path, path.stat().st_size)
+        if growing:  # as a file followed while it is written, once whole: chunks, read as it grows
+            client.put_growing(f"images/probe/{path.name}", path, whole, threading.Event())
+        else:
+            client.put_file(f"images/probe/{path.name}", path, path.stat().st_size)
         spans.append((began, time.time()))
 
     threads = [threading.Thread(target=one, args=(p,)) for p in files]
@@ -95,6 +101,7 @@ def sender(port: int, files: list[Path], cert: str, out: multiprocessing.Queue) 
 
 def main() -> int:
     files, total_gb, send_mode, receive_mode = int(sys.argv[1]), float(sys.argv[2]), sys.argv[3], sys.argv[4]
+    growing = sys.argv[5:6] == ["growing"]
     multiprocessing.set_start_method("fork")
     SHM.mkdir(parents=True, exist_ok=True)
     size = int(total_gb * 1e9 / files) // BLOCK * BLOCK
@@ -115,7 +122,7 @@ def main() -> int:
         serving.start()
         out: multiprocessing.Queue = multiprocessing.Queue()
         groups = [sources] if send_mode == "t" else [[p] for p in sources]
-        senders = [multiprocessing.Process(target=sender, args=(port, g, cert, out)) for g in groups]
+        senders = [multiprocessing.Process(target=sender, args=(port, g, cert, out, growing)) for g in groups]
         for s in senders:
             s.start()
         spans = [span for _ in senders for span in out.get()]
@@ -123,7 +130,7 @@ def main() -> int:
             s.join()
         serving.join()
     wall = max(end for _, end in spans) - min(began for began, _ in spans)
-    print(f"files={files} sender={send_mode} receiver={receive_mode}: {files * size / 1e9:.2f} GB in {wall:.2f} s "
+    print(f"files={files} sender={send_mode} receiver={receive_mode} {'growing' if growing else 'whole'}: {files * size / 1e9:.2f} GB in {wall:.2f} s "
           f"= {files * size / 1e9 / wall:.2f} GB/s", flush=True)
     for path in sources:
         path.unlink(missing_ok=True)

@@ -38,7 +38,7 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written, drop_mark
+from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written, chunk_head, drop_mark
 
 log = logging.getLogger(__name__)
 
@@ -325,10 +325,13 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[
                          b"Connection: close\r\n\r\n")
             written = Written(path, run.over)
             growing = GrowingFile(f, written, stop)
+            first = True
             while block := growing.read(BLOCK):
-                sock.sendall(b"%x\r\n%b\r\n" % (len(block), block))
+                sock.sendall(chunk_head(len(block), first))
+                sock.sendall(block)
+                first = False
             if run.ok or written.ended_whole:
-                sock.sendall(b"0\r\n\r\n")
+                sock.sendall(chunk_head(0, first))
     except OSError:
         pass  # the peer went away or called it off: it fetches the file again after the dump, or not at all
     except Exception:
