@@ -103,7 +103,10 @@ class GPUMigrateApp(ExtensionApp):
         "of a move arrive, each received by a process of its own (a server's one process received four at 1.10 "
         "GB/s in all where four processes took 4.1 GB/s; docs/cross-host.md). On the server's address, with its "
         "certificate; peers learn it as they ask to move a kernel here. 0 (the default): any free port; -1: none, "
-        "the files come through the server's port. Peers that cannot connect to it use the server's port.",
+        "the files come through the server's port. Peers that cannot connect to it use the server's port. A "
+        "server with peers (peers) starts the same listener for its ways home, whose processes fetch the large "
+        "files; it listens on a port only where it takes kernels; -1 turns that off too (the server's process "
+        "fetches them).",
     ).tag(config=True)
 
     transfer_streams = Int(

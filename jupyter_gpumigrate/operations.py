@@ -163,7 +163,7 @@ class OperationManager:
         self.host_name = host_name or socket.gethostname()
         self.peers = peers or {}
         self.active: dict[str, Operation] = {}
-        self.views = Views(kernel_manager, self.active, self.host_name, sorted(self.peers))
+        self.views = Views(kernel_manager, self.active, self.host_name, sorted(self.peers), self._draining)
         self.api_address = api_address
         self.operations: OrderedDict[str, Operation] = OrderedDict()
         self._changed = asyncio.Event()  # set (and replaced) on every change of any operation

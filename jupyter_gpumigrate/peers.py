@@ -891,13 +891,20 @@ class _Fetching:
     asks that host every
     50 ms which it has begun (``GET images/{id}?growing=true``), and each is fetched (``?growing=true``: a
     chunked answer that ends with the file: :class:`Written`), :data:`FOLLOWED` at a time. One that fails is fetched again
-    after the dump, as the other files are."""
+    after the dump, as the other files are.
 
-    def __init__(self, client: PeerClient, kernel_id: str, images: Path, fetcher: Any = None) -> None:
+    ``stash_only`` (that host does not serve files as they grow, but lists its stash's parts once its stash
+    wrote them all): the watcher waits for that listing (``stash_whole``), and the parts are fetched whole,
+    ``streams`` at a time, while that host's driver and CRIU run on."""
+
+    def __init__(self, client: PeerClient, kernel_id: str, images: Path, fetcher: Any = None,
+                 stash_only: bool = False, streams: int = STREAMS) -> None:
         """``fetcher``: what receives the files (PeerLink.fetcher); ``client`` by default."""
         self.client, self.kernel_id, self.images = client, kernel_id, images
         self.fetcher = fetcher or client
-        self.pool = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-follow")
+        self.stash_only = stash_only
+        self.pool = ThreadPoolExecutor(max_workers=streams if stash_only else FOLLOWED,
+                                       thread_name_prefix="gpumigrate-follow")
         self.gets: dict[str, Future] = {}
         self.final, self.stopped = threading.Event(), threading.Event()
         self.conns: set[http.client.HTTPConnection] = set()
@@ -917,6 +924,12 @@ class _Fetching:
                 if seen_dumping and not dumping:
                     return  # its dump is over: what it wrote is fetched after it, if not yet
                 seen_dumping = seen_dumping or dumping
+                if self.stash_only:
+                    if (answer or {}).get("stash_whole") is True:
+                        self._fetch_whole((answer or {}).get("files") or [])
+                        return
+                    self.final.wait(0.05)
+                    continue
                 for entry in (answer or {}).get("files") or []:
                     name = str(entry.get("name", ""))
                     if _IMAGE_NAME.match(name) and follows(name) and name not in self.gets:
@@ -925,10 +938,25 @@ class _Fetching:
                                                            self.images / name, self.stopped, self.conns)
                 self.final.wait(0.05)
 
-    def dumped(self) -> dict[str, tuple[int, str]]:
-        """That host's dump is over: what was fetched whole as it was written (name: size, checksum)."""
+    def _fetch_whole(self, files: list) -> None:
+        """Fetch the stash's parts listed, written whole (an answer of a known length, read to its end, as
+        :meth:`PeerClient.get_growing` reads; its size is checked against the listing after the dump)."""
+        for entry in files:
+            name = str(entry.get("name", "")) if isinstance(entry, dict) else ""
+            if _IMAGE_NAME.match(name) and Path(name).match(STASH_PARTS) and name not in self.gets:
+                self.gets[name] = self.pool.submit(self.fetcher.get_growing, f"images/{self.kernel_id}/{name}",
+                                                   self.images / name, self.stopped, self.conns)
+
+    def begun(self) -> set[str]:
+        """That host's dump is over: fetch nothing more than what began; the names of what began."""
         self.final.set()
         self.watcher.join()
+        return set(self.gets)
+
+    def dumped(self) -> dict[str, tuple[int, str]]:
+        """That host's dump is over: what was fetched whole as it was written (name: size, checksum), once all
+        that began ended."""
+        self.begun()
         wait(self.gets.values())
         self.pool.shutdown(wait=True)
         return {name: future.result() for name, future in self.gets.items() if future.exception() is None}
@@ -972,6 +1000,8 @@ class PeerLink(HostLink):
         #: that host takes a file sent as it grows (check), and this one sends them so (``stream``): a dump's
         #: pages go while it runs
         self.peer_growing, self.stream = False, stream
+        #: coming home: that host lists its stash's parts once written, while its dump runs on (requirements)
+        self.peer_lists_stash = False
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
@@ -1184,11 +1214,15 @@ class PeerLink(HostLink):
         self._same_checksum(info, f"The kernel runs on {self.host} as before.")
         self.peer_stash = bool(info.get("stash"))
         self.peer_growing = bool(info.get("growing"))
+        self.peer_lists_stash = info.get("stash_listed") is True
         return hostfit.Requirements.from_dict(info["requirements"])
 
-    def start_fetching(self, images: Path) -> None:
+    def fetches_stash(self) -> bool:
+        return not self.takes_growing() and self.peer_stash and self.peer_lists_stash
+
+    def start_fetching(self, images: Path, stash_only: bool = False) -> None:
         self.stop_fetching()
-        self._fetching = _Fetching(self.client, self.kernel_id, images, self.fetcher)
+        self._fetching = _Fetching(self.client, self.kernel_id, images, self.fetcher, stash_only, self.streams)
 
     def stop_fetching(self) -> None:
         fetching, self._fetching = self._fetching, None
@@ -1219,17 +1253,14 @@ class PeerLink(HostLink):
         host computes by reading them all (0.9 s a GB on the dev machine's two cores), come meanwhile, from a
         second listing, and each file is checked against its own once both are here."""
         began = time.monotonic()
-        fetching, self._fetching = self._fetching, None
-        streamed = fetching.dumped() if fetching is not None else {}
+        # kept until all of it came: a failure before then has the undo's stop_fetching call off what runs
+        fetching = self._fetching
+        early = fetching.begun() if fetching is not None else set()
         listing = self.client.call("GET", f"images/{self.kernel_id}?checksums=false")
         for entry in listing["files"]:
             if not _IMAGE_NAME.match(str(entry["name"])):
                 raise PeerError(f"{self.host} listed an image file with an unsafe name: {entry['name']!r}.")
         entries = sorted(listing["files"], key=lambda e: -int(e["size"]))
-        # a file fetched as the dump wrote it is kept if it is as large as the dump left it (its checksum is
-        # checked below, with the others')
-        whole = {str(e["name"]): streamed[str(e["name"])][1] for e in entries
-                 if str(e["name"]) in streamed and streamed[str(e["name"])][0] == int(e["size"])}
 
         def get(entry: dict) -> tuple[str, str]:
             name = str(entry["name"])
@@ -1239,9 +1270,18 @@ class PeerLink(HostLink):
         with Kept() as kept, ThreadPoolExecutor(max_workers=self.streams + 1, thread_name_prefix="gpumigrate-fetch") \
                 as pool:
             said = pool.submit(lambda: PeerClient(self.peer).call("GET", f"images/{self.kernel_id}", timeout=600))
-            got = {**dict(pool.map(get, [e for e in entries if str(e["name"]) not in whole])), **whole}
+            # the rest while those begun during the dump end
+            got = dict(pool.map(get, [e for e in entries if str(e["name"]) not in early]))
+            streamed = fetching.dumped() if fetching is not None else {}
+            # a file fetched during the dump is kept if it is as large as the dump left it (its checksum is
+            # checked below, with the others'); one that is not, or failed, is fetched now
+            whole = {str(e["name"]): streamed[str(e["name"])][1] for e in entries
+                     if str(e["name"]) in streamed and streamed[str(e["name"])][0] == int(e["size"])}
+            got.update(pool.map(get, [e for e in entries if str(e["name"]) in early and str(e["name"]) not in whole]))
+            got.update(whole)
             fetched = time.monotonic()
             checksums = {str(e["name"]): str(e.get("xxh3", "")) for e in said.result()["files"]}
+        self._fetching = None
         for name in set(streamed) - {str(e["name"]) for e in entries}:
             (images / name).unlink(missing_ok=True)  # fetched as it grew, but not among the images: not kept
         for entry in entries:
@@ -1257,7 +1297,7 @@ class PeerLink(HostLink):
                                 "lists); nothing was changed there.")
         total = sum(int(e["size"]) for e in entries)
         log.info("gpumigrate: kernel %s: %d image files, %.2f GB, fetched from %s in %.2f s after its dump (%d "
-                 "of them, %.2f GB, while the dump wrote them; their checksums there: %.2f s after)", self.kernel_id,
+                 "of them, %.2f GB, while the dump ran; their checksums there: %.2f s after)", self.kernel_id,
                  len(entries), total / 1e9, self.host, fetched - began, len(whole),
                  sum(streamed[name][0] for name in whole) / 1e9, time.monotonic() - fetched)
         return total
@@ -2077,18 +2117,26 @@ class GuestHost:
 
     def growing(self, kernel_id: str) -> dict:
         """While the kernel's dump for its way home runs here: the pages files it has begun (and the parts of
-        the stash before it), by name and size so far (``dumping``: whether it still runs)."""
-        run = self.dumping.get(kernel_id) if self.serve_growing else None
+        the stash before it), by name and size so far (``dumping``: whether it still runs); where this host does
+        not serve files as they grow, the stash's parts once the stash wrote them all (``stash_whole``: its
+        index is there, written last), each then fetched whole while the driver and CRIU run on."""
+        run = self.dumping.get(kernel_id)
         folder = self.store.path_for(kernel_id)
+        stash_whole = run is not None and (folder / STASH_INDEX).is_file()
+        paths: list[Path] = []
+        if run is not None and folder.is_dir():
+            if self.serve_growing:
+                paths = sorted([*folder.glob(STASH_PARTS), *folder.glob(GROWING)])
+            elif stash_whole:
+                paths = sorted(folder.glob(STASH_PARTS))
         files = []
-        for path in (sorted([*folder.glob(STASH_PARTS), *folder.glob(GROWING)])
-                     if run is not None and folder.is_dir() else []):
+        for path in paths:
             try:
                 if path.is_file() and not path.is_symlink():
                     files.append({"name": path.name, "size": path.stat().st_size})
             except OSError:
                 continue  # removed meanwhile (a dump that failed)
-        return {"files": files, "dumping": run is not None and not run.over.is_set()}
+        return {"files": files, "dumping": run is not None and not run.over.is_set(), "stash_whole": stash_whole}
 
     def discard(self, kernel_id: str, proc: subprocess.Popen | None = None) -> None:
         """Kill the kernel (or a transplant's new process, ``proc`` when known) and delete what it had here."""
@@ -2129,7 +2177,7 @@ class GuestHost:
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": state if alive or state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
-                                "checksum": CHECKSUM, "growing": self.serve_growing}
+                                "checksum": CHECKSUM, "growing": self.serve_growing, "stash_listed": True}
         if waiting:
             info["waiting"] = True
         if alive and guest.pid is not None:

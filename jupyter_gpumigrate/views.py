@@ -8,6 +8,7 @@ operation checks before it starts.
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable, Collection
 from typing import Any
 
 from traitlets import TraitError
@@ -25,10 +26,12 @@ class KernelNotFound(MigrateError):
 
 class Views:
     def __init__(self, kernel_manager: Any, active: dict[str, Any], host_name: str | None = None,
-                 peers: list[str] | None = None) -> None:
+                 peers: list[str] | None = None, draining: Callable[[], Collection[int]] = frozenset) -> None:
         self.kernel_manager = kernel_manager
         #: kernel id -> its operation in flight (operations.py keeps it)
         self.active = active
+        #: the GPUs being drained now (operations.py), offered to no kernel
+        self.draining = draining
         self.host_name = host_name or socket.gethostname()
         self.peers = peers or []
 
@@ -61,7 +64,7 @@ class Views:
             driver_major = gpus_mod.driver_major()
         targets: list[dict[str, Any]] = []
         if migratable and state != BROKEN and not remote and active is None and gpus and (held or suspended_on):
-            targets = placement.targets(gpus, held, suspended_on, state, driver_major)
+            targets = placement.targets(gpus, held, suspended_on, state, driver_major, self.draining())
         return {
             "id": kernel_id,
             "name": kernel.kernel_name,

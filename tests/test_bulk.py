@@ -68,7 +68,7 @@ async def bulk_port(serverapp) -> int:
 
 
 @pytest.mark.parametrize("via", ["server", "bulk"])
-async def test_a_large_image_file_is_received_and_sent_by_a_thread_of_its_own(jp_serverapp, jp_http_port,
+async def test_a_large_image_file_is_received_and_sent_apart_from_the_event_loop(jp_serverapp, jp_http_port,
                                                                               jp_base_url, jp_fetch, tmp_path, via):
     # Through the server's port (a thread of its own there) and through its bulk listener's (a process of its
     # own, bulkd.py): the same answers, the same files.
@@ -422,8 +422,8 @@ async def test_a_file_that_a_dump_still_writes_is_sent_as_it_grows_and_arrives_w
         assert "HTTP/1.1 400 Bad Request" in answer and why in answer, (body, answer[:400])
         assert not (folder / "pages-3.img").exists()
     # The way home's listing of a dump's growing pages: none while no dump runs; a flag that is not one is a 400.
-    assert await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=true") == {"files": [],
-                                                                                         "dumping": False}
+    assert await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=true") == {
+        "files": [], "dumping": False, "stash_whole": False}
     with pytest.raises(PeerError, match="takes true or false"):
         await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=maybe")
     # A well-formed one from another client, with an extension and a trailer, is taken.

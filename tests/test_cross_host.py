@@ -334,7 +334,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             # files once written, CRIU's once the dump is over
             phases = ((["prepare", "stream", "stash"] if stream == "on" else ["prepare", "stash", "send stash"]) +
                       ["dump", "transfer", "restore", "adopt"] if dest == "b" else
-                      ["prepare"] + (["stream"] if stream == "on" else []) +
+                      ["prepare"] + (["stream"] if stream == "on" else ["fetch stash"]) +
                       ["dump", "transfer", "restore", "unstash", "adopt"])
             assert list(op["timings"]) == phases, op
             assert op["stash"]["stashed"] >= 1050 << 20 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
@@ -348,6 +348,10 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             else:  # and home, each fetched by a process of a's bulk listener
                 assert f"images/{kernel_id}/stash-" in a.server_log() and "fetched from b by a process of its own" \
                     in a.server_log(), a.server_log()
+                # while b's driver and CRIU ran: as they were written (on), or once the stash wrote them all (off)
+                fetched = re.search(rf"kernel {kernel_id}: \d+ image files, [\d.]+ GB, fetched from b in [\d.]+ s after "
+                                    r"its dump \((\d+) of them, [\d.]+ GB, while the dump ran", a.server_log())
+                assert fetched and int(fetched[1]) >= 1, a.server_log()
             assert not (b.root / "state" / "guests" / kernel_id).exists() and not guest_images_in_memory(kernel_id)
             assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
             assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))

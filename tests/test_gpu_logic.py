@@ -213,6 +213,12 @@ def test_the_kernel_list_offers_only_the_gpus_that_can_take_the_kernel():
     resumable = placement.targets(gpus, [], suspended_on, "suspended", 580)
     assert [t["index"] for t in resumable if t["ok"]] == [0, 1], "back where it was, or another H200 with room"
     assert [t["index"] for t in placement.targets(gpus, held(0, GIB), [], "running", 570) if t["ok"]] == []
+    # a GPU being drained is offered to no kernel while the drain runs, with the operation's reason
+    drained = placement.targets(gpus, [], suspended_on, "suspended", 580, draining={1})
+    assert [t["index"] for t in drained if t["ok"]] == [0]
+    assert "GPU 1 is being drained" in next(t["reason"] for t in drained if t["index"] == 1)
+    assert [t["index"] for t in placement.targets(gpus, held(0, 8 * GIB), [], "running", 580, draining={1})
+            if t["ok"]] == []
 
 
 def test_a_drain_transplants_onto_the_roomiest_gpu_of_any_model_else_the_cpu():

@@ -296,9 +296,10 @@ def _resume_targets(gpus: list[GpuInfo], records: list[dict], was: list[GpuInfo 
 
 
 def targets(gpus: list[GpuInfo], held: list[dict], suspended_on: list[dict], state: str,
-            driver_major: int | None) -> list[dict]:
+            driver_major: int | None, draining: Collection[int] = ()) -> list[dict]:
     """Each GPU, and whether a kernel can go there now (a live move if it is ``running``, a resume if
-    ``suspended``), with the refusal's sentence if not: the same rules the operation checks."""
+    ``suspended``), with the refusal's sentence if not: the same rules the operation checks, ``draining``
+    (indices: GPUs being drained, where the operation sends no kernel) among them."""
     listed = []
     for gpu in gpus:
         try:
@@ -308,6 +309,8 @@ def targets(gpus: list[GpuInfo], held: list[dict], suspended_on: list[dict], sta
                 plan_move(gpus, held, gpu.index, driver_major)
             else:
                 continue
+            if gpu.index in draining:
+                raise GpuError(f"GPU {gpu.index} is being drained: no kernel is sent there until it is over.")
             listed.append({"index": gpu.index, "ok": True, "reason": None})
         except GpuError as exc:
             listed.append({"index": gpu.index, "ok": False, "reason": str(exc)})

@@ -22,6 +22,7 @@ export type Phase =
   | 'verify'
   | 'stream'
   | 'send stash'
+  | 'fetch stash'
   | 'transfer'
   | 'start'
   | 'export'
@@ -263,7 +264,7 @@ export interface Kernel {
    */
   back_until: string | null;
   /**
-   * One entry per GPU; empty for CPU and remote kernels, kernels being moved, or no GPUs.
+   * One entry per GPU, with the operation's rules (a GPU being drained takes no kernel until the drain ends); empty for CPU and remote kernels, kernels being moved, or no GPUs.
    */
   targets: Target[];
 }
@@ -816,6 +817,10 @@ export interface PeerImageListing {
    * With ?growing=true: whether the kernel's dump for its way home runs here; files are then the pages files it has begun (name, size so far), each served as it grows by GET /peer/images/{id}/{name}?growing=true (chunked).
    */
   dumping?: boolean;
+  /**
+   * With ?growing=true: whether that dump's stash wrote all its parts (its index is there); where this host does not serve files as they grow (PeerGuest growing false), files are then the stash's parts, whole; absent from older versions.
+   */
+  stash_whole?: boolean;
 }
 /**
  * POST /peer/images/{id}/complete: every file was sent.
@@ -853,6 +858,10 @@ export interface PeerGuest {
    * Its dump for the way home serves its pages files as it writes them (GET /peer/images/{id}?growing=true); absent from older versions.
    */
   growing?: boolean;
+  /**
+   * Where growing is false: its dump for the way home lists its stash's parts once its stash wrote them all, while the dump runs on (GET /peer/images/{id}?growing=true, stash_whole), and each can be fetched whole then; absent from older versions.
+   */
+  stash_listed?: boolean;
   /**
    * The GPUs its processes hold here, while it runs (a peer's next server shows them when it relays to the kernel again); absent from older versions.
    */

@@ -32,6 +32,9 @@ Home (``return_home``):
     stream      the files of that host's dump come here as they  undo: stop fetching
                 are written (if that host serves them so): the
                 stash's parts, then CRIU's pages files
+    fetch stash (without stream) the stash's parts come here once  undo: stop fetching
+                that host's stash wrote them all, while its
+                driver and CRIU run (if that host lists them so)
     dump        that host dumps the kernel (its images stay       undo: that host resumes it
                 there), an idle one's large buffers written first
     transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
@@ -111,6 +114,7 @@ def home() -> Saga[HostContext]:
         [
             Step("prepare", prepare_home),
             Step("stream", stream_home, when=lambda ctx: ctx.link.takes_growing()),
+            Step("fetch stash", fetch_stash_home, when=lambda ctx: ctx.link.fetches_stash()),
             Step("dump", dump_there),
             Step("transfer", fetch_images),
             Step("prefetch", resume.prefetch, when=resume.prefetching),
@@ -187,9 +191,15 @@ class HostLink(Protocol):
     def resume(self) -> None:
         """Undo of :meth:`dump`: bring the kernel back to life there."""
 
-    def start_fetching(self, images: Path) -> None:
+    def fetches_stash(self) -> bool:
+        """Coming home, where the files do not come as they are written (not :meth:`takes_growing`): whether
+        that host lists its stash's parts once its stash wrote them all, while its dump runs on (it said so in
+        :meth:`requirements`; an older one does not)."""
+
+    def start_fetching(self, images: Path, stash_only: bool = False) -> None:
         """Begin fetching into ``images`` the files that host's dump appends to, as it writes them (it said
-        it serves them so: :meth:`takes_growing`); :meth:`fetch_images` takes what came whole."""
+        it serves them so: :meth:`takes_growing`); ``stash_only``: its stash's parts only, each once all are
+        written (:meth:`fetches_stash`). :meth:`fetch_images` takes what came whole."""
 
     def stop_fetching(self) -> None:
         """Fetch no more of what :meth:`start_fetching` began; return once the fetches on their way ended."""
@@ -332,6 +342,13 @@ def stream_home(ctx: HostContext) -> None:
     """The files of that host's dump (its stash's parts, then CRIU's pages files) come as they are written,
     instead of after it."""
     ctx.link.start_fetching(ctx.images)
+    ctx.undo(ctx.link.stop_fetching)
+
+
+def fetch_stash_home(ctx: HostContext) -> None:
+    """The stash's parts come once that host's stash wrote them, while its driver checkpoints and CRIU dumps:
+    the mirror of 'send stash' going away."""
+    ctx.link.start_fetching(ctx.images, stash_only=True)
     ctx.undo(ctx.link.stop_fetching)
 
 
