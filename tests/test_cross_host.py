@@ -980,6 +980,59 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
         await end_kernel(a, kernel_id, tab)
 
 
+async def test_criu_killed_on_the_other_host_while_its_stash_comes_home_leaves_the_kernel_running_there(hosts):
+    """stream_dump off (the default): coming home, b's stash's parts come to a once b's stash wrote them all,
+    while b's CRIU dumps (phase 'fetch stash'). CRIU is SIGKILLed on b once a holds some of a part: b's dump
+    fails, b has the kernel read its buffers back, and it runs on there, the same process with every byte;
+    a's fetches are called off and a keeps nothing; the next move home brings it whole."""
+    a, b = hosts
+    for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
+        host.stop()
+        host.extra["GPUMigrateApp"]["stream_dump"] = "off"
+        await call(host.start, peers)
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1050\n"
+                      "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+        check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)"
+
+        def stash_home() -> bool:
+            return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/stash-*.bin"))
+
+        for _ in range(3):
+            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+            guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a", b, stash_home)
+            if killed and op["status"] == "failed":
+                break
+            assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
+        else:
+            pytest.skip("b's dump ended before its stash reached a, three times")
+        assert op["failed_phase"] == "dump" and "fetch stash" in op["timings"], op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
+        there = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert there["pid"] == guest_pid and there["state"] == "running", there
+        assert (await tab.run(check)).strip() == "True True"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        deadline = time.monotonic() + 10  # the fetches called off end, and their files with them
+        while list((a.root / "state").glob(f"**/{kernel_id}/stash-*")):
+            assert time.monotonic() < deadline, list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+            await asyncio.sleep(0.1)
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "succeeded" and "fetch stash" in op["timings"], op
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert (await tab.run(check)).strip() == "True True"
+    finally:
+        await end_kernel(a, kernel_id, tab)
+        for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
+            host.stop()
+            host.extra["GPUMigrateApp"]["stream_dump"] = "on"
+            await call(host.start, peers)
+
+
 def pages_home(a: Host, kernel_id: str) -> bool:
     """Whether a holds pages of the kernel's, fetched as b's dump writes them (a file not empty)."""
     return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/pages-*.img"))
