@@ -219,26 +219,30 @@ class GPUMigrateApp(ExtensionApp):
         only where the server takes kernels from peers (peer_token)."""
         app = self.serverapp
         ip = "" if app.ip in ("", "*", "0.0.0.0") else app.ip  # noqa: S104 - the server's own choice
-        self._bulk = BulkListener(BulkSettings(
-            token=self.peer_token, root=str(self.guests.store.root),
-            memory_root=str(self.guests.store.memory_root) if self.guests.store.memory_root else None,
-            base_url=app.base_url, host=ip, port=self.bulk_port if self.peer_token else -1,
-            certfile=app.certfile or None,
-            keyfile=app.keyfile or None))
+        guests = self.guests
 
-        def start(bulk: BulkListener, guests: GuestHost) -> None:
-            try:
-                port = bulk.start()
-            except Exception as exc:  # noqa: BLE001 - said; the files go through the server's port
-                self.log.warning("gpumigrate: %s", exc)
-                return
-            operations.bulk = bulk
+        def listening(port: int | None) -> None:  # at its start, and each time it is started again
             if port is not None:
                 guests.bulk_port, guests.bulk_tls = port, bulk.tls
                 self.log.info("gpumigrate: peers' image files are received on port %d, each by a process of its "
                               "own", port)
 
-        threading.Thread(target=start, args=(self._bulk, self.guests), name="gpumigrate-bulkd", daemon=True).start()
+        bulk = self._bulk = BulkListener(BulkSettings(
+            token=self.peer_token, root=str(self.guests.store.root),
+            memory_root=str(self.guests.store.memory_root) if self.guests.store.memory_root else None,
+            base_url=app.base_url, host=ip, port=self.bulk_port if self.peer_token else -1,
+            certfile=app.certfile or None,
+            keyfile=app.keyfile or None), on_start=listening)
+
+        def start() -> None:
+            try:
+                bulk.start()
+            except Exception as exc:  # noqa: BLE001 - said; the files go through the server's port
+                self.log.warning("gpumigrate: %s", exc)
+                return
+            operations.bulk = bulk
+
+        threading.Thread(target=start, name="gpumigrate-bulkd", daemon=True).start()
 
     stop_policy = Enum(
         ["shutdown", "suspend"], default_value="shutdown",
@@ -403,10 +407,9 @@ class GPUMigrateApp(ExtensionApp):
                 sessions.add(provisioner.pgid)  # kernels start in a session of their own
                 if provisioner.process is not None:
                     skip.add(provisioner.process.pid)  # its Popen reaps it
-        bulk = self._bulk.process if self._bulk is not None else None
-        if bulk is not None:  # the bulk listener's processes, where it was killed (bulkd.py); its Popen reaps it
-            sessions.add(bulk.pid)
-            skip.add(bulk.pid)
+        if self._bulk is not None:  # the bulk listener's processes, where it was killed (bulkd.py)
+            sessions.update(self._bulk.sessions)
+            skip.update(self._bulk.own)  # their Popen reaps them
         if sessions:
             proctree.reap_orphans(sessions, skip)
 

@@ -76,6 +76,10 @@ MAX_SENTENCE = 800
 CANCEL_WAIT = 30.0
 #: How long the server waits for the listener to say its port (seconds).
 START_TIMEOUT = 30.0
+#: A listener that ended unasked is started again after this many seconds, twice as long after each start that
+#: failed (its port taken meanwhile...), up to RESTART_MAX.
+RESTART_AFTER = 1.0
+RESTART_MAX = 60.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -107,9 +111,14 @@ class BulkListener:
     """The server's side: the listener's process (:func:`main`), started by :meth:`start`, ended by :meth:`stop`
     or with the server."""
 
-    def __init__(self, settings: BulkSettings) -> None:
+    def __init__(self, settings: BulkSettings, on_start: Callable[[int | None], None] | None = None) -> None:
+        """``on_start(port)``: called once it listens (and each time it is started again, whose port may differ
+        where ``settings.port`` is 0)."""
         self.settings = settings
+        self.on_start = on_start
         self.process: subprocess.Popen | None = None
+        #: the sessions of the listeners started (the last few): the server reaps their processes' orphans
+        self.sessions: list[int] = []
         #: the port it listens on, once started (None: it takes no files, it fetches only)
         self.port: int | None = None
         self._lock = threading.Lock()
@@ -117,7 +126,10 @@ class BulkListener:
         #: order id -> its answer, once the listener gave it
         self._waiting: dict[int, Future] = {}
         self._reader: threading.Thread | None = None
+        #: a listener started, until it said its port
+        self._starting: subprocess.Popen | None = None
         self._stopped = False
+        self._stopping = threading.Event()
 
     @property
     def tls(self) -> bool:
@@ -130,43 +142,58 @@ class BulkListener:
         with self._lock:  # a stop() that came first wins
             if self._stopped:
                 raise BulkListenerError("The bulk listener was stopped before it started.")
-            self.process = subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.bulkd"],
-                                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, close_fds=True,
-                                            start_new_session=True)
-        assert self.process.stdin is not None and self.process.stdout is not None
+            # not self.process until it said its port: no order goes before its settings
+            process = self._starting = subprocess.Popen(
+                [sys.executable, "-m", "jupyter_gpumigrate.bulkd"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                close_fds=True, start_new_session=True)
+            self.sessions = [*self.sessions[-7:], process.pid]
+        assert process.stdin is not None and process.stdout is not None
         try:
-            self.process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
-            self.process.stdin.flush()
+            process.stdin.write(json.dumps(asdict(self.settings)).encode() + b"\n")
+            process.stdin.flush()
         except (OSError, ValueError):  # stopped meanwhile
             pass
         with selectors.DefaultSelector() as waiting:
-            waiting.register(self.process.stdout, selectors.EVENT_READ)
-            said = self.process.stdout.readline() if waiting.select(START_TIMEOUT) else b""
+            waiting.register(process.stdout, selectors.EVENT_READ)
+            said = process.stdout.readline() if waiting.select(START_TIMEOUT) else b""
         try:
             answer = json.loads(said)
         except ValueError:
             answer = {}
-        if "port" not in answer:
-            self.stop()
+        with self._lock:
+            self._starting = None
+            stopped = self._stopped
+            if "port" in answer and not stopped:
+                self.process, self.port = process, answer["port"]
+        if self.process is not process:
+            _end(process)
+            if stopped:
+                raise BulkListenerError("The bulk listener was stopped as it started.")
             why = answer.get("error") or "it said nothing (its log above says why)"
             raise BulkListenerError(f"The bulk listener did not start on {self.settings.host or '*'}:"
                                     f"{self.settings.port}: {why}. Set c.GPUMigrateApp.bulk_port to a free port "
                                     "(0: any), or to -1 to receive through the server's port.")
-        self.port = answer["port"]
-        if self.process is None:
-            raise BulkListenerError("The bulk listener was stopped as it started.")
-        self._reader = threading.Thread(target=self._read_answers, args=(self.process.stdout,),
+        self._reader = threading.Thread(target=self._read_answers, args=(process,),
                                         name="gpumigrate-bulkd-answers", daemon=True)
         self._reader.start()
+        if self.on_start is not None:
+            self.on_start(self.port)
         return self.port
+
+    @property
+    def own(self) -> set[int]:
+        """The PIDs of its listener processes that it reaps itself (the one that runs, one starting)."""
+        return {p.pid for p in (self.process, self._starting) if p is not None}
 
     @property
     def running(self) -> bool:
         """Started, and not ended."""
-        return self._reader is not None and self.process is not None and self.process.poll() is None
+        process = self.process
+        return process is not None and process.poll() is None
 
-    def _read_answers(self, out: Any) -> None:
-        for line in out:
+    def _read_answers(self, process: subprocess.Popen) -> None:
+        assert process.stdout is not None
+        for line in process.stdout:
             try:
                 answer = json.loads(line)
                 future = self._waiting.pop(int(answer["id"]), None)
@@ -179,6 +206,32 @@ class BulkListener:
             if future is not None:
                 future.set_result({"id": order, "error": "the bulk listener ended (the server stops, or it was "
                                                          "killed)"})
+        with self._lock:
+            if self._stopped or self.process is not process:
+                return
+            self.process = None
+        _end(process)
+        self._start_again(process.returncode)
+
+    def _start_again(self, returncode: int | None) -> None:
+        """The listener ended unasked (killed): start it again, after RESTART_AFTER s, and again, less often,
+        while it cannot start, until :meth:`stop`. Meanwhile peers send through the server's port, and the
+        server's ways home fetch in its own process."""
+        delay = RESTART_AFTER
+        log.warning("gpumigrate: the bulk listener ended (exit status %s); it is started again in %.0f s, and "
+                    "meanwhile the image files go through the server's process", returncode, delay)
+        while not self._stopping.wait(delay):
+            try:
+                port = self.start()
+            except BulkListenerError as exc:
+                if self._stopping.is_set():
+                    return
+                delay = min(delay * 2, RESTART_MAX)
+                log.warning("gpumigrate: %s Tried again in %.0f s.", exc, delay)
+                continue
+            log.warning("gpumigrate: the bulk listener was started again%s",
+                        f" on port {port}" if port is not None else " (it fetches only)")
+            return
 
     def _order(self, order: dict) -> None:
         with self._lock:
@@ -232,19 +285,31 @@ class BulkListener:
         it ran)."""
         with self._lock:
             self._stopped = True
+            self._stopping.set()
             process, self.process = self.process, None
-        if process is None:
-            return
-        try:
-            if process.stdin is not None:
-                process.stdin.close()
-            process.wait(timeout)
-        except (OSError, subprocess.TimeoutExpired):
-            process.kill()
-            process.wait()
-        finally:
-            if process.stdout is not None:
-                process.stdout.close()
+            starting = self._starting  # its start() ends it, once it said its port (or nothing)
+        if process is not None:
+            _end(process, timeout)
+        if starting is not None and starting.stdin is not None:
+            try:
+                starting.stdin.close()  # it ends: its start() reads no port
+            except OSError:
+                pass
+
+
+def _end(process: subprocess.Popen, timeout: float = 5.0) -> None:
+    """End a listener's process (its stdin closed: it ends, and its processes with it; killed after
+    ``timeout``) and reap it."""
+    try:
+        if process.stdin is not None:
+            process.stdin.close()
+        process.wait(timeout)
+    except (OSError, subprocess.TimeoutExpired):
+        process.kill()
+        process.wait()
+    finally:
+        if process.stdout is not None:
+            process.stdout.close()
 
 
 class BulkFetcher:

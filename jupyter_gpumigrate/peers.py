@@ -917,21 +917,25 @@ class _Fetching:
             while not self.final.is_set() and not self.stopped.is_set():
                 try:
                     answer = self.client.call("GET", f"images/{self.kernel_id}?growing=true", timeout=10, kept=kept)
-                except MigrateError:
-                    self.final.wait(1.0)  # that host is busy or gone: the dump's own call says which
+                except (MigrateError, OSError, http.client.HTTPException, ValueError):
+                    # that host is busy or gone, or its answer was cut: the dump's own call says which
+                    self.final.wait(1.0)
                     continue
-                dumping = bool((answer or {}).get("dumping"))
+                if not isinstance(answer, dict) or not isinstance(answer.get("files", []), list):
+                    self.final.wait(1.0)  # not a listing: what its dump wrote is fetched after it
+                    continue
+                dumping = bool(answer.get("dumping"))
                 if seen_dumping and not dumping:
                     return  # its dump is over: what it wrote is fetched after it, if not yet
                 seen_dumping = seen_dumping or dumping
                 if self.stash_only:
-                    if (answer or {}).get("stash_whole") is True:
-                        self._fetch_whole((answer or {}).get("files") or [])
+                    if answer.get("stash_whole") is True:
+                        self._fetch_whole(answer.get("files") or [])
                         return
                     self.final.wait(0.05)
                     continue
-                for entry in (answer or {}).get("files") or []:
-                    name = str(entry.get("name", ""))
+                for entry in answer.get("files") or []:
+                    name = str(entry.get("name", "")) if isinstance(entry, dict) else ""
                     if _IMAGE_NAME.match(name) and follows(name) and name not in self.gets:
                         self.gets[name] = self.pool.submit(self.fetcher.get_growing,
                                                            f"images/{self.kernel_id}/{name}?growing=true",
@@ -1218,7 +1222,8 @@ class PeerLink(HostLink):
         return hostfit.Requirements.from_dict(info["requirements"])
 
     def fetches_stash(self) -> bool:
-        return not self.takes_growing() and self.peer_stash and self.peer_lists_stash
+        # as dump() asks the stash: of a kernel that can serve it (idle)
+        return not self.takes_growing() and self.peer_stash and self.peer_lists_stash and self.idle()
 
     def start_fetching(self, images: Path, stash_only: bool = False) -> None:
         self.stop_fetching()
@@ -1252,6 +1257,13 @@ class PeerLink(HostLink):
         """The files are fetched as soon as they are listed, by name and size; their checksums, which that
         host computes by reading them all (0.9 s a GB on the dev machine's two cores), come meanwhile, from a
         second listing, and each file is checked against its own once both are here."""
+        try:
+            return self._fetch_images(images)
+        except BaseException:
+            self.stop_fetching()  # before the undo of that host's dump (its resume) begins
+            raise
+
+    def _fetch_images(self, images: Path) -> int:
         began = time.monotonic()
         # kept until all of it came: a failure before then has the undo's stop_fetching call off what runs
         fetching = self._fetching
@@ -1456,6 +1468,8 @@ class DumpRun:
 
     over: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
+    #: when it began (time.time()): a stash index older than that is an earlier dump's, not this one's
+    began: float = field(default_factory=time.time)
 
 
 class GuestHost:
@@ -2122,7 +2136,10 @@ class GuestHost:
         index is there, written last), each then fetched whole while the driver and CRIU run on."""
         run = self.dumping.get(kernel_id)
         folder = self.store.path_for(kernel_id)
-        stash_whole = run is not None and (folder / STASH_INDEX).is_file()
+        try:  # this dump's stash's index: not one left of an earlier dump, until this one's folder replaces it
+            stash_whole = run is not None and (folder / STASH_INDEX).stat().st_mtime >= run.began - 0.05  # a coarse clock
+        except OSError:
+            stash_whole = False
         paths: list[Path] = []
         if run is not None and folder.is_dir():
             if self.serve_growing:

@@ -21,7 +21,8 @@ import xxhash
 import pytest
 
 from jupyter_gpumigrate.bulkd import BulkListener, BulkSettings
-from jupyter_gpumigrate.peers import BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError, received_marks
+from jupyter_gpumigrate.peers import (BLOCK, DETACH_MIN, SCHEME, Kept, Peer, PeerClient, PeerError, PeerLink,
+                                      received_marks)
 
 from helpers import peer_server_config
 
@@ -331,23 +332,53 @@ async def test_the_bulk_listener_fetches_each_file_in_a_process_of_its_own_and_a
                 serving.join(30)
             assert not dest.exists()
 
-        # The listener killed mid-fetch: the fetch fails, saying so; its process ends with it.
+        # The listener killed mid-fetch: the fetch fails, saying so; its process ends with it. The listener is
+        # started again (a session of its own again, whose orphans the server reaps), and fetches again.
         waiting = asyncio.ensure_future(asyncio.to_thread(
             listener.fetch, Peer("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", "t"),
             f"images/{kid}/pages-1.img", dest, threading.Event(), SIZE, None))
         while not (fetching := children_of(listener.process.pid)):
             await asyncio.sleep(0.05)
+        killed = listener.process.pid
         listener.process.kill()
-        with pytest.raises(PeerError, match="the bulk listener ended"):
+        # (its order may come after the kill: a process seen was an earlier fetch's, still ending)
+        with pytest.raises(PeerError, match="the bulk listener (ended|cannot be reached)"):
             await asyncio.wait_for(waiting, 30)
         deadline = time.monotonic() + 10
         while any(state(pid) not in ("gone", "Z") for pid in fetching):  # a zombie: the server's reaper's
             assert time.monotonic() < deadline, "the fetch's process outlived the listener"
             await asyncio.sleep(0.05)
-        assert not dest.exists() and not listener.running
+        assert not dest.exists()
+        deadline = time.monotonic() + 30
+        while not (listener.running and listener.process is not None and listener.process.pid != killed):
+            assert time.monotonic() < deadline, "the listener was not started again"
+            await asyncio.sleep(0.1)
+        assert state(killed) == "gone" and listener.sessions[-2:] == [killed, listener.process.pid]
+        size, digest = await asyncio.to_thread(listener.fetch, peer, f"images/{kid}/pages-1.img", dest,
+                                               threading.Event(), SIZE, checksum_of(data))
+        assert (size, digest) == (SIZE, checksum_of(data)) and dest.read_bytes() == data
     finally:
         silent.close()
         listener.stop()
+
+
+def test_a_bulk_port_that_cannot_be_reached_is_said_and_the_files_go_through_the_servers_port(caplog):
+    """A peer announces a bulk port (POST peer/check) that this host cannot connect to (a firewall between the
+    hosts, a listener killed and not yet started again): the link says so and sends through the peer's server
+    port; one it can connect to is used."""
+    loop = asyncio.new_event_loop()
+    link = PeerLink(Peer("b", "https://127.0.0.1:8888/", "t"), "k", {}, loop, None, "a")
+    loop.close()  # the link's relay's, which this test does not start
+    with socket.create_server(("127.0.0.1", 0)) as closed:
+        port = closed.getsockname()[1]
+    with caplog.at_level("INFO", logger="jupyter_gpumigrate.peers"):
+        assert link._bulk_client(port) is None
+        assert f"b's bulk listener (port {port}) cannot be reached from here" in caplog.text, caplog.text
+        with socket.create_server(("127.0.0.1", 0)) as listening:
+            client = link._bulk_client(listening.getsockname()[1])
+            assert client is not None and client.port == listening.getsockname()[1]
+        for said in (None, "8888", True, 0, 65536, 8888):  # not a port, or the server's own
+            assert link._bulk_client(said) is None
 
 
 def raw_chunked(port: int, base: str, path: str, body: bytes) -> str:

@@ -814,7 +814,7 @@ export interface PeerImageFile {
 export interface PeerImageListing {
   files: PeerImageFile[];
   /**
-   * With ?growing=true: whether the kernel's dump for its way home runs here; files are then the pages files it has begun (name, size so far), each served as it grows by GET /peer/images/{id}/{name}?growing=true (chunked).
+   * With ?growing=true: whether the kernel's dump for its way home runs here. Where this host serves files as they grow (PeerGuest growing), files are then the stash's parts and pages files it has begun (name, size so far), each served as it grows by GET /peer/images/{id}/{name}?growing=true (chunked); where it does not, the stash's parts once stash_whole, each served whole by GET /peer/images/{id}/{name}.
    */
   dumping?: boolean;
   /**
@@ -859,7 +859,7 @@ export interface PeerGuest {
    */
   growing?: boolean;
   /**
-   * Where growing is false: its dump for the way home lists its stash's parts once its stash wrote them all, while the dump runs on (GET /peer/images/{id}?growing=true, stash_whole), and each can be fetched whole then; absent from older versions.
+   * Its dump for the way home lists its stash's parts once its stash wrote them all, while the dump runs on (GET /peer/images/{id}?growing=true: stash_whole), and each can be fetched whole then (what a peer does where the files do not come as they are written); absent from older versions.
    */
   stash_listed?: boolean;
   /**
