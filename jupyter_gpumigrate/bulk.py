@@ -182,7 +182,10 @@ def _receive(sock: socket.socket, leftover: bytes, length: int | None, path: Pat
         respond(sock, 400, error(400, f"{path.name} did not arrive as a chunked body ({exc}); nothing of it is "
                                       "kept."))
         return
-    status, payload = done(digest) if failed is None else _write_error(path, failed)
+    try:  # done() records the checksum beside the file (the bulk listener's): that write may fail too
+        status, payload = done(digest) if failed is None else _write_error(path, failed)
+    except OSError as exc:
+        status, payload = _write_error(path, exc)
     if status >= 400:
         _abort(None, path)
     respond(sock, status, payload)

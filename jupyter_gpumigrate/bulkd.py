@@ -1,13 +1,15 @@
-"""The bulk listener: the large image files of moves between hosts, each received by a process of its own:
-those peers send to this host, and those this host fetches for a way home.
+"""The bulk listener: the large image files of moves between hosts, each sent or received by a process of
+its own: those peers send to this host or fetch from it, and those this host sends or fetches.
 
 Why: a move's files reach the other host's server over TLS, and that server received them in threads of its
 one process (bulk.py). On the GPU machine (16 CPUs) four files received so went at 1.10 GB/s in all, one at
 1.11, where four receiving processes took 4.09-4.22 GB/s, whatever the sender (bench/transfer_probe.py,
 bench/results/2026-11-29-h200x1-transfer-probe.md): Python's TLS socket gives back at most one TLS record
-(16 KiB) a read, and each read takes the GIL back, 64 times a MiB, on every thread. Sending is not bound so
-(a write of a MiB is one call). TLS state cannot leave the process that made the handshake, so the files
-come to a port of their own, whose connections are each taken by a process.
+(16 KiB) a read, and each read takes the GIL back, 64 times a MiB, on every thread. Sending is bound less so,
+but bound: eight files sent by threads of one process went at 2.67-2.96 GB/s into receiving processes, sixteen
+at 3.4-3.5, where a process each sent at 4.2-4.5 (2026-11-29-h200x1-transfer-probe-growing.md). TLS state
+cannot leave the process that made the handshake, so the files go through a port of their own, whose
+connections are each taken by a process, and each file this host sends or fetches goes from a process.
 
 How: where the server takes kernels from peers (c.GPUMigrateApp.peer_token) or has peers, it starts
 ``python -m jupyter_gpumigrate.bulkd`` (:class:`BulkListener`) and writes its :class:`BulkSettings` on its
@@ -18,10 +20,13 @@ the modules are loaded once, nothing is held):
   server's address, with the server's certificate, says the port on stdout, and takes each connection in a
   process, which takes one image file PUT as the server's own route does (the same token, names, checks and
   answers: bulk.receive), and records the file's checksum beside it (peers.mark_received), where the server
-  reads it when the images are complete. Peers learn the port from ``POST peer/check`` (``bulk_port``) and
-  use it where they can connect to it; otherwise the files go through the server's port, as before.
-- the server's further lines on its stdin are fetch orders (:meth:`BulkListener.fetch`, for a way home's
-  :class:`BulkFetcher`): a process fetches each file (PeerClient.get_file or get_growing) and answers a line
+  reads it when the images are complete; or serves one whole image file of a guest by GET (a way home
+  fetches it), as the server's route does for a file not followed as it grows. Peers learn the port from
+  ``POST peer/check`` and ``GET peer/kernels/{id}`` (``bulk_port``) and use it where they can connect to it;
+  otherwise the files go through the server's port, as before.
+- the server's further lines on its stdin are orders (:class:`BulkTransfers`): a fetch
+  (:meth:`BulkListener.fetch`, for a way home: PeerClient.get_file or get_growing) or a send
+  (:meth:`BulkListener.send`, for a way there: PeerClient.put_file); a process runs each and answers a line
   on stdout; a cancel order kills it.
 
 Hand-written rather than ``socketserver.ForkingTCPServer``: the listener must also end when its stdin
@@ -53,7 +58,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from . import bulk
-from .engine.errors import MigrateError
+from .engine.errors import ImageError, MigrateError
 from .engine.images import ImageStore
 from .peers import DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, credential_ok, image_path, mark_received
 
@@ -241,44 +246,61 @@ class BulkListener:
             process.stdin.write(json.dumps(order).encode() + b"\n")
             process.stdin.flush()
 
+    def _ask(self, order: dict, stop: threading.Event) -> dict:
+        """Give the listener ``order`` (fetch or send), run by a process of its own; its answer (``error``:
+        it failed). ``stop``, once set, calls it off (its process is killed)."""
+        ident = next(self._orders)
+        future: Future = Future()
+        self._waiting[ident] = future
+        try:
+            self._order({"id": ident, **order})
+            while True:
+                try:
+                    return future.result(timeout=0.1)
+                except FutureTimeout:
+                    if not self.running:  # its processes may hold the answers' pipe open: not waited for
+                        return {"error": "the bulk listener ended (the server stops, or it was killed)"}
+                    if stop.is_set():
+                        self._order({"cancel": ident})
+                        try:
+                            return future.result(timeout=CANCEL_WAIT)
+                        except FutureTimeout:
+                            return {"error": "called off"}
+        except (OSError, ValueError) as exc:  # ValueError: its stdin closed by stop()
+            return {"error": f"the bulk listener cannot be reached ({exc})"}
+        finally:
+            self._waiting.pop(ident, None)
+
+    @staticmethod
+    def _failed(answer: dict, then: str) -> PeerError:
+        error = PeerError(answer["error"] if answer.get("peer") else f"{then}: {answer['error']}.")
+        error.status = answer.get("status")
+        return error
+
     def fetch(self, peer: Peer, path: str, dest: Path, stop: threading.Event, size: int | None = None,
-              checksum: str | None = None) -> tuple[int, str]:
+              checksum: str | None = None, port: int | None = None) -> tuple[int, str]:
         """Fetch ``path`` of ``peer``'s peer API into ``dest`` (0600) in a process of the listener's, as
         :meth:`PeerClient.get_file` does (``size``: that many bytes, and ``checksum`` if given) or, with ``size``
         None, :meth:`PeerClient.get_growing` (a file the peer's dump still writes): its size and checksum.
-        ``stop``, once set, calls it off. PeerError, and no file, if it fails."""
-        order = next(self._orders)
-        future: Future = Future()
-        self._waiting[order] = future
-        try:
-            self._order({"id": order, "fetch": {"peer": asdict(peer), "path": path, "dest": str(dest), "size": size,
-                                                "checksum": checksum}})
-            while True:
-                try:
-                    answer = future.result(timeout=0.1)
-                    break
-                except FutureTimeout:
-                    if not self.running:  # its processes may hold the answers' pipe open: not waited for
-                        answer = {"error": "the bulk listener ended (the server stops, or it was killed)"}
-                        break
-                    if stop.is_set():
-                        self._order({"cancel": order})
-                        try:
-                            answer = future.result(timeout=CANCEL_WAIT)
-                        except FutureTimeout:
-                            answer = {"error": "called off"}
-                        break
-        except (OSError, ValueError) as exc:  # ValueError: its stdin closed by stop()
-            answer = {"error": f"the bulk listener cannot be reached ({exc})"}
-        finally:
-            self._waiting.pop(order, None)
+        ``port``: the peer's bulk listener's (whose processes send whole files), else its server's. ``stop``,
+        once set, calls it off. PeerError, and no file, if it fails."""
+        answer = self._ask({"fetch": {"peer": asdict(peer), "port": port, "path": path, "dest": str(dest),
+                                      "size": size, "checksum": checksum}}, stop)
         if "error" in answer:
             dest.unlink(missing_ok=True)  # a process killed mid-file leaves what it had written
-            error = PeerError(answer["error"] if answer.get("peer") else
-                              f"Receiving {dest.name} from {peer.name} failed: {answer['error']}.")
-            error.status = answer.get("status")
-            raise error
+            raise self._failed(answer, f"Receiving {dest.name} from {peer.name} failed")
         return int(answer["size"]), str(answer["digest"])
+
+    def send(self, peer: Peer, path: str, file: Path, size: int, stop: threading.Event,
+             port: int | None = None) -> str:
+        """Send ``file`` (``size`` bytes) to ``path`` of ``peer``'s peer API in a process of the listener's, as
+        :meth:`PeerClient.put_file` does (to ``port``: the peer's bulk listener's, else its server's): its
+        checksum. ``stop``, once set, calls it off. PeerError if it fails."""
+        answer = self._ask({"send": {"peer": asdict(peer), "port": port, "path": path, "file": str(file),
+                                     "size": size}}, stop)
+        if "error" in answer:
+            raise self._failed(answer, f"Sending {file.name} to {peer.name} failed")
+        return str(answer["digest"])
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the listener and the files it receives (a move under way then fails, and its kernel stays where
@@ -312,24 +334,41 @@ def _end(process: subprocess.Popen, timeout: float = 5.0) -> None:
             process.stdout.close()
 
 
-class BulkFetcher:
-    """What a move fetches of one peer (the way home: :class:`~.peers.PeerLink`'s ``fetcher``), each large
-    file received by a process of the bulk listener's, as a :class:`~.peers.PeerClient` would in this one;
-    small ones by this process, over the connections it keeps; all by this process once the listener ended
-    (a link lives as long as its kernel is on the peer)."""
+class BulkTransfers:
+    """The large files a move sends to one peer (the way there) or fetches from it (the way home), each by a
+    process of the bulk listener's, to or from the peer's bulk listener where it has one (:class:`~.peers.
+    PeerLink`'s ``bulk`` and ``bulk_home``), as a :class:`~.peers.PeerClient` would in this process: threads of
+    one process sent at 2.7-3.0 GB/s where a process each sent at 4.2-4.5 (bench/transfer_probe.py). Small
+    files go from this process, over the connections it keeps; all do once the listener ended (a link lives as
+    long as its kernel is on the peer)."""
 
-    def __init__(self, listener: BulkListener, client: PeerClient) -> None:
-        self.listener, self.client = listener, client
+    def __init__(self, listener: BulkListener, link: Any) -> None:
+        self.listener, self.link = listener, link
+
+    @property
+    def client(self) -> PeerClient:
+        return self.link.client
 
     def get_growing(self, path: str, dest: Path, stop: threading.Event, conns: Any = None) -> tuple[int, str]:
         if not self.listener.running:
             return self.client.get_growing(path, dest, stop, conns)
-        return self.listener.fetch(self.client.peer, path, dest, stop)
+        # a file still written comes from the peer's server (its bulk listener serves whole files only)
+        port = None if "?" in path or self.link.bulk_home is None else self.link.bulk_home.port
+        return self.listener.fetch(self.client.peer, path, dest, stop, port=port)
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Any = None) -> str:
         if size < DETACH_MIN or not self.listener.running:
             return self.client.get_file(path, dest, size, checksum, kept)
-        return self.listener.fetch(self.client.peer, path, dest, threading.Event(), size, checksum)[1]
+        port = self.link.bulk_home.port if self.link.bulk_home is not None else None
+        return self.listener.fetch(self.client.peer, path, dest, threading.Event(), size, checksum, port)[1]
+
+    def put_file(self, path: str, file: Path, size: int, kept: Any = None, stop: threading.Event | None = None
+                 ) -> str:
+        there = self.link.bulk or self.client
+        if size < DETACH_MIN or not self.listener.running:
+            return there.put_file(path, file, size, kept, stop)
+        return self.listener.send(self.client.peer, path, file, size, stop or threading.Event(),
+                                  self.link.bulk.port if self.link.bulk is not None else None)
 
 
 # -- the listener's process ----------------------------------------------------------------------------
@@ -476,11 +515,14 @@ def _take_order(line: bytes, children: dict[int, _Work], events: selectors.BaseS
                 os.kill(pid, signal.SIGKILL)  # the reaper answers for it
         return
 
-    def fetch() -> bool:
-        _say({"id": ident, **_fetch(order["fetch"])})
+    def work() -> bool:
+        _say({"id": ident, **(_fetch(order["fetch"]) if "fetch" in order else _send(order["send"]))})
         return True
 
-    pid = _spawn(fetch, events, listener, answers=True)
+    if not isinstance(order.get("fetch", order.get("send")), dict):
+        _say({"id": ident, "error": "an order neither to fetch nor to send"})
+        return
+    pid = _spawn(work, events, listener, answers=True)
     if pid is None:
         _say({"id": ident, "error": "the bulk listener could not fork a process for it"})
     else:
@@ -489,7 +531,7 @@ def _take_order(line: bytes, children: dict[int, _Work], events: selectors.BaseS
 
 def _fetch(order: dict) -> dict:
     """Run one fetch order (BulkListener.fetch): its size and checksum, or its error."""
-    client = PeerClient(Peer(**order["peer"]))
+    client = PeerClient(Peer(**order["peer"]), port=order.get("port"))
     dest = Path(order["dest"])
     try:
         if order["size"] is None:
@@ -503,6 +545,23 @@ def _fetch(order: dict) -> dict:
         log.exception("a fetch failed")
         return {"error": f"{type(exc).__name__}: {exc}"}
     log.info("%s fetched from %s by a process of its own (%d bytes)", order["path"], client.peer.name, size)
+    return {"size": size, "digest": digest}
+
+
+def _send(order: dict) -> dict:
+    """Run one send order (BulkListener.send): the file's checksum, or the error."""
+    client = PeerClient(Peer(**order["peer"]), port=order.get("port"))
+    file, size = Path(order["file"]), int(order["size"])
+    try:
+        digest = client.put_file(order["path"], file, size)
+    except PeerError as exc:
+        return {"error": str(exc), "status": exc.status, "peer": True}
+    except OSError as exc:  # the file went (the move undone meanwhile)
+        return {"error": f"{file.name} could not be read here ({exc.strerror or exc})"}
+    except Exception as exc:  # a bug: said, and the move is undone
+        log.exception("a send failed")
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    log.info("%s sent to %s by a process of its own (%d bytes)", order["path"], client.peer.name, size)
     return {"size": size, "digest": digest}
 
 
@@ -565,13 +624,17 @@ def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore, deadli
     parts = urlsplit(target)
     where = parts.path[len(prefix):].split("/") if parts.path.startswith(prefix) and not parts.query else []
     if len(where) != 2 or not all(where):
-        bulk.respond(sock, 404, bulk.error(404, f"This port takes image files only (PUT {prefix}{{kernel}}/"
-                                                "{name}); send the rest to the server's port."))
+        bulk.respond(sock, 404, bulk.error(404, f"This port takes and serves whole image files only (PUT or GET "
+                                                f"{prefix}{{kernel}}/{{name}}, no query); send the rest to the "
+                                                "server's port."))
         return
-    if method != "PUT":
-        bulk.respond(sock, 405, bulk.error(405, "This port takes image files only, by PUT."))
+    if method not in ("PUT", "GET"):
+        bulk.respond(sock, 405, bulk.error(405, "This port takes image files only, by PUT, and serves them by GET."))
         return
     kernel_id, name = (unquote(part) for part in where)
+    if method == "GET":
+        _serve_file(sock, store, kernel_id, name)
+        return
     try:
         path = image_path(store, kernel_id, name)
         length = bulk.body_length(headers)
@@ -589,6 +652,24 @@ def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore, deadli
         return status, answer
 
     bulk.receive(sock, leftover, length, path, done)
+
+
+def _serve_file(sock: socket.socket, store: ImageStore, kernel_id: str, name: str) -> None:
+    """Answer a GET of one of a guest's image files (the way home fetches it) with the whole file, as the
+    server's route does for a file not followed as it grows."""
+    try:
+        path = image_path(store, kernel_id, name)
+        if not path.is_file() or path.is_symlink():
+            raise ImageError(f"Kernel {kernel_id} has no image file {name} here.")
+        size = path.stat().st_size
+    except MigrateError as exc:
+        bulk.respond(sock, 404, bulk.error(404, str(exc)))
+        return
+    except OSError:
+        bulk.respond(sock, 404, bulk.error(404, f"Kernel {kernel_id} has no image file {name} here."))
+        return
+    bulk.send(sock, path, size)
+    log.info("kernel %s: %s sent by a process of its own (%d bytes)", kernel_id, name, size)
 
 
 def _head(sock: socket.socket, deadline: float) -> tuple[bytes | None, bytes]:

@@ -24,7 +24,7 @@ from typing import Any
 import yaml
 from traitlets import TraitError
 
-from .bulkd import BulkFetcher, BulkListener
+from .bulkd import BulkListener, BulkTransfers
 from .engine import gpus as gpus_mod
 from .engine import cudackpt, placement
 from .engine.access import open_criu
@@ -492,7 +492,7 @@ class OperationManager:
         if provisioner is not None:
             link.clients, link.idle = provisioner.client_identities, provisioner.can_stash_now
         if self.bulk is not None and self.bulk.running:
-            link.fetcher = BulkFetcher(self.bulk, link.client)
+            link.fetcher = link.sender = BulkTransfers(self.bulk, link)
         link.streams = self.transfer_streams or STREAMS
         return link
 

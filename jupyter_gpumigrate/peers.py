@@ -179,6 +179,10 @@ def image_path(store: ImageStore, kernel_id: str, name: str) -> Path:
     return folder / name
 
 
+#: How long a guest taken back without its large buffers gets to read them back from its stash (seconds).
+STASH_LEFT_WAIT = 3600.0
+
+
 #: A received image file's checksum, beside it in its folder, as the bulk listener's processes record it for
 #: the server (bulkd.py); no image file's name begins with a dot.
 RECEIVED_MARK = ".received-{}"
@@ -788,11 +792,13 @@ class _Sending:
     whole (:class:`Written`)."""
 
     def __init__(self, client: PeerClient, kernel_id: str, bulk: PeerClient | None = None,
-                 streams: int = STREAMS) -> None:
+                 streams: int = STREAMS, sender: Any = None) -> None:
         """``bulk``: the client of the peer's bulk listener (bulkd.py), for the large files and those that grow;
-        ``streams``: how many files go at once."""
+        ``streams``: how many files go at once; ``sender``: what sends the large files whole (PeerLink.sender:
+        processes of this host's bulk listener), ``bulk`` by default."""
         self.client, self.kernel_id = client, kernel_id
         self.bulk = bulk or client
+        self.sender = sender or self.bulk
         self.kept = Kept()
         self.pool = ThreadPoolExecutor(max_workers=streams, thread_name_prefix="gpumigrate-send")
         self.followers = ThreadPoolExecutor(max_workers=FOLLOWED, thread_name_prefix="gpumigrate-grow")
@@ -817,7 +823,7 @@ class _Sending:
 
     def _put(self, path: Path, size: int) -> dict:
         if size >= DETACH_MIN:  # over a connection of its own (the bulk listener's, where the peer has one)
-            return {"name": path.name, "size": size, "xxh3": self.bulk.put_file(
+            return {"name": path.name, "size": size, "xxh3": self.sender.put_file(
                 f"images/{self.kernel_id}/{path.name}", path, size, None, self.stopped)}
         return {"name": path.name, "size": size, "xxh3": self.client.put_file(
             f"images/{self.kernel_id}/{path.name}", path, size, self.kept, self.stopped)}
@@ -1015,11 +1021,17 @@ class PeerLink(HostLink):
         self._fetching: _Fetching | None = None
         #: a transplant's object files, as sent (name, size, xxh3)
         self._sent: list[dict] = []
-        #: the client of the peer's bulk listener, where :meth:`check` found one (bulkd.py)
+        #: the client of the peer's bulk listener, where :meth:`check` found one (bulkd.py): the way there
+        #: sends the large files to it
         self.bulk: PeerClient | None = None
-        #: what receives the files fetched from the peer (the way home): ``client``, or a BulkFetcher, whose
-        #: processes receive the large ones (bulkd.py; same calls: get_growing, get_file)
+        #: the same where :meth:`requirements` found one (the way home fetches whole files from it)
+        self.bulk_home: PeerClient | None = None
+        #: what receives the files fetched from the peer (the way home): ``client``, or a bulkd.BulkTransfers,
+        #: whose processes receive the large ones (same calls: get_growing, get_file)
         self.fetcher: Any = self.client
+        #: what sends the large files to the peer whole (the way there): None (this process's threads, to
+        #: ``bulk``), or that BulkTransfers, whose processes send them (put_file)
+        self.sender: Any = None
         #: image files sent or fetched at once (c.GPUMigrateApp.transfer_streams)
         self.streams = STREAMS
 
@@ -1037,23 +1049,24 @@ class PeerLink(HostLink):
         self._same_checksum(answer, "It runs here as before.")
         self.peer_stash = bool(answer.get("stash"))
         self.peer_growing = bool(answer.get("growing"))
-        self.bulk = self._bulk_client(answer.get("bulk_port")) if answer.get("bulk_tls") == self.client.https \
-            else None
+        self.bulk = self._bulk_client(answer, "its large files go to")
 
-    def _bulk_client(self, port: Any) -> PeerClient | None:
-        """A client of the peer's bulk listener (bulkd.py), where it said it has one and it can be reached from
-        here; None (the files go through its server's port, received by one process there) otherwise."""
-        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536 or port == self.client.port:
+    def _bulk_client(self, answer: dict, what: str) -> PeerClient | None:
+        """A client of the peer's bulk listener (bulkd.py), where its ``answer`` said it has one (``bulk_port``,
+        ``bulk_tls`` as this link's scheme) and it can be reached from here; None (the files go through its
+        server's port, sent or received by one process there) otherwise."""
+        port = answer.get("bulk_port")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536 or port == self.client.port \
+                or answer.get("bulk_tls") != self.client.https:
             return None
         try:
             socket.create_connection((self.client.host, port), timeout=BULK_PROBE).close()
         except OSError as exc:
             log.warning("gpumigrate: %s's bulk listener (port %d) cannot be reached from here (%s): the kernel's "
-                        "files go through its server's port, received there by one process (slower); open that "
+                        "files go through its server's port, taken or sent there by its one process (slower); open that "
                         "port between the hosts, or set c.GPUMigrateApp.bulk_port there", self.host, port, exc)
             return None
-        log.info("gpumigrate: kernel %s: its large files go to %s's bulk listener (port %d)", self.kernel_id,
-                 self.host, port)
+        log.info("gpumigrate: kernel %s: %s %s's bulk listener (port %d)", self.kernel_id, what, self.host, port)
         return PeerClient(self.peer, self.client.timeout, port)
 
     def _same_checksum(self, answer: dict, then: str) -> None:
@@ -1073,7 +1086,7 @@ class PeerLink(HostLink):
     def start_sending(self, images: Path, expect: int, follow: bool = False) -> None:
         self.stop_sending()
         self.client.call("POST", f"images/{self.kernel_id}", {"bytes": int(expect)})
-        self._sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams)
+        self._sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams, self.sender)
         self._sending.send(_sized(images))
         if follow:
             self._sending.follow(images)
@@ -1094,7 +1107,7 @@ class PeerLink(HostLink):
         sending, self._sending = self._sending, None
         if sending is None:
             self.client.call("POST", f"images/{self.kernel_id}", {"bytes": total})
-            sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams)
+            sending = _Sending(self.client, self.kernel_id, self.bulk, self.streams, self.sender)
         try:
             followed, by_then = sending.dumped()
             early = len(sending.sends) - followed
@@ -1178,7 +1191,8 @@ class PeerLink(HostLink):
 
     async def attach_async(self) -> None:
         if self.relay is None:
-            relay = RelayClient(self.info, self._connect, self.api_address)
+            relay = RelayClient(self.info, self._connect, self.api_address,
+                                on_back=lambda: asyncio.to_thread(self.give_back_left))
             await relay.start()
             await relay.introduce(self.clients())
             self.relay = relay
@@ -1219,6 +1233,7 @@ class PeerLink(HostLink):
         self.peer_stash = bool(info.get("stash"))
         self.peer_growing = bool(info.get("growing"))
         self.peer_lists_stash = info.get("stash_listed") is True
+        self.bulk_home = self._bulk_client(info, "its large files come from")
         return hostfit.Requirements.from_dict(info["requirements"])
 
     def fetches_stash(self) -> bool:
@@ -1250,8 +1265,26 @@ class PeerLink(HostLink):
 
     def resume_left(self) -> None:
         """Resume the kernel that host dumped for a way home that never ended (this server's predecessor died
-        during it): with the kernel's key, in case its dump wrote the stash."""
+        during it): with the kernel's key, in case its dump wrote the stash. The same where that host's server
+        died during such a dump, after the kernel wrote its stash: it runs there without its large buffers
+        (``stash_left``), and reads them back."""
         self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key(), timeout=3600)
+
+    def give_back_left(self) -> None:
+        """That host is back (the relay dialled it again, before the clients' messages held meanwhile go): where
+        its server died during a dump for the way home after the kernel wrote its stash, the kernel runs there
+        without its large buffers (``stash_left``): have it read them back, with its key. Errors are logged."""
+        try:
+            if self.client.call("GET", f"kernels/{self.kernel_id}", timeout=30).get("stash_left") is not True:
+                return
+            log.warning("gpumigrate: kernel %s runs on %s without its large buffers (its server there died during a "
+                        "dump for the way home, after the kernel wrote its stash): it reads them back", self.kernel_id,
+                        self.host)
+            self.resume_left()
+        except (MigrateError, OSError, ValueError, AttributeError) as exc:
+            log.error("gpumigrate: kernel %s on %s could not be asked to read back its large buffers, which are in "
+                      "its stash there (%s): they are read back before its next way home", self.kernel_id, self.host,
+                      exc)
 
     def fetch_images(self, images: Path) -> int:
         """The files are fetched as soon as they are listed, by name and size; their checksums, which that
@@ -1373,6 +1406,9 @@ class Guest:
         self.relayed = False
         #: being discarded as no relay claimed it (GuestHost.claim refuses a relay from then on)
         self.discarding = False
+        #: it runs without its large buffers, which it wrote into its stash here for a way home that an earlier
+        #: server of this host did not end (killed): it reads them back once its owner sends its key
+        self.stash_left = False
 
     @property
     def kernel_name(self) -> str:
@@ -1673,6 +1709,14 @@ class GuestHost:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process, signal_mod.SIGCONT)
             guest.state, guest.ran = RUNNING, True
+            folder = self.store.path_for(kernel_id)
+            guest.stash_left = not (folder / MANIFEST).is_file() and (
+                (folder / STASH_INDEX).is_file() or any(folder.glob(STASH_PARTS)))
+            if guest.stash_left:
+                log.warning("gpumigrate: kernel %s, hosted for peer %s, runs without its large buffers: it wrote them "
+                            "into its stash in %s for a way home that the server before this one did not end; it "
+                            "reads them back once its peer sends its key (as that peer finds it again)", kernel_id,
+                            peer, folder)
             self.guests[kernel_id] = guest
             self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
             log.info("gpumigrate: kernel %s, hosted for peer %s, taken back: its process %d runs on%s", kernel_id,
@@ -2082,6 +2126,8 @@ class GuestHost:
         guest = self.guest(kernel_id)
         if guest.state == BROKEN:  # a resume of broken whole images is its owner's call, on its own host
             raise InvalidState(f"Kernel {kernel_id} is broken here: {guest.broken_reason}")
+        if guest.stash_left and guest.state == RUNNING:  # the undo of a dump that an earlier server left
+            return self._give_back_left(guest, key)
         guest.key = key
         with self._transplant_lock:
             self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
@@ -2110,10 +2156,37 @@ class GuestHost:
         return {"pid": guest.pid, "gpu": outcome.to_gpu, "gpus": gpus,
                 "timings": outcome.result.timings, "stash": outcome.stash}
 
+    def _give_back_left(self, guest: Guest, key: str | None) -> dict:
+        """Have a guest taken back without its large buffers (:attr:`Guest.stash_left`) read them back from its
+        stash here, with its owner's ``key``; then its stash goes. Its answer, as a restore's."""
+        kernel_id = guest.manifest.kernel_id
+        if not key:
+            raise InvalidState(f"Kernel {kernel_id} runs here without its large buffers, which are in its stash "
+                               "here: its peer must send its key to have it read them back (POST peer/kernels/"
+                               f"{kernel_id}/resume with the key).")
+        folder = self.store.path_for(kernel_id)
+        guest.key = key
+        began = time.monotonic()
+        try:
+            said = guest.host_take_back(str(folder), STASH_LEFT_WAIT)
+        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+            raise ImageError(f"Kernel {kernel_id} could not read its large buffers back from its stash here "
+                             f"({exc or 'no answer in time'}); they stay in {folder}: ask again.") from exc
+        finally:
+            guest.key = None
+        guest.stash_left = False
+        self.store.remove(kernel_id)
+        log.warning("gpumigrate: kernel %s, hosted for a peer, read back its large buffers from the stash the server "
+                    "before this one left (%s bytes)", kernel_id, said.get("unstashed"))
+        return {"pid": guest.pid, "gpu": None, "gpus": [], "timings": {"unstash": round(time.monotonic() - began, 4)},
+                "stash": {"unstashed": int(said.get("unstashed") or 0)}}
+
     def dump(self, kernel_id: str, key: str | None = None, stash_min: int | None = None) -> dict:
         """Suspend the kernel for its way home; with ``key`` and ``stash_min`` (it is idle), its large buffers
         written into its images first."""
         guest = self.guest(kernel_id)
+        if guest.stash_left:  # its buffers back first: the dump's folder replaces the stash's
+            self._give_back_left(guest, key)
         guest.key = key
         run = self.dumping[kernel_id] = DumpRun()  # its pages are served as they are written till it is over
         try:
@@ -2194,9 +2267,12 @@ class GuestHost:
         alive = guest.pid is not None and proctree.is_alive(guest.pid)
         info: dict[str, Any] = {"id": kernel_id, "state": state if alive or state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
-                                "checksum": CHECKSUM, "growing": self.serve_growing, "stash_listed": True}
+                                "checksum": CHECKSUM, "growing": self.serve_growing, "stash_listed": True,
+                                "bulk_port": self.bulk_port, "bulk_tls": self.bulk_tls}
         if waiting:
             info["waiting"] = True
+        if guest.stash_left:
+            info["stash_left"] = True
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)
             if guest.api_listen:

@@ -258,6 +258,9 @@ QUICK_CLOSE = 5.0
 #: is back: a cell run meanwhile runs then, instead of waiting for a reply that never comes. From the first
 #: message beyond this on, every later one is dropped until it is back (RelayClient._hold).
 HELD_MAX = 64 << 20
+#: The WebSocket close code with which B's end says that the kernel's process ended there (killed, or it exited
+#: by itself): A's relay counts the kernel as lost at once (its restarter then starts it again, here).
+ENDED = 4010
 
 
 class RelayClient:
@@ -269,9 +272,13 @@ class RelayClient:
     """
 
     def __init__(self, connection_info: dict, connect: Callable[[], Awaitable[Any]],
-                 api_target: tuple[str, int] | None, patience: float = 30.0) -> None:
+                 api_target: tuple[str, int] | None, patience: float = 30.0,
+                 on_back: Callable[[], Awaitable[Any]] | None = None) -> None:
+        """``on_back``: awaited each time the WebSocket is back after a drop, before the messages held
+        meanwhile go (the kernel may need something of its owner first)."""
         self.info = connection_info
         self.connect = connect
+        self.on_back = on_back
         self.api_target = api_target
         self.patience = patience
         self.ws: Any = None
@@ -348,6 +355,12 @@ class RelayClient:
         while not self._closing:
             msg = await self.ws.read_message()
             if msg is None:
+                if not self._closing and getattr(self.ws, "close_code", None) == ENDED:
+                    log.warning("relay: the kernel's process ended on the other host (%s)",
+                                getattr(self.ws, "close_reason", None) or "no reason given")
+                    self.lost = True
+                    self.ws = None
+                    return
                 if self._closing or not await self._redial():
                     return
                 continue
@@ -374,6 +387,8 @@ class RelayClient:
                 # clients sent when they connected, and the kernel would publish nothing to it. Jupyter's
                 # clients take every topic: subscribe to all on their behalf.
                 await ws.write_message(pack_frames(CHANNELS.index("iopub"), [b"\x01"]), binary=True)
+                if self.on_back is not None:
+                    await self.on_back()
                 sent = 0
                 while self._held:  # in order, after the subscription; what comes meanwhile is held behind them
                     await ws.write_message(self._held[0], binary=True)

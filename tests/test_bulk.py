@@ -14,7 +14,9 @@ import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import xxhash
 
@@ -130,12 +132,17 @@ async def test_a_large_image_file_is_received_and_sent_apart_from_the_event_loop
         await asyncio.to_thread(stranger.put_file, f"images/{kid}/pages-5.img", source, SIZE)
     assert not (folder / "pages-5.img").exists()
 
-    # And back, as the way home fetches it (a thread of its own there too), checked against its checksum.
+    # And back, as the way home fetches it (a thread of its own there too, or a process of the bulk listener's),
+    # checked against its checksum.
     back = tmp_path / "back.img"
-    await asyncio.to_thread(server.get_file, f"images/{kid}/pages-1.img", back, SIZE, checksum_of(data))
+    await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, checksum_of(data))
     assert back.read_bytes() == data
     with pytest.raises(PeerError, match="damaged"):
-        await asyncio.to_thread(server.get_file, f"images/{kid}/pages-1.img", back, SIZE, "0" * 16)
+        await asyncio.to_thread(client.get_file, f"images/{kid}/pages-1.img", back, SIZE, "0" * 16)
+    with pytest.raises(PeerError, match="has no image file pages-9.img here"):
+        await asyncio.to_thread(client.get_file, f"images/{kid}/pages-9.img", back, SIZE, None)
+    with pytest.raises(PeerError, match="refused our credential"):
+        await asyncio.to_thread(stranger.get_file, f"images/{kid}/pages-1.img", back, SIZE, None)
 
     # The server's loop went on serving meanwhile, and still does.
     response = await jp_fetch("api", "gpumigrate", "gpus", method="GET")
@@ -199,6 +206,14 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
                                            "HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc".encode()),
         "another route": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/kernels/{kid} HTTP/1.1\r\n"
                                            f"Authorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
+        "a file as it grows": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img"
+                                               f"?growing=true HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}"
+                                               "\r\n\r\n".encode()),
+        "another method": raw_request(port, f"DELETE {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img "
+                                            f"HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
+        "a file that is not there": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/"
+                                                      f"pages-7.img HTTP/1.1\r\nAuthorization: {SCHEME} "
+                                                      f"{PEER_TOKEN}\r\n\r\n".encode()),
         "no length": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-2.img HTTP/1.1"
                                        f"\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
         "a name ending in a newline": raw_request(port, f"PUT {jp_base_url}api/gpumigrate/peer/images/{kid}/"
@@ -209,7 +224,8 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
                                                    "\r\nContent-Length: 3\r\n\r\nabc".encode()),
     }
     expected = {"garbage": "400 Bad Request", "a head too long": "431", "no credential": "403 Forbidden",
-                "another route": "404 Not Found", "no length": "411", "a name ending in a newline": "409 Conflict",
+                "another route": "404 Not Found", "no length": "411", "a file as it grows": "no query",
+                "another method": "405", "a file that is not there": "has no image file pages-7.img here", "a name ending in a newline": "409 Conflict",
                 "a kernel not expected": "No images are being "
                 "received for kernel"}
     for what, answer in answers.items():
@@ -269,9 +285,29 @@ def children_of(pid: int) -> list[int]:
     return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
 
 
-async def test_the_bulk_listener_fetches_each_file_in_a_process_of_its_own_and_a_fetch_called_off_ends(
+async def called_off(listener: BulkListener, order: Callable[[threading.Event], Any]) -> None:
+    """Give the listener ``order(stop)`` (a fetch or a send that waits on a peer which never answers), set
+    ``stop`` once a process of the listener's runs it: it raises 'called off' within 5 s, and its process ends."""
+    stop = threading.Event()
+    waiting = asyncio.ensure_future(asyncio.to_thread(order, stop))
+    deadline = time.monotonic() + 30
+    while not children_of(listener.process.pid):
+        assert time.monotonic() < deadline, "no process runs the order"
+        await asyncio.sleep(0.05)
+    began = time.monotonic()
+    stop.set()
+    with pytest.raises(PeerError, match="called off"):
+        await waiting
+    assert time.monotonic() - began < 5
+    deadline = time.monotonic() + 10
+    while children_of(listener.process.pid):
+        assert time.monotonic() < deadline, "the order's process outlived its call"
+        await asyncio.sleep(0.05)
+
+
+async def test_the_bulk_listener_fetches_and_sends_each_file_in_a_process_of_its_own_and_one_called_off_ends(
         jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
-    # The way home's fetches (BulkListener.fetch, what a BulkFetcher asks): from this server, as its peer.
+    # The way home's fetches (BulkListener.fetch, what a BulkTransfers asks): from this server, as its peer.
     kid = str(uuid.uuid4())
     peer = Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN)
     await asyncio.to_thread(PeerClient(peer).call, "POST", f"images/{kid}", {"bytes": SIZE})
@@ -296,24 +332,28 @@ async def test_the_bulk_listener_fetches_each_file_in_a_process_of_its_own_and_a
             await asyncio.to_thread(listener.fetch, peer, f"images/{kid}/pages-9.img", dest, threading.Event(),
                                     SIZE, None)
 
-        # Called off while its process waits on the peer: it ends at once, and so does its process.
-        stop = threading.Event()
-        waiting = asyncio.ensure_future(asyncio.to_thread(
-            listener.fetch, Peer("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", "t"),
-            f"images/{kid}/pages-1.img", dest, stop, SIZE, None))
-        deadline = time.monotonic() + 30
-        while not children_of(listener.process.pid):
-            assert time.monotonic() < deadline, "no process fetches"
-            await asyncio.sleep(0.05)
-        began = time.monotonic()
-        stop.set()
-        with pytest.raises(PeerError, match="called off"):
-            await waiting
-        assert time.monotonic() - began < 5
-        deadline = time.monotonic() + 10
-        while children_of(listener.process.pid):
-            assert time.monotonic() < deadline, "the fetch's process outlived its call"
-            await asyncio.sleep(0.05)
+        # The way there's sends (BulkListener.send, what a BulkTransfers asks), each by a process of its own: to
+        # the server's port, and to its bulk listener's; a file gone, or a credential refused, said.
+        folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+        for port in (None, await bulk_port(jp_serverapp)):
+            (folder / "pages-3.img").unlink(missing_ok=True)
+            said = await asyncio.to_thread(listener.send, peer, f"images/{kid}/pages-3.img", tmp_path / "pages-1.img",
+                                           SIZE, threading.Event(), port)
+            assert said == checksum_of(data) and (folder / "pages-3.img").read_bytes() == data
+        with pytest.raises(PeerError, match="Sending gone.img to self failed: gone.img could not be read here"):
+            await asyncio.to_thread(listener.send, peer, f"images/{kid}/pages-4.img", tmp_path / "gone.img", SIZE,
+                                    threading.Event())
+        with pytest.raises(PeerError, match="refused our credential"):
+            await asyncio.to_thread(listener.send, Peer("self", peer.url, "wrong"), f"images/{kid}/pages-4.img",
+                                    tmp_path / "pages-1.img", SIZE, threading.Event())
+        assert not (folder / "pages-4.img").exists()
+
+        # Called off while its process waits on the peer: it ends at once, and so does its process; a send, the
+        # same (the peer takes its head and never says 100 Continue).
+        quiet = Peer("silent", f"http://127.0.0.1:{silent.getsockname()[1]}/", "t")
+        await called_off(listener, lambda stop: listener.fetch(quiet, f"images/{kid}/pages-1.img", dest, stop, SIZE))
+        await called_off(listener, lambda stop: listener.send(quiet, f"images/{kid}/pages-1.img",
+                                                              tmp_path / "pages-1.img", SIZE, stop))
 
         # A peer whose refusal is long (5000 non-ASCII characters): its sentence comes back cut, not a fetch left
         # waiting on an answer that no longer parses; one that sends more than the file listed is cut off.
@@ -372,13 +412,18 @@ def test_a_bulk_port_that_cannot_be_reached_is_said_and_the_files_go_through_the
     with socket.create_server(("127.0.0.1", 0)) as closed:
         port = closed.getsockname()[1]
     with caplog.at_level("INFO", logger="jupyter_gpumigrate.peers"):
-        assert link._bulk_client(port) is None
+        assert link._bulk_client({"bulk_port": port, "bulk_tls": True}, "its large files go to") is None
         assert f"b's bulk listener (port {port}) cannot be reached from here" in caplog.text, caplog.text
         with socket.create_server(("127.0.0.1", 0)) as listening:
-            client = link._bulk_client(listening.getsockname()[1])
+            said = {"bulk_port": listening.getsockname()[1], "bulk_tls": True}
+            client = link._bulk_client(said, "its large files come from")
             assert client is not None and client.port == listening.getsockname()[1]
-        for said in (None, "8888", True, 0, 65536, 8888):  # not a port, or the server's own
-            assert link._bulk_client(said) is None
+            assert f"kernel k: its large files come from b's bulk listener (port {said['bulk_port']})" in caplog.text
+            # plain HTTP there, TLS here (or no word of it: a version before bulk_tls): not used
+            assert link._bulk_client({**said, "bulk_tls": False}, "") is None
+            assert link._bulk_client({"bulk_port": said["bulk_port"]}, "") is None
+        for port in (None, "8888", True, 0, 65536, 8888):  # not a port, or the server's own
+            assert link._bulk_client({"bulk_port": port, "bulk_tls": True}, "") is None
 
 
 def raw_chunked(port: int, base: str, path: str, body: bytes) -> str:

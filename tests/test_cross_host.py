@@ -315,10 +315,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
     # each file as it is written (stream_dump on), and the default (off): the stash's files once written.
     a, b = hosts
     if stream == "off":
-        for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
-            host.stop()
-            host.extra["GPUMigrateApp"]["stream_dump"] = "off"
-            await call(host.start, peers)
+        await with_stream_dump(a, b, "off")
     kernel_id, tab = await new_kernel(a)
     try:
         out = await tab.run("import hashlib, os\n"
@@ -345,9 +342,16 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
                     a.server_log()
                 assert f"kernel {kernel_id}: stash-" in (b.root / "server.log").read_text(errors="replace")
                 assert "received by a process of its own (201)" in (b.root / "server.log").read_text(errors="replace")
+                if stream == "off":  # sent whole, each by a process of a's bulk listener
+                    assert re.search(rf"images/{kernel_id}/stash-\S+ sent to b by a process of its own",
+                                     a.server_log()), a.server_log()
             else:  # and home, each fetched by a process of a's bulk listener
                 assert f"images/{kernel_id}/stash-" in a.server_log() and "fetched from b by a process of its own" \
                     in a.server_log(), a.server_log()
+                if stream == "off":  # from b's bulk listener, each sent by a process of its own there
+                    assert f"kernel {kernel_id}: its large files come from b's bulk listener" in a.server_log()
+                    assert re.search(rf"kernel {kernel_id}: stash-\S+ sent by a process of its own", b.server_log()), \
+                        b.server_log()
                 # while b's driver and CRIU ran: as they were written (on), or once the stash wrote them all (off)
                 fetched = re.search(rf"kernel {kernel_id}: \d+ image files, [\d.]+ GB, fetched from b in [\d.]+ s after "
                                     r"its dump \((\d+) of them, [\d.]+ GB, while the dump ran", a.server_log())
@@ -364,10 +368,16 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
     finally:
         await end_kernel(a, kernel_id, tab)
         if stream == "off":
-            for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
-                host.stop()
-                host.extra["GPUMigrateApp"]["stream_dump"] = "on"
-                await call(host.start, peers)
+            await with_stream_dump(a, b, "on")
+
+
+async def with_stream_dump(a: Host, b: Host, value: str) -> None:
+    """Start both hosts' servers again with c.GPUMigrateApp.stream_dump ``value`` (the module's hosts have it
+    on; a test that sets it off sets it on again as it ends)."""
+    for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
+        host.stop()
+        host.extra["GPUMigrateApp"]["stream_dump"] = value
+        await call(host.start, peers)
 
 
 def bulk_listener_of(host: Host, other_than: int | None = None) -> int:
@@ -546,44 +556,48 @@ async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_r
 
     a, b = hosts
     saved = dict(b.extra)
-    with small_tmpfs(tmp_path / "small", "600m") as small:
-        b.stop()
-        b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"}}
-        b.start({"a": a.peer_entry()})
-        kernel_id, tab = await new_kernel(a)
-        try:
-            await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 400\n"
-                          "before = hashlib.sha256(blob).hexdigest()")
-            guest = small / "state" / "guests" / kernel_id
-            seen: list[str] = []
-
-            def fill_bs_disk_mid_transfer() -> None:
-                op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
-                while op["status"] not in ("succeeded", "failed"):
-                    if op["phase"] == "transfer" and "filled" not in seen:
-                        deadline = time.monotonic() + 60
-                        while not any(f.stat().st_size > (16 << 20) for f in guest.glob("*") if f.is_file()):
-                            assert time.monotonic() < deadline, "b never began to receive"
-                            time.sleep(0.001)
-                        fill(small)  # b writes on meanwhile: whichever comes first
-                        seen.append("filled")
-                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-                seen.append(json.dumps(op))
-
-            await call(fill_bs_disk_mid_transfer)
-            op = json.loads(seen[-1])
-            assert "filled" in seen, seen
-            assert op["status"] == "failed" and op["failed_phase"] == "transfer", op
-            assert "could not be written here" in op["error"] and "free space here" in op["error"], op["error"]
-            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-            assert view["host"] == "a" and view["state"] == "running", view
-            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
-            assert not guest.exists(), list(guest.glob("*"))
-        finally:
-            await end_kernel(a, kernel_id, tab)
+    try:  # b runs again, whatever happened
+        with small_tmpfs(tmp_path / "small", "600m") as small:
             b.stop()
-            b.extra = saved
-    b.start({"a": a.peer_entry()})
+            b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"}}
+            b.start({"a": a.peer_entry()})
+            kernel_id, tab = await new_kernel(a)
+            try:
+                await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 400\n"
+                              "before = hashlib.sha256(blob).hexdigest()")
+                guest = small / "state" / "guests" / kernel_id
+                seen: list[str] = []
+
+                def fill_bs_disk_mid_transfer() -> None:
+                    op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+                    while op["status"] not in ("succeeded", "failed"):
+                        if op["phase"] == "transfer" and "filled" not in seen:
+                            deadline = time.monotonic() + 60
+                            # once b holds a MiB of a file: the fill (a local write) takes the rest of b's disk long
+                            # before the file's 400 MB arrive, whose processes send it at the link's speed
+                            while not any(f.stat().st_size > (1 << 20) for f in guest.glob("*") if f.is_file()):
+                                assert time.monotonic() < deadline, "b never began to receive"
+                                time.sleep(0.001)
+                            fill(small)  # b writes on meanwhile: whichever comes first
+                            seen.append("filled")
+                        op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+                    seen.append(json.dumps(op))
+
+                await call(fill_bs_disk_mid_transfer)
+                op = json.loads(seen[-1])
+                assert "filled" in seen, seen
+                assert op["status"] == "failed" and op["failed_phase"] == "transfer", op
+                assert "could not be written here" in op["error"] and "free space here" in op["error"], op["error"]
+                view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+                assert view["host"] == "a" and view["state"] == "running", view
+                assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before)")).strip() == "True"
+                assert not guest.exists(), list(guest.glob("*"))
+            finally:
+                await end_kernel(a, kernel_id, tab)
+                b.stop()
+                b.extra = saved
+    finally:
+        b.start({"a": a.peer_entry()})
 
 
 @pytest.mark.parametrize("stream", ["on", "off"])
@@ -600,67 +614,69 @@ async def test_the_other_hosts_disk_filling_up_as_the_stash_arrives_is_said_and_
     saved_a = {section: dict(values) for section, values in a.extra.items()}
     saved_b = {section: dict(values) for section, values in b.extra.items()}
     kernel_id, tab = "", None
-    with small_tmpfs(tmp_path / "small", "1400m") as small:
-        try:
-            b.stop()
-            b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"},
-                       "GPUMigrateApp": {"stream_dump": stream}}
-            await call(b.start, {"a": a.peer_entry()})
-            if stream == "off":
-                a.stop()
-                a.extra["GPUMigrateApp"]["stream_dump"] = "off"
-                await call(a.start, a_peers(b))
-            kernel_id, tab = await new_kernel(a)
-            await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
-                          "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
-            guest = small / "state" / "guests" / kernel_id
+    try:  # b runs again, whatever happened
+        with small_tmpfs(tmp_path / "small", "1400m") as small:
+            try:
+                b.stop()
+                b.extra = {"MigratableProvisioner": {"state_dir": str(small / "state"), "suspend_to": "disk"},
+                           "GPUMigrateApp": {"stream_dump": stream}}
+                await call(b.start, {"a": a.peer_entry()})
+                if stream == "off":
+                    a.stop()
+                    a.extra["GPUMigrateApp"]["stream_dump"] = "off"
+                    await call(a.start, a_peers(b))
+                kernel_id, tab = await new_kernel(a)
+                await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
+                              "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+                guest = small / "state" / "guests" / kernel_id
 
-            def fill_bs_disk_as_a_part_arrives() -> tuple[str, dict]:
-                op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
-                deadline = time.monotonic() + 60
-                while not any(f.name.startswith("stash-") and f.stat().st_size > (16 << 20)
-                              for f in (guest.iterdir() if guest.is_dir() else ())):
-                    assert time.monotonic() < deadline, "no part of the stash reached b"
-                    time.sleep(0.001)
-                phase = a.api("GET", f"api/gpumigrate/operations/{op['id']}")["phase"]
-                fill(small)  # b writes on meanwhile: whichever comes first
-                return phase, finished(a, op)
+                def fill_bs_disk_as_a_part_arrives() -> tuple[str, dict]:
+                    op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+                    deadline = time.monotonic() + 60
+                    while not any(f.name.startswith("stash-") and f.stat().st_size > (16 << 20)
+                                  for f in (guest.iterdir() if guest.is_dir() else ())):
+                        assert time.monotonic() < deadline, "no part of the stash reached b"
+                        time.sleep(0.001)
+                    phase = a.api("GET", f"api/gpumigrate/operations/{op['id']}")["phase"]
+                    fill(small)  # b writes on meanwhile: whichever comes first
+                    return phase, finished(a, op)
 
-            phase, op = await call(fill_bs_disk_as_a_part_arrives)
-            # on: the parts go from the stash's start (the first to pass 16 MiB on b may do so once the stash is
-            # over: the stash's threads write faster than the parts travel); off: once written, beside the lock,
-            # checkpoint and dump, never during the stash
-            assert phase in (("stream", "stash", "lock", "checkpoint", "dump", "transfer") if stream == "on" else
-                             ("send stash", "lock", "checkpoint", "dump", "transfer")), phase
-            assert op["status"] == "failed", op
-            # b names the file it could not write: a part of the stash or, where the stash was all there before
-            # the disk was full (b writes on as it fills), one of CRIU's images or the manifest after it (seen
-            # once the parts were received by processes of b's bulk listener, faster); or, where even those
-            # were, its restore says the disk is full (CRIU could not write its log there).
-            assert re.match(r"b: ((stash-\S+|\S+\.img|manifest\.json) could not be written here \(No space left on device\): free "
-                            r"space here|The (disk of|memory folder) \S+ (\(a tmpfs\) )?is full: CRIU could not "
-                            r"write its log)", op["error"]), op["error"]
-            view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-            assert view["host"] == "a" and view["state"] == "running", view
-            assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)")).strip() \
-                == "True True"
-            assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-            deadline = time.monotonic() + 30
-            while guest.exists():
-                assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
-                await asyncio.sleep(0.1)
-            assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
-            assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
-        finally:
-            if tab is not None:
-                await end_kernel(a, kernel_id, tab)
-            b.stop()
-            b.extra = saved_b
-            if a.extra != saved_a:
-                a.stop()
-                a.extra = saved_a
-                await call(a.start, a_peers(b))
-    b.start({"a": a.peer_entry()})
+                phase, op = await call(fill_bs_disk_as_a_part_arrives)
+                # on: the parts go from the stash's start (the first to pass 16 MiB on b may do so once the stash is
+                # over: the stash's threads write faster than the parts travel); off: once written, beside the lock,
+                # checkpoint and dump, never during the stash
+                assert phase in (("stream", "stash", "lock", "checkpoint", "dump", "transfer") if stream == "on" else
+                                 ("send stash", "lock", "checkpoint", "dump", "transfer")), phase
+                assert op["status"] == "failed", op
+                # b names the file it could not write: a part of the stash or, where the stash was all there before
+                # the disk was full (b writes on as it fills), one of CRIU's images or the manifest after it (seen
+                # once the parts were received by processes of b's bulk listener, faster); or, where even those
+                # were, its restore says the disk is full (CRIU could not write its log there).
+                assert re.match(r"b: ((stash-\S+|\S+\.img|manifest\.json) could not be written here \(No space left on device\): free "
+                                r"space here|The (disk of|memory folder) \S+ (\(a tmpfs\) )?is full: CRIU could not "
+                                r"write its log)", op["error"]), op["error"]
+                view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+                assert view["host"] == "a" and view["state"] == "running", view
+                assert (await tab.run("print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)")).strip() \
+                    == "True True"
+                assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+                deadline = time.monotonic() + 30
+                while guest.exists():
+                    assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
+                    await asyncio.sleep(0.1)
+                assert not list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+                assert not list(Path("/dev/shm").glob(f"jupyter-gpumigrate-*/{kernel_id}"))
+            finally:
+                if tab is not None:
+                    await end_kernel(a, kernel_id, tab)
+                b.stop()
+                b.extra = saved_b
+                if a.extra != saved_a:
+                    a.stop()
+                    a.extra = saved_a
+                    await call(a.start, a_peers(b))
+    finally:
+        b.start({"a": a.peer_entry()})
 
 
 async def test_a_peer_with_a_wrong_credential_is_refused(hosts):
@@ -998,36 +1014,50 @@ async def test_criu_killed_on_the_other_host_while_its_pages_stream_home_leaves_
         await end_kernel(a, kernel_id, tab)
 
 
+async def stashed_kernel(a: Host) -> tuple[str, WebSocketTab]:
+    """A kernel on ``a`` holding ``blob``, 1050 MiB of random bytes, over host_stash_min: the stash takes it
+    (``before``: its digest, ``ident``: its id)."""
+    kernel_id, tab = await new_kernel(a)
+    await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1050\n"
+                  "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+    return kernel_id, tab
+
+
+async def kill_on_b_as_the_stash_comes_home(a: Host, b: Host, kernel_id: str,
+                                            victim: Callable[[int], int] | None = None) -> tuple[int, dict]:
+    """Move the stashed kernel to b, then home, killing b's CRIU (or ``victim(the kernel's PID on b)``: a PID, or a
+    process group as -PGID) once a holds some of the stash's
+    parts (phase 'fetch stash', stream_dump off); again, up to three times, where b's dump won the race (the
+    kernel then came home). The kernel's PID on b, and the failed operation; a skip if b always won."""
+    def stash_home() -> bool:
+        return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/stash-*.bin"))
+
+    for _ in range(3):
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+        killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a", b, stash_home,
+                                victim(guest_pid) if victim is not None else None)
+        if killed and op["status"] == "failed":
+            assert op["failed_phase"] == "dump" and "fetch stash" in op["timings"], op
+            return guest_pid, op
+        assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
+        if killed and b.proc.poll() is not None:
+            await call(b.start, {"a": a.peer_entry()})
+    pytest.skip("b's dump ended before its stash reached a, three times")
+
+
 async def test_criu_killed_on_the_other_host_while_its_stash_comes_home_leaves_the_kernel_running_there(hosts):
     """stream_dump off (the default): coming home, b's stash's parts come to a once b's stash wrote them all,
     while b's CRIU dumps (phase 'fetch stash'). CRIU is SIGKILLed on b once a holds some of a part: b's dump
     fails, b has the kernel read its buffers back, and it runs on there, the same process with every byte;
     a's fetches are called off and a keeps nothing; the next move home brings it whole."""
     a, b = hosts
-    for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
-        host.stop()
-        host.extra["GPUMigrateApp"]["stream_dump"] = "off"
-        await call(host.start, peers)
-    kernel_id, tab = await new_kernel(a)
+    await with_stream_dump(a, b, "off")
+    kernel_id, tab = await stashed_kernel(a)
     try:
-        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1050\n"
-                      "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
         check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident)"
-
-        def stash_home() -> bool:
-            return any(f.stat().st_size > 0 for f in (a.root / "state").glob(f"**/{kernel_id}/stash-*.bin"))
-
-        for _ in range(3):
-            assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
-            guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
-                                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
-            killed, op = await call(kill_once_pages_arrive, a, kernel_id, "a", b, stash_home)
-            if killed and op["status"] == "failed":
-                break
-            assert op["status"] == "succeeded", op  # b's dump won the race: away again, and again
-        else:
-            pytest.skip("b's dump ended before its stash reached a, three times")
-        assert op["failed_phase"] == "dump" and "fetch stash" in op["timings"], op
+        guest_pid, op = await kill_on_b_as_the_stash_comes_home(a, b, kernel_id)
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
         there = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
@@ -1045,10 +1075,57 @@ async def test_criu_killed_on_the_other_host_while_its_stash_comes_home_leaves_t
         assert (await tab.run(check)).strip() == "True True"
     finally:
         await end_kernel(a, kernel_id, tab)
-        for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
-            host.stop()
-            host.extra["GPUMigrateApp"]["stream_dump"] = "on"
-            await call(host.start, peers)
+        await with_stream_dump(a, b, "on")
+
+
+async def test_the_kernel_killed_on_the_other_host_while_its_stash_comes_home_is_said_dead_and_restarted(hosts):
+    """stream_dump off: the kernel's process SIGKILLed on b once a holds some of the stash's parts it wrote for its
+    way home (phase 'fetch stash'). b's dump fails, and the kernel is gone there with what it held: the operation
+    says so, a keeps nothing of the fetch, b keeps nothing; b's end of the relay says the kernel ended there
+    (relay.ENDED), and Jupyter restarts it here, which the same tab reaches."""
+    a, b = hosts
+    await with_stream_dump(a, b, "off")
+    kernel_id, tab = await stashed_kernel(a)
+    try:
+        guest_pid, op = await kill_on_b_as_the_stash_comes_home(a, b, kernel_id, lambda pid: pid)
+        assert f"The kernel's process {guest_pid} ended while CRIU dumped it" in op["error"], op["error"]
+        assert "the kernel is dead, and Jupyter restarts it" in op["error"], op["error"]
+        deadline = time.monotonic() + 30
+        while list((a.root / "state").glob(f"**/{kernel_id}/stash-*")) or guest_images_in_memory(kernel_id) or \
+                (b.root / "state" / "guests" / kernel_id).exists():
+            assert time.monotonic() < deadline, "a or b kept the stash"
+            await asyncio.sleep(0.1)
+        assert (await answered_after_restart(tab, "print('blob' in dir(), 6 * 7)")).strip() == "False 42"
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and not view["remote"] and view["state"] == "running", view
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert "the kernel's process ended on the other host" in a.server_log(), a.server_log()[-3000:]
+    finally:
+        await end_kernel(a, kernel_id, tab)
+        await forgotten(b, kernel_id)
+        await with_stream_dump(a, b, "on")
+
+
+async def test_a_kernel_that_dies_on_the_other_host_is_said_ended_there_and_restarted_here(hosts):
+    """The kernel's process on b SIGKILLed while it runs there (an OOM kill, say): b's end of the relay says so
+    within a second or two (relay.ENDED, not a network blip that the relay would wait out), a counts it lost, and
+    Jupyter's restarter starts it again here, which the same tab reaches; b keeps nothing of it."""
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run("x = 6")
+        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
+        guest_pid = (await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                                headers={"Authorization": f"gpumigrate-peer {b.peer_token}"}))["pid"]
+        os.kill(guest_pid, signal.SIGKILL)
+        assert (await answered_after_restart(tab, "print('x' in dir(), 6 * 7)")).strip() == "False 42"
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and not view["remote"] and view["state"] == "running", view
+        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+        assert "the kernel's process ended on the other host" in a.server_log(), a.server_log()[-3000:]
+        await forgotten(b, kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 def pages_home(a: Host, kernel_id: str) -> bool:
@@ -1098,6 +1175,29 @@ def running_state(pid: int) -> str:
         return "gone"
 
 
+async def home_again(a: Host, b: Host, kernel_id: str, tab: WebSocketTab, guest_pid: int, check: str,
+                     expected: str) -> None:
+    """Bring home the kernel that b's next server took back (its orphan's exit collected meanwhile: see
+    :func:`collecting`): ``check`` prints ``expected`` here, and b holds no record of it."""
+    with collecting(os.getsid(guest_pid)):
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+    assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+    assert (await tab.run(check, timeout=30)).strip() == expected
+    assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
+    assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b still holds its record"
+
+
+async def end_on_both(a: Host, b: Host, kernel_id: str, tab: WebSocketTab, guest_pid: int) -> None:
+    """A test whose b's server was killed ends: the kernel's orphan on b goes if left, b's server runs again,
+    and the kernel ends, with what b holds of it."""
+    if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
+        os.kill(guest_pid, signal.SIGKILL)
+    if b.proc.poll() is not None:
+        await call(b.start, {"a": a.peer_entry()})
+    await end_kernel(a, kernel_id, tab)
+    await forgotten(b, kernel_id)
+
+
 async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_and_its_next_takes_the_kernel_back(
         hosts):
     """b's server (and its CRIU with it: the process group, as a service manager stops it) SIGKILLed once a
@@ -1145,20 +1245,56 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_an
         out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=30)
         assert out.strip() == "True 409600000"
         assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-        with collecting(os.getsid(guest_pid)):
-            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
-        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-        out = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))", timeout=30)
-        assert out.strip() == "True 409600000"
-        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-        assert not list((b.root / "state").glob(f"**/guests-running/{kernel_id}.json")), "b still holds its record"
+        await home_again(a, b, kernel_id, tab, guest_pid, "print(hashlib.sha256(blob).hexdigest() == before, "
+                                                          "len(blob))", "True 409600000")
     finally:
-        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
-            os.kill(guest_pid, signal.SIGKILL)
-        if b.proc.poll() is not None:
-            await call(b.start, {"a": a.peer_entry()})
-        await end_kernel(a, kernel_id, tab)
-        await forgotten(b, kernel_id)  # b's images of its dump go with the kernel's end
+        await end_on_both(a, b, kernel_id, tab, guest_pid)  # b's images of its dump go with the kernel's end
+
+
+async def test_the_other_hosts_server_killed_while_its_stash_comes_home_is_said_and_its_next_gives_the_kernel_its_buffers(
+        hosts):
+    """stream_dump off (the default): b's server (and its CRIU: the process group) SIGKILLed once a holds some of
+    the stash's parts b's kernel wrote for its way home (phase 'fetch stash'). The kernel had freed its buffers
+    into those files: the move fails at once, saying b cannot be reached, and a keeps nothing. b's next server
+    takes the kernel back and has it read its buffers back from its stash (every byte, the same process, the
+    same object); the tab reaches it there; then it comes home whole."""
+
+    a, b = hosts
+    assert proctree.become_subreaper()  # this machine's PID 1 collects no orphan (collecting)
+    await with_stream_dump(a, b, "off")
+    kernel_id, tab = await stashed_kernel(a)
+    guest_pid = 0
+    try:
+        check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
+        guest_pid, op = await kill_on_b_as_the_stash_comes_home(a, b, kernel_id, lambda _: -b.proc.pid)
+        assert b.proc.wait(10) == -signal.SIGKILL
+        assert "cannot be reached" in op["error"], op["error"]
+        deadline = time.monotonic() + 10  # the fetches called off end, and their files with them
+        while list((a.root / "state").glob(f"**/{kernel_id}/stash-*")):
+            assert time.monotonic() < deadline, list((a.root / "state").glob(f"**/{kernel_id}/stash-*"))
+            await asyncio.sleep(0.1)
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["remote"], view
+
+        await call(b.start, {"a": a.peer_entry()})
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert guest["pid"] == guest_pid and guest["state"] == "running", guest
+        # (the relay holds the cell until b is back and the kernel has read its buffers back: as a's relay found
+        # b again, it sent the key; a's server did not restart)
+        assert (await tab.run(check, timeout=60)).strip() == f"True True {1050 << 20}"
+        assert f"kernel {kernel_id} runs on b without its large buffers" in a.server_log(), a.server_log()[-3000:]
+        assert f"kernel {kernel_id}, hosted for a peer, read back its large buffers" in b.server_log()
+        guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}",
+                           headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert "stash_left" not in guest, guest
+        assert not [f for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
+                    if folder.is_dir() for f in folder.glob("stash-*")], "b kept the stash it read back"
+        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
+        await home_again(a, b, kernel_id, tab, guest_pid, check, f"True True {1050 << 20}")
+    finally:
+        await end_on_both(a, b, kernel_id, tab, guest_pid)
+        await with_stream_dump(a, b, "on")
 
 
 async def test_a_kernel_outlives_the_other_hosts_server_and_a_cell_run_while_it_was_down_runs(hosts):
@@ -1447,21 +1583,37 @@ async def test_a_kernel_on_the_other_host_whose_server_went_too_is_refused_then_
         await forgotten(b, kernel_id)
 
 
-async def test_this_server_killed_as_the_pages_come_home_finds_the_kernel_on_the_other_host_again(hosts):
-    """a's server SIGKILLed on the kernel's way home, once pages of b's dump have arrived: b's dump ends, and
-    b keeps it (its only copy). a's next server removes its half-fetched images, finds the kernel dumped on b,
-    has b resume it, and relays to it: its state whole. It then comes home."""
+@pytest.mark.parametrize("coming", ["pages", "stash"])
+async def test_this_server_killed_as_the_images_come_home_finds_the_kernel_on_the_other_host_again(hosts, coming):
+    """a's server SIGKILLed on the kernel's way home, once files of b's dump have arrived: pages, as b's dump
+    writes them (stream_dump on), or the stash's parts, once b's kernel wrote them all (off: phase 'fetch
+    stash'; the kernel freed its 1.1 GB of buffers into them). b's dump ends, and b keeps it (its only copy).
+    a's next server removes its half-fetched images, finds the kernel dumped on b, has b resume it (with its
+    key: it reads its buffers back there), and relays to it: its state whole. It then comes home."""
 
     a, b = hosts
-    kernel_id, tab, _ = await kernel_with_bytes(a)
+    if coming == "stash":
+        await with_stream_dump(a, b, "off")
+        kernel_id, tab = await new_kernel(a)
+        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1050\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        size = 1050 << 20
+    else:
+        kernel_id, tab, _ = await kernel_with_bytes(a)
+        size = 409600000
     check = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))"
     peer = {"Authorization": f"gpumigrate-peer {b.peer_token}"}
+
+    def home() -> bool:
+        return any(f.stat().st_size > 0 for f in (a.root / "state").glob(
+            f"**/{kernel_id}/{'pages-*.img' if coming == 'pages' else 'stash-*.bin'}"))
+
     try:
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
         tab.ws.close()
         await call(a.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
         deadline = time.monotonic() + 60
-        while not pages_home(a, kernel_id):
+        while not home():
             assert time.monotonic() < deadline, a.server_log()
             await asyncio.sleep(0.001)
         os.killpg(a.proc.pid, signal.SIGKILL)
@@ -1471,18 +1623,20 @@ async def test_this_server_killed_as_the_pages_come_home_finds_the_kernel_on_the
         assert "left suspended at b by its server" in a.server_log()
         guest = await call(b.api, "GET", f"api/gpumigrate/peer/kernels/{kernel_id}", headers=peer)
         assert guest["state"] == "running", guest
-        # a's half-fetched pages go once the kernel answers through the relay (revive.RELAYED_WAIT, 30 s at
+        # a's half-fetched files go once the kernel answers through the relay (revive.RELAYED_WAIT, 30 s at
         # most): after the kernel is listed, not with it (CI once looked in between)
         deadline = time.monotonic() + 45
-        while pages_home(a, kernel_id):
+        while home():
             assert time.monotonic() < deadline, a.server_log()[-3000:]
             await asyncio.sleep(0.2)
         assert "its images here, from before, are removed" in a.server_log(), a.server_log()[-3000:]
         tab = await open_tab(a, kernel_id)
-        assert (await tab.run(check)).strip() == "True 409600000"
+        assert (await tab.run(check)).strip() == f"True {size}"
         assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-        assert (await call(a.operate, kernel_id, "migrate", {"to_host": "a"}))["status"] == "succeeded"
-        assert (await tab.run(check)).strip() == "True 409600000"
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        assert (coming == "stash") == ("fetch stash" in op["timings"]), op["timings"]
+        assert (await tab.run(check)).strip() == f"True {size}"
         assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
         await forgotten(b, kernel_id)
     finally:
@@ -1490,6 +1644,8 @@ async def test_this_server_killed_as_the_pages_come_home_finds_the_kernel_on_the
             await call(a.start, a_peers(b))
         await end_kernel(a, kernel_id, tab)
         await forgotten(b, kernel_id)
+        if coming == "stash":
+            await with_stream_dump(a, b, "on")
 
 
 async def test_a_kernel_ended_at_home_while_the_other_hosts_server_was_down_goes_there_once_it_is_back(hosts):
@@ -1624,11 +1780,13 @@ async def test_this_server_killed_as_the_kernel_it_brings_home_is_adopted_leaves
         await forgotten(b, kernel_id)
 
 
-async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_kernel_runs_on_there(hosts):
-    """a keeps its images on a disk (a 600 MB tmpfs on its images folder here: the kernel's log stays beside,
-    where b sees it) that another process fills once some of the pages
-    b's dump serves home arrived: the way home fails, saying so; b resumes the kernel, which answers the same
-    tab there with its state, and a keeps no image of it (b keeps its own, the kernel's)."""
+@pytest.mark.parametrize("coming", ["pages", "stash"])
+async def test_this_hosts_disk_filling_up_as_images_come_home_is_said_and_the_kernel_runs_on_there(hosts, coming):
+    """a keeps its images on a disk (a tmpfs on its images folder here: the kernel's log stays beside, where b
+    sees it) that another process fills once some of what b's dump serves home arrived: its pages, as it writes
+    them (stream_dump on), or the parts of the stash its kernel wrote (off: phase 'fetch stash'). The way home
+    fails, saying so; b resumes the kernel (with its key: it reads its buffers back there), which answers the
+    same tab there with its state, and a keeps no image of it (b keeps its own, the kernel's)."""
 
     from helpers import small_tmpfs
 
@@ -1637,16 +1795,24 @@ async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_ker
     peers = {"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)}
     a.stop()  # a's server sees the mount only if it starts after it
     try:
-        with small_tmpfs(a.root / "state" / "images", "600m") as small:
-            a.extra = {"MigratableProvisioner": {"suspend_to": "disk"}, "GPUMigrateApp": {"stream_dump": "on"}}
+        with small_tmpfs(a.root / "state" / "images", "600m" if coming == "pages" else "1400m") as small:
+            a.extra = {"MigratableProvisioner": {"suspend_to": "disk"},
+                       "GPUMigrateApp": {"stream_dump": "on" if coming == "pages" else "off"}}
             a.start(peers)
-            kernel_id, tab, _ = await kernel_with_bytes(a)
+            if coming == "pages":
+                kernel_id, tab, _ = await kernel_with_bytes(a)
+                check, whole = "print(hashlib.sha256(blob).hexdigest() == before, len(blob))", "True 409600000"
+            else:
+                kernel_id, tab = await stashed_kernel(a)
+                check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
+                whole = f"True True {1050 << 20}"
             try:
                 away = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
                 assert away["status"] == "succeeded", away["error"]
 
                 def pages_here() -> bool:
-                    return any(f.stat().st_size > 16 << 20 for f in small.glob(f"{kernel_id}/pages-*"))
+                    return any(f.stat().st_size > 16 << 20 for f in small.glob(
+                        f"{kernel_id}/{'pages-*' if coming == 'pages' else 'stash-*'}"))
 
                 def fill_as_pages_come() -> tuple[bool, dict]:
                     op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
@@ -1662,15 +1828,16 @@ async def test_this_hosts_disk_filling_up_as_pages_come_home_is_said_and_the_ker
 
                 filled, op = await call(fill_as_pages_come)
                 if not filled:
-                    pytest.skip(f"b's dump was over before its pages reached a: {op['status']}")
+                    pytest.skip(f"b's dump was over before its {coming} reached a: {op['status']}")
                 assert op["status"] == "failed" and op["failed_phase"] in ("dump", "transfer"), op
+                assert (coming == "stash") == ("fetch stash" in op["timings"]), op["timings"]
                 assert "No space left on device" in op["error"], op["error"]
                 view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
                 assert view["host"] == "b" and view["remote"] and view["state"] == "running", view
-                same = await tab.run("print(hashlib.sha256(blob).hexdigest() == before, len(blob))")
-                assert same.strip() == "True 409600000"
+                assert (await tab.run(check)).strip() == whole
                 assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-                assert not list(small.glob(f"{kernel_id}/*.img")), "a kept what it fetched"
+                assert not list(small.glob(f"{kernel_id}/*.img")) and not list(small.glob(f"{kernel_id}/stash-*")), \
+                    "a kept what it fetched"
             finally:
                 (small / "filler").unlink(missing_ok=True)
                 await end_kernel(a, kernel_id, tab)
@@ -2126,12 +2293,7 @@ async def test_a_kernel_transplanted_to_the_other_host_outlives_that_hosts_serve
         guest_pid = 0
         await forgotten_with_its_record(b, kernel_id)
     finally:
-        if guest_pid and running_state(guest_pid) not in ("gone", "Z"):
-            os.kill(guest_pid, signal.SIGKILL)
-        if b.proc.poll() is not None:
-            await call(b.start, {"a": a.peer_entry()})
-        await end_kernel(a, kernel_id, tab)
-        await forgotten(b, kernel_id)
+        await end_on_both(a, b, kernel_id, tab, guest_pid)
 
 
 async def test_a_transplant_to_the_other_host_that_fails_there_leaves_the_source_running_here(hosts):

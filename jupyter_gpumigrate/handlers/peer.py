@@ -18,15 +18,17 @@ from typing import Any
 from urllib.parse import unquote
 
 from tornado import web
+from tornado.ioloop import PeriodicCallback
 from tornado.http1connection import HTTP1Connection
 from tornado.iostream import IOStream
 from tornado.websocket import WebSocketHandler
 
-from ..engine import hostfit
+from ..engine import hostfit, proctree
 from ..engine.errors import MigrateError
 from .. import bulk
 from ..peers import BLOCK, CHECKSUM, DETACH_MIN, FileSink, GuestHost, credential_ok, drop_mark, follows
-from ..relay import RelayServerEnd
+from ..engine.migration import RUNNING
+from ..relay import ENDED, RelayServerEnd
 from .base import BaseHandler
 
 
@@ -359,10 +361,16 @@ class GuestActionHandler(PeerHandler):
             self.send_json(result)
 
 
+#: How often the relay's far end looks whether its kernel's process still runs (milliseconds).
+WATCH_MS = 1000
+
+
 class ChannelsHandler(WebSocketHandler):
     """The relay's far end: ZMQ frames to and from the kernel that runs here (relay.py)."""
 
     end: RelayServerEnd | None = None
+    #: looks every WATCH_MS whether the kernel's process still runs
+    _watch: PeriodicCallback | None = None
 
     @property
     def max_message_size(self) -> int:  # type: ignore[override]
@@ -406,6 +414,8 @@ class ChannelsHandler(WebSocketHandler):
         except (MigrateError, ValueError, TypeError, IndexError, RecursionError) as exc:
             self.close(4004, str(exc)[:120])
             return
+        if self._ended(guest):
+            return
         if not self.guests.claim(guest):  # its peer has it: never discarded as unclaimed from now on
             self.close(4004, "This kernel is being discarded here: no relay claimed it in time.")
             return
@@ -414,8 +424,19 @@ class ChannelsHandler(WebSocketHandler):
         self.end.pid = guest.pid
         self.end.start()
         self.guests.relays[kernel_id] = self
+        self._watch = PeriodicCallback(lambda: self._ended(guest), WATCH_MS)
+        self._watch.start()
         if guest.api_listen is not None:
             await self.guests.api_listeners.join(self.end, guest.api_listen, guest.peer)
+
+    def _ended(self, guest: Any) -> bool:
+        """Whether the kernel's process ended here while it ran (killed, or it exited): then the relay is closed
+        saying so (relay.ENDED), and the peer's restarter starts the kernel again there. Not while a move or a
+        dump has it, nor where its images are kept (suspended, broken)."""
+        if guest.state != RUNNING or (guest.pid is not None and proctree.is_alive(guest.pid)):
+            return False
+        self.close(ENDED, "The kernel's process ended here.")
+        return True
 
     async def _send(self, data: bytes) -> None:
         await self.write_message(data, binary=True)
@@ -425,6 +446,9 @@ class ChannelsHandler(WebSocketHandler):
             await self.end.deliver(message if isinstance(message, bytes) else message.encode())
 
     def on_close(self) -> None:
+        if self._watch is not None:
+            self._watch.stop()
+            self._watch = None
         if self.end is not None:
             self.guests.api_listeners.leave(self.end)
             self.end.stop()

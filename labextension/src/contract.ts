@@ -774,7 +774,7 @@ export interface PeerCheckResponse {
    */
   growing?: boolean;
   /**
-   * The port of this host's bulk listener (c.GPUMigrateApp.bulk_port), on the same address as its server: large image files PUT there (same path, token and answers as the server's image route; nothing else is served there) are each received by a process of their own. Null while it has none (not started yet, or bulk_port -1); absent from older versions. A peer that cannot connect to it sends through the server's port.
+   * The port of this host's bulk listener (c.GPUMigrateApp.bulk_port), on the same address as its server: large image files PUT there (same path, token and answers as the server's image route) are each received by a process of their own, and a guest's image files are served whole by GET (the way home: GET /peer/kernels/{id} says the port then); nothing else is served there. Null while it has none (not started yet, or bulk_port -1); absent from older versions. A peer that cannot connect to it sends through the server's port.
    */
   bulk_port?: number | null;
   /**
@@ -862,6 +862,18 @@ export interface PeerGuest {
    * Its dump for the way home lists its stash's parts once its stash wrote them all, while the dump runs on (GET /peer/images/{id}?growing=true: stash_whole), and each can be fetched whole then (what a peer does where the files do not come as they are written); absent from older versions.
    */
   stash_listed?: boolean;
+  /**
+   * The port of this host's bulk listener now (as in PeerCheckResponse: it may have been started again on another since the kernel came), where the way home fetches its large image files whole (GET /peer/images/{id}/{name}, no query; same token and answers as the server's route), each sent by a process of its own. Null while it has none; absent from older versions (whose bulk port serves no GET): the way home then fetches from the server's port.
+   */
+  bulk_port?: number | null;
+  /**
+   * As in PeerCheckResponse; absent from older versions.
+   */
+  bulk_tls?: boolean;
+  /**
+   * The kernel runs here without its large buffers: an earlier server of this host died during its dump for the way home, after the kernel wrote them into its stash here. The peer sends its key (POST /peer/kernels/{id}/resume) to have it read them back, as it finds this host again; a dump asked meanwhile reads them back first, with the key. Absent otherwise, and from older versions.
+   */
+  stash_left?: true;
   /**
    * The GPUs its processes hold here, while it runs (a peer's next server shows them when it relays to the kernel again); absent from older versions.
    */
