@@ -221,9 +221,9 @@ class GPUMigrateApp(ExtensionApp):
         ip = "" if app.ip in ("", "*", "0.0.0.0") else app.ip  # noqa: S104 - the server's own choice
         guests = self.guests
 
-        def listening(port: int | None) -> None:  # at its start, and each time it is started again
+        def listening(port: int | None) -> None:  # at its start, each time it is started again, and None as it ends
+            guests.bulk_port, guests.bulk_tls = port, bulk.tls and port is not None
             if port is not None:
-                guests.bulk_port, guests.bulk_tls = port, bulk.tls
                 self.log.info("gpumigrate: peers' image files are received on port %d, each by a process of its "
                               "own", port)
 

@@ -58,7 +58,7 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 from . import bulk
-from .engine.errors import ImageError, MigrateError
+from .engine.errors import MigrateError
 from .engine.images import ImageStore
 from .peers import DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, credential_ok, image_path, mark_received
 
@@ -118,7 +118,8 @@ class BulkListener:
 
     def __init__(self, settings: BulkSettings, on_start: Callable[[int | None], None] | None = None) -> None:
         """``on_start(port)``: called once it listens (and each time it is started again, whose port may differ
-        where ``settings.port`` is 0)."""
+        where ``settings.port`` is 0); ``on_start(None)`` once it ended unasked (its port is no longer its own:
+        not to be announced meanwhile)."""
         self.settings = settings
         self.on_start = on_start
         self.process: subprocess.Popen | None = None
@@ -216,6 +217,8 @@ class BulkListener:
                 return
             self.process = None
         _end(process)
+        if self.on_start is not None:
+            self.on_start(None)
         self._start_again(process.returncode)
 
     def _start_again(self, returncode: int | None) -> None:
@@ -659,12 +662,13 @@ def _serve_file(sock: socket.socket, store: ImageStore, kernel_id: str, name: st
     server's route does for a file not followed as it grows."""
     try:
         path = image_path(store, kernel_id, name)
-        if not path.is_file() or path.is_symlink():
-            raise ImageError(f"Kernel {kernel_id} has no image file {name} here.")
-        size = path.stat().st_size
-    except MigrateError as exc:
-        bulk.respond(sock, 404, bulk.error(404, str(exc)))
+    except MigrateError as exc:  # as the server's route answers
+        bulk.respond(sock, exc.http_status, bulk.error(exc.http_status, str(exc)))
         return
+    try:
+        if not path.is_file() or path.is_symlink():
+            raise FileNotFoundError(path)
+        size = path.stat().st_size
     except OSError:
         bulk.respond(sock, 404, bulk.error(404, f"Kernel {kernel_id} has no image file {name} here."))
         return

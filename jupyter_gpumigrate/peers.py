@@ -181,6 +181,8 @@ def image_path(store: ImageStore, kernel_id: str, name: str) -> Path:
 
 #: How long a guest taken back without its large buffers gets to read them back from its stash (seconds).
 STASH_LEFT_WAIT = 3600.0
+#: How long this host waits for a peer's guest to read them back (seconds): longer than that host's own wait.
+GIVE_BACK_WAIT = STASH_LEFT_WAIT + 60.0
 
 
 #: A received image file's checksum, beside it in its folder, as the bulk listener's processes record it for
@@ -1191,8 +1193,7 @@ class PeerLink(HostLink):
 
     async def attach_async(self) -> None:
         if self.relay is None:
-            relay = RelayClient(self.info, self._connect, self.api_address,
-                                on_back=lambda: asyncio.to_thread(self.give_back_left))
+            relay = RelayClient(self.info, self._connect, self.api_address, on_back=self._back)
             await relay.start()
             await relay.introduce(self.clients())
             self.relay = relay
@@ -1233,6 +1234,11 @@ class PeerLink(HostLink):
         self.peer_stash = bool(info.get("stash"))
         self.peer_growing = bool(info.get("growing"))
         self.peer_lists_stash = info.get("stash_listed") is True
+        if info.get("stash_left") is True and not self.give_back_left():
+            raise InvalidState(f"The kernel runs on {self.host} without its large buffers (its server there died "
+                               "during a way home, after the kernel wrote them into its stash there), and could not "
+                               f"read them back: this server's log says why. It runs on {self.host} as before; try "
+                               "again.")
         self.bulk_home = self._bulk_client(info, "its large files come from")
         return hostfit.Requirements.from_dict(info["requirements"])
 
@@ -1270,21 +1276,32 @@ class PeerLink(HostLink):
         (``stash_left``), and reads them back."""
         self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key(), timeout=3600)
 
-    def give_back_left(self) -> None:
-        """That host is back (the relay dialled it again, before the clients' messages held meanwhile go): where
-        its server died during a dump for the way home after the kernel wrote its stash, the kernel runs there
-        without its large buffers (``stash_left``): have it read them back, with its key. Errors are logged."""
+    def give_back_left(self) -> bool:
+        """Where that host's server died during a dump for the way home after the kernel wrote its stash, the
+        kernel runs there without its large buffers (``stash_left``): have it read them back, with its key
+        (``POST kernels/{id}/resume`` with ``stash_left``: that host does nothing more, never a resume from
+        images). True once it has them (or none were away); False, logged, if it could not be asked or failed."""
         try:
             if self.client.call("GET", f"kernels/{self.kernel_id}", timeout=30).get("stash_left") is not True:
-                return
+                return True
             log.warning("gpumigrate: kernel %s runs on %s without its large buffers (its server there died during a "
                         "dump for the way home, after the kernel wrote its stash): it reads them back", self.kernel_id,
                         self.host)
-            self.resume_left()
-        except (MigrateError, OSError, ValueError, AttributeError) as exc:
-            log.error("gpumigrate: kernel %s on %s could not be asked to read back its large buffers, which are in "
-                      "its stash there (%s): they are read back before its next way home", self.kernel_id, self.host,
-                      exc)
+            self.client.call("POST", f"kernels/{self.kernel_id}/resume", {**self._key(), "stash_left": True},
+                             timeout=GIVE_BACK_WAIT)
+            return True
+        except (MigrateError, OSError, ValueError, AttributeError, http.client.HTTPException) as exc:
+            log.error("gpumigrate: kernel %s on %s could not read back its large buffers, which are in its stash "
+                      "there (%s): asked again as the relay dials again, and before its way home", self.kernel_id,
+                      self.host, exc)
+            return False
+
+    async def _back(self) -> None:
+        """The relay found that host again (before the clients' messages held meanwhile go): the kernel has its
+        large buffers first, or the dial counts as failed (and is made again, within the relay's patience)."""
+        if not await asyncio.to_thread(self.give_back_left):
+            raise PeerError(f"the kernel on {self.host} runs without its large buffers, and could not read them "
+                            "back yet")
 
     def fetch_images(self, images: Path) -> int:
         """The files are fetched as soon as they are listed, by name and size; their checksums, which that
@@ -1406,9 +1423,9 @@ class Guest:
         self.relayed = False
         #: being discarded as no relay claimed it (GuestHost.claim refuses a relay from then on)
         self.discarding = False
-        #: it runs without its large buffers, which it wrote into its stash here for a way home that an earlier
-        #: server of this host did not end (killed): it reads them back once its owner sends its key
-        self.stash_left = False
+        #: taken back running by this server from an earlier one's record (GuestHost.take_back): its large buffers
+        #: may be in a stash here, written for a way home that server did not end (GuestHost.stash_left)
+        self.taken_back = False
 
     @property
     def kernel_name(self) -> str:
@@ -1708,16 +1725,13 @@ class GuestHost:
             for process in stopped:  # a dump's CRIU killed with its server: a kernel never stops itself
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(process, signal_mod.SIGCONT)
-            guest.state, guest.ran = RUNNING, True
-            folder = self.store.path_for(kernel_id)
-            guest.stash_left = not (folder / MANIFEST).is_file() and (
-                (folder / STASH_INDEX).is_file() or any(folder.glob(STASH_PARTS)))
-            if guest.stash_left:
+            guest.state, guest.ran, guest.taken_back = RUNNING, True, True
+            self.guests[kernel_id] = guest
+            if self.stash_left(guest):
                 log.warning("gpumigrate: kernel %s, hosted for peer %s, runs without its large buffers: it wrote them "
                             "into its stash in %s for a way home that the server before this one did not end; it "
                             "reads them back once its peer sends its key (as that peer finds it again)", kernel_id,
-                            peer, folder)
-            self.guests[kernel_id] = guest
+                            peer, self.store.path_for(kernel_id))
             self._later(kernel_id, self.unclaimed, self._unclaimed, pid)
             log.info("gpumigrate: kernel %s, hosted for peer %s, taken back: its process %d runs on%s", kernel_id,
                      peer, pid, f" (it was stopped: {stopped}, continued)" if stopped else "")
@@ -2126,8 +2140,6 @@ class GuestHost:
         guest = self.guest(kernel_id)
         if guest.state == BROKEN:  # a resume of broken whole images is its owner's call, on its own host
             raise InvalidState(f"Kernel {kernel_id} is broken here: {guest.broken_reason}")
-        if guest.stash_left and guest.state == RUNNING:  # the undo of a dump that an earlier server left
-            return self._give_back_left(guest, key)
         guest.key = key
         with self._transplant_lock:
             self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
@@ -2156,14 +2168,38 @@ class GuestHost:
         return {"pid": guest.pid, "gpu": outcome.to_gpu, "gpus": gpus,
                 "timings": outcome.result.timings, "stash": outcome.stash}
 
+    def stash_left(self, guest: Guest) -> bool:
+        """Whether a guest taken back running (:attr:`Guest.taken_back`) runs without its large buffers: its
+        folder here holds a stash (its index, or parts: the kernel may still be writing them, asked by the server
+        before this one) and no whole dump. Judged each time from the folder, as the kernel may begin to write
+        them after this server took it back."""
+        if not guest.taken_back or guest.state != RUNNING or guest.pid is None or not proctree.is_alive(guest.pid):
+            return False
+        folder = self.store.path_for(guest.manifest.kernel_id)
+        try:
+            return not (folder / MANIFEST).is_file() and (
+                (folder / STASH_INDEX).is_file() or any(folder.glob(STASH_PARTS)))
+        except OSError:
+            return False
+
+    def give_back_left(self, kernel_id: str, key: str | None) -> dict:
+        """``POST peer/kernels/{id}/resume`` with ``stash_left``: where the guest runs without its large buffers
+        (:meth:`stash_left`), have it read them back with its owner's ``key``; else nothing (an answer of no
+        bytes): never a resume from images."""
+        guest = self.guest(kernel_id)
+        if not self.stash_left(guest):
+            return {"pid": guest.pid, "gpu": None, "gpus": [], "timings": {}, "stash": {"unstashed": 0}}
+        return self._give_back_left(guest, key)
+
     def _give_back_left(self, guest: Guest, key: str | None) -> dict:
-        """Have a guest taken back without its large buffers (:attr:`Guest.stash_left`) read them back from its
-        stash here, with its owner's ``key``; then its stash goes. Its answer, as a restore's."""
+        """Have a guest taken back without its large buffers (:meth:`stash_left`) read them back from its stash
+        here, with its owner's ``key``; then its stash goes. Its answer, as a restore's."""
         kernel_id = guest.manifest.kernel_id
         if not key:
             raise InvalidState(f"Kernel {kernel_id} runs here without its large buffers, which are in its stash "
-                               "here: its peer must send its key to have it read them back (POST peer/kernels/"
-                               f"{kernel_id}/resume with the key).")
+                               "here (this host's server died during its way home): its peer reads them back as it "
+                               "finds this host again, or as it asks for the way home, with a version of "
+                               "jupyter-gpumigrate that sends the kernel's key for it. Nothing was changed here.")
         folder = self.store.path_for(kernel_id)
         guest.key = key
         began = time.monotonic()
@@ -2174,7 +2210,6 @@ class GuestHost:
                              f"({exc or 'no answer in time'}); they stay in {folder}: ask again.") from exc
         finally:
             guest.key = None
-        guest.stash_left = False
         self.store.remove(kernel_id)
         log.warning("gpumigrate: kernel %s, hosted for a peer, read back its large buffers from the stash the server "
                     "before this one left (%s bytes)", kernel_id, said.get("unstashed"))
@@ -2185,7 +2220,7 @@ class GuestHost:
         """Suspend the kernel for its way home; with ``key`` and ``stash_min`` (it is idle), its large buffers
         written into its images first."""
         guest = self.guest(kernel_id)
-        if guest.stash_left:  # its buffers back first: the dump's folder replaces the stash's
+        if self.stash_left(guest):  # its buffers back first: the dump's folder replaces the stash's
             self._give_back_left(guest, key)
         guest.key = key
         run = self.dumping[kernel_id] = DumpRun()  # its pages are served as they are written till it is over
@@ -2271,7 +2306,7 @@ class GuestHost:
                                 "bulk_port": self.bulk_port, "bulk_tls": self.bulk_tls}
         if waiting:
             info["waiting"] = True
-        if guest.stash_left:
+        if self.stash_left(guest):
             info["stash_left"] = True
         if alive and guest.pid is not None:
             listens = kernel_listens(guest.kernel_connection_info)

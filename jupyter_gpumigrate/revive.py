@@ -666,7 +666,7 @@ async def _adopt_remote(serverapp: Any, path: Path, record: dict, link_to: LinkT
             await asyncio.to_thread(link.resume_left)
             there = await _ask(link)
         elif there.get("stash_left"):  # its server there died too, during that dump, after the kernel's stash
-            await asyncio.to_thread(link.give_back_left)
+            await asyncio.to_thread(link.give_back_left)  # else asked again as the relay dials, and before a way home
     except MigrateError as exc:
         if getattr(exc, "status", None) == 404:
             path.unlink(missing_ok=True)

@@ -1290,6 +1290,10 @@ async def test_the_other_hosts_server_killed_while_its_stash_comes_home_is_said_
         assert "stash_left" not in guest, guest
         assert not [f for folder in [b.root / "state" / "guests" / kernel_id, *guest_images_in_memory(kernel_id)]
                     if folder.is_dir() for f in folder.glob("stash-*")], "b kept the stash it read back"
+        # A late or second read back (a's next server, a dial made again) does nothing: never a resume from images.
+        again = await call(b.api, "POST", f"api/gpumigrate/peer/kernels/{kernel_id}/resume",
+                           {"key": "", "stash_left": True}, headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
+        assert again["pid"] == guest_pid and again["stash"] == {"unstashed": 0}, again
         assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
         await home_again(a, b, kernel_id, tab, guest_pid, check, f"True True {1050 << 20}")
     finally:

@@ -352,6 +352,8 @@ class GuestActionHandler(PeerHandler):
             elif action == "dump":
                 self.guests.stop_relay(kernel_id)
                 result = await self.run(self.guests.dump, kernel_id, body.get("key"), body.get("stash_min"))
+            elif body.get("stash_left"):  # a guest taken back without its large buffers: those, and no more
+                result = await self.run(self.guests.give_back_left, kernel_id, body.get("key"))
             else:  # resume: the undo of a dump
                 result = await self.run(self.guests.restore, kernel_id, None, body.get("key"))
         if result is not None:

@@ -973,13 +973,17 @@ export interface PeerRestoreRequest {
   key?: string;
 }
 /**
- * POST /peer/kernels/{id}/resume (the undo of a dump): an empty object, or the key.
+ * POST /peer/kernels/{id}/resume (the undo of a dump): an empty object, or the key; with stash_left, only the read back of a kernel taken back without its large buffers.
  */
 export interface PeerResumeRequest {
   /**
    * The kernel's connection key (empty: its messages are not signed), so that this host can have the kernel write its large buffers into its images or read them back (its host stash). Held in memory for this call only, never written.
    */
   key?: string;
+  /**
+   * Only have a kernel that runs here without its large buffers (stash_left in GET /peer/kernels/{id}) read them back, with the key; nothing else, and nothing where it has them (an answer of 0 bytes): never a resume from images. Absent from older versions.
+   */
+  stash_left?: true;
 }
 /**
  * POST /peer/kernels/{id}/dump: no body (or an empty object): CRIU and the CUDA driver carry everything; with key and stash_min (the kernel is idle), the kernel first writes its large buffers into its images if they add up to stash_min bytes or more.
