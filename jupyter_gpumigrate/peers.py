@@ -2195,7 +2195,7 @@ class GuestHost:
         """Have a guest taken back without its large buffers (:meth:`stash_left`) read them back from its stash
         here, with its owner's ``key``; then its stash goes. Its answer, as a restore's."""
         kernel_id = guest.manifest.kernel_id
-        if not key:
+        if key is None:  # (an empty key is a key: the kernel's messages are not signed)
             raise InvalidState(f"Kernel {kernel_id} runs here without its large buffers, which are in its stash "
                                "here (this host's server died during its way home): its peer reads them back as it "
                                "finds this host again, or as it asks for the way home, with a version of "
