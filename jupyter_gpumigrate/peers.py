@@ -1282,7 +1282,13 @@ class PeerLink(HostLink):
         (``POST kernels/{id}/resume`` with ``stash_left``: that host does nothing more, never a resume from
         images). True once it has them (or none were away); False, logged, if it could not be asked or failed."""
         try:
-            if self.client.call("GET", f"kernels/{self.kernel_id}", timeout=30).get("stash_left") is not True:
+            try:
+                info = self.client.call("GET", f"kernels/{self.kernel_id}", timeout=30)
+            except PeerError as exc:
+                if exc.status == 404:
+                    return True  # no such kernel there (discarded): nothing of it to read back
+                raise
+            if info.get("stash_left") is not True:
                 return True
             log.warning("gpumigrate: kernel %s runs on %s without its large buffers (its server there died during a "
                         "dump for the way home, after the kernel wrote its stash): it reads them back", self.kernel_id,
