@@ -430,6 +430,8 @@ class _Work:
 
     order: int | None = None
     address: str | None = None
+    #: the server called it off (its process was killed for that)
+    cancelled: bool = False
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -515,6 +517,7 @@ def _take_order(line: bytes, children: dict[int, _Work], events: selectors.BaseS
     if "cancel" in order:
         for pid, work in children.items():
             if work.order == ident:
+                work.cancelled = True
                 os.kill(pid, signal.SIGKILL)  # the reaper answers for it
         return
 
@@ -576,6 +579,18 @@ def _tls(settings: BulkSettings) -> ssl.SSLContext | None:
     return context
 
 
+def _ended_early(work: _Work, status: int) -> str:
+    """Why an order's process ended without its answer, from its wait status."""
+    if work.cancelled:
+        return "called off"
+    if os.WIFSIGNALED(status):
+        name = signal.Signals(os.WTERMSIG(status)).name if os.WTERMSIG(status) in signal.valid_signals() \
+            else f"signal {os.WTERMSIG(status)}"
+        return (f"its process here was killed ({name}), not by this server: the out-of-memory killer, or an "
+                "administrator; see the host's kernel log (journalctl -k), and try again")
+    return f"its process here failed (exit status {os.WEXITSTATUS(status)}): see this server's log"
+
+
 def _reap(children: dict[int, _Work], block: bool = False) -> None:
     """Wait for the processes that ended; a fetch's that ended without its answer (killed: called off) is
     answered for."""
@@ -588,7 +603,7 @@ def _reap(children: dict[int, _Work], block: bool = False) -> None:
         if done:
             work = children.pop(pid)
             if work.order is not None and status != 0:
-                _say({"id": work.order, "error": "called off" if os.WIFSIGNALED(status) else "its process failed"})
+                _say({"id": work.order, "error": _ended_early(work, status)})
 
 
 def _connection(conn: socket.socket, settings: BulkSettings, context: ssl.SSLContext | None,

@@ -1419,6 +1419,9 @@ class Guest:
         self.broken_reason: str | None = None
         self.sessions: list[dict] = []
         self.pid: int | None = None
+        #: when that process started (proctree.start_time): with the PID, it names the kernel's process, which
+        #: a PID reused by another process after the kernel's died does not
+        self.started: int | None = None
         self.pgid: int | None = None
         self.api_listen: tuple[str, int] | None = None
         #: the kernel's connection key, while a call of its owner that needs it runs (never written here)
@@ -1448,11 +1451,19 @@ class Guest:
     def release(self) -> None:
         if self.pid is not None:
             proctree.wait_gone(self.pid, timeout=30)
-        self.pid = self.pgid = None
+        self.pid = self.pgid = self.started = None
 
     def adopt(self, pid: int) -> None:
         self.pid = pid
+        self.started = proctree.start_time(pid)
         self.pgid = os.getpgid(pid)
+
+    def runs(self) -> bool:
+        """Whether the kernel's process runs: its PID is alive and names the process adopted (the same start
+        time), not another that took the PID after the kernel's ended."""
+        pid = self.pid
+        return pid is not None and proctree.is_alive(pid) and (
+            self.started is None or proctree.start_time(pid) == self.started)
 
     def wait_ready(self, timeout: float) -> bool:
         return True  # its owner checks, through the relay: it has the kernel's key, we need not
@@ -2179,7 +2190,7 @@ class GuestHost:
         folder here holds a stash (its index, or parts: the kernel may still be writing them, asked by the server
         before this one) and no whole dump. Judged each time from the folder, as the kernel may begin to write
         them after this server took it back."""
-        if not guest.taken_back or guest.state != RUNNING or guest.pid is None or not proctree.is_alive(guest.pid):
+        if not guest.taken_back or guest.state != RUNNING or not guest.runs():
             return False
         folder = self.store.path_for(guest.manifest.kernel_id)
         try:
@@ -2285,7 +2296,7 @@ class GuestHost:
             proc.kill()
             proc.wait(timeout=30)
         guest = self.guests.pop(kernel_id, None)
-        if guest is not None and guest.pid is not None and proctree.is_alive(guest.pid):
+        if guest is not None and guest.runs():
             proctree.kill_tree(guest.pid)
             proctree.wait_gone(guest.pid, timeout=10)
         self._forget(kernel_id)
@@ -2305,7 +2316,7 @@ class GuestHost:
         with self._transplant_lock:  # the state and the waiting read together (switch_transplant)
             state = guest.state
             waiting = kernel_id in self._transplants  # a transplant's new process, not told to go: not the kernel
-        alive = guest.pid is not None and proctree.is_alive(guest.pid)
+        alive = guest.runs()
         info: dict[str, Any] = {"id": kernel_id, "state": state if alive or state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
                                 "checksum": CHECKSUM, "growing": self.serve_growing, "stash_listed": True,

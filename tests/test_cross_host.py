@@ -21,13 +21,16 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 
 import pytest
-from helpers import BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, fill, transplant_processes, two_gpus
+from helpers import (BUILD_STATE, CHECK_STATE, EXPECTED, WebSocketTab, fill, hold_pid, start_sleep, transplant_processes,
+                     two_gpus)
 from hosts import Host, Network, host_pair
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from jupyter_gpumigrate.credentials import ENV_KERNEL_ID
 from jupyter_gpumigrate.engine import hostfit, proctree
+from jupyter_gpumigrate.engine.images import Manifest
+from jupyter_gpumigrate.peers import Guest
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -380,6 +383,28 @@ async def with_stream_dump(a: Host, b: Host, value: str) -> None:
         await call(host.start, peers)
 
 
+#: 1100 MiB of random bytes in the kernel (over host_stash_min: its stash's parts go by the bulk listeners), and
+#: the check that they, and the object holding them, are the same
+BLOB = ("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
+        "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+BLOB_CHECK = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
+
+
+async def runs_whole_on(tab: WebSocketTab, host: Host) -> None:
+    """The kernel behind ``tab`` runs on ``host`` with its :data:`BLOB` unchanged."""
+    assert (await tab.run(WHERE)).strip() == f"{host.ip}/24"
+    assert (await tab.run(BLOB_CHECK)).strip() == f"True True {1100 << 20}"
+
+
+async def b_keeps_nothing_of(b: Host, kernel_id: str) -> None:
+    """Within 30 s, ``b`` holds no folder of the kernel (on its disk or in its memory)."""
+    guest = b.root / "state" / "guests" / kernel_id
+    deadline = time.monotonic() + 30
+    while guest.exists() or guest_images_in_memory(kernel_id):
+        assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
+        await asyncio.sleep(0.1)
+
+
 def bulk_listener_of(host: Host, other_than: int | None = None) -> int:
     """The PID of ``host``'s bulk listener (bulkd.py), once it runs (``other_than``: once one other than that
     one runs: it was started again)."""
@@ -407,12 +432,9 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
     # processes fetch. Nothing of it is left on either host. (A port that cannot be reached: test_bulk.py.)
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
-    check = "print(hashlib.sha256(blob).hexdigest() == before, id(blob) == ident, len(blob))"
-    whole = f"True True {1100 << 20}"
     guest = b.root / "state" / "guests" / kernel_id
     try:
-        await tab.run("import hashlib, os\nblob = bytearray(os.urandom(1 << 20)) * 1100\n"
-                      "before, ident = hashlib.sha256(blob).hexdigest(), id(blob)")
+        await tab.run(BLOB)
         listener_b = bulk_listener_of(b)
 
         def kill_bs_listener_as_a_part_arrives() -> dict:
@@ -428,8 +450,7 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
 
         op = await call(kill_bs_listener_as_a_part_arrives)
         assert op["status"] == "failed", op
-        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-        assert (await tab.run(check)).strip() == whole
+        await runs_whole_on(tab, a)
 
         await call(bulk_listener_of, b, listener_b)
         deadline = time.monotonic() + 30
@@ -442,8 +463,7 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
         since = (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
         assert f"kernel {kernel_id}: its large files go to b's bulk listener" in since, since
-        assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-        assert (await tab.run(check)).strip() == whole
+        await runs_whole_on(tab, b)
 
         listener_a = bulk_listener_of(a)
 
@@ -463,8 +483,7 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         await call(bulk_listener_of, a, listener_a)
         if op["status"] == "failed":  # a file fetched after the dump was on its way: undone, the kernel runs there
             assert "bulk listener" in op["error"] or "called off" in op["error"], op["error"]
-            assert (await tab.run(WHERE)).strip() == f"{b.ip}/24"
-            assert (await tab.run(check)).strip() == whole
+            await runs_whole_on(tab, b)
             deadline = time.monotonic() + 30
             while "the bulk listener was started again" not in a.server_log():
                 assert time.monotonic() < deadline, a.server_log()[-3000:]
@@ -476,17 +495,83 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         # else the files followed as b's dump wrote them were on their way: each that failed was fetched again
         # after the dump, by a's server process, as a file followed that fails always is
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-        assert (await tab.run(WHERE)).strip() == f"{a.ip}/24"
-        assert (await tab.run(check)).strip() == whole
-        deadline = time.monotonic() + 30
-        while guest.exists() or guest_images_in_memory(kernel_id):
-            assert time.monotonic() < deadline, f"b kept {list(guest.glob('*'))}"
-            await asyncio.sleep(0.1)
+        await runs_whole_on(tab, a)
+        await b_keeps_nothing_of(b, kernel_id)
     finally:
         await end_kernel(a, kernel_id, tab)
         for host, peers in ((b, {"a": a.peer_entry()}), (a, a_peers(b))):  # their listeners again
             host.stop()
             await call(host.start, peers)
+
+
+def children_of(pid: int) -> list[int]:
+    """The processes whose parent is ``pid``."""
+    found = []
+    for child in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if int(Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(child))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def kill_one_child_as_it_moves(a: Host, kernel_id: str, to_host: str, listener: int) -> tuple[dict, int]:
+    """Move the kernel to ``to_host`` and SIGKILL the first process of ``listener`` (a bulk listener) seen
+    during the move (one file's transfer: the listener and its other processes are left alone); the
+    operation once over, and the PID killed."""
+    op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": to_host})
+    deadline = time.monotonic() + 60
+    while True:
+        for child in children_of(listener):
+            try:
+                os.kill(child, signal.SIGKILL)
+            except ProcessLookupError:
+                continue
+            return finished(a, op), child
+        assert time.monotonic() < deadline, "the bulk listener ran no process for the move"
+        time.sleep(0.001)
+
+
+async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_stays_whole(hosts):
+    # One process of a bulk listener, not the listener, is SIGKILLed as an out-of-memory killer would: going
+    # away, one of a's processes sending a large file; coming home, one of b's processes serving one. Going
+    # away, the move is undone, its error names the process killed and not by the server; the kernel runs on
+    # here, whole, and the listener goes on: the next move succeeds with it. Coming home, a file that was
+    # fetched during b's dump is fetched again after it (the move succeeds), or the move is undone (the kernel
+    # runs on there); either way the kernel is whole where the operation says, and nothing is left behind.
+    # With stream_dump off (the default): files followed as they grow go from the servers' threads.
+    a, b = hosts
+    await with_stream_dump(a, b, "off")
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run(BLOB)
+        listener_a, listener_b = bulk_listener_of(a), bulk_listener_of(b)
+
+        op, killed = await call(kill_one_child_as_it_moves, a, kernel_id, "b", listener_a)
+        assert op["status"] == "failed", op
+        assert "killed (SIGKILL), not by this server" in op["error"], op["error"]
+        await until_gone(killed, 5)  # reaped by its listener
+        await runs_whole_on(tab, a)
+        assert bulk_listener_of(a) == listener_a, "a's listener was started again: it should have gone on"
+
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        await runs_whole_on(tab, b)
+
+        op, killed = await call(kill_one_child_as_it_moves, a, kernel_id, "a", listener_b)
+        await until_gone(killed, 5)  # reaped by its listener
+        assert op["status"] == "succeeded" or "from b failed" in op["error"], op
+        await runs_whole_on(tab, a if op["status"] == "succeeded" else b)
+        assert bulk_listener_of(b) == listener_b, "b's listener was started again: it should have gone on"
+        if op["status"] == "failed":
+            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+            await runs_whole_on(tab, a)
+        await b_keeps_nothing_of(b, kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
+        await with_stream_dump(a, b, "on")
 
 
 def reading_back(pid: int) -> bool:
@@ -1104,6 +1189,26 @@ async def test_the_kernel_killed_on_the_other_host_while_its_stash_comes_home_is
         await end_kernel(a, kernel_id, tab)
         await forgotten(b, kernel_id)
         await with_stream_dump(a, b, "on")
+
+
+def test_a_guest_whose_pid_another_process_took_does_not_run():
+    # What b judges from a guest's process (its relay's end closed as ended, stash_left, its state in describe,
+    # the discard's kill) is the process it adopted: a PID that another process took after the kernel's died
+    # (here taken on purpose, through ns_last_pid) is not the kernel, and is never killed for it.
+    proc = start_sleep("60")
+    guest = Guest(Manifest(kernel_id="k", kernel_name="python3", pid=proc.pid, ids=[proc.pid]), "a")
+    guest.adopt(proc.pid)
+    assert guest.runs()
+    time.sleep(0.05)  # start times count in clock ticks (10 ms): a kernel lives longer than one
+    proc.kill()
+    proc.wait()
+    assert not guest.runs()
+    holder = hold_pid(proc.pid)
+    try:
+        assert proctree.is_alive(proc.pid)
+        assert not guest.runs()
+    finally:
+        holder.stop()
 
 
 async def test_a_kernel_that_dies_on_the_other_host_is_said_ended_there_and_restarted_here(hosts):

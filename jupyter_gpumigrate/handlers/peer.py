@@ -23,7 +23,7 @@ from tornado.http1connection import HTTP1Connection
 from tornado.iostream import IOStream
 from tornado.websocket import WebSocketHandler
 
-from ..engine import hostfit, proctree
+from ..engine import hostfit
 from ..engine.errors import MigrateError
 from .. import bulk
 from ..peers import BLOCK, CHECKSUM, DETACH_MIN, FileSink, GuestHost, credential_ok, drop_mark, follows
@@ -435,7 +435,7 @@ class ChannelsHandler(WebSocketHandler):
         """Whether the kernel's process ended here while it ran (killed, or it exited): then the relay is closed
         saying so (relay.ENDED), and the peer's restarter starts the kernel again there. Not while a move or a
         dump has it, nor where its images are kept (suspended, broken)."""
-        if guest.state != RUNNING or (guest.pid is not None and proctree.is_alive(guest.pid)):
+        if guest.state != RUNNING or guest.runs():
             return False
         self.close(ENDED, "The kernel's process ended here.")
         return True
