@@ -60,7 +60,8 @@ from urllib.parse import unquote, urlsplit
 from . import bulk
 from .engine.errors import MigrateError
 from .engine.images import ImageStore
-from .peers import DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, credential_ok, image_path, mark_received
+from .peers import (DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, Written, credential_ok, image_path,
+                    mark_received)
 
 log = logging.getLogger(__name__)
 
@@ -249,20 +250,25 @@ class BulkListener:
             process.stdin.write(json.dumps(order).encode() + b"\n")
             process.stdin.flush()
 
-    def _ask(self, order: dict, stop: threading.Event) -> dict:
+    def _ask(self, order: dict, stop: threading.Event, over: threading.Event | None = None) -> dict:
         """Give the listener ``order`` (fetch or send), run by a process of its own; its answer (``error``:
-        it failed). ``stop``, once set, calls it off (its process is killed)."""
+        it failed). ``stop``, once set, calls it off (its process is killed). ``over`` (a file sent as a dump
+        writes it), once set, is passed on: the dump is over, and the file has its last size."""
         ident = next(self._orders)
         future: Future = Future()
         self._waiting[ident] = future
+        told = False
         try:
             self._order({"id": ident, **order})
             while True:
                 try:
-                    return future.result(timeout=0.1)
+                    return future.result(timeout=0.01 if over is not None and not told else 0.1)
                 except FutureTimeout:
                     if not self.running:  # its processes may hold the answers' pipe open: not waited for
                         return {"error": "the bulk listener ended (the server stops, or it was killed)"}
+                    if over is not None and not told and over.is_set() and not stop.is_set():
+                        self._order({"over": ident})
+                        told = True
                     if stop.is_set():
                         self._order({"cancel": ident})
                         try:
@@ -304,6 +310,19 @@ class BulkListener:
         if "error" in answer:
             raise self._failed(answer, f"Sending {file.name} to {peer.name} failed")
         return str(answer["digest"])
+
+    def send_growing(self, peer: Peer, path: str, file: Path, over: threading.Event, stop: threading.Event,
+                     port: int | None = None) -> tuple[int, str]:
+        """Send ``file`` while a dump (or the stash before it) appends to it, in a process of the listener's,
+        as :meth:`PeerClient.put_growing` does: until it is whole (:class:`~.peers.Written`: ``over``, the
+        dump is over, which the process is told (SIGUSR1) once it is set; or, for a part of the stash, its
+        index is beside it) and all of it went: its size and checksum. ``stop``, once set, calls it off: the
+        process is killed, and the peer, seeing no last chunk, keeps nothing of it. PeerError if it fails."""
+        answer = self._ask({"send": {"peer": asdict(peer), "port": port, "path": path, "file": str(file),
+                                     "size": None}}, stop, over)
+        if "error" in answer:
+            raise self._failed(answer, f"Sending {file.name} to {peer.name} as it was written failed")
+        return int(answer["size"]), str(answer["digest"])
 
     def stop(self, timeout: float = 5.0) -> None:
         """End the listener and the files it receives (a move under way then fails, and its kernel stays where
@@ -373,6 +392,15 @@ class BulkTransfers:
         return self.listener.send(self.client.peer, path, file, size, stop or threading.Event(),
                                   self.link.bulk.port if self.link.bulk is not None else None)
 
+    def put_growing(self, path: str, file: Path, final: Written, stop: threading.Event,
+                    progress: dict[str, int] | None = None) -> tuple[int, str]:
+        """A file a dump still writes, sent by a process of the listener's (how far it got is not said in
+        ``progress``, which only a sender in this process fills)."""
+        if not self.listener.running:
+            return (self.link.bulk or self.client).put_growing(path, file, final, stop, progress)
+        return self.listener.send_growing(self.client.peer, path, file, final.over, stop,
+                                          self.link.bulk.port if self.link.bulk is not None else None)
+
 
 # -- the listener's process ----------------------------------------------------------------------------
 
@@ -390,6 +418,9 @@ def main() -> None:
         return
     _say({"port": listener.getsockname()[1] if listener is not None else None})
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # A file sent as a dump writes it learns from SIGUSR1 that the dump is over (_send): blocked here, so
+    # that every process forked inherits it blocked, and one told at once after its fork keeps the word.
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})
     store = ImageStore(settings.root, settings.memory_root)
     children: dict[int, _Work] = {}
     pending = b""
@@ -511,14 +542,16 @@ def _take_order(line: bytes, children: dict[int, _Work], events: selectors.BaseS
                 listener: socket.socket | None) -> None:
     try:
         order = json.loads(line)
-        ident = int(order.get("id") or order.get("cancel"))
+        ident = int(order.get("id") or order.get("cancel") or order.get("over"))
     except (ValueError, TypeError, AttributeError):
         return
-    if "cancel" in order:
+    if "cancel" in order or "over" in order:
         for pid, work in children.items():
-            if work.order == ident:
+            if work.order == ident and "cancel" in order:
                 work.cancelled = True
                 os.kill(pid, signal.SIGKILL)  # the reaper answers for it
+            elif work.order == ident:
+                os.kill(pid, signal.SIGUSR1)  # the dump is over: its file has its last size (_send)
         return
 
     def work() -> bool:
@@ -554,12 +587,30 @@ def _fetch(order: dict) -> dict:
     return {"size": size, "digest": digest}
 
 
+def _told_over() -> threading.Event:
+    """Set once this process gets SIGUSR1 (the server's word that the dump is over), which is blocked in it
+    (inherited from the listener): a thread waits for it, as a handler would run in the thread it interrupts."""
+    over = threading.Event()
+
+    def wait() -> None:
+        signal.sigwait({signal.SIGUSR1})
+        over.set()
+
+    threading.Thread(target=wait, name="gpumigrate-over", daemon=True).start()
+    return over
+
+
 def _send(order: dict) -> dict:
-    """Run one send order (BulkListener.send): the file's checksum, or the error."""
+    """Run one send order (BulkListener.send, or send_growing where its size is None): the file's size and
+    checksum, or the error."""
     client = PeerClient(Peer(**order["peer"]), port=order.get("port"))
-    file, size = Path(order["file"]), int(order["size"])
+    file = Path(order["file"])
     try:
-        digest = client.put_file(order["path"], file, size)
+        if order["size"] is None:
+            size, digest = client.put_growing(order["path"], file, Written(file, _told_over()), threading.Event())
+        else:
+            size = int(order["size"])
+            digest = client.put_file(order["path"], file, size)
     except PeerError as exc:
         return {"error": str(exc), "status": exc.status, "peer": True}
     except OSError as exc:  # the file went (the move undone meanwhile)

@@ -845,7 +845,7 @@ class _Sending:
             self.final.wait(0.01)
 
     def _put_growing(self, path: Path) -> dict:
-        size, digest = self.bulk.put_growing(f"images/{self.kernel_id}/{path.name}", path,
+        size, digest = self.sender.put_growing(f"images/{self.kernel_id}/{path.name}", path,
                                                Written(path, self.final), self.stopped, self.progress)
         return {"name": path.name, "size": size, "xxh3": digest}
 
@@ -1123,10 +1123,12 @@ class PeerLink(HostLink):
                 raise PeerError(f"{file['name']} changed while it was sent ({file['size']} bytes sent, "
                                 f"{sizes.get(file['name'])} there now): send the images again.")
         self.client.call("POST", f"images/{self.kernel_id}/complete", {"files": sent})
+        # a file followed by a process of the bulk listener says no progress: only how many went so
+        by = f"{by_then / 1e9:.2f} GB of those by its end" if sending.progress or not followed else \
+            "each by a process of the bulk listener"
         log.info("gpumigrate: kernel %s: %d image files, %.2f GB, sent to %s in %.2f s since the first began "
-                 "(%d of them before the dump ended; %d while it wrote them, %.2f GB of those by its end)",
-                 self.kernel_id, len(sent), total / 1e9, self.host, time.monotonic() - sending.began, early,
-                 followed, by_then / 1e9)
+                 "(%d of them before the dump ended; %d while it wrote them, %s)", self.kernel_id, len(sent),
+                 total / 1e9, self.host, time.monotonic() - sending.began, early, followed, by)
         return total
 
     def _key(self) -> dict:

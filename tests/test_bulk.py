@@ -402,6 +402,68 @@ async def test_the_bulk_listener_fetches_and_sends_each_file_in_a_process_of_its
         listener.stop()
 
 
+async def test_the_bulk_listener_sends_a_file_as_a_dump_writes_it_from_a_process_of_its_own(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    """A file followed as the dump writes it (BulkListener.send_growing, what a BulkTransfers asks where
+    stream_dump is on) goes from a process of the listener's to the peer's bulk port while a thread here still
+    appends to it, and ends once told the dump is over (SIGUSR1), whole, with the checksum of all of it; a part
+    of the stash ends at its index without that word. One told at once, as its process begins, keeps the word;
+    one called off mid-file leaves nothing there."""
+    kid = str(uuid.uuid4())
+    peer = Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN)
+    await asyncio.to_thread(PeerClient(peer).call, "POST", f"images/{kid}", {"bytes": 8 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    port = await bulk_port(jp_serverapp)
+    listener = BulkListener(BulkSettings(token="", root=str(tmp_path / "unused"), memory_root=None, base_url="/",
+                                         host="", port=-1))
+    data = os.urandom(3 * SIZE)
+    try:
+        assert await asyncio.to_thread(listener.start) is None
+        for name in ("pages-1.img", "stash-0.bin"):
+            source = tmp_path / name
+            source.write_bytes(b"")
+            over, stop = threading.Event(), threading.Event()
+            sending = asyncio.ensure_future(asyncio.to_thread(
+                listener.send_growing, peer, f"images/{kid}/{name}", source, over, stop, port))
+            with open(source, "ab") as f:  # in pieces that are not whole blocks, as CRIU and the stash write
+                for at in range(0, len(data), 3_000_017):
+                    f.write(data[at:at + 3_000_017])
+                    f.flush()
+                    await asyncio.sleep(0.02)
+            deadline = time.monotonic() + 30
+            while not (folder / name).exists() or (folder / name).stat().st_size == 0:
+                assert time.monotonic() < deadline, "nothing went while the file was written"
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)
+            assert not sending.done(), "it ended before it was told the file's end"
+            if name == "pages-1.img":
+                over.set()  # the dump is over
+            else:
+                (tmp_path / "stash-index.json").write_text("{}")  # the stash wrote its index: the part is whole
+            assert await asyncio.wait_for(sending, 30) == (len(data), checksum_of(data))
+            assert (folder / name).read_bytes() == data
+
+        # Told at once: its process may not even run yet (SIGUSR1 is blocked in the listener and in its
+        # processes, which wait for it in a thread of their own); every time, the whole file, then the end.
+        (tmp_path / "pages-2.img").write_bytes(data[:SIZE])
+        for _ in range(5):
+            over = threading.Event()
+            over.set()
+            assert await asyncio.to_thread(listener.send_growing, peer, f"images/{kid}/pages-2.img",
+                                           tmp_path / "pages-2.img", over, threading.Event(), port) == \
+                (SIZE, checksum_of(data[:SIZE]))
+
+        # Called off mid-file (the move undone): its process is killed, and the peer keeps no half file.
+        await called_off(listener, lambda stop: listener.send_growing(
+            peer, f"images/{kid}/pages-3.img", tmp_path / "pages-2.img", threading.Event(), stop, port))
+        deadline = time.monotonic() + 30
+        while (folder / "pages-3.img").exists():
+            assert time.monotonic() < deadline, "the half file stayed"
+            await asyncio.sleep(0.05)
+    finally:
+        listener.stop()
+
+
 def test_a_bulk_port_that_cannot_be_reached_is_said_and_the_files_go_through_the_servers_port(caplog):
     """A peer announces a bulk port (POST peer/check) that this host cannot connect to (a firewall between the
     hosts, a listener killed and not yet started again): the link says so and sends through the peer's server

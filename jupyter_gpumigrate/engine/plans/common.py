@@ -249,11 +249,19 @@ def disk_full_said(ctx: KernelContext, then: str) -> Iterator[None]:
         raise
 
 
+#: How long a failed dump whose CRIU saw a process of the tree end waits for the kernel's own to be gone, before
+#: it says the kernel runs on (seconds).
+DIED_WAIT = 5.0
+
+
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why; or, where the
     kernel's process itself is gone (killed meanwhile: CRIU's failure is then its death), say that instead."""
     assert ctx.manifest is not None
-    if not proctree.is_alive(ctx.manifest.pid):
+    if not proctree.is_alive(ctx.manifest.pid) or (
+            # CRIU saw a process of the tree end or be killed (its SIGCHLD, said as si_code, si_pid, si_status):
+            # the kernel's may still be exiting (freeing a large memory takes a while), or be that process
+            "si_code=" in str(exc) and proctree.wait_gone(ctx.manifest.pid, timeout=DIED_WAIT)):
         raise CriuFailed(
             f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so what it held is lost: "
             f"the kernel is dead, and Jupyter restarts it (or restart it yourself). CRIU said: {exc}",
