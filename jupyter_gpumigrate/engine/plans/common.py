@@ -330,6 +330,10 @@ def forget_new_images(ctx: KernelContext) -> None:
     ctx.tools.store.remove(ctx.kernel.kernel_id, keep_logs=True)
 
 
+#: An adopt that takes this long (seconds) says where its time went.
+ADOPT_SAID = 0.25
+
+
 def adopt_tree(ctx: KernelContext, pid: int) -> None:
     """The restored tree is the kernel again, once its clients are back.
 
@@ -356,9 +360,13 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
                  "expected", ctx.manifest.kernel_id, sum(missing.values()), time.monotonic() - waited,
                  ", ".join(f"{n} on {names.get(port, port)}" for port, n in sorted(missing.items())),
                  ", ".join(f"{n} on {names.get(port, port)}" for port, n in sorted(expected.items())))
+    clients = time.monotonic()
     ctx.kernel.adopt(pid)
     if not ctx.kernel.wait_ready(timeout):
         log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
+    if time.monotonic() - waited >= ADOPT_SAID:  # where a slow adopt's time goes
+        log.info("gpumigrate: kernel %s adopted in %.2f s: its clients back in %.2f s, its answer %.2f s after",
+                 ctx.manifest.kernel_id, time.monotonic() - waited, clients - waited, time.monotonic() - clients)
 
 
 # -- bringing a tree back here from its images: restore, [remap, unlock], adopt ----------------------
