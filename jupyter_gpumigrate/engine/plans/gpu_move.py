@@ -54,16 +54,16 @@ def saga() -> Saga[MoveContext]:
         "move_to_gpu",
         [
             Step("prepare", prepare),
-            Step("stash", stash_tensors, when=lambda ctx: ctx.stash is not None and ctx.via == PEER),
+            Step("stash", stash_tensors, when=lambda ctx: ctx.peer_stash is not None and ctx.via == PEER),
             Step("host stash", host_stash, when=lambda ctx: ctx.via == HOST),
             Step("lock", lock),
             Step("checkpoint", checkpoint),
             Step("remap", remap),
             Step("unlock", unlock),
-            Step("unstash", unstash, when=lambda ctx: ctx.stash is not None and ctx.stash.held > 0),
+            Step("unstash", unstash, when=lambda ctx: ctx.peer_stash is not None and ctx.peer_stash.held > 0),
             Step("take back", take_back_host, when=lambda ctx: "stashed" in ctx.stash_said),
             Step("verify", verify),
-            Step("close the stash", close_stash, when=lambda ctx: ctx.stash is not None, kind=ALWAYS),
+            Step("close the stash", close_stash, when=lambda ctx: ctx.peer_stash is not None, kind=ALWAYS),
             Step("remove the host stash", remove_host_stash, when=lambda ctx: ctx.host_folder, kind=ALWAYS),
         ],
         start_from=("running",),
@@ -78,8 +78,9 @@ class MoveContext(KernelContext):
         super().__init__(kernel, tools)
         #: the target GPU, or one per GPU the kernel holds (in the order of their indices)
         self.to = to
-        #: the fast path's stash, listening; None: no stash over the peer link
-        self.stash = stash
+        #: the fast path's stash, listening; None: no stash over the peer link. (KernelContext.stash, a dict,
+        #: is what a host stash said elsewhere; here that is stash_said.)
+        self.peer_stash = stash
         #: ask the kernel to serve the stash (else the caller, the kernel's own %migrate, connects)
         self.invite = invite
         self.verify_timeout = verify_timeout
@@ -109,7 +110,7 @@ def prepare(ctx: MoveContext) -> None:
         # No peer access: the host stash, unless the caller (%migrate in the kernel) serves the stash
         # itself, where the kernel's side then finds it cannot open it and steps aside.
         peer = ctx.tools.peer_access(move.source, move.target) is not False
-        ctx.via = PEER if peer or (ctx.stash is not None and not ctx.invite) else HOST
+        ctx.via = PEER if peer or (ctx.peer_stash is not None and not ctx.invite) else HOST
 
 
 def remap(ctx: MoveContext) -> None:
@@ -174,7 +175,7 @@ def remove_host_stash(ctx: MoveContext) -> None:
 def stash_tensors(ctx: MoveContext) -> None:
     """What fits on the target beside the move goes into a stash there, over the peer link. Where the
     fast path steps aside, nothing changed and the driver moves it all."""
-    stash, move = ctx.stash, ctx.move
+    stash, move = ctx.peer_stash, ctx.move
     assert stash is not None and move is not None
     if ctx.invite and move.needed < MIN_STASH:
         # NVML's count bounds the tensors: too little for the fast path to pay; the kernel is not even
@@ -220,16 +221,16 @@ def stash_tensors(ctx: MoveContext) -> None:
 def take_back(ctx: MoveContext) -> None:
     """Undo of the stash: the tensors come back onto the GPU the kernel is on again. A kernel that a
     failed rollback left locked cannot take them: they stay in the stash (kept) until it can."""
-    assert ctx.stash is not None
-    if ctx.stash.held and not ctx.gpu.runs():
+    assert ctx.peer_stash is not None
+    if ctx.peer_stash.held and not ctx.gpu.runs():
         raise GpuError("The kernel is left locked, so its tensors stay in the stash on the target GPU; it takes "
                        "them back by itself once unlocked. Restart the kernel if it stays stuck.")
-    ctx.stash.unstash()
+    ctx.peer_stash.unstash()
 
 
 def unstash(ctx: MoveContext) -> None:
-    assert ctx.stash is not None
-    ctx.stash.unstash()
+    assert ctx.peer_stash is not None
+    ctx.peer_stash.unstash()
 
 
 def verify(ctx: MoveContext) -> None:
@@ -252,8 +253,8 @@ def verify(ctx: MoveContext) -> None:
 
 
 def close_stash(ctx: MoveContext) -> None:
-    assert ctx.stash is not None
-    ctx.stash.close(kernel_runs=not ctx.stash.held or ctx.gpu.runs())
+    assert ctx.peer_stash is not None
+    ctx.peer_stash.close(kernel_runs=not ctx.peer_stash.held or ctx.gpu.runs())
 
 
 def run(kernel: KernelProcess, tools: Tools, to: int | Sequence[int], stash: Stash | None = None,
