@@ -26,8 +26,9 @@ the modules are loaded once, nothing is held):
   otherwise the files go through the server's port, as before.
 - the server's further lines on its stdin are orders (:class:`BulkTransfers`): a fetch
   (:meth:`BulkListener.fetch`, for a way home: PeerClient.get_file or get_growing) or a send
-  (:meth:`BulkListener.send`, for a way there: PeerClient.put_file); a process runs each and answers a line
-  on stdout; a cancel order kills it.
+  (:meth:`BulkListener.send`, for a way there: PeerClient.put_file; :meth:`BulkListener.send_growing`:
+  put_growing, a file the dump still writes); a process runs each and answers a line on stdout; a cancel
+  order kills it, and an "over" order tells a send_growing's process that the dump is over (SIGUSR1).
 
 Hand-written rather than ``socketserver.ForkingTCPServer``: the listener must also end when its stdin
 closes, and kill the processes it forked then.
@@ -262,7 +263,9 @@ class BulkListener:
             self._order({"id": ident, **order})
             while True:
                 try:
-                    return future.result(timeout=0.01 if over is not None and not told else 0.1)
+                    if over is not None and not told:  # woken by the dump's end, not by a poll
+                        over.wait(0.1)
+                    return future.result(timeout=0 if over is not None and not told else 0.1)
                 except FutureTimeout:
                     if not self.running:  # its processes may hold the answers' pipe open: not waited for
                         return {"error": "the bulk listener ended (the server stops, or it was killed)"}
@@ -447,7 +450,8 @@ def main() -> None:
                     _take_connection(listener, children, events, settings, context, store)
                 _reap(children)
     finally:
-        for pid in children:
+        for pid, work in children.items():
+            work.why = "the bulk listener ended (the server stops, or it was killed)"
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -457,12 +461,15 @@ def main() -> None:
 
 @dataclass
 class _Work:
-    """What a process of the listener's does: a fetch order (its id), or a connection (from that address)."""
+    """What a process of the listener's does: an order (its id: a fetch or a send), or a connection (from that
+    address)."""
 
     order: int | None = None
     address: str | None = None
     #: the server called it off (its process was killed for that)
     cancelled: bool = False
+    #: why the listener itself killed it, if it did (it ends)
+    why: str | None = None
 
 
 def _listen(host: str, port: int) -> socket.socket:
@@ -634,17 +641,21 @@ def _ended_early(work: _Work, status: int) -> str:
     """Why an order's process ended without its answer, from its wait status."""
     if work.cancelled:
         return "called off"
+    if work.why is not None:
+        return work.why
+    if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL:
+        return ("its process here was killed (SIGKILL), not by this server: the out-of-memory killer, or an "
+                "administrator; see the host's kernel log (journalctl -k), and try again")
     if os.WIFSIGNALED(status):
         name = signal.Signals(os.WTERMSIG(status)).name if os.WTERMSIG(status) in signal.valid_signals() \
             else f"signal {os.WTERMSIG(status)}"
-        return (f"its process here was killed ({name}), not by this server: the out-of-memory killer, or an "
-                "administrator; see the host's kernel log (journalctl -k), and try again")
+        return f"its process here died of {name}: see this server's log, and try again"
     return f"its process here failed (exit status {os.WEXITSTATUS(status)}): see this server's log"
 
 
 def _reap(children: dict[int, _Work], block: bool = False) -> None:
-    """Wait for the processes that ended; a fetch's that ended without its answer (killed: called off) is
-    answered for."""
+    """Wait for the processes that ended; an order's that ended without its answer (killed: called off, or
+    not by the server) is answered for (:func:`_ended_early`)."""
     for pid in list(children):
         status = 0
         try:

@@ -1462,10 +1462,11 @@ class Guest:
 
     def runs(self) -> bool:
         """Whether the kernel's process runs: its PID is alive and names the process adopted (the same start
-        time), not another that took the PID after the kernel's ended."""
-        pid = self.pid
-        return pid is not None and proctree.is_alive(pid) and (
-            self.started is None or proctree.start_time(pid) == self.started)
+        time), not another that took the PID after the kernel's ended. One whose start time could not be read
+        as it was adopted (gone already) does not."""
+        pid, started = self.pid, self.started
+        return pid is not None and started is not None and proctree.is_alive(pid) and \
+            proctree.start_time(pid) == started
 
     def wait_ready(self, timeout: float) -> bool:
         return True  # its owner checks, through the relay: it has the kernel's key, we need not

@@ -453,12 +453,23 @@ async def test_the_bulk_listener_sends_a_file_as_a_dump_writes_it_from_a_process
                                            tmp_path / "pages-2.img", over, threading.Event(), port) == \
                 (SIZE, checksum_of(data[:SIZE]))
 
-        # Called off mid-file (the move undone): its process is killed, and the peer keeps no half file.
-        await called_off(listener, lambda stop: listener.send_growing(
-            peer, f"images/{kid}/pages-3.img", tmp_path / "pages-2.img", threading.Event(), stop, port))
+        # Called off mid-file (the move undone), once the peer holds all the whole blocks written of it (the
+        # last part of one waits for more, or for the end): its process is killed, and the peer keeps no half
+        # file.
+        stop = threading.Event()
+        sending = asyncio.ensure_future(asyncio.to_thread(
+            listener.send_growing, peer, f"images/{kid}/pages-3.img", tmp_path / "pages-2.img", threading.Event(),
+            stop, port))
         deadline = time.monotonic() + 30
-        while (folder / "pages-3.img").exists():
-            assert time.monotonic() < deadline, "the half file stayed"
+        while not (folder / "pages-3.img").exists() or (folder / "pages-3.img").stat().st_size < SIZE // BLOCK * BLOCK:
+            assert time.monotonic() < deadline, "the file did not arrive as far as it was written"
+            await asyncio.sleep(0.01)
+        stop.set()
+        with pytest.raises(PeerError, match="called off"):
+            await asyncio.wait_for(sending, 10)
+        deadline = time.monotonic() + 30
+        while (folder / "pages-3.img").exists() or children_of(listener.process.pid):
+            assert time.monotonic() < deadline, "the half file stayed, or the process"
             await asyncio.sleep(0.05)
     finally:
         listener.stop()

@@ -339,3 +339,29 @@ def test_a_tree_in_another_mount_namespace_is_dumped_from_inside_it_only_where_i
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_dump_that_failed_as_a_process_of_the_tree_was_killed_waits_for_the_kernel_to_end(monkeypatch):
+    # CRIU's SIGCHLD line: a process killed (si_code 2) or dumped core (3) makes a failed dump wait for the
+    # kernel's own process to end (it may still be freeing its memory) before saying it runs on; one that
+    # exited (si_code 1: a shell command's child) does not. The wait reaps nothing: the launcher keeps the status.
+    from jupyter_gpumigrate.engine.plans import common
+
+    assert common._killed("CRIU could not dump process 16546: si_code=2 si_pid=16547 si_status=9 (criu/x.c:87)")
+    assert common._killed("Error (criu/cr-dump.c:2093): x\nsi_code=3 si_pid=7 si_status=6")
+    assert not common._killed("si_code=1 si_pid=7 si_status=0")
+    assert not common._killed("si_code=23 si_pid=7")
+    dying = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"])
+    lives = start_sleep("60")
+    monkeypatch.setattr(common, "DIED_WAIT", 2.0)
+    try:
+        began = time.monotonic()
+        assert common._ends(dying.pid)
+        assert time.monotonic() - began < 2.0
+        assert dying.poll() is not None and dying.returncode == 0  # its status was still there to take
+        began = time.monotonic()
+        assert not common._ends(lives.pid)
+        assert time.monotonic() - began >= 2.0
+    finally:
+        lives.kill()
+        lives.wait()

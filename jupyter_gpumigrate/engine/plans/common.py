@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import re
 import shutil
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
@@ -249,19 +250,33 @@ def disk_full_said(ctx: KernelContext, then: str) -> Iterator[None]:
         raise
 
 
-#: How long a failed dump whose CRIU saw a process of the tree end waits for the kernel's own to be gone, before
-#: it says the kernel runs on (seconds).
+#: How long a failed dump whose CRIU saw a process of the tree killed waits for the kernel's own to be gone,
+#: before it says the kernel runs on (seconds).
 DIED_WAIT = 5.0
+
+
+def _killed(said: str) -> bool:
+    """Whether CRIU saw a process of the tree killed as it dumped it (its SIGCHLD handler's line: si_code 2,
+    CLD_KILLED, or 3, CLD_DUMPED); one that exited (a shell command's child ending) is not."""
+    return re.search(r"si_code=[23]\b", said) is not None
+
+
+def _ends(pid: int) -> bool:
+    """Whether ``pid`` ends within :data:`DIED_WAIT`: a kernel killed as CRIU dumped it may still be exiting
+    (freeing a large memory takes a while). Not reaped here (its launcher's Popen keeps its exit status)."""
+    deadline = time.monotonic() + DIED_WAIT
+    while proctree.is_alive(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why; or, where the
     kernel's process itself is gone (killed meanwhile: CRIU's failure is then its death), say that instead."""
     assert ctx.manifest is not None
-    if not proctree.is_alive(ctx.manifest.pid) or (
-            # CRIU saw a process of the tree end or be killed (its SIGCHLD, said as si_code, si_pid, si_status):
-            # the kernel's may still be exiting (freeing a large memory takes a while), or be that process
-            "si_code=" in str(exc) and proctree.wait_gone(ctx.manifest.pid, timeout=DIED_WAIT)):
+    if not proctree.is_alive(ctx.manifest.pid) or (_killed(f"{exc}\n{exc.log_tail}") and _ends(ctx.manifest.pid)):
         raise CriuFailed(
             f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so what it held is lost: "
             f"the kernel is dead, and Jupyter restarts it (or restart it yourself). CRIU said: {exc}",
@@ -365,7 +380,7 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     if not ctx.kernel.wait_ready(timeout):
         log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
     if time.monotonic() - waited >= ADOPT_SAID:  # where a slow adopt's time goes
-        log.info("gpumigrate: kernel %s adopted in %.2f s: its clients back in %.2f s, its answer %.2f s after",
+        log.info("gpumigrate: kernel %s adopted in %.2f s: its clients waited for %.2f s, its answer %.2f s after",
                  ctx.manifest.kernel_id, time.monotonic() - waited, clients - waited, time.monotonic() - clients)
 
 
