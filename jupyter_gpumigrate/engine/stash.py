@@ -143,7 +143,10 @@ class Helper:
 
     def __init__(self, gpu_uuid: str, size: int = 0) -> None:
         self.gpu_uuid = gpu_uuid
-        self.proc = _take_spare() or _start()
+        # The spare has started the driver with every GPU visible and finds its GPU by UUID, which NVML
+        # gives as "GPU-..." for a whole GPU; a MIG instance ("MIG-...") is visible only where named before
+        # the driver starts: a helper of its own.
+        self.proc = (_take_spare() if _by_uuid(gpu_uuid) else None) or _start()
         self.started = time.monotonic()
         #: when the helper had imported the driver's bindings, made its context, allocated (its clock)
         self.stamps: dict[str, float] = {}
@@ -157,7 +160,7 @@ class Helper:
         #: bytes asked for (0: not yet)
         self.size = 0
         if size:
-            self._ask(size)
+            self.ask(size)
 
     def _say(self, line: str) -> None:
         try:
@@ -167,7 +170,9 @@ class Helper:
         except OSError:
             pass  # it has exited already: its last line says why
 
-    def _ask(self, size: int) -> None:
+    def ask(self, size: int) -> None:
+        """Have the helper allocate ``size`` bytes as soon as its context is made (once; :meth:`allocate`
+        reads its answer)."""
         self.size = size
         self._say(f"alloc {size}")
 
@@ -179,7 +184,7 @@ class Helper:
         if self.size and size > self.size:
             raise GpuError(f"The stash helper holds {self.size} bytes, not {size}.")
         if not self.size:
-            self._ask(size)
+            self.ask(size)
         answer = self._answer(timeout, f"hold {self.size / 1e9:.1f} GB on GPU {self.gpu_uuid}")
         self.handle = str(answer["handle"])
         return self.handle
@@ -242,7 +247,7 @@ class Helper:
         """Where the helper's time went before it held the stash: the driver's bindings imported (0 where
         it was a spare, started before), the context made, the memory allocated."""
         out, last = {}, self.started
-        for part in ("imported", "context", "allocated"):
+        for part in ("imported", "driver", "context", "allocated"):
             if part in self.stamps:
                 out[f"helper_{part}"] = max(self.stamps[part] - last, 0.0)
                 last = max(self.stamps[part], last)
@@ -295,9 +300,22 @@ _SPARE_LOCK = threading.Lock()
 _ENDED = False
 
 
-def _start() -> subprocess.Popen:
+#: set in a spare's environment: it starts the CUDA driver, every GPU visible, before it knows its GPU
+SPARE_ENV = "JUPYTER_GPUMIGRATE_STASH_SPARE"
+
+
+def _by_uuid(gpu_uuid: str) -> bool:
+    """A spare can make its context on ``gpu_uuid``: a whole GPU's UUID, found among every GPU's."""
+    return gpu_uuid.upper().startswith("GPU-")
+
+
+def _start(spare: bool = False) -> subprocess.Popen:
+    env = None
+    if spare:
+        env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        env[SPARE_ENV] = "1"
     return subprocess.Popen([sys.executable, "-m", "jupyter_gpumigrate.engine.stash"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
 def prestart() -> None:
@@ -311,7 +329,7 @@ def prestart() -> None:
         return
     with _SPARE_LOCK:
         if _SPARE is None or _SPARE.poll() is not None:
-            _SPARE = _start()
+            _SPARE = _start(spare=True)
 
 
 def end_spare() -> None:
@@ -391,8 +409,12 @@ class Stash:
         """Start the helper on GPU ``gpu_uuid`` now, allocating ``size`` bytes there (0: once asked), so that
         it is ready when the kernel has said what it has (stopped on :meth:`close` if the fast path steps
         aside). A stash then takes no more than ``size``."""
+        if self.helper is not None and self.helper.gpu_uuid != gpu_uuid:
+            self._stop_helper()
         if self.helper is None:
             self.helper = Helper(gpu_uuid, size)
+        elif size and not self.helper.size:
+            self.helper.ask(size)  # started earlier (gpu_move.prepare), its context made or being made
 
     # -- the conversation ---------------------------------------------------------------------------
 
@@ -572,18 +594,28 @@ def _hold() -> int:
         return result[1] if len(result) > 1 else None
 
     stamps = {"imported": time.monotonic()}
+    # A spare starts the driver now, before its GPU is known (some 40-50 ms of a helper's 0.15-0.18 s), every
+    # GPU visible (its environment has no CUDA_VISIBLE_DEVICES), and finds its GPU by UUID; a failure is said
+    # once the server asks. A helper started for one GPU sees that one alone.
+    spare, failed = os.environ.get(SPARE_ENV) == "1", None
+    if spare:
+        try:
+            ok(driver.cuInit(0))
+        except Exception as exc:
+            failed = exc
+        stamps["driver"] = time.monotonic()
     asked = sys.stdin.readline().split()
     if len(asked) != 2 or asked[0] != "gpu":
         return 0
-    # Read by cuInit, below: the one GPU it sees. (Starting the driver in the spare, before the GPU is known,
-    # would save 40-50 ms of a helper's 0.17 s on 2 x H100 (bench/unstash_probe.py), but the helper must then
-    # find its GPU among all by UUID. Tried in 038ad47, it matched none: it compared NVML's UUID lower-cased,
-    # "gpu-" prefix included, with its own "GPU-". The branch spare-cuinit has it fixed, not yet run on a GPU.)
-    os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]
-
     try:
-        ok(driver.cuInit(0))
-        device = ok(driver.cuDeviceGet(0))
+        if failed is not None:
+            raise failed
+        if spare:
+            device = _device(driver, ok, asked[1])
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]  # read by cuInit: the one GPU it sees
+            ok(driver.cuInit(0))
+            device = ok(driver.cuDeviceGet(0))
         context = ok(driver.cuDevicePrimaryCtxRetain(device))
         ok(driver.cuCtxSetCurrent(context))
     except Exception as exc:  # said to the server once it asks, which steps aside
@@ -609,6 +641,22 @@ def _hold() -> int:
         time.sleep(FILL_GRACE if verb == "fill" else ORPHAN_GRACE)
     driver.cuMemFree(pointer)
     return 0
+
+
+def _device(driver: Any, ok: Any, gpu_uuid: str) -> Any:
+    """The CUDA device whose UUID NVML gives as ``gpu_uuid`` ("GPU-" and 32 hex digits in 8-4-4-4-12 groups)."""
+    for ordinal in range(int(ok(driver.cuDeviceGetCount()))):  # type: ignore[call-overload]
+        device = ok(driver.cuDeviceGet(ordinal))
+        raw = ok(driver.cuDeviceGetUuid(device)).bytes  # type: ignore[attr-defined]
+        if uuid_text(raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)) == gpu_uuid.lower():
+            return device
+    raise RuntimeError(f"no GPU with UUID {gpu_uuid} among the {ok(driver.cuDeviceGetCount())} the driver sees")
+
+
+def uuid_text(raw: bytes) -> str:
+    """A GPU's 16 UUID bytes as NVML writes them, lower-cased: ``gpu-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx``."""
+    h = raw.hex()
+    return f"gpu-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
 
 
 def layout(buffers: list[dict]) -> tuple[list[int | None], int]:

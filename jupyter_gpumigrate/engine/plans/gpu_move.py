@@ -98,7 +98,14 @@ def prepare(ctx: MoveContext) -> None:
     # Refuse what cannot work before anything is touched; then drop cached blocks, and check again
     # with what the kernel really holds.
     _, held, gpus = gpu_use(ctx, pid)
-    placement.plan_move(gpus, held, ctx.to, ctx.tools.driver_major())
+    first = placement.plan_move(gpus, held, ctx.to, ctx.tools.driver_major())
+    if ctx.peer_stash is not None and _by_peer(ctx, first) and first.needed >= MIN_STASH and \
+            not gpus_mod.one_context_only(first.target.uuid):
+        # The stash's helper makes its context on the target while the kernel drops its cached blocks (an
+        # idle move of 32 GB waited 0.08-0.12 s for it after the kernel had gathered its storages); should
+        # the stash not be used after all, it ends here or where the stash steps aside.
+        ctx.peer_stash.warm(first.target.uuid)
+        ctx.undo(ctx.peer_stash.stop_helper, cleanup=True)
     if ctx.invite:
         release_cache(ctx)
     cuda_pids, held, gpus = gpu_use(ctx, pid)
@@ -107,10 +114,21 @@ def prepare(ctx: MoveContext) -> None:
     if move.several:
         ctx.via, ctx.aside = None, "the kernel holds several GPUs: the driver moves them together"
     elif ctx.via == AUTO:
-        # No peer access: the host stash, unless the caller (%migrate in the kernel) serves the stash
-        # itself, where the kernel's side then finds it cannot open it and steps aside.
-        peer = ctx.tools.peer_access(move.source, move.target) is not False
-        ctx.via = PEER if peer or (ctx.peer_stash is not None and not ctx.invite) else HOST
+        ctx.via = PEER if _by_peer(ctx, move) else HOST
+    if ctx.via != PEER and ctx.peer_stash is not None:
+        ctx.peer_stash.stop_helper()  # no context of the helper's may take the target's room
+
+
+def _by_peer(ctx: MoveContext, move: placement.Move) -> bool:
+    """The stash goes over the peer link: asked for, or, left to the GPUs, where they have peer access. Without
+    it, the host stash, unless the caller (%migrate in the kernel) serves the stash itself, where the kernel's
+    side then finds it cannot open it and steps aside. A kernel on several GPUs: the driver alone."""
+    if move.several or ctx.via not in (AUTO, PEER):
+        return False
+    if ctx.via == PEER:
+        return True
+    return ctx.tools.peer_access(move.source, move.target) is not False or (ctx.peer_stash is not None and
+                                                                           not ctx.invite)
 
 
 def remap(ctx: MoveContext) -> None:
@@ -177,23 +195,23 @@ def stash_tensors(ctx: MoveContext) -> None:
     fast path steps aside, nothing changed and the driver moves it all."""
     stash, move = ctx.peer_stash, ctx.move
     assert stash is not None and move is not None
-    if ctx.invite and move.needed < MIN_STASH:
-        # NVML's count bounds the tensors: too little for the fast path to pay; the kernel is not even
-        # asked (a session with it costs a lock that waits on its stager).
-        stash.reason = (f"the kernel holds {move.needed / 1e9:.1f} GB of GPU memory: under "
-                        f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
-        return
-    # What the target has beyond the move (read in prepare, after the kernel's cache was dropped): the
-    # helper allocates that much, up to what the kernel holds, as it starts, while the kernel gathers.
-    # Should another process fill the target meanwhile, the remap finds no room and the move is undone
-    # (as when it fills up between the check and the remap).
-    if gpus_mod.one_context_only(move.target.uuid):
-        stash.reason = (f"GPU {move.target.index} takes one process's CUDA context at a time (its compute mode): "
-                        "the stash's helper there would keep the kernel out")
-        return
-    budget = placement.free(move.target) - move.needed
-    early = min(move.needed, budget - HELPER_RESERVE)
     try:
+        if ctx.invite and move.needed < MIN_STASH:
+            # NVML's count bounds the tensors: too little for the fast path to pay; the kernel is not even
+            # asked (a session with it costs a lock that waits on its stager).
+            stash.reason = (f"the kernel holds {move.needed / 1e9:.1f} GB of GPU memory: under "
+                            f"{MIN_STASH / 1e9:.0f} GB the driver alone is as fast")
+            return
+        if gpus_mod.one_context_only(move.target.uuid):
+            stash.reason = (f"GPU {move.target.index} takes one process's CUDA context at a time (its compute "
+                            "mode): the stash's helper there would keep the kernel out")
+            return
+        # What the target has beyond the move (read in prepare, after the kernel's cache was dropped): the
+        # helper allocates that much, up to what the kernel holds, as soon as its context is made, while the
+        # kernel gathers. Should another process fill the target meanwhile, the remap finds no room and the
+        # move is undone (as when it fills up between the check and the remap).
+        budget = placement.free(move.target) - move.needed
+        early = min(move.needed, budget - HELPER_RESERVE)
         invited = time.perf_counter()
         stash.warm(move.target.uuid, early if early >= MIN_STASH else 0)
         if ctx.invite:
