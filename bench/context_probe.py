@@ -11,7 +11,8 @@ took 0.057 s after a move 0 -> 1 but 0.015 s after 1 -> 0. This measures, side b
   cleared (``cleared``); each three round trips 0 -> 1 -> 0, with NVML's count of its memory before each;
 - a copy of 8 GB out of another process's memory (a CUDA IPC handle, as the stash's helper holds it) into the
   kernel's own, before and after the move, on the GPU the process came from and the one it went to, by the
-  copy engine (``cuMemcpyDtoDAsync``, as kernel/stager.py copies) and by a PyTorch kernel (``copy_``).
+  copy engine (``cuMemcpyDtoDAsync``, as kernel/stager.py copies) and by a PyTorch kernel (``copy_``), and a
+  copy of the process's own 8 GB (``clone``); and the same by a process started on GPU 1.
 
 Usage (on the GPU machine): python bench/context_probe.py [--trips 3] [--gb 8] [--out-dir DIR] [--tag TAG]
 """
@@ -69,7 +70,8 @@ for line in sys.stdin:
         except Exception as exc:
             by_kernel = repr(exc)
         driver.close(base)
-        say(open=t1 - t0, engine=t2 - t1, kernel=by_kernel)
+        t4 = time.perf_counter(); own = dst.clone(); torch.cuda.synchronize(); t5 = time.perf_counter(); del own
+        say(open=t1 - t0, engine=t2 - t1, kernel=by_kernel, own=t5 - t4)
     elif verb == "bye":
         break
 """
@@ -95,8 +97,10 @@ def move(pid: int, uuids: list[str], to: int, at: int) -> dict:
 
 
 class Child:
-    def __init__(self, variant: str, size: int) -> None:
+    def __init__(self, variant: str, size: int, on: str | None = None) -> None:
         env = {k: v for k, v in os.environ.items() if k != "CUDA_VISIBLE_DEVICES"}
+        if on is not None:
+            env["CUDA_VISIBLE_DEVICES"] = on
         env["PYTHONPATH"] = str(Path(__file__).resolve().parent.parent) + os.pathsep + env.get("PYTHONPATH", "")
         self.proc = subprocess.Popen([sys.executable, "-c", CHILD, variant, str(size)], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, text=True, env=env)
@@ -156,6 +160,16 @@ def copies(uuids: list[str], size: int) -> list[dict]:
             print(json.dumps(row), flush=True)
     finally:
         child.end()
+    # the same copy by a process started on GPU 1, its home: is GPU 1 slower, or a process away from home?
+    child = Child("ipc", size, on=uuids[1])
+    helper = Helper(uuids[1], size)
+    try:
+        row = {"move": "none: started on GPU 1", "GB": size / 1e9, "local": child.ask(f"copy {helper.allocate(size)}")}
+    finally:
+        helper.stop()
+        child.end()
+    rows.append(row)
+    print(json.dumps(row), flush=True)
     return rows
 
 
@@ -165,13 +179,14 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=8)
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "/tmp"))
     parser.add_argument("--tag", default="gpu")
+    parser.add_argument("--copies-only", action="store_true")
     args = parser.parse_args()
     out = Path(args.out_dir) / f"{time.strftime('%Y-%m-%d')}-{args.tag}-context-probe.json"
     found = gpus.snapshot()
     if len(found) < 2:
         sys.exit("context_probe: two GPUs are needed")
     uuids = [g.uuid for g in found]
-    result = {"gpus": [g.name for g in found], "contexts": contexts(uuids, args.trips),
+    result = {"gpus": [g.name for g in found], "contexts": {} if args.copies_only else contexts(uuids, args.trips),
               "copies": copies(uuids, int(args.gb * 1e9) // (1 << 20) * (1 << 20))}
     out.write_text(json.dumps(result, indent=1))
     print(f"context_probe: written {out}")

@@ -7,7 +7,8 @@ copies at about 400 GB/s. So, before the driver runs:
 1. a short-lived helper process (``python -m jupyter_gpumigrate.engine.stash``, this module) allocates
    one buffer on the *target* GPU (what the kernel holds there, at most what the target has beyond the
    move) and exports it as a CUDA IPC handle, while the kernel gathers its storages. A spare helper, its
-   Python and the driver's bindings loaded but no GPU touched, waits for each move (:func:`prestart`);
+   Python and the driver's bindings loaded and the driver started but no context made, waits for each move
+   (:func:`prestart`), which tells it its GPU as soon as the target is checked (gpu_move.prepare);
 2. inside the kernel (kernel/stager.py), the large tensor storages are copied into that buffer over
    the peer link and freed: the driver then moves only what is left (the CUDA context, small blocks);
 3. after the remap the kernel's context is on the target GPU, the buffer is local to it, and the
@@ -18,7 +19,11 @@ copies at about 400 GB/s. So, before the driver runs:
 Where the time goes (an idle kernel, 32 GB, 2 x H100, 0.84-0.96 s in all, bench/results/2026-11-26-gpu-move.md):
 0.24-0.26 s until the tensors are in the stash, of which 0.08 s is the copy itself; then the driver's
 checkpoint and remap of what is left (the CUDA context), 0.54-0.57 s; then 0.03-0.08 s to copy them back.
-The operation's ``fast_path.seconds`` has each part.
+On 2 x H200 (bench/results/2026-11-29-h200x2-f76d483-move.json): 0.93-1.12 s, 0.19-0.23 s until the tensors
+are in the stash, the driver 0.60-0.80 s (its floor for a bare context, bench/context_probe.py), the copy back
+0.015 s, or 0.057 s after a move away from the GPU the kernel started on (the driver has such a process read
+the helper's memory as over the peer link: docs/internals.md). The operation's ``fast_path.seconds`` has
+each part.
 
 The kernel's side runs in its main thread and never beside user code; it steps aside, changing
 nothing, when it cannot be sure (kernel/stager.py lists when). The server's side here decides how
@@ -137,9 +142,10 @@ def pack(sizes: list[int], budget: int) -> tuple[list[int], list[int], int]:
 
 class Helper:
     """The process that holds the stash buffer on the target GPU (see :func:`_hold`): the spare, if one
-    waits (Python and the driver's bindings loaded), else one started now. As soon as the target is known it
-    makes its context there (0.13-0.15 s) and, given ``size``, allocates that much, all while the kernel
-    gathers its storages; :meth:`allocate` then only reads its answer."""
+    waits (Python and the driver's bindings loaded, the driver started), else one started now. As soon as the
+    target is known it makes its context there (0.11-0.14 s on H200) and, given ``size`` (or asked later,
+    :meth:`ask`), allocates that much, all while the kernel gathers its storages; :meth:`allocate` then only
+    reads its answer."""
 
     def __init__(self, gpu_uuid: str, size: int = 0) -> None:
         self.gpu_uuid = gpu_uuid
@@ -292,8 +298,9 @@ def _close(proc: subprocess.Popen) -> None:
                 pass
 
 
-#: A helper started before it is needed, its Python and the driver's bindings loaded, no CUDA context yet
-#: (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.1 s saved a move).
+#: A helper started before it is needed, its Python and the driver's bindings loaded and the driver started,
+#: no CUDA context yet (no GPU memory, nothing NVML shows): a move takes it and starts the next (about 0.15 s
+#: saved a move).
 _SPARE: subprocess.Popen | None = None
 _SPARE_LOCK = threading.Lock()
 #: the server stops: no spare is started any more

@@ -102,8 +102,9 @@ def prepare(ctx: MoveContext) -> None:
     if ctx.peer_stash is not None and _by_peer(ctx, first) and first.needed >= MIN_STASH and \
             not gpus_mod.one_context_only(first.target.uuid):
         # The stash's helper makes its context on the target while the kernel drops its cached blocks (an
-        # idle move of 32 GB waited 0.08-0.12 s for it after the kernel had gathered its storages); should
-        # the stash not be used after all, it ends here or where the stash steps aside.
+        # idle move of 32 GB waited 0.08-0.12 s for it after the kernel had gathered its storages, started
+        # at the stash; 0.04-0.06 s now); should the stash not be used after all, it ends here or where the
+        # stash steps aside.
         ctx.peer_stash.warm(first.target.uuid)
         ctx.undo(ctx.peer_stash.stop_helper, cleanup=True)
     if ctx.invite:
