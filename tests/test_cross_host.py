@@ -309,7 +309,7 @@ async def test_two_kernels_on_the_other_host_outlive_its_server_and_each_reaches
             await end_kernel(a, kernel_id, tab)
 
 
-@pytest.mark.parametrize("stream", ["on", "off"])
+@pytest.mark.parametrize("stream", ["on", "off"], indirect=True)
 async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_its_own_threads(hosts, stream):
     # 1.1 GB of buffers, over the default c.MigratableProvisioner.host_stash_min (1 GB): the kernel writes them
     # into the images itself (the host stash), CRIU dumps the rest; b restores it, and the kernel reads them back
@@ -317,8 +317,6 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
     # Every byte and the buffer's identity survive; no image is left on either host. Both ways of sending:
     # each file as it is written (stream_dump on), and the default (off): the stash's files once written.
     a, b = hosts
-    if stream == "off":
-        await with_stream_dump(a, b, "off")
     kernel_id, tab = await new_kernel(a)
     try:
         out = await tab.run("import hashlib, os\n"
@@ -370,17 +368,30 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
                 b.server_log(), b.server_log()
     finally:
         await end_kernel(a, kernel_id, tab)
-        if stream == "off":
-            await with_stream_dump(a, b, "on")
 
 
 async def with_stream_dump(a: Host, b: Host, value: str) -> None:
     """Start both hosts' servers again with c.GPUMigrateApp.stream_dump ``value`` (the module's hosts have it
     on; a test that sets it off sets it on again as it ends)."""
+    await call(set_stream_dump, a, b, value)
+
+
+def set_stream_dump(a: Host, b: Host, value: str) -> None:
     for host, peers in ((a, a_peers(b)), (b, {"a": a.peer_entry()})):
         host.stop()
         host.extra["GPUMigrateApp"]["stream_dump"] = value
-        await call(host.start, peers)
+        host.start(peers)
+
+
+@pytest.fixture
+def stream(request, hosts):
+    """c.GPUMigrateApp.stream_dump for one test, parametrized indirectly: "on" (the module's hosts have it), or
+    "off": both servers are started again with it, and again with "on" after the test."""
+    if request.param == "off":
+        set_stream_dump(*hosts, "off")
+    yield request.param
+    if request.param == "off":
+        set_stream_dump(*hosts, "on")
 
 
 #: 1100 MiB of random bytes in the kernel (over host_stash_min: its stash's parts go by the bulk listeners), and
@@ -452,16 +463,8 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         assert op["status"] == "failed", op
         await runs_whole_on(tab, a)
 
-        await call(bulk_listener_of, b, listener_b)
-        deadline = time.monotonic() + 30
-        while "the bulk listener was started again on port" not in b.server_log():
-            assert time.monotonic() < deadline, b.server_log()[-3000:]
-            await asyncio.sleep(0.1)
-        assert running_state(listener_b) == "gone", "b's server did not reap its killed listener"
-        logged = len((a.root / "server.log").read_bytes())
-        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
-        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-        since = (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
+        await started_again(b, listener_b)
+        since = await moved_saying(a, kernel_id, "b")
         assert f"kernel {kernel_id}: its large files go to b's bulk listener" in since, since
         await runs_whole_on(tab, b)
 
@@ -470,31 +473,23 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         def kill_as_listener_as_it_fetches() -> dict:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
             deadline = time.monotonic() + 60
-            while not any(Path(f"/proc/{pid}/cmdline").exists() and int(Path(f"/proc/{pid}/stat").read_text()
-                                                                        .rsplit(")", 1)[1].split()[1]) == listener_a
-                          for pid in filter(str.isdigit, os.listdir("/proc"))
-                          if Path(f"/proc/{pid}/stat").exists()):
+            while not children_of(listener_a):
                 assert time.monotonic() < deadline, "a's listener fetched nothing"
                 time.sleep(0.001)
             os.kill(listener_a, signal.SIGKILL)
             return finished(a, op)
 
         op = await call(kill_as_listener_as_it_fetches)
-        await call(bulk_listener_of, a, listener_a)
         if op["status"] == "failed":  # a file fetched after the dump was on its way: undone, the kernel runs there
             assert "bulk listener" in op["error"] or "called off" in op["error"], op["error"]
             await runs_whole_on(tab, b)
-            deadline = time.monotonic() + 30
-            while "the bulk listener was started again" not in a.server_log():
-                assert time.monotonic() < deadline, a.server_log()[-3000:]
-                await asyncio.sleep(0.1)
-            logged = len((a.root / "server.log").read_bytes())
-            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
-            since = (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
+            await started_again(a, listener_a)
+            since = await moved_saying(a, kernel_id, "a")
             assert "fetched from b by a process of its own" in since, since  # the listener started again's
-        # else the files followed as b's dump wrote them were on their way: each that failed was fetched again
-        # after the dump, by a's server process, as a file followed that fails always is
-        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        else:  # the files followed as b's dump wrote them were on their way: each that failed was fetched again
+            # after the dump, by a's server process, as a file followed that fails always is
+            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+            await call(bulk_listener_of, a, listener_a)
         await runs_whole_on(tab, a)
         await b_keeps_nothing_of(b, kernel_id)
     finally:
@@ -502,6 +497,34 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         for host, peers in ((b, {"a": a.peer_entry()}), (a, a_peers(b))):  # their listeners again
             host.stop()
             await call(host.start, peers)
+
+
+async def started_again(host: Host, killed: int) -> int:
+    """The PID of ``host``'s bulk listener started again after ``killed`` was killed: its server said so and
+    reaped the killed one."""
+    restarted = await call(bulk_listener_of, host, killed)
+    deadline = time.monotonic() + 30
+    while "the bulk listener was started again" not in host.server_log():
+        assert time.monotonic() < deadline, host.server_log()[-3000:]
+        await asyncio.sleep(0.1)
+    assert running_state(killed) == "gone", f"{host.name}'s server did not reap its killed listener"
+    return restarted
+
+
+async def moved_saying(a: Host, kernel_id: str, to_host: str) -> str:
+    """Move the kernel to ``to_host``, which succeeds; what a's log said meanwhile."""
+    logged = len((a.root / "server.log").read_bytes())
+    op = await call(a.operate, kernel_id, "migrate", {"to_host": to_host})
+    assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+    return (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
+
+
+async def comes_home_whole(a: Host, b: Host, tab: WebSocketTab, kernel_id: str) -> None:
+    """The kernel moves home to ``a``, which succeeds; it runs there with its :data:`BLOB` unchanged, and ``b``
+    keeps nothing of it."""
+    await moved_saying(a, kernel_id, "a")
+    await runs_whole_on(tab, a)
+    await b_keeps_nothing_of(b, kernel_id)
 
 
 def children_of(pid: int) -> list[int]:
@@ -533,7 +556,7 @@ def kill_one_child_as_it_moves(a: Host, kernel_id: str, to_host: str, listener: 
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("stream", ["off", "on"])
+@pytest.mark.parametrize("stream", ["off", "on"], indirect=True)
 async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_stays_whole(hosts, stream):
     # One process of a bulk listener, not the listener, is SIGKILLed as an out-of-memory killer would. Going
     # away, one of a's processes sending a file (stream_dump off, the default: whole, once written; on: as it
@@ -543,8 +566,6 @@ async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_sta
     # dump is fetched again after it (the move succeeds), or the move is undone (the kernel runs on there);
     # either way the kernel is whole where the operation says, the listener goes on, and nothing is left.
     a, b = hosts
-    if stream == "off":
-        await with_stream_dump(a, b, "off")
     kernel_id, tab = await new_kernel(a)
     try:
         await tab.run(BLOB)
@@ -574,14 +595,50 @@ async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_sta
         assert (bulk_listener_of(a), bulk_listener_of(b)) == (listener_a, listener_b), \
             "a listener was started again: it should have gone on"
         if op["status"] == "failed":
-            op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
-            assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-            await runs_whole_on(tab, a)
-        await b_keeps_nothing_of(b, kernel_id)
+            await comes_home_whole(a, b, tab, kernel_id)
+        else:
+            await b_keeps_nothing_of(b, kernel_id)
     finally:
         await end_kernel(a, kernel_id, tab)
-        if stream == "off":
-            await with_stream_dump(a, b, "on")
+
+
+async def test_this_hosts_bulk_listener_killed_as_it_sends_files_followed_as_they_grow_undoes_the_move(hosts):
+    # stream_dump on (the module's hosts have it): going away, each file followed as the stash and the dump write
+    # it goes from a process of a's bulk listener. The listener is SIGKILLed as its first such process sends:
+    # its processes die with it (their parent-death signal), the move is undone and says the listener ended, the
+    # kernel runs on here, whole, and nothing of it stays on b. a starts its listener again, and the next move
+    # sends through the new one and succeeds; the kernel comes home whole.
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run(BLOB)
+        listener = bulk_listener_of(a)
+
+        def kill_as_listener_as_it_sends() -> tuple[dict, list[int]]:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
+            deadline = time.monotonic() + 60
+            while not (senders := children_of(listener)):
+                assert time.monotonic() < deadline, "a's listener ran no process for the move"
+                time.sleep(0.001)
+            os.kill(listener, signal.SIGKILL)
+            return finished(a, op), senders
+
+        op, senders = await call(kill_as_listener_as_it_sends)
+        assert op["status"] == "failed", op
+        assert "the bulk listener ended" in op["error"], op["error"]
+        for pid in senders:  # died with the listener, and reaped
+            await until_gone(pid, 10)
+        await runs_whole_on(tab, a)
+        await b_keeps_nothing_of(b, kernel_id)
+
+        restarted = await started_again(a, listener)
+        since = await moved_saying(a, kernel_id, "b")
+        assert re.search(rf"images/{kernel_id}/stash-\S+ sent to b by a process of its own", since), since
+        assert bulk_listener_of(a) == restarted
+        await runs_whole_on(tab, b)
+        await comes_home_whole(a, b, tab, kernel_id)
+    finally:
+        await end_kernel(a, kernel_id, tab)
 
 
 def reading_back(pid: int) -> bool:
