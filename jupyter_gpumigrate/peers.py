@@ -2299,9 +2299,10 @@ class GuestHost:
             proc.kill()
             proc.wait(timeout=30)
         guest = self.guests.pop(kernel_id, None)
-        if guest is not None and guest.runs():
-            proctree.kill_tree(guest.pid)
-            proctree.wait_gone(guest.pid, timeout=10)
+        if guest is not None and guest.pid is not None and guest.runs():
+            # the process adopted alone, by its start time, through a pidfd: not one that took its PID since
+            if proctree.kill_tree(guest.pid, started=guest.started):
+                proctree.wait_gone(guest.pid, timeout=10)
         self._forget(kernel_id)
         self.store.remove(kernel_id)
         lock = self.locks.get(kernel_id)

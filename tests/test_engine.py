@@ -228,6 +228,34 @@ def test_pid_holder_is_named(tmp_path):
     assert proctree.first_holder([proc.pid]) is None
 
 
+def test_a_tree_is_killed_only_while_its_root_is_the_process_adopted():
+    # kill_tree with the root's start time as it was adopted: a tree whose root is another process now (its PID
+    # taken after the first ended) is left alone; the tree adopted goes, children first, each through a pidfd.
+    adopted = start_sleep("60")
+    born = proctree.start_time(adopted.pid)
+    adopted.kill()
+    adopted.wait()
+    time.sleep(0.05)  # a start time counts clock ticks (10 ms): the next process's is another
+    holder = hold_pid(adopted.pid)  # another process takes the PID
+    try:
+        assert proctree.start_time(adopted.pid) != born
+        assert not proctree.kill_tree(adopted.pid, started=born)
+        time.sleep(0.2)
+        assert proctree.is_alive(adopted.pid), "the process that took the PID was killed"
+    finally:
+        holder.stop()
+
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
+    deadline = time.monotonic() + 10
+    while not proctree.children(shell.pid):
+        assert time.monotonic() < deadline, "the shell started no child"
+        time.sleep(0.01)
+    child = proctree.children(shell.pid)[0]
+    assert proctree.kill_tree(shell.pid, started=proctree.start_time(shell.pid))
+    shell.wait(timeout=10)
+    assert proctree.wait_gone(child, 10)
+
+
 def test_hold_pid_really_takes_a_pid():
     proc = subprocess.Popen(["true"])
     proc.wait()

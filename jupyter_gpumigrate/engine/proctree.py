@@ -331,11 +331,43 @@ def wait_gone(pid: int, timeout: float) -> bool:
         time.sleep(0.02)
 
 
-def kill_tree(root: int, sig: int = signal.SIGKILL) -> None:
-    """Send ``sig`` to every process of the tree, children first."""
-    for pid in reversed(descendants(root)):
+def kill_tree(root: int, sig: int = signal.SIGKILL, started: int | None = None) -> bool:
+    """Send ``sig`` to every process of the tree, children first. Each is signalled through a pidfd opened
+    once its start time was read, and read again then: a PID another process took meanwhile (the one listed
+    ended, and was reaped) is never signalled. ``started``: the root's start time when it was adopted; a root
+    that is not that process any more is not signalled, nor anything under it. Whether the root was."""
+    tree = [(pid, start_time(pid)) for pid in descendants(root)]
+    if not tree or (started is not None and tree[0][1] != started):
+        return False
+    hit = False
+    for pid, born in reversed(tree):
+        hit = _signal(pid, born, sig) if pid == root else (_signal(pid, born, sig) and hit)
+    return hit
+
+
+def _signal(pid: int, born: int | None, sig: int) -> bool:
+    """Send ``sig`` to ``pid`` if it is still the process that started at ``born``; whether it was sent."""
+    if born is None:
+        return False  # gone as it was listed
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+    except OSError:  # no pidfd (Linux before 5.3): the PID and its start time, checked just before
+        if start_time(pid) != born:
+            return False
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
-            pass
+            return False
+        return True
+    try:
+        if start_time(pid) != born:  # the fd names whatever held the PID as it was opened: that one, or not
+            return False
+        signal.pidfd_send_signal(fd, sig)
+        return True
+    except ProcessLookupError:
+        return False
+    finally:
+        os.close(fd)
 
