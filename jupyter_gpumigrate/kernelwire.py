@@ -9,7 +9,7 @@ from __future__ import annotations
 import ast
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 import zmq
 from jupyter_client.session import Session
@@ -80,38 +80,64 @@ def _sockets(info: dict, *wanted: tuple[int, str], linger: float = 0.0) -> Itera
         context.term()
 
 
+def _send(session: Session, sock: zmq.Socket, msg_type: str, content: dict, timeout: float) -> str:
+    """Send a request; its id. A DEALER whose peer refused it (a port taken by a socket of another kind) blocks a
+    send for ever: after ``timeout`` seconds, TimeoutError."""
+    sock.sndtimeo = max(int(timeout * 1000), 1)
+    try:
+        return session.send(sock, msg_type, content)["header"]["msg_id"]
+    except zmq.Again:
+        raise TimeoutError(f"the kernel's port took no request within {timeout:.1f} s") from None
+
+
 #: The first wait for a kernel's answer before :func:`kernel_answers` asks again.
 ANSWER_RESEND = 0.05
 
 
-def kernel_answers(connection_info: dict, timeout: float) -> bool:
+def kernel_answers(connection_info: dict, timeout: float, said: dict | None = None) -> bool:
     """True once the kernel answers kernel_info and its IOPub status reaches a new subscriber.
 
     The request goes on the control channel, which a kernel busy with a cell still serves. It is sent
     again, soon at first (every :data:`ANSWER_RESEND` seconds, doubling up to half a second): the status
     that answers one goes to the subscribers the kernel has at that moment, and a new subscription takes a
-    moment to reach it (longer through a relay to another host).
+    moment to reach it (longer through a relay to another host). ``said``, if given, gets where the wait went:
+    ``reply`` (seconds until the first reply on control; absent if none came), ``status`` (until the status
+    on IOPub) and ``asked`` (requests sent): a late reply is a kernel slow to serve, a late status after an
+    early reply a subscription slow to reach it.
     """
     session = _session(connection_info)
     with _sockets(connection_info, (zmq.DEALER, "control"), (zmq.SUB, "iopub")) as (control, iopub):
-        return _answers(session, control, iopub, timeout)
+        return _answers(session, control, iopub, timeout, said if said is not None else {})
 
 
-def _answers(session: Session, control: zmq.Socket, iopub: zmq.Socket, timeout: float) -> bool:
+def _answers(session: Session, control: zmq.Socket, iopub: zmq.Socket, timeout: float, said: dict) -> bool:
     poller = zmq.Poller()
     poller.register(iopub, zmq.POLLIN)
-    deadline = time.monotonic() + timeout
+    poller.register(control, zmq.POLLIN)
+    began = time.monotonic()
+    deadline = began + timeout
     wait, asked = ANSWER_RESEND, set()
     while time.monotonic() < deadline:
-        asked.add(session.send(control, "kernel_info_request", {})["header"]["msg_id"])
+        try:
+            asked.add(_send(session, control, "kernel_info_request", {}, deadline - time.monotonic()))
+        except TimeoutError:
+            return False
+        said["asked"] = len(asked)
         resend = min(deadline, time.monotonic() + wait)
         wait = min(2 * wait, 0.5)
         while (left := resend - time.monotonic()) > 0:
-            if not poller.poll(int(left * 1000) + 1):
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if not ready:
                 break
+            if control in ready:
+                control.recv_multipart()  # a reply: the kernel serves; only its status on IOPub ends the wait
+                said.setdefault("reply", round(time.monotonic() - began, 4))
+            if iopub not in ready:
+                continue
             _, frames = session.feed_identities(iopub.recv_multipart())
             msg = session.deserialize(frames, content=False)
             if msg["parent_header"].get("msg_id") in asked and msg["msg_type"] == "status":
+                said["status"] = round(time.monotonic() - began, 4)
                 return True
     return False
 
@@ -127,8 +153,11 @@ def run_silently(connection_info: dict, code: str, timeout: float) -> bool:
     True if the kernel replied ``ok`` within ``timeout`` seconds."""
     session = _session(connection_info)
     with _sockets(connection_info, (zmq.DEALER, "shell")) as (shell,):
-        msg_id = session.send(shell, "execute_request", _silent(code))["header"]["msg_id"]
         deadline = time.monotonic() + timeout
+        try:
+            msg_id = _send(session, shell, "execute_request", _silent(code), timeout)
+        except TimeoutError:
+            return False
         while (left := deadline - time.monotonic()) > 0:
             if not shell.poll(int(left * 1000) + 1):
                 break
@@ -143,8 +172,9 @@ def send_silently(connection_info: dict, code: str, linger: float = 2.0) -> None
     """Send ``code`` to run silently on the shell channel and do not wait for its reply (returns once the
     request is delivered, or after ``linger`` seconds)."""
     session = _session(connection_info)
-    with _sockets(connection_info, (zmq.DEALER, "shell"), linger=linger) as (shell,):
-        session.send(shell, "execute_request", _silent(code))
+    with _sockets(connection_info, (zmq.DEALER, "shell"), linger=linger) as (shell,), \
+            suppress(TimeoutError):
+        _send(session, shell, "execute_request", _silent(code), linger)
 
 
 class KernelGone(ConnectionError):
@@ -160,8 +190,12 @@ def evaluate_silently(connection_info: dict, expression: str, timeout: float,
     ``alive()`` says the kernel ended, and RuntimeError with the kernel's ``ename: evalue`` if it raised."""
     session = _session(connection_info)
     with _sockets(connection_info, (zmq.DEALER, "shell")) as (shell,):
-        msg_id = session.send(shell, "execute_request", _silent("", {"r": expression}))["header"]["msg_id"]
         deadline = time.monotonic() + timeout
+        try:
+            msg_id = _send(session, shell, "execute_request", _silent("", {"r": expression}), timeout)
+        except TimeoutError:
+            raise TimeoutError(f"the kernel did not answer within {timeout:.0f} s (its shell port took no "
+                               "request)") from None
         while (left := deadline - time.monotonic()) > 0:
             if not shell.poll(int(min(left, 0.5) * 1000) + 1):
                 if alive is not None and not alive():

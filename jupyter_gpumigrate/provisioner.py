@@ -299,6 +299,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     broken_reason: str | None = None
     #: while the kernel is being shut down or restarted during a migration: why (a plan may stop there)
     stop_requested: str | None = None
+    #: how the last wait_ready went (kernelwire.kernel_answers: reply, status, asked); said by a slow adopt
+    answered: dict = {}  # noqa: RUF012  (replaced, never changed in place)
     sessions: list[dict] = []
     #: the kernels the extension is taking back as the server starts (revive.py), by id: their provisioner
     #: launches nothing, and listens on their own ports with their own key
@@ -519,8 +521,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return "Restart the kernel."
 
     def wait_ready(self, timeout: float) -> bool:
-        """Wait until the restored kernel answers and publishes on IOPub to a new subscriber."""
-        return kernel_answers(self.connection_info, timeout)
+        """Wait until the restored kernel answers and publishes on IOPub to a new subscriber (:attr:`answered`
+        says how the wait went)."""
+        self.answered = {}
+        return kernel_answers(self.connection_info, timeout, self.answered)
 
     def carry_over(self, pid: int) -> None:
         self.lineage = {*self.lineage, pid}

@@ -26,6 +26,8 @@ class KernelProcess(Protocol):
     #: set while the kernel is being shut down or restarted: why (a plan reads it, saga.Saga.stoppable);
     #: optional, None when absent
     stop_requested: str | None
+    #: optional: how the last :meth:`wait_ready` went (``reply``, ``status``: seconds; ``asked``: requests sent)
+    answered: dict
 
     @property
     def kernel_name(self) -> str: ...

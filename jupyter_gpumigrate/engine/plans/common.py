@@ -380,8 +380,12 @@ def adopt_tree(ctx: KernelContext, pid: int) -> None:
     if not ctx.kernel.wait_ready(timeout):
         log.warning("kernel %s: restored, but it did not answer within %.1f s", ctx.manifest.kernel_id, timeout)
     if time.monotonic() - waited >= ADOPT_SAID:  # where a slow adopt's time goes
-        log.info("gpumigrate: kernel %s adopted in %.2f s: its clients waited for %.2f s, its answer %.2f s after",
-                 ctx.manifest.kernel_id, time.monotonic() - waited, clients - waited, time.monotonic() - clients)
+        answered = getattr(ctx.kernel, "answered", None) or {}
+        # a reply before the status: the kernel served, and the new subscription reached it late
+        how = (f" ({answered['asked']} asked; " + (f"its reply on control after {answered['reply']:.2f} s, before "
+               "its status" if "reply" in answered else "its status came first") + ")") if "asked" in answered else ""
+        log.info("gpumigrate: kernel %s adopted in %.2f s: its clients waited for %.2f s, its answer %.2f s after%s",
+                 ctx.manifest.kernel_id, time.monotonic() - waited, clients - waited, time.monotonic() - clients, how)
 
 
 # -- bringing a tree back here from its images: restore, [remap, unlock], adopt ----------------------
