@@ -83,7 +83,7 @@ def _sockets(info: dict, *wanted: tuple[int, str], linger: float = 0.0) -> Itera
 def _send(session: Session, sock: zmq.Socket, msg_type: str, content: dict, timeout: float) -> str:
     """Send a request; its id. A DEALER whose peer refused it (a port taken by a socket of another kind) blocks a
     send for ever: after ``timeout`` seconds, TimeoutError."""
-    sock.sndtimeo = max(int(timeout * 1000), 1)
+    sock.sndtimeo = min(max(int(timeout * 1000), 1), 2**31 - 1)
     try:
         return session.send(sock, msg_type, content)["header"]["msg_id"]
     except zmq.Again:

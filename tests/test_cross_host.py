@@ -446,7 +446,7 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
     guest = b.root / "state" / "guests" / kernel_id
     try:
         await tab.run(BLOB)
-        listener_b = bulk_listener_of(b)
+        listener_b, logged_b = bulk_listener_of(b), log_size(b)
 
         def kill_bs_listener_as_a_part_arrives() -> dict:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
@@ -463,12 +463,12 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         assert op["status"] == "failed", op
         await runs_whole_on(tab, a)
 
-        await started_again(b, listener_b)
+        await started_again(b, listener_b, logged_b)
         since = await moved_saying(a, kernel_id, "b")
         assert f"kernel {kernel_id}: its large files go to b's bulk listener" in since, since
         await runs_whole_on(tab, b)
 
-        listener_a = bulk_listener_of(a)
+        listener_a, logged_a = bulk_listener_of(a), log_size(a)
 
         def kill_as_listener_as_it_fetches() -> dict:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a"})
@@ -483,7 +483,7 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
         if op["status"] == "failed":  # a file fetched after the dump was on its way: undone, the kernel runs there
             assert "bulk listener" in op["error"] or "called off" in op["error"], op["error"]
             await runs_whole_on(tab, b)
-            await started_again(a, listener_a)
+            await started_again(a, listener_a, logged_a)
             since = await moved_saying(a, kernel_id, "a")
             assert "fetched from b by a process of its own" in since, since  # the listener started again's
         else:  # the files followed as b's dump wrote them were on their way: each that failed was fetched again
@@ -499,13 +499,24 @@ async def test_a_bulk_listener_killed_mid_transfer_either_way_leaves_the_kernel_
             await call(host.start, peers)
 
 
-async def started_again(host: Host, killed: int) -> int:
-    """The PID of ``host``'s bulk listener started again after ``killed`` was killed: its server said so and
-    reaped the killed one."""
+def log_size(host: Host) -> int:
+    """How long ``host``'s server log is now (what it says later is read from there)."""
+    return len((host.root / "server.log").read_bytes())
+
+
+def log_since(host: Host, size: int) -> str:
+    return (host.root / "server.log").read_bytes()[size:].decode(errors="replace")
+
+
+async def started_again(host: Host, killed: int, logged: int) -> int:
+    """The PID of ``host``'s bulk listener started again after ``killed`` was killed: its server said so in its log
+    after ``logged`` bytes (the log's size before the kill: an earlier restart's line does not count; on a port
+    where it had one) and reaped the killed one."""
     restarted = await call(bulk_listener_of, host, killed)
     deadline = time.monotonic() + 30
-    while "the bulk listener was started again" not in host.server_log():
-        assert time.monotonic() < deadline, host.server_log()[-3000:]
+    while not re.search(r"the bulk listener was started again (on port \d+|\(it fetches only\))",
+                        log_since(host, logged)):
+        assert time.monotonic() < deadline, log_since(host, logged)[-3000:]
         await asyncio.sleep(0.1)
     assert running_state(killed) == "gone", f"{host.name}'s server did not reap its killed listener"
     return restarted
@@ -513,10 +524,10 @@ async def started_again(host: Host, killed: int) -> int:
 
 async def moved_saying(a: Host, kernel_id: str, to_host: str) -> str:
     """Move the kernel to ``to_host``, which succeeds; what a's log said meanwhile."""
-    logged = len((a.root / "server.log").read_bytes())
+    logged = log_size(a)
     op = await call(a.operate, kernel_id, "migrate", {"to_host": to_host})
     assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-    return (a.root / "server.log").read_bytes()[logged:].decode(errors="replace")
+    return log_since(a, logged)
 
 
 async def comes_home_whole(a: Host, b: Host, tab: WebSocketTab, kernel_id: str) -> None:
@@ -612,7 +623,7 @@ async def test_this_hosts_bulk_listener_killed_as_it_sends_files_followed_as_the
     kernel_id, tab = await new_kernel(a)
     try:
         await tab.run(BLOB)
-        listener = bulk_listener_of(a)
+        listener, logged = bulk_listener_of(a), log_size(a)
 
         def kill_as_listener_as_it_sends() -> tuple[dict, list[int]]:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b"})
@@ -631,7 +642,7 @@ async def test_this_hosts_bulk_listener_killed_as_it_sends_files_followed_as_the
         await runs_whole_on(tab, a)
         await b_keeps_nothing_of(b, kernel_id)
 
-        restarted = await started_again(a, listener)
+        restarted = await started_again(a, listener, logged)
         since = await moved_saying(a, kernel_id, "b")
         assert re.search(rf"images/{kernel_id}/stash-\S+ sent to b by a process of its own", since), since
         assert bulk_listener_of(a) == restarted
@@ -1325,10 +1336,10 @@ def collecting(session: int) -> Iterator[None]:
 
 
 async def until_gone(pid: int, seconds: float) -> None:
-    """Wait until the kernel's process on b (``pid``) is gone (collected: see :func:`collecting`)."""
+    """Wait until process ``pid`` (the kernel's on b, or a transfer's) is gone (collected: see :func:`collecting`)."""
     deadline = time.monotonic() + seconds
     while running_state(pid) != "gone":
-        assert time.monotonic() < deadline, f"the kernel on b is {running_state(pid)}"
+        assert time.monotonic() < deadline, f"process {pid} is {running_state(pid)}"
         await asyncio.sleep(0.1)
 
 

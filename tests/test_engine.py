@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
 import sys
@@ -251,6 +252,10 @@ def test_a_tree_is_killed_only_while_its_root_is_the_process_adopted():
         assert time.monotonic() < deadline, "the shell started no child"
         time.sleep(0.01)
     child = proctree.children(shell.pid)[0]
+    born = proctree.start_time(child)
+    assert born is not None and not proctree._signal(child, born - 1, signal.SIGKILL)  # another start: not it
+    time.sleep(0.2)
+    assert proctree.is_alive(child), "a process whose start time differs was signalled"
     assert proctree.kill_tree(shell.pid, started=proctree.start_time(shell.pid))
     shell.wait(timeout=10)
     assert proctree.wait_gone(child, 10)

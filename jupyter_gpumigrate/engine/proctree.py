@@ -341,7 +341,9 @@ def kill_tree(root: int, sig: int = signal.SIGKILL, started: int | None = None) 
         return False
     hit = False
     for pid, born in reversed(tree):
-        hit = _signal(pid, born, sig) if pid == root else (_signal(pid, born, sig) and hit)
+        sent = _signal(pid, born, sig)
+        if pid == root:
+            hit = sent
     return hit
 
 

@@ -152,7 +152,12 @@ class Helper:
         # The spare has started the driver with every GPU visible and finds its GPU by UUID, which NVML
         # gives as "GPU-..." for a whole GPU; a MIG instance ("MIG-...") is visible only where named before
         # the driver starts: a helper of its own.
-        self.proc = (_take_spare() if _by_uuid(gpu_uuid) else None) or _start()
+        spare = _take_spare() if _by_uuid(gpu_uuid) else None
+        #: a spare that failed (its driver, or its GPU not found) is replaced once by a helper of its own
+        self.spare = spare is not None
+        self.proc = spare or _start()
+        #: every line said to it: said again to a helper that replaces a failed spare
+        self._lines: list[str] = []
         self.started = time.monotonic()
         #: when the helper had imported the driver's bindings, made its context, allocated (its clock)
         self.stamps: dict[str, float] = {}
@@ -169,6 +174,7 @@ class Helper:
             self.ask(size)
 
     def _say(self, line: str) -> None:
+        self._lines.append(line)
         try:
             assert self.proc.stdin is not None
             self.proc.stdin.write(f"{line}\n")
@@ -222,6 +228,12 @@ class Helper:
         self.handle = str(answer["handle"])
         return answer
 
+    def end_now(self) -> None:
+        """Kill the helper and wait for its end: nothing it holds is needed."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        _reap(self.proc)
+
     def kill(self) -> None:
         """End the helper at once (SIGKILL; its GPU memory goes with it): one still reading a stash's files
         (:meth:`fill`) reads nothing from the server until it is done."""
@@ -239,6 +251,11 @@ class Helper:
             answer = {"error": str(exc)}
         if not isinstance(answer, dict) or "handle" not in answer:
             answer = answer if isinstance(answer, dict) else {}
+            if self.spare and answer.get("error"):  # it said why: a helper of its own, told the same, once
+                log.warning("gpumigrate: the spare stash helper failed (%s); one is started for GPU %s",
+                            answer["error"], self.gpu_uuid)
+                self._replace()
+                return self._answer(timeout, what, kill)
             if answer.get("error") is None and self.proc.poll() is not None and self.proc.stderr is not None:
                 answer["error"] = self.proc.stderr.read()[-500:] or f"it exited with {self.proc.returncode}"
             if kill:
@@ -248,6 +265,18 @@ class Helper:
             raise GpuError(f"The stash helper could not {what}: {answer.get('error') or 'no answer in time'}")
         self.stamps = {k: float(v) for k, v in answer.get("stamps", {}).items() if isinstance(v, (int, float))}
         return answer
+
+    def _replace(self) -> None:
+        """End the failed spare and start a helper of its own (which sets CUDA_VISIBLE_DEVICES before the
+        driver starts), told every line the spare was."""
+        failed, self.proc, self.spare = self.proc, _start(), False
+        if failed.poll() is None:
+            failed.kill()
+        threading.Thread(target=_reap, args=(failed,), daemon=True, name="gpumigrate-stash-helper-end").start()
+        self._pending = bytearray()
+        lines, self._lines = self._lines, []
+        for line in lines:
+            self._say(line)
 
     def seconds(self) -> dict[str, float]:
         """Where the helper's time went before it held the stash: the driver's bindings imported (0 where
@@ -280,12 +309,17 @@ class Helper:
             threading.Thread(target=self._end, daemon=True, name="gpumigrate-stash-helper-end").start()
 
     def _end(self) -> None:
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        _close(self.proc)
+        _reap(self.proc)
+
+
+def _reap(proc: subprocess.Popen) -> None:
+    """Wait for a helper's end (killed after 10 s), then close our ends of its pipes."""
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+    _close(proc)
 
 
 def _close(proc: subprocess.Popen) -> None:
@@ -417,7 +451,8 @@ class Stash:
         it is ready when the kernel has said what it has (stopped on :meth:`close` if the fast path steps
         aside). A stash then takes no more than ``size``."""
         if self.helper is not None and self.helper.gpu_uuid != gpu_uuid:
-            self._stop_helper()
+            assert not self.held and not self.unsure, "a stash that holds tensors is not moved to another GPU"
+            self.stop_helper()
         if self.helper is None:
             self.helper = Helper(gpu_uuid, size)
         elif size and not self.helper.size:
@@ -538,9 +573,12 @@ class Stash:
         self._file = self._conn = None
 
     def stop_helper(self) -> None:
-        """End the helper, if one runs, holding nothing the kernel needs (the fast path stepped aside)."""
-        if not self.held and not self.unsure:
-            self._stop_helper()
+        """End the helper, if one runs, holding nothing the kernel needs (the fast path stepped aside): killed,
+        and waited for, so that its context has left the target before the driver remaps there (a helper still
+        making its context would read ``free`` only once it has made it)."""
+        if not self.held and not self.unsure and self.helper is not None:
+            helper, self.helper = self.helper, None
+            helper.end_now()
 
     def _stop_helper(self) -> None:
         if self.helper is not None:
@@ -622,6 +660,7 @@ def _hold() -> int:
         else:
             os.environ["CUDA_VISIBLE_DEVICES"] = asked[1]  # read by cuInit: the one GPU it sees
             ok(driver.cuInit(0))
+            stamps["driver"] = time.monotonic()
             device = ok(driver.cuDeviceGet(0))
         context = ok(driver.cuDevicePrimaryCtxRetain(device))
         ok(driver.cuCtxSetCurrent(context))
@@ -655,7 +694,10 @@ def _device(driver: Any, ok: Any, gpu_uuid: str) -> Any:
     for ordinal in range(int(ok(driver.cuDeviceGetCount()))):  # type: ignore[call-overload]
         device = ok(driver.cuDeviceGet(ordinal))
         raw = ok(driver.cuDeviceGetUuid(device)).bytes  # type: ignore[attr-defined]
-        if uuid_text(raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)) == gpu_uuid.lower():
+        raw = raw.encode("latin-1") if isinstance(raw, str) else bytes(raw)
+        if len(raw) != 16:
+            raise RuntimeError(f"the driver gave a UUID of {len(raw)} bytes for device {ordinal}, not 16")
+        if uuid_text(raw) == gpu_uuid.lower():
             return device
     raise RuntimeError(f"no GPU with UUID {gpu_uuid} among the {ok(driver.cuDeviceGetCount())} the driver sees")
 

@@ -91,6 +91,9 @@ class MoveContext(KernelContext):
         self.stash_said: dict = {}
         #: why the host stash or the fast path stepped aside, set where it is decided
         self.aside: str | None = None
+        #: what the target had free beyond the move before the stash's helper was started there (None: it was
+        #: not started in prepare)
+        self.target_room: int | None = None
 
 
 def prepare(ctx: MoveContext) -> None:
@@ -99,12 +102,15 @@ def prepare(ctx: MoveContext) -> None:
     # with what the kernel really holds.
     _, held, gpus = gpu_use(ctx, pid)
     first = placement.plan_move(gpus, held, ctx.to, ctx.tools.driver_major())
+    room = placement.free(first.target) - first.needed  # read before any helper's context is there
     if ctx.peer_stash is not None and _by_peer(ctx, first) and first.needed >= MIN_STASH and \
-            not gpus_mod.one_context_only(first.target.uuid):
+            room >= HELPER_RESERVE + MIN_STASH and not gpus_mod.one_context_only(first.target.uuid):
         # The stash's helper makes its context on the target while the kernel drops its cached blocks (an
         # idle move of 32 GB waited 0.08-0.12 s for it after the kernel had gathered its storages, started
-        # at the stash; 0.04-0.06 s now); should the stash not be used after all, it ends here or where the
-        # stash steps aside.
+        # at the stash; 0.04-0.06 s now). Only where the target has room for it beside the move and a stash,
+        # so that its context cannot decide the check below; the stash's budget is this reading, which does
+        # not count it. Should the stash not be used after all, it ends here or where the stash steps aside.
+        ctx.target_room = room
         ctx.peer_stash.warm(first.target.uuid)
         ctx.undo(ctx.peer_stash.stop_helper, cleanup=True)
     if ctx.invite:
@@ -211,7 +217,7 @@ def stash_tensors(ctx: MoveContext) -> None:
         # helper allocates that much, up to what the kernel holds, as soon as its context is made, while the
         # kernel gathers. Should another process fill the target meanwhile, the remap finds no room and the
         # move is undone (as when it fills up between the check and the remap).
-        budget = placement.free(move.target) - move.needed
+        budget = ctx.target_room if ctx.target_room is not None else placement.free(move.target) - move.needed
         early = min(move.needed, budget - HELPER_RESERVE)
         invited = time.perf_counter()
         stash.warm(move.target.uuid, early if early >= MIN_STASH else 0)
