@@ -21,7 +21,9 @@ Ways:
 machine's fresh memory is slower than the next (bench/results/2026-11-26-gpu-move.md), and a way named twice
 (``--ways peer,host,peer``) runs again after the others, so that the order of the ways can be told apart.
 
-Floors, measured in the same run: the peer copy GPU 0 -> GPU 1 and pinned host <-> GPU copies (GB/s).
+Floors, measured in the same run: the peer copy GPU 0 -> GPU 1, pinned host <-> GPU copies, and tmpfs written
+by 16 threads twice, as many bytes as the largest size (the first: a fresh machine's first touch of that memory),
+then read (GB/s).
 Writes ``<out-dir>/<date>-<tag>-move.json``; the table comes last.
 
     python3 bench/move_bench.py [--sizes 32] [--ways peer,host,driver,two] [--trips 1]
@@ -43,7 +45,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpu_bench import Server  # noqa: E402
 from report import text_table  # noqa: E402
-from suspend_bench import pinned_floors  # noqa: E402
+from suspend_bench import pinned_floors, tmpfs_floors  # noqa: E402
 
 BUILD = """
 import torch
@@ -224,8 +226,14 @@ def main() -> int:
     parser.add_argument("--trips", type=int, default=1, help="round trips 0 -> 1 -> 0 of each way's kernel")
     parser.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--tag", default="gpu")
+    parser.add_argument("--memory-floor", action=argparse.BooleanOptionalAction, default=True,
+                        help="measure tmpfs's write and read of the largest size first, twice (the first touch)")
     args = parser.parse_args()
-    floor = {**peer_floor(), **{k: round(v, 2) for k, v in pinned_floors(4 << 30).items()}}
+    # tmpfs as the host stash writes it, as many bytes as the largest size, twice: the first into memory a fresh
+    # machine may never have touched, whose cost any way then pays (the driver's into the process's memory too)
+    largest = max(float(s) for s in args.sizes.split(","))
+    memory = tmpfs_floors(int(largest * 1e9), rounds=2) if args.memory_floor else {}
+    floor = {**peer_floor(), **{k: round(v, 2) for k, v in {**pinned_floors(4 << 30), **memory}.items()}}
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "gpus": gpu_names(),
             "command": " ".join(["bench/move_bench.py", *sys.argv[1:]])}
     print(json.dumps({"floors": floor}), flush=True)

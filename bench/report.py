@@ -250,7 +250,11 @@ the GPU with one rebuilt from its seed (`torch.equal`). Ways:
   memory) holding *N* GB in all, moved 0 -> 1 in the middle of its cell (the fast path at the cell's safe
   point); its losses are compared with those of the same loop run unmoved, bit for bit.
 
-The floors are measured in the same run: a peer copy GPU 0 -> GPU 1 and pinned copies between host and GPU.
+The floors are measured in the same run: a peer copy GPU 0 -> GPU 1 and pinned copies between host and GPU;
+since 2026-11-30 also tmpfs, written by 16 threads (a file each) as many bytes as the largest size, twice, before
+any way: `tmpfs write first` is a fresh machine's first touch of that memory, which the first way to write as
+much into memory pays otherwise, the driver's checkpoint too (`--no-memory-floor` leaves it to them), and
+`tmpfs write` and `tmpfs read` the next; the host stash's copy out is read against `tmpfs write`.
 """
 
 
@@ -276,7 +280,7 @@ def move_section(path: Path) -> str:
         seconds = (r.get("fast_path") or {}).get("seconds") or {}
         stashed = (r.get("fast_path") or {}).get("stashed") or 0
         via = (r.get("fast_path") or {}).get("via") or way  # the train way goes by the peer stash too
-        floor = floors.get("peer_0_to_1" if via == "peer" else "pinned_d2h")
+        floor = floors.get("peer_0_to_1") if via == "peer" else floors.get("tmpfs_write") or floors.get("pinned_d2h")
         if stashed and seconds.get("stash") and floor:
             rate = stashed / seconds["stash"] / GB
             lines.append(f"{size:g} GB {step}, {way}: the kernel's copy out ran at {rate:.1f} GB/s "

@@ -35,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -83,34 +84,45 @@ def floors(disk_dir: Path) -> dict:
             out[what] = 8 * GIB / (time.perf_counter() - t0) / GB
     finally:
         probe.unlink(missing_ok=True)
-    folder = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="gpumigrate-floor-"))
-    block = os.urandom(1 << 20) * 64
-    per = 2 * GIB
+    out.update(tmpfs_floors(32 * GIB))
+    out.update(pinned_floors(4 << 30))
+    return {k: round(v, 2) for k, v in out.items()}
 
-    def write(i: int) -> None:
+
+def tmpfs_floors(nbytes: int, threads: int = 16, rounds: int = 1) -> dict:
+    """tmpfs (/dev/shm) written then read by ``threads`` threads with a file each, ``nbytes`` in all, GB/s;
+    with ``rounds`` 2, a first round into memory this machine may never have touched (a fresh virtual
+    machine's first touch of a page costs the host's allocation of it), then a second into the same memory
+    (``tmpfs_write_first``, then ``tmpfs_write`` and ``tmpfs_read``)."""
+    block = os.urandom(1 << 20) * 64
+    per = max(len(block), nbytes // threads // len(block) * len(block))
+    out: dict = {}
+
+    def write(folder: Path, i: int) -> None:
         with open(folder / f"{i}", "wb", buffering=0) as f:
             for _ in range(per // len(block)):
                 f.write(block)
 
-    def read(i: int) -> None:
+    def read(folder: Path, i: int) -> None:
         buf = bytearray(len(block))
         with open(folder / f"{i}", "rb", buffering=0) as f:
             while f.readinto(buf):
                 pass
 
-    try:
-        for what, fn in (("tmpfs_write", write), ("tmpfs_read", read)):
-            threads = [threading.Thread(target=fn, args=(i,)) for i in range(16)]
-            t0 = time.perf_counter()
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            out[what] = 16 * per / (time.perf_counter() - t0) / GB
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    out.update(pinned_floors(4 << 30))
-    return {k: round(v, 2) for k, v in out.items()}
+    for round_ in range(rounds):
+        folder = Path(tempfile.mkdtemp(dir="/dev/shm", prefix="gpumigrate-floor-"))
+        try:
+            for what, fn in (("tmpfs_write", write), ("tmpfs_read", read)):
+                if round_ < rounds - 1 and what == "tmpfs_read":
+                    continue
+                t0 = time.perf_counter()
+                with ThreadPoolExecutor(threads) as pool:
+                    list(pool.map(fn, [folder] * threads, range(threads)))
+                key = what if round_ == rounds - 1 else f"{what}_first"
+                out[key] = threads * per / (time.perf_counter() - t0) / GB
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+    return out
 
 
 def pinned_floors(nbytes: int) -> dict:

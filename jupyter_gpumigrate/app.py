@@ -232,7 +232,8 @@ class GPUMigrateApp(ExtensionApp):
             memory_root=str(self.guests.store.memory_root) if self.guests.store.memory_root else None,
             base_url=app.base_url, host=ip, port=self.bulk_port if self.peer_token else -1,
             certfile=app.certfile or None,
-            keyfile=app.keyfile or None), on_start=listening)
+            keyfile=app.keyfile or None,
+            dumps=str(self.guests.dump_marks) if self.guests.serve_growing else None), on_start=listening)
 
         def start() -> None:
             try:

@@ -24,6 +24,7 @@ reads the answer rather than a reset.
 from __future__ import annotations
 
 import errno
+import fcntl
 import hmac
 import json
 import logging
@@ -38,7 +39,7 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, DumpRun, FileSink, GrowingFile, Written, chunk_head, drop_mark
+from .peers import BLOCK, DumpRun, FileSink, GrowingFile, MarkedRun, Written, chunk_head, drop_mark
 
 log = logging.getLogger(__name__)
 
@@ -313,17 +314,24 @@ def send(sock: socket.socket, path: Path, size: int) -> None:
         sock.close()
 
 
-def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[], None]) -> None:
+def send_growing(sock: socket.socket, path: Path, run: DumpRun | MarkedRun, done: Callable[[], None] | None = None
+                 ) -> int | None:
     """Answer a detached GET with a file that a dump still writes (a CRIU pages file, or a part of the stash
     before it), in chunks as it grows, until it is whole (:class:`~.peers.Written`: the dump is over, ``run``,
-    or the stash's index is there) and all of it went; then close, and call ``done``. A dump that failed
-    gets no last chunk (nor a part of a stash that did not finish): the peer sees a cut answer, never a whole
-    file. The peer checks what it got against
-    the final listing."""
+    or the stash's index is there) and all of it went; then close, and call ``done``: the bytes sent whole,
+    else None. A dump that failed gets no last chunk (nor a part of a stash that did not finish): the peer sees
+    a cut answer, never a whole file. The peer checks what it got against the final listing. One file is sent
+    so by one sender at a time, of this process or another (a lock on the file): another asks in vain (409)."""
     stop = threading.Event()
     sock.settimeout(GROWING_TIMEOUT)
+    sent = None
     try:
         with open(path, "rb") as f:
+            try:  # released with the file, or with its process
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                respond(sock, 409, error(409, f"{path.name} is being sent as it grows already."))
+                return None
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n"
                          b"Connection: close\r\n\r\n")
             written = Written(path, run.over)
@@ -335,10 +343,13 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun, done: Callable[[
                 first = False
             if run.ok or written.ended_whole:
                 sock.sendall(chunk_head(0, first))
+                sent = growing.offset
     except OSError:
         pass  # the peer went away or called it off: it fetches the file again after the dump, or not at all
     except Exception:
         log.exception("gpumigrate: sending %s as it grows failed", path.name)
     finally:
         sock.close()
-        done()
+        if done is not None:
+            done()
+    return sent

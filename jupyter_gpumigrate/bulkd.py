@@ -20,10 +20,11 @@ the modules are loaded once, nothing is held):
   server's address, with the server's certificate, says the port on stdout, and takes each connection in a
   process, which takes one image file PUT as the server's own route does (the same token, names, checks and
   answers: bulk.receive), and records the file's checksum beside it (peers.mark_received), where the server
-  reads it when the images are complete; or serves one whole image file of a guest by GET (a way home
-  fetches it), as the server's route does for a file not followed as it grows. Peers learn the port from
-  ``POST peer/check`` and ``GET peer/kernels/{id}`` (``bulk_port``) and use it where they can connect to it;
-  otherwise the files go through the server's port, as before.
+  reads it when the images are complete; or serves one image file of a guest by GET (a way home fetches
+  it), as the server's route does: whole, or, asked ``?growing=true`` while the guest's dump for its way
+  home runs, as the dump writes it (its mark says how the dump stands: peers.MarkedRun). Peers learn the
+  port from ``POST peer/check`` and ``GET peer/kernels/{id}`` (``bulk_port``, ``bulk_growing``) and use it
+  where they can connect to it; otherwise the files go through the server's port, as before.
 - the server's further lines on its stdin are orders (:class:`BulkTransfers`): a fetch
   (:meth:`BulkListener.fetch`, for a way home: PeerClient.get_file or get_growing) or a send
   (:meth:`BulkListener.send`, for a way there: PeerClient.put_file; :meth:`BulkListener.send_growing`:
@@ -61,13 +62,15 @@ from urllib.parse import unquote, urlsplit
 from . import bulk
 from .engine.errors import MigrateError
 from .engine.images import ImageStore
-from .peers import (DETACH_MIN, PEER_API, Peer, PeerClient, PeerError, Written, credential_ok, image_path,
-                    mark_received)
+from .peers import (DETACH_MIN, PEER_API, MarkedRun, Peer, PeerClient, PeerError, Written, credential_ok, follows,
+                    image_path, mark_received)
 
 log = logging.getLogger(__name__)
 
 #: The most a request's head may take (its line and headers).
 MAX_HEAD = 64 * 1024
+#: A GET's query, and whether it asks for a file as it grows (the server's route takes the same words)
+GROWING_QUERIES = {"": False, "growing=true": True, "growing=false": False}
 #: The most connections taken at once (a process each): more wait in the listening socket's backlog. A move
 #: sends 8 files at once and follows up to 16 as they grow; whoever can reach the port, with or without the
 #: token, gets no more processes than this.
@@ -108,6 +111,9 @@ class BulkSettings:
     #: the server's certificate and key (None: plain HTTP, as the server)
     certfile: str | None = None
     keyfile: str | None = None
+    #: where the server marks the dumps for a way home that run (GuestHost.dump_marks): their files are then
+    #: served as they grow (``GET ...?growing=true``, as the server's route does); None: whole files only
+    dumps: str | None = None
 
 
 class BulkListenerError(MigrateError):
@@ -377,8 +383,10 @@ class BulkTransfers:
     def get_growing(self, path: str, dest: Path, stop: threading.Event, conns: Any = None) -> tuple[int, str]:
         if not self.listener.running:
             return self.client.get_growing(path, dest, stop, conns)
-        # a file still written comes from the peer's server (its bulk listener serves whole files only)
-        port = None if "?" in path or self.link.bulk_home is None else self.link.bulk_home.port
+        # a file still written comes from the peer's bulk listener where it serves such files too (a process
+        # sends each there), else from its server
+        home = self.link.bulk_home
+        port = None if home is None or ("?" in path and not self.link.bulk_home_growing) else home.port
         return self.listener.fetch(self.client.peer, path, dest, stop, port=port)
 
     def get_file(self, path: str, dest: Path, size: int, checksum: str | None, kept: Any = None) -> str:
@@ -702,18 +710,19 @@ def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore, deadli
         return
     prefix = f"{settings.base_url.rstrip('/')}/{PEER_API}/images/"
     parts = urlsplit(target)
-    where = parts.path[len(prefix):].split("/") if parts.path.startswith(prefix) and not parts.query else []
+    growing = GROWING_QUERIES.get(parts.query) if method == "GET" else None if parts.query else False
+    where = parts.path[len(prefix):].split("/") if parts.path.startswith(prefix) and growing is not None else []
     if len(where) != 2 or not all(where):
-        bulk.respond(sock, 404, bulk.error(404, f"This port takes and serves whole image files only (PUT or GET "
-                                                f"{prefix}{{kernel}}/{{name}}, no query); send the rest to the "
-                                                "server's port."))
+        bulk.respond(sock, 404, bulk.error(404, f"This port takes and serves image files only (PUT {prefix}{{kernel}}"
+                                                f"/{{name}}, no query; GET the same, or with ?growing=true); send the "
+                                                "rest to the server's port."))
         return
     if method not in ("PUT", "GET"):
         bulk.respond(sock, 405, bulk.error(405, "This port takes image files only, by PUT, and serves them by GET."))
         return
     kernel_id, name = (unquote(part) for part in where)
     if method == "GET":
-        _serve_file(sock, store, kernel_id, name)
+        _serve_file(sock, settings, store, kernel_id, name, growing)
         return
     try:
         path = image_path(store, kernel_id, name)
@@ -734,9 +743,12 @@ def serve(sock: socket.socket, settings: BulkSettings, store: ImageStore, deadli
     bulk.receive(sock, leftover, length, path, done)
 
 
-def _serve_file(sock: socket.socket, store: ImageStore, kernel_id: str, name: str) -> None:
-    """Answer a GET of one of a guest's image files (the way home fetches it) with the whole file, as the
-    server's route does for a file not followed as it grows."""
+def _serve_file(sock: socket.socket, settings: BulkSettings, store: ImageStore, kernel_id: str, name: str,
+                growing: bool) -> None:
+    """Answer a GET of one of a guest's image files (the way home fetches it) as the server's route does:
+    ``growing`` (asked with ?growing=true), a dump's pages file or a part of its stash while the dump for its
+    way home runs (its mark says so: peers.MarkedRun) in chunks as it grows, until it is whole; else the whole
+    file."""
     try:
         path = image_path(store, kernel_id, name)
     except MigrateError as exc:  # as the server's route answers
@@ -748,6 +760,13 @@ def _serve_file(sock: socket.socket, store: ImageStore, kernel_id: str, name: st
         size = path.stat().st_size
     except OSError:
         bulk.respond(sock, 404, bulk.error(404, f"Kernel {kernel_id} has no image file {name} here."))
+        return
+    run = MarkedRun(Path(settings.dumps) / f"{kernel_id}.json") if growing and settings.dumps and follows(name) \
+        else None
+    if run is not None and run.running:
+        sent = bulk.send_growing(sock, path, run)
+        log.info("kernel %s: %s sent as it was written by a process of its own (%s)", kernel_id, name,
+                 f"{sent} bytes" if sent is not None else "not whole: called off, or its dump failed")
         return
     bulk.send(sock, path, size)
     log.info("kernel %s: %s sent by a process of its own (%d bytes)", kernel_id, name, size)

@@ -101,6 +101,9 @@ STASH_PARTS = STASH_PART.replace("{:02d}", "*")
 #: The folder, in the state folder, of the records of guests that run here (GuestHost.take_back). A GuestHost
 #: given none keeps it under the guests' images (no image folder's name is this).
 RUNNING_GUESTS = "guests-running"
+#: The folder, beside those records, of the marks of the dumps for a way home that run here (DumpRun.mark), which
+#: the bulk listener's processes read (MarkedRun); a dot: no guest's images are ever taken for it.
+DUMP_MARKS = ".dumps-running"
 #: How long a guest taken back at start waits for its peer to relay its channels before it is discarded
 #: (seconds): a peer that is up dials again within its relay's patience (30 s); one that gave up restarted
 #: the kernel at home, and one whose server went takes back no kernel it had moved away.
@@ -1028,6 +1031,8 @@ class PeerLink(HostLink):
         self.bulk: PeerClient | None = None
         #: the same where :meth:`requirements` found one (the way home fetches whole files from it)
         self.bulk_home: PeerClient | None = None
+        #: whether it serves files as the dump writes them too (``bulk_growing``), as the server's port does
+        self.bulk_home_growing = False
         #: what receives the files fetched from the peer (the way home): ``client``, or a bulkd.BulkTransfers,
         #: whose processes receive the large ones (same calls: get_growing, get_file)
         self.fetcher: Any = self.client
@@ -1242,6 +1247,7 @@ class PeerLink(HostLink):
                                f"read them back: this server's log says why. It runs on {self.host} as before; try "
                                "again.")
         self.bulk_home = self._bulk_client(info, "its large files come from")
+        self.bulk_home_growing = self.bulk_home is not None and info.get("bulk_growing") is True
         return hostfit.Requirements.from_dict(info["requirements"])
 
     def fetches_stash(self) -> bool:
@@ -1537,12 +1543,86 @@ class Guest:
 
 @dataclass
 class DumpRun:
-    """A guest's dump for its way home, while it runs: ``over`` is set once it ended, ``ok`` if it succeeded."""
+    """A guest's dump for its way home, while it runs: ``over`` is set once it ended (:meth:`end`), ``ok`` if
+    it succeeded. With a ``mark``, a file says how it stands to the bulk listener's processes, which serve its
+    files as they grow (:class:`MarkedRun`): written when it begins, and again as it ends, before ``over``."""
 
     over: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
     #: when it began (time.time()): a stash index older than that is an earlier dump's, not this one's
     began: float = field(default_factory=time.time)
+    #: the mark's path (GuestHost.mark_of), or None
+    mark: Path | None = None
+
+    def __post_init__(self) -> None:
+        self._say(over=False)
+
+    def end(self, ok: bool) -> None:
+        """The dump ended (``ok``: it succeeded): said in the mark, then to this process (``over``)."""
+        self.ok = ok
+        self._say(over=True)
+        self.over.set()
+
+    def _say(self, over: bool) -> None:
+        if self.mark is None:
+            return
+        try:  # replaced whole: a process reads the old mark or the new, never half of one
+            self.mark.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            scratch = self.mark.with_name(f"{self.mark.name}.tmp")
+            scratch.write_text(json.dumps({"over": over, "ok": self.ok, "began": self.began}))
+            os.replace(scratch, self.mark)
+        except OSError as exc:  # its files then go from the server's threads, or after the dump
+            log.warning("gpumigrate: the mark of a dump could not be written at %s (%s): the bulk listener serves "
+                        "its files whole only", self.mark, exc)
+            self.mark.unlink(missing_ok=True)
+
+
+class MarkedRun:
+    """A guest's dump for its way home, as a process other than its server's sees it (a bulk listener's, which
+    serves its files as they grow: bulkd.py): its mark (:attr:`DumpRun.mark`), read again at each look until
+    it says the dump is over. What :func:`bulk.send_growing` needs of a :class:`DumpRun`: ``over`` (``is_set``,
+    ``wait``) and ``ok``. A mark gone (its guest discarded, its server restarted) reads as a dump that failed:
+    no file is ever said whole from it."""
+
+    #: how often a wait reads the mark (seconds): as often as GrowingFile looks at a file's size
+    POLL = 0.005
+
+    def __init__(self, mark: Path) -> None:
+        self.mark = mark
+        self.over = self
+        self._last: dict | None = None  # once it said the dump is over
+
+    def _said(self) -> dict:
+        if self._last is not None:
+            return self._last
+        try:
+            said = json.loads(self.mark.read_bytes())
+        except (OSError, ValueError):
+            said = None
+        if not isinstance(said, dict) or said.get("over") is not False:
+            self._last = said = said if isinstance(said, dict) else {"over": True, "ok": False}
+        return said
+
+    @property
+    def running(self) -> bool:
+        """The dump runs (its files are followed as they grow); False once it is over, or with no mark."""
+        return not self.is_set()
+
+    def is_set(self) -> bool:
+        return self._said().get("over") is not False
+
+    def wait(self, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not self.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            time.sleep(min(self.POLL, left))
+        return True
+
+    @property
+    def ok(self) -> bool:
+        return self.is_set() and self._said().get("ok") is True
 
 
 class GuestHost:
@@ -1574,8 +1654,6 @@ class GuestHost:
         #: whether the restore of a guest that stashed has the stash helper read its CUDA buffers onto its GPU
         #: while CRIU restores it (engine/prefetch.py; this server's c.MigratableProvisioner.resume_prefetch)
         self.prefetch = True
-        #: (kernel, file) sent as it grows now, by a thread of its own: one at a time each
-        self.serving: set[tuple[str, str]] = set()
         #: a kernel type's (argv, env), by its name: a transplant's new process starts from it
         self.kernelspec = kernelspec
         #: the port of this server's bulk listener, once it listens, and whether it takes TLS (bulkd.py)
@@ -1593,6 +1671,10 @@ class GuestHost:
         #: the records of the guests that run here (take_back): one folder per state folder (the images' root
         #: is one per user with the node helper, whatever the state folder)
         self.records = records if records is not None else root / RUNNING_GUESTS
+        #: the marks of the dumps that run here (DumpRun.mark): those an earlier server left are of dumps that
+        #: ended with it (its bulk listener, and the processes that served them, too)
+        self.dump_marks = self.records.parent / DUMP_MARKS
+        shutil.rmtree(self.dump_marks, ignore_errors=True)
         #: set once the guests an earlier server left are taken back (or none will be): until then a kernel
         #: not listed may be one of them, and a peer asking for it is told to ask again (503), not that it is
         #: gone (404), which would make it forget the kernel
@@ -2243,19 +2325,25 @@ class GuestHost:
         if self.stash_left(guest):  # its buffers back first: the dump's folder replaces the stash's
             self._give_back_left(guest, key)
         guest.key = key
-        run = self.dumping[kernel_id] = DumpRun()  # its pages are served as they are written till it is over
+        # its pages are served as they are written till it is over, by this process and its bulk listener's
+        run = self.dumping[kernel_id] = DumpRun(mark=self.mark_of(kernel_id) if self.serve_growing else None)
+        ok = False
         try:
             outcome = self._migration(guest, stash_min if key else None).suspend()
-            run.ok = True  # its record stays until it is discarded: its images here may be its only copy
+            ok = True  # its record stays until it is discarded: its images here may be its only copy
             log.info("gpumigrate: kernel %s hosted for a peer: its images for its way home are in %s here (%s)%s",
                      kernel_id, outcome.images, outcome.images_why,
                      f"; its stash: {json.dumps(outcome.stash)}" if outcome.stash else "")
         finally:
             guest.key = None
-            run.over.set()
+            run.end(ok)
             if self.dumping.get(kernel_id) is run:
                 del self.dumping[kernel_id]
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
+
+    def mark_of(self, kernel_id: str) -> Path:
+        """Where a dump of ``kernel_id`` for its way home says how it stands (:class:`DumpRun`)."""
+        return self.dump_marks / f"{self.store.path_for(kernel_id).name}.json"
 
     def growing(self, kernel_id: str) -> dict:
         """While the kernel's dump for its way home runs here: the pages files it has begun (and the parts of
@@ -2305,6 +2393,7 @@ class GuestHost:
                 proctree.wait_gone(guest.pid, timeout=10)
         self._forget(kernel_id)
         self.store.remove(kernel_id)
+        self.mark_of(kernel_id).unlink(missing_ok=True)
         lock = self.locks.get(kernel_id)
         if lock is not None and not lock.locked():  # one held (by the caller's handler) stays: a request that
             self.locks.pop(kernel_id, None)          # comes meanwhile must wait on it, not on a new one
@@ -2324,7 +2413,8 @@ class GuestHost:
         info: dict[str, Any] = {"id": kernel_id, "state": state if alive or state != RUNNING else STOPPED,
                                 "pid": guest.pid, "peer": guest.peer, "requirements": None, "stash": True,
                                 "checksum": CHECKSUM, "growing": self.serve_growing, "stash_listed": True,
-                                "bulk_port": self.bulk_port, "bulk_tls": self.bulk_tls}
+                                "bulk_port": self.bulk_port, "bulk_tls": self.bulk_tls,
+                                "bulk_growing": self.bulk_port is not None and self.serve_growing}
         if waiting:
             info["waiting"] = True
         if self.stash_left(guest):

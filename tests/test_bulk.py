@@ -206,9 +206,9 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
                                            "HTTP/1.1\r\nContent-Length: 3\r\n\r\nabc".encode()),
         "another route": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/kernels/{kid} HTTP/1.1\r\n"
                                            f"Authorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
-        "a file as it grows": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img"
-                                               f"?growing=true HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}"
-                                               "\r\n\r\n".encode()),
+        "a query it does not take": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/"
+                                                     f"pages-1.img?growing=maybe HTTP/1.1\r\nAuthorization: {SCHEME} "
+                                                     f"{PEER_TOKEN}\r\n\r\n".encode()),
         "another method": raw_request(port, f"DELETE {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img "
                                             f"HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode()),
         "a file that is not there": raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/"
@@ -224,13 +224,21 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
                                                    "\r\nContent-Length: 3\r\n\r\nabc".encode()),
     }
     expected = {"garbage": "400 Bad Request", "a head too long": "431", "no credential": "403 Forbidden",
-                "another route": "404 Not Found", "no length": "411", "a file as it grows": "no query",
+                "another route": "404 Not Found", "no length": "411", "a query it does not take": "or with ?growing=true",
                 "another method": "405", "a file that is not there": "has no image file pages-7.img here", "a name ending in a newline": "409 Conflict",
                 "a kernel not expected": "No images are being "
                 "received for kernel"}
     for what, answer in answers.items():
         assert expected[what] in answer and '"message"' in answer, (what, answer[:300])
     assert sorted(p.name for p in folder.iterdir()) == ["pages-1.img"]
+    # A file asked as it grows, of a kernel whose dump does not run (no mark says so): served whole, as the
+    # server's route does.
+    whole = raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img?growing=true "
+                              f"HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode())
+    head, _, body = whole.partition("\r\n\r\n")
+    size = (folder / "pages-1.img").stat().st_size
+    assert head.startswith("HTTP/1.1 200") and f"Content-Length: {size}" in head, head
+    assert body.encode("latin-1") == (folder / "pages-1.img").read_bytes()
 
     # Whoever connects and says nothing has the handshake and head's 10 s (AUTH_TIMEOUT), then a 431; one
     # address gets 32 connections at once (MAX_PER_ADDRESS), a 33rd is closed at once.
@@ -659,13 +667,16 @@ async def test_the_pages_of_a_later_process_go_while_the_dump_writes_them(
     assert all((folder / name).read_bytes() == b"" for name in names[:-1])
 
 
+@pytest.mark.parametrize("home_via", ["server", "bulk"])
 async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_its_index_before_any_dump(
-        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path, home_via):
     """The host stash's parts (kernel/hoststash.py: each written front to back by a thread of the kernel's, by
     its own writer here) travel as they are written, both ways, and each ends once the stash's index is beside
     it, with no dump begun: sent by ``_Sending.follow`` (the way there), and served by the other host while its
-    dump for the way home runs (``GET ...?growing=true``, which the way home fetches). Each arrives whole;
-    a part whose stash never wrote its index is never served as whole."""
+    dump for the way home runs (``GET ...?growing=true``, which the way home fetches), from its server's port
+    (a thread) or its bulk listener's (a process of its own, which reads how the dump stands from its mark).
+    Each arrives whole; a second GET of a part being sent is refused (409); a part whose stash never wrote its
+    index is never served as whole."""
     import threading
 
     from jupyter_gpumigrate.kernel import hoststash
@@ -729,7 +740,9 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
     guests = jp_serverapp.web_app.settings["gpumigrate_guests"]
     for name in parts:
         (folder / name).unlink()
-    run = guests.dumping[kid] = DumpRun()
+    port = await bulk_port(jp_serverapp) if home_via == "bulk" else None
+    fetcher = PeerClient(client.peer, port=port)  # its bulk port, or its server's
+    run = guests.dumping[kid] = DumpRun(mark=guests.mark_of(kid))
     home = tmp_path / "fetched"
     home.mkdir()
     written, go_on = threading.Event(), threading.Event()
@@ -739,10 +752,16 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
         await asyncio.to_thread(written.wait, 30)
         listed = await asyncio.to_thread(client.call, "GET", f"images/{kid}?growing=true")
         assert listed["dumping"] and [f["name"] for f in listed["files"]] == ["stash-00.bin"], listed
-        fetch = asyncio.create_task(asyncio.to_thread(client.get_growing, f"images/{kid}/stash-00.bin?growing=true",
+        fetch = asyncio.create_task(asyncio.to_thread(fetcher.get_growing, f"images/{kid}/stash-00.bin?growing=true",
                                                       home / "stash-00.bin", stop))
         await asyncio.sleep(0.5)
         assert not fetch.done(), "stash-00.bin ended before its index was there"
+        with pytest.raises(PeerError) as refused:  # one sender at a time, whichever port is asked
+            other = PeerClient(client.peer, port=None if port else await bulk_port(jp_serverapp))
+            await asyncio.to_thread(other.get_growing, f"images/{kid}/stash-00.bin?growing=true", home / "again.bin",
+                                    stop)
+        assert refused.value.status == 409 and "being sent as it grows already" in str(refused.value), refused.value
+        assert not (home / "again.bin").exists()
         go_on.set()
         parts = await writer
         size, digest = await asyncio.wait_for(fetch, 30)
@@ -756,14 +775,14 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
                                                       home / "stash-01.bin", stop))
         await asyncio.sleep(0.5)
         assert not fetch.done()
-        run.over.set()  # the dump failed: ok stays False
+        run.end(ok=False)  # the dump failed
         with pytest.raises(PeerError, match="stash-01.bin"):
             await asyncio.wait_for(fetch, 30)
         assert not (home / "stash-01.bin").exists()
     finally:
         go_on.set()
         stop.set()
-        run.over.set()
+        run.end(ok=False)
         guests.dumping.pop(kid, None)
 
 

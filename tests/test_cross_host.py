@@ -349,10 +349,12 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
             else:  # and home, each fetched by a process of a's bulk listener
                 assert f"images/{kernel_id}/stash-" in a.server_log() and "fetched from b by a process of its own" \
                     in a.server_log(), a.server_log()
-                if stream == "off":  # from b's bulk listener, each sent by a process of its own there
-                    assert f"kernel {kernel_id}: its large files come from b's bulk listener" in a.server_log()
-                    assert re.search(rf"kernel {kernel_id}: stash-\S+ sent by a process of its own", b.server_log()), \
-                        b.server_log()
+                # from b's bulk listener, each sent by a process of its own there: whole (off), or as b's stash
+                # and dump wrote it (on)
+                assert f"kernel {kernel_id}: its large files come from b's bulk listener" in a.server_log()
+                sent = "sent by a process of its own" if stream == "off" else \
+                    r"sent as it was written by a process of its own \(\d+ bytes\)"
+                assert re.search(rf"kernel {kernel_id}: stash-\S+ {sent}", b.server_log()), b.server_log()
                 # while b's driver and CRIU ran: as they were written (on), or once the stash wrote them all (off)
                 fetched = re.search(rf"kernel {kernel_id}: \d+ image files, [\d.]+ GB, fetched from b in [\d.]+ s after "
                                     r"its dump \((\d+) of them, [\d.]+ GB, while the dump ran", a.server_log())

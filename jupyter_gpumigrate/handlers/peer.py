@@ -283,15 +283,9 @@ class ImageFileHandler(PeerHandler):
         run = self.guests.dumping.get(unquote(kernel_id)) if self.guests.serve_growing else None
         if growing and run is not None and follows(name):
             # its dump (or the stash before it) still writes it: sent in chunks, as it grows, until it is whole
-            # (bulk.py)
-            key = (unquote(kernel_id), name)
-            if key in self.guests.serving:
-                self.send_error_message(409, f"{name} is being sent as it grows already.")
-                return
-            self.guests.serving.add(key)
+            # (bulk.py; one sender at a time, here or in the bulk listener)
             sock, _ = bulk.detach(self)
-            bulk.in_thread(lambda: bulk.send_growing(sock, path, run, lambda: self.guests.serving.discard(key)),
-                           name)
+            bulk.in_thread(lambda: bulk.send_growing(sock, path, run), name)
             return
         size = path.stat().st_size
         if size >= DETACH_MIN:  # sent by a thread of its own, off the event loop (bulk.py)

@@ -863,13 +863,17 @@ export interface PeerGuest {
    */
   stash_listed?: boolean;
   /**
-   * The port of this host's bulk listener now (as in PeerCheckResponse: it may have been started again on another since the kernel came), where the way home fetches its large image files whole (GET /peer/images/{id}/{name}, no query; same token and answers as the server's route), each sent by a process of its own. Null while it has none; absent from older versions (whose bulk port serves no GET): the way home then fetches from the server's port.
+   * The port of this host's bulk listener now (as in PeerCheckResponse: it may have been started again on another since the kernel came), where the way home fetches its large image files whole (GET /peer/images/{id}/{name}; same token and answers as the server's route), each sent by a process of its own; and as they are written where bulk_growing says so. Null while it has none; absent from older versions (whose bulk port serves no GET): the way home then fetches from the server's port.
    */
   bulk_port?: number | null;
   /**
    * As in PeerCheckResponse; absent from older versions.
    */
   bulk_tls?: boolean;
+  /**
+   * Its bulk listener also serves the files its dump for the way home still writes, as the server's port does (GET /peer/images/{id}/{name}?growing=true: chunks as they are written, until the dump is over), each sent by a process of its own; true where it has a bulk port and growing. Absent from older versions, whose bulk port serves whole files only: the way home then follows them on the server's port.
+   */
+  bulk_growing?: boolean;
   /**
    * The kernel runs here without its large buffers: an earlier server of this host died during its dump for the way home, after the kernel wrote them into its stash here. The peer sends its key (POST /peer/kernels/{id}/resume) to have it read them back, as it finds this host again; a dump asked meanwhile reads them back first, with the key. Absent otherwise, and from older versions.
    */
