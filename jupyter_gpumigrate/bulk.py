@@ -39,7 +39,8 @@ from typing import Any
 
 from tornado.ioloop import IOLoop
 
-from .peers import BLOCK, DumpRun, FileSink, GrowingFile, MarkedRun, Written, chunk_head, drop_mark
+from .peers import (BLOCK, Checksum, DumpRun, FileSink, GrowingFile, MarkedRun, Written, chunk_head, drop_mark,
+                    mark_sent)
 
 log = logging.getLogger(__name__)
 
@@ -336,12 +337,16 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun | MarkedRun, done
                          b"Connection: close\r\n\r\n")
             written = Written(path, run.over)
             growing = GrowingFile(f, written, stop)
+            checksum = Checksum()
             first = True
             while block := growing.read(BLOCK):
                 sock.sendall(chunk_head(len(block), first))
                 sock.sendall(block)
+                checksum.update(block)
                 first = False
             if run.ok or written.ended_whole:
+                # before the end: the listing that comes after it finds it
+                mark_sent(path, f.fileno(), growing.offset, checksum.hexdigest())
                 sock.sendall(chunk_head(0, first))
                 sent = growing.offset
     except OSError:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import fcntl
 import hmac
 import http.client
 import ipaddress
@@ -203,6 +204,61 @@ def mark_received(path: Path, checksum: str) -> None:
     os.replace(temporary, mark)
 
 
+#: Beside an image file served whole as it grew (bulk.send_growing): the checksum of what went, with the file's
+#: size, inode and modification time then; :meth:`GuestHost.listing` takes it instead of reading the file again
+#: while they still hold (the file is written front to back only: another byte changes its size and its time;
+#: not its change time, which the images' chmod moves).
+SENT_MARK = ".sent-{}"
+#: How long a listing waits for a file being sent as it grows, whose checksum then comes with it, before it
+#: reads the file itself (seconds)
+SENT_WAIT = 30.0
+
+
+def mark_sent(path: Path, fd: int, size: int, checksum: str) -> None:
+    """Record, beside ``path`` (open as ``fd``), the checksum of the ``size`` bytes sent of it, if that is all
+    of it."""
+    st = os.fstat(fd)
+    if st.st_size != size:
+        return
+    mark = path.with_name(SENT_MARK.format(path.name))
+    temporary = mark.with_name(f"{mark.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(json.dumps({"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
+                                         "xxh3": checksum}))
+        os.replace(temporary, mark)
+    except OSError:  # the listing reads the file instead
+        temporary.unlink(missing_ok=True)
+
+
+def sent_over(path: Path, timeout: float) -> bool:
+    """Wait until no process sends ``path`` as it grows (bulk.send_growing holds a lock on it while it does),
+    up to ``timeout`` seconds: whether none does now."""
+    deadline = time.monotonic() + timeout
+    with open(path, "rb") as f:
+        while True:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_SH | fcntl.LOCK_NB)
+                return True
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return False
+                time.sleep(0.005)
+
+
+def sent_checksum(path: Path) -> tuple[int, str] | None:
+    """The size and checksum :func:`mark_sent` recorded of ``path``, if the file is still as it was then; else
+    None."""
+    try:
+        said = json.loads(path.with_name(SENT_MARK.format(path.name)).read_bytes())
+        st = path.stat()
+    except (OSError, ValueError):
+        return None
+    if not isinstance(said, dict) or (said.get("size"), said.get("ino"), said.get("mtime_ns")) != \
+            (st.st_size, st.st_ino, st.st_mtime_ns) or not isinstance(said.get("xxh3"), str):
+        return None
+    return st.st_size, said["xxh3"]
+
+
 def drop_mark(path: Path) -> None:
     """A receipt of ``path`` begins: the checksum recorded of an earlier copy (:func:`mark_received`) goes."""
     with contextlib.suppress(OSError):
@@ -285,6 +341,15 @@ class Checksum:
 
     def hexdigest(self) -> str:
         return self.state.hexdigest()
+
+
+def _listed_checksum(path: Path) -> tuple[int, str, bool]:
+    """A file's size and checksum for a listing, and whether it is the one taken as it was sent while written
+    (a followed file still being sent is waited for, up to :data:`SENT_WAIT`: its checksum then comes with it);
+    else read now."""
+    if follows(path.name) and sent_over(path, SENT_WAIT) and (said := sent_checksum(path)) is not None:
+        return (*said, True)
+    return (*digest_file(path), False)
 
 
 def digest_file(path: Path) -> tuple[int, str]:
@@ -2222,8 +2287,12 @@ class GuestHost:
         if not checksums:
             return [{"name": p.name, "size": p.stat().st_size} for p in files]
         with ThreadPoolExecutor(max_workers=DIGESTS, thread_name_prefix="gpumigrate-digest") as pool:
-            digests = list(pool.map(digest_file, files))
-        return [{"name": p.name, "size": size, "xxh3": h} for p, (size, h) in zip(files, digests)]
+            digests = list(pool.map(_listed_checksum, files))
+        taken = sum(sent for _, _, sent in digests)
+        if taken:
+            log.info("gpumigrate: kernel %s: the checksums of %d of its %d image files listed are those taken as "
+                     "they were sent while written (not read again)", kernel_id, taken, len(files))
+        return [{"name": p.name, "size": size, "xxh3": h} for p, (size, h, _) in zip(files, digests)]
 
     # running them (blocking: call from a worker thread)
 

@@ -680,7 +680,7 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
     import threading
 
     from jupyter_gpumigrate.kernel import hoststash
-    from jupyter_gpumigrate.peers import DumpRun, _Sending
+    from jupyter_gpumigrate.peers import DumpRun, _Sending, sent_checksum, sent_over
 
     kid = str(uuid.uuid4())
     client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
@@ -762,12 +762,19 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
                                     stop)
         assert refused.value.status == 409 and "being sent as it grows already" in str(refused.value), refused.value
         assert not (home / "again.bin").exists()
+        assert not sent_over(folder / "stash-00.bin", 0.2)  # a listing now waits for its sender
         go_on.set()
         parts = await writer
         size, digest = await asyncio.wait_for(fetch, 30)
         assert not run.over.is_set()
         assert size == len(parts["stash-00.bin"]) and digest == checksum_of(parts["stash-00.bin"])
         assert (home / "stash-00.bin").read_bytes() == parts["stash-00.bin"]
+        # The checksum of what went is kept beside it, and listed instead of reading the file again while the
+        # file is as it was; a byte more, and it is read again.
+        assert sent_over(folder / "stash-00.bin", 5) and sent_checksum(folder / "stash-00.bin") == (size, digest)
+        with open(folder / "stash-00.bin", "ab") as f:
+            f.write(b"!")
+        assert sent_checksum(folder / "stash-00.bin") is None
 
         # A part with no index beside it, whose dump then failed: never served whole.
         (folder / hoststash.INDEX).unlink()
@@ -778,7 +785,7 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
         run.end(ok=False)  # the dump failed
         with pytest.raises(PeerError, match="stash-01.bin"):
             await asyncio.wait_for(fetch, 30)
-        assert not (home / "stash-01.bin").exists()
+        assert not (home / "stash-01.bin").exists() and sent_checksum(folder / "stash-01.bin") is None
     finally:
         go_on.set()
         stop.set()

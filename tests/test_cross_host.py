@@ -355,6 +355,9 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
                 sent = "sent by a process of its own" if stream == "off" else \
                     r"sent as it was written by a process of its own \(\d+ bytes\)"
                 assert re.search(rf"kernel {kernel_id}: stash-\S+ {sent}", b.server_log()), b.server_log()
+                if stream == "on":  # their checksums taken as they went, not read again for the listing
+                    assert re.search(rf"kernel {kernel_id}: the checksums of \d+ of its \d+ image files listed are "
+                                     "those taken as they were sent", b.server_log()), b.server_log()
                 # while b's driver and CRIU ran: as they were written (on), or once the stash wrote them all (off)
                 fetched = re.search(rf"kernel {kernel_id}: \d+ image files, [\d.]+ GB, fetched from b in [\d.]+ s after "
                                     r"its dump \((\d+) of them, [\d.]+ GB, while the dump ran", a.server_log())
