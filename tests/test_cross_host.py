@@ -572,15 +572,16 @@ def kill_one_child_as_it_moves(a: Host, kernel_id: str, to_host: str, listener: 
         time.sleep(0.001)
 
 
-@pytest.mark.parametrize("stream", ["off", "on"], indirect=True)
-async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_stays_whole(hosts, stream):
+@pytest.mark.parametrize("stream, home_victim", [("off", "b"), ("on", "a"), ("on", "b")], indirect=["stream"])
+async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_stays_whole(hosts, stream, home_victim):
     # One process of a bulk listener, not the listener, is SIGKILLed as an out-of-memory killer would. Going
     # away, one of a's processes sending a file (stream_dump off, the default: whole, once written; on: as it
     # is written); the move is undone, its error names the process killed and not by the server; the kernel
     # runs on here, whole, and the listener goes on: the next move succeeds with it. Coming home, one of b's
-    # processes serving a whole file (off), or one of a's fetching a file (on): a file fetched during b's
-    # dump is fetched again after it (the move succeeds), or the move is undone (the kernel runs on there);
-    # either way the kernel is whole where the operation says, the listener goes on, and nothing is left.
+    # processes serving a file (off: whole; on: as b's stash or dump writes it, its lock on the file dying
+    # with it), or one of a's fetching a file (on): a file fetched during b's dump is fetched again after it
+    # (the move succeeds), or the move is undone (the kernel runs on there); either way the kernel is whole
+    # where the operation says, the listener goes on, and nothing is left.
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
@@ -603,7 +604,7 @@ async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_sta
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
         await runs_whole_on(tab, b)
 
-        listener = listener_b if stream == "off" else listener_a
+        listener = listener_b if home_victim == "b" else listener_a
         op, killed = await call(kill_one_child_as_it_moves, a, kernel_id, "a", listener)
         await until_gone(killed, 5)  # reaped by its listener
         assert op["status"] == "succeeded" or "from b failed" in op["error"], op

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import stat
@@ -246,19 +247,24 @@ def test_a_tree_is_killed_only_while_its_root_is_the_process_adopted():
     finally:
         holder.stop()
 
-    shell = subprocess.Popen(["sh", "-c", "sleep 60 & wait"])
-    deadline = time.monotonic() + 10
-    while not proctree.children(shell.pid):
-        assert time.monotonic() < deadline, "the shell started no child"
-        time.sleep(0.01)
-    child = proctree.children(shell.pid)[0]
-    born = proctree.start_time(child)
-    assert born is not None and not proctree._signal(child, born - 1, signal.SIGKILL)  # another start: not it
-    time.sleep(0.2)
-    assert proctree.is_alive(child), "a process whose start time differs was signalled"
-    assert proctree.kill_tree(shell.pid, started=proctree.start_time(shell.pid))
-    shell.wait(timeout=10)
-    assert proctree.wait_gone(child, 10)
+    shell = subprocess.Popen(["sh", "-c", "sleep 60 & wait"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not proctree.children(shell.pid):
+            assert time.monotonic() < deadline, "the shell started no child"
+            time.sleep(0.01)
+        child = proctree.children(shell.pid)[0]
+        born = proctree.start_time(child)
+        assert born is not None and not proctree._signal(child, born - 1, signal.SIGKILL)  # another start: not it
+        time.sleep(0.2)
+        assert proctree.is_alive(child), "a process whose start time differs was signalled"
+        assert proctree.kill_tree(shell.pid, started=proctree.start_time(shell.pid))
+        shell.wait(timeout=10)
+        assert proctree.wait_gone(child, 10)
+    finally:  # whatever failed above: neither the shell nor its sleep is left behind
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(shell.pid, signal.SIGKILL)
+        shell.wait(timeout=10)
 
 
 def test_hold_pid_really_takes_a_pid():
