@@ -513,6 +513,7 @@ class GPUMigrateApp(ExtensionApp):
             self.log.warning("gpumigrate: %s", why_not)
             self.guests.back.set()  # it takes none back
             return
+        self.guests.drop_dump_marks()
         await asyncio.to_thread(self._take_back_guests)
         done = self._hold_sessions_until_revived(peer_notebooks(state_dir / RECORDS))
         REVIVING.set(True)  # this task's own session calls are not held

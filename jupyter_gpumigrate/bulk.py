@@ -333,6 +333,8 @@ def send_growing(sock: socket.socket, path: Path, run: DumpRun | MarkedRun, done
             except BlockingIOError:
                 respond(sock, 409, error(409, f"{path.name} is being sent as it grows already."))
                 return None
+            except OSError as exc:  # a file system without locks: sent all the same (one sender is a's rule too)
+                log.warning("gpumigrate: %s cannot be locked (%s): sent as it grows without the lock", path.name, exc)
             sock.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nTransfer-Encoding: chunked\r\n"
                          b"Connection: close\r\n\r\n")
             written = Written(path, run.over)

@@ -23,8 +23,9 @@ the modules are loaded once, nothing is held):
   reads it when the images are complete; or serves one image file of a guest by GET (a way home fetches
   it), as the server's route does: whole, or, asked ``?growing=true`` while the guest's dump for its way
   home runs, as the dump writes it (its mark says how the dump stands: peers.MarkedRun). Peers learn the
-  port from ``POST peer/check`` and ``GET peer/kernels/{id}`` (``bulk_port``, ``bulk_growing``) and use it
-  where they can connect to it; otherwise the files go through the server's port, as before.
+  port from ``POST peer/check`` and ``GET peer/kernels/{id}`` (``bulk_port``; the latter says
+  ``bulk_growing`` too) and use it where they can connect to it; otherwise the files go through the server's
+  port, as before.
 - the server's further lines on its stdin are orders (:class:`BulkTransfers`): a fetch
   (:meth:`BulkListener.fetch`, for a way home: PeerClient.get_file or get_growing) or a send
   (:meth:`BulkListener.send`, for a way there: PeerClient.put_file; :meth:`BulkListener.send_growing`:
@@ -69,7 +70,8 @@ log = logging.getLogger(__name__)
 
 #: The most a request's head may take (its line and headers).
 MAX_HEAD = 64 * 1024
-#: A GET's query, and whether it asks for a file as it grows (the server's route takes the same words)
+#: A GET's query, and whether it asks for a file as it grows (the server's route takes these words and a few
+#: more; peers send these)
 GROWING_QUERIES = {"": False, "growing=true": True, "growing=false": False}
 #: The most connections taken at once (a process each): more wait in the listening socket's backlog. A move
 #: sends 8 files at once and follows up to 16 as they grow; whoever can reach the port, with or without the
@@ -767,6 +769,11 @@ def _serve_file(sock: socket.socket, settings: BulkSettings, store: ImageStore, 
         sent = bulk.send_growing(sock, path, run)
         log.info("kernel %s: %s sent as it was written by a process of its own (%s)", kernel_id, name,
                  f"{sent} bytes" if sent is not None else "not whole: called off, or its dump failed")
+        return
+    if run is not None and not run.marked:  # no word of its dump here: never a file still written sent as whole
+        bulk.respond(sock, 409, bulk.error(409, f"{name} of kernel {kernel_id} is not followed as it is written "
+                                                "here (no dump of it is marked as running): fetch it once the dump "
+                                                "is over."))
         return
     bulk.send(sock, path, size)
     log.info("kernel %s: %s sent by a process of its own (%d bytes)", kernel_id, name, size)

@@ -223,11 +223,13 @@ def mark_sent(path: Path, fd: int, size: int, checksum: str) -> None:
     mark = path.with_name(SENT_MARK.format(path.name))
     temporary = mark.with_name(f"{mark.name}.{os.getpid()}.tmp")
     try:
-        temporary.write_text(json.dumps({"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns,
-                                         "xxh3": checksum}))
+        fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({"size": st.st_size, "ino": st.st_ino, "mtime_ns": st.st_mtime_ns, "xxh3": checksum}))
         os.replace(temporary, mark)
     except OSError:  # the listing reads the file instead
-        temporary.unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
 
 
 def sent_over(path: Path, timeout: float) -> bool:
@@ -243,6 +245,8 @@ def sent_over(path: Path, timeout: float) -> bool:
                 if time.monotonic() >= deadline:
                     return False
                 time.sleep(0.005)
+            except OSError:  # a file system without locks (NFS with none, ENOLCK): the file is read instead
+                return False
 
 
 def sent_checksum(path: Path) -> tuple[int, str] | None:
@@ -1625,8 +1629,10 @@ class DumpRun:
     def end(self, ok: bool) -> None:
         """The dump ended (``ok``: it succeeded): said in the mark, then to this process (``over``)."""
         self.ok = ok
-        self._say(over=True)
-        self.over.set()
+        try:
+            self._say(over=True)
+        finally:
+            self.over.set()
 
     def _say(self, over: bool) -> None:
         if self.mark is None:
@@ -1636,10 +1642,11 @@ class DumpRun:
             scratch = self.mark.with_name(f"{self.mark.name}.tmp")
             scratch.write_text(json.dumps({"over": over, "ok": self.ok, "began": self.began}))
             os.replace(scratch, self.mark)
-        except OSError as exc:  # its files then go from the server's threads, or after the dump
-            log.warning("gpumigrate: the mark of a dump could not be written at %s (%s): the bulk listener serves "
-                        "its files whole only", self.mark, exc)
-            self.mark.unlink(missing_ok=True)
+        except OSError as exc:  # with no mark, the bulk listener refuses to follow its files (409): they come
+            log.warning("gpumigrate: the mark of a dump could not be written at %s (%s): its files are fetched "
+                        "after the dump, not as it writes them", self.mark, exc)
+            with contextlib.suppress(OSError):
+                self.mark.unlink(missing_ok=True)
 
 
 class MarkedRun:
@@ -1656,6 +1663,9 @@ class MarkedRun:
         self.mark = mark
         self.over = self
         self._last: dict | None = None  # once it said the dump is over
+        self._began: object = None  # the dump's, from the first read: a mark of another dump says this one failed
+        #: whether a mark was there at the first read
+        self.marked = False
 
     def _said(self) -> dict:
         if self._last is not None:
@@ -1664,8 +1674,12 @@ class MarkedRun:
             said = json.loads(self.mark.read_bytes())
         except (OSError, ValueError):
             said = None
-        if not isinstance(said, dict) or said.get("over") is not False:
-            self._last = said = said if isinstance(said, dict) else {"over": True, "ok": False}
+        if isinstance(said, dict) and self._began is None:
+            self._began, self.marked = said.get("began"), True
+        if not isinstance(said, dict) or said.get("began") != self._began:
+            said = {"over": True, "ok": False}
+        if said.get("over") is not False:
+            self._last = said
         return said
 
     @property
@@ -1737,9 +1751,8 @@ class GuestHost:
         #: is one per user with the node helper, whatever the state folder)
         self.records = records if records is not None else root / RUNNING_GUESTS
         #: the marks of the dumps that run here (DumpRun.mark): those an earlier server left are of dumps that
-        #: ended with it (its bulk listener, and the processes that served them, too)
+        #: ended with it (its bulk listener, and the processes that served them, too): :meth:`drop_dump_marks`
         self.dump_marks = self.records.parent / DUMP_MARKS
-        shutil.rmtree(self.dump_marks, ignore_errors=True)
         #: set once the guests an earlier server left are taken back (or none will be): until then a kernel
         #: not listed may be one of them, and a peer asking for it is told to ask again (503), not that it is
         #: gone (404), which would make it forget the kernel
@@ -2409,6 +2422,11 @@ class GuestHost:
             if self.dumping.get(kernel_id) is run:
                 del self.dumping[kernel_id]
         return {"bytes": outcome.bytes, "timings": outcome.result.timings}
+
+    def drop_dump_marks(self) -> None:
+        """Remove the marks an earlier server left (its dumps ended with it): call once the state folder is this
+        server's (a second server started on it by mistake must not remove the first's)."""
+        shutil.rmtree(self.dump_marks, ignore_errors=True)
 
     def mark_of(self, kernel_id: str) -> Path:
         """Where a dump of ``kernel_id`` for its way home says how it stands (:class:`DumpRun`)."""

@@ -231,14 +231,11 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
     for what, answer in answers.items():
         assert expected[what] in answer and '"message"' in answer, (what, answer[:300])
     assert sorted(p.name for p in folder.iterdir()) == ["pages-1.img"]
-    # A file asked as it grows, of a kernel whose dump does not run (no mark says so): served whole, as the
-    # server's route does.
-    whole = raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img?growing=true "
-                              f"HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode())
-    head, _, body = whole.partition("\r\n\r\n")
-    size = (folder / "pages-1.img").stat().st_size
-    assert head.startswith("HTTP/1.1 200") and f"Content-Length: {size}" in head, head
-    assert body.encode("latin-1") == (folder / "pages-1.img").read_bytes()
+    # A file asked as it grows, of a kernel of which no dump was ever marked here: refused, never sent as whole
+    # (test_the_bulk_listener_follows_a_pages_file_only_while_its_dump_is_marked_running has the rest).
+    answer = raw_request(port, f"GET {jp_base_url}api/gpumigrate/peer/images/{kid}/pages-1.img?growing=true "
+                               f"HTTP/1.1\r\nAuthorization: {SCHEME} {PEER_TOKEN}\r\n\r\n".encode())
+    assert answer.startswith("HTTP/1.1 409") and "not followed as it is written here" in answer, answer[:300]
 
     # Whoever connects and says nothing has the handshake and head's 10 s (AUTH_TIMEOUT), then a 431; one
     # address gets 32 connections at once (MAX_PER_ADDRESS), a 33rd is closed at once.
@@ -791,6 +788,66 @@ async def test_the_stashs_parts_go_as_the_kernel_writes_them_and_each_ends_at_it
         stop.set()
         run.end(ok=False)
         guests.dumping.pop(kid, None)
+
+
+async def test_the_bulk_listener_follows_a_pages_file_only_while_its_dump_is_marked_running(
+        jp_serverapp, jp_http_port, jp_base_url, jp_fetch, tmp_path):
+    """A dump's pages file asked ``?growing=true`` on the bulk port (the way home, stream_dump on) is followed by
+    a process of the listener's while the dump's mark (written by the server's DumpRun) says it runs: it ends
+    whole, with its last chunk, once the mark says the dump is over and succeeded, and the checksum of what went
+    is kept beside it; a mark removed mid-file (the guest discarded), or replaced by another dump's, ends it
+    cut, and a file asked so with no mark at all is refused (409): never a file still written sent as whole."""
+    from jupyter_gpumigrate.peers import DumpRun, sent_checksum, sent_over
+
+    kid = str(uuid.uuid4())
+    client = PeerClient(Peer("self", f"http://127.0.0.1:{jp_http_port}{jp_base_url}", PEER_TOKEN))
+    await asyncio.to_thread(client.call, "POST", f"images/{kid}", {"bytes": 8 * SIZE})
+    folder = Path(jp_serverapp.config.MigratableProvisioner.state_dir) / "guests" / kid
+    guests = jp_serverapp.web_app.settings["gpumigrate_guests"]
+    bulk = PeerClient(client.peer, port=await bulk_port(jp_serverapp))
+    data = os.urandom(3 * SIZE)
+    home = tmp_path / "fetched"
+    home.mkdir()
+    stop = threading.Event()
+
+    def follow(name: str) -> asyncio.Future:
+        return asyncio.ensure_future(asyncio.to_thread(bulk.get_growing, f"images/{kid}/{name}?growing=true",
+                                                       home / name, stop))
+
+    (folder / "pages-1.img").write_bytes(data[:SIZE])
+    with pytest.raises(PeerError) as refused:
+        await follow("pages-1.img")
+    assert refused.value.status == 409 and "not followed as it is written" in str(refused.value), refused.value
+    assert not (home / "pages-1.img").exists()
+    try:
+        for ending in ("ok", "gone", "another"):
+            run = DumpRun(mark=guests.mark_of(kid))
+            name = f"pages-{ending}.img"
+            (folder / name).write_bytes(b"")
+            fetch = follow(name)
+            with open(folder / name, "ab") as f:  # in pieces that are not whole blocks, as CRIU writes
+                for at in range(0, len(data), 3_000_017):
+                    f.write(data[at:at + 3_000_017])
+                    f.flush()
+                    await asyncio.sleep(0.02)
+            await asyncio.sleep(0.3)
+            assert not fetch.done(), f"{name} ended before its dump"
+            if ending == "ok":
+                run.end(ok=True)
+                assert await asyncio.wait_for(fetch, 30) == (len(data), checksum_of(data))
+                assert (home / name).read_bytes() == data
+                assert sent_over(folder / name, 5) and sent_checksum(folder / name) == (len(data), checksum_of(data))
+                continue
+            if ending == "gone":
+                guests.mark_of(kid).unlink()
+            else:
+                DumpRun(mark=guests.mark_of(kid))  # another dump of the kernel began (its mark, its start)
+            with pytest.raises(PeerError, match=name):
+                await asyncio.wait_for(fetch, 30)
+            assert not (home / name).exists() and sent_checksum(folder / name) is None
+    finally:
+        stop.set()
+        guests.mark_of(kid).unlink(missing_ok=True)
 
 
 def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_moves():

@@ -406,7 +406,8 @@ class ImageStore:
         CRIU finished it (the manifest is then written from the pending one)."""
         in_memory = self.memory_root is not None and path.parent == self.memory_root
         for entry in path.iterdir():  # CRIU writes 0644 under a user's umask: make them private too
-            if entry.is_file() and not entry.is_symlink():
+            # (not the marks beside the files, private already, whose temporary names come and go meanwhile)
+            if entry.is_file() and not entry.is_symlink() and not entry.name.startswith("."):
                 entry.chmod(0o600)
                 _written(entry, cached=in_memory)
         if secrets is not None:
