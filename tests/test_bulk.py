@@ -896,3 +896,26 @@ def test_a_peer_of_a_version_before_this_checksum_is_refused_before_anything_mov
             loop.close()
         server.shutdown()
         server.server_close()
+
+
+def test_dump_marks_go_only_when_the_state_folders_holder_drops_them(tmp_path):
+    """The marks of the dumps that run (DumpRun.mark) are not removed by a GuestHost being made on the same
+    folders (a second server started there by mistake makes its own before it finds the state folder locked:
+    the first's dumps go on being followed), only by drop_dump_marks, which the server that holds the state
+    folder calls at its start (app.py): those an earlier server left are of dumps that ended with it."""
+    from jupyter_gpumigrate.peers import DumpRun, GuestHost, MarkedRun
+
+    def host() -> GuestHost:
+        return GuestHost(tmp_path / "guests", criu=lambda: None, records=tmp_path / "state" / "guests-running")
+
+    first = host()
+    run = DumpRun(mark=first.mark_of("k1"))
+    assert first.mark_of("k1").parent == tmp_path / "state" / ".dumps-running"
+    host()  # the second server's
+    assert MarkedRun(first.mark_of("k1")).running
+    run.end(ok=True)
+    done = MarkedRun(first.mark_of("k1"))
+    assert not done.running and done.ok and done.marked
+    first.drop_dump_marks()
+    gone = MarkedRun(first.mark_of("k1"))
+    assert not gone.running and not gone.ok and not gone.marked
