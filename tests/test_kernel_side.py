@@ -451,6 +451,14 @@ async def test_a_kernels_answer_says_when_its_status_came_and_a_wrong_port_hangs
                                            {**info, "control_port": nobody.getsockname()[1]}, 1.0, said := {})
     assert said["asked"] >= 2 and "status" not in said and "reply" not in said, said
 
+    # The kernel serves (its reply on control) but its status never reaches the subscriber (here the subscription
+    # goes to a publisher of another port's, which says nothing, as a subscription that has not reached the
+    # kernel yet): no answer, and the wait says the reply came, and when.
+    with zmq.Context() as context, context.socket(zmq.PUB) as quiet:
+        port = quiet.bind_to_random_port("tcp://127.0.0.1")
+        assert not await asyncio.to_thread(kernelwire.kernel_answers, {**info, "iopub_port": port}, 1.0, said := {})
+    assert 0 < said["reply"] < 1 and "status" not in said and said["asked"] >= 2, said
+
     # kernel_answers asks again and again: a request sent once the refusal came blocked it for ever (this test
     # hung). A one-shot call's request may be queued before the refusal, or not: either way it returns in time.
     with zmq.Context() as context, context.socket(zmq.XPUB) as other:
