@@ -183,7 +183,8 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     how = f", {size(carried)} of it by the kernel's own threads{_mid_cell(stash)}" if carried else ""
     fetched = (stash.get("prefetch") or {}).get("bytes")
     if fetched:  # engine/prefetch.py
-        how += f", {size(fetched)} of that read onto its GPU by a helper while CRIU restored it"
+        when = "as its images arrived" if (stash.get("prefetch") or {}).get("followed") else "while CRIU restored it"
+        how += f", {size(fetched)} of that read onto its GPU by a helper {when}"
     return f"{kernel} {done}{where} {took} ({size(op.get('bytes'))} of images{how}; slowest phase: {slow})."
 
 

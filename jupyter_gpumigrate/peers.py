@@ -59,6 +59,8 @@ from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
                             write_durably)
 from .engine.migration import BROKEN, MIGRATING, RUNNING, STOPPED, SUSPENDED, HostLink, Migration, kernel_listens
+from .engine.prefetch import Prefetch, cuda_bytes, room_for
+from .kernel import hoststash
 from .kernel.hoststash import INDEX as STASH_INDEX, PART as STASH_PART
 from .kernel.transplant import DETACH_OUTPUT
 from .kernelwire import (HOST_OPEN_PREFETCH_CALL, HOST_STASH_CALL, HOST_TAKE_BACK_CALL, HOST_TAKE_BACK_GPU_CALL,
@@ -1086,6 +1088,8 @@ class PeerLink(HostLink):
         self.peer_growing, self.stream = False, stream
         #: coming home: that host lists its stash's parts once written, while its dump runs on (requirements)
         self.peer_lists_stash = False
+        #: going away: that host begins a GPU kernel's prefetch as its images arrive (check)
+        self.peer_prefetch = False
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
         self._dump_key = False
         self.relay: RelayClient | None = None
@@ -1125,6 +1129,7 @@ class PeerLink(HostLink):
         self._same_checksum(answer, "It runs here as before.")
         self.peer_stash = bool(answer.get("stash"))
         self.peer_growing = bool(answer.get("growing"))
+        self.peer_prefetch = answer.get("prefetch") is True
         self.bulk = self._bulk_client(answer, "its large files go to")
 
     def _bulk_client(self, answer: dict, what: str) -> PeerClient | None:
@@ -1210,6 +1215,14 @@ class PeerLink(HostLink):
         its stash (an empty key: the kernel's messages are not signed)."""
         key = self.info.get("key") or b""
         return {"key": key.decode() if isinstance(key, bytes) else str(key)}
+
+    def takes_prefetch(self) -> bool:
+        return self.peer_prefetch
+
+    def begin_prefetch(self, index: dict, gpu: dict, to_gpu: int | None) -> dict:
+        held = {k: gpu[k] for k in ("index", "uuid", "memory_used", "name") if k in gpu}
+        return self.client.call("POST", f"images/{self.kernel_id}/prefetch",
+                                {"index": index, "gpu": held, "to_gpu": to_gpu})
 
     def restore(self, to_gpu: int | None, stashed: bool = False) -> dict:
         return self.client.call("POST", f"kernels/{self.kernel_id}/restore",
@@ -1760,6 +1773,9 @@ class GuestHost:
         self.back.set()
         #: images being received for a move, not yet restored: kernel id -> the receipt its expiry checks
         self._receiving: dict[str, object] = {}
+        #: prefetches begun as a kernel's stash arrives (:meth:`begin_prefetch`), until its restore takes one
+        #: (kernel id -> it and its GPU's index) or the images go
+        self._early: dict[str, tuple[Prefetch, int]] = {}
         #: when this server began: image folders made since are its own, never swept (:meth:`_sweep`)
         self._began = time.time()
 
@@ -2015,6 +2031,78 @@ class GuestHost:
 
     def image_path(self, kernel_id: str, name: str) -> Path:
         return image_path(self.store, kernel_id, name)
+
+    def begin_prefetch(self, kernel_id: str, index: dict, gpus: list[dict], to_gpu: int | None) -> dict:
+        """While a GPU kernel's images arrive for a move here, begin its restore's prefetch (engine/prefetch.py):
+        on the GPU its restore will take (``gpus``: the manifest's record of the GPU it holds at home; ``to_gpu``
+        as the restore will be asked), the stash helper allocates what ``index`` (its stash's index, as the file
+        holds it) says and reads each chunk of its files as soon as it has arrived, instead of all of them once
+        the restore begins. ``{"gpu": its index, "reason": None}``, or ``{"gpu": None, "reason": why not}``:
+        the restore then makes its own, or the kernel reads its files itself. InvalidState if the kernel's images
+        are not being received here."""
+        with self._transplant_lock:
+            if kernel_id not in self._receiving:
+                raise InvalidState(f"Kernel {kernel_id}'s images are not being received here: its prefetch begins "
+                                   f"after POST /peer/images/{kernel_id}.")
+        folder = self.store.path_for(kernel_id)
+
+        def aside(why: str) -> dict:
+            log.info("gpumigrate: kernel %s: no prefetch begins as its images arrive: %s", kernel_id, why)
+            return {"gpu": None, "reason": why}
+
+        if not self.prefetch:
+            return aside("this host's c.MigratableProvisioner.resume_prefetch is off")
+        if self.inventory is None:
+            return aside("this host does not look at its GPUs")
+        try:
+            hoststash.index_of(index, "the stash's index sent")
+            nbytes = cuda_bytes(index)
+            move = placement.plan_resume(self.inventory(), gpus, to_gpu, gpus_mod.driver_major())
+        except (hoststash.StashDamaged, MigrateError, ValueError, TypeError, KeyError, AttributeError) as exc:
+            return aside(str(exc).rstrip("."))
+        target = move.target
+        if not nbytes:
+            return aside("the stash holds no CUDA buffer")
+        if move.several:
+            return aside("the kernel comes onto several GPUs")
+        if gpus_mod.one_context_only(target.uuid):
+            return aside(f"GPU {target.index} takes one process's CUDA context at a time (its compute mode)")
+        if not room_for(placement.free(target), move.needed, nbytes):
+            return aside(f"GPU {target.index} has {placement.free(target) / 1e9:.1f} GB free: too little for the "
+                         f"kernel and a second copy of its {nbytes / 1e9:.1f} GB of buffers")
+        fetch = Prefetch(folder, target.uuid, nbytes, index=index)
+        try:
+            fetch.start()
+        except OSError as exc:
+            fetch.stop()
+            return aside(f"the stash helper did not start ({exc})")
+        with self._transplant_lock:
+            old = self._early.pop(kernel_id, None)
+            if kernel_id in self._receiving:
+                self._early[kernel_id], fetch = (fetch, target.index), None
+        if old is not None:
+            old[0].stop()
+        if fetch is not None:  # the images went meanwhile
+            fetch.stop()
+            raise InvalidState(f"Kernel {kernel_id}'s images were discarded here meanwhile.")
+        log.info("gpumigrate: kernel %s: its prefetch begins on GPU %d as its images arrive (%.1f GB)", kernel_id,
+                 target.index, nbytes / 1e9)
+        return {"gpu": target.index, "reason": None}
+
+    def _take_prefetch(self, folder: Path) -> Prefetch | None:
+        """The prefetch begun for the images in ``folder`` as they arrived, now the restore's (Tools.early_prefetch)."""
+        with self._transplant_lock:
+            for kernel_id, (fetch, _) in list(self._early.items()):
+                if fetch.folder == folder:
+                    del self._early[kernel_id]
+                    return fetch
+        return None
+
+    def _drop_prefetch(self, kernel_id: str) -> None:
+        with self._transplant_lock:
+            early = self._early.pop(kernel_id, None)
+        if early is not None:
+            early[0].stop()
 
     def received_file(self, kernel_id: str, name: str, checksum: str) -> None:
         """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`
@@ -2311,7 +2399,7 @@ class GuestHost:
 
     def _migration(self, guest: Guest, stash_min: int | None = None) -> Migration:
         kwargs: dict[str, Any] = {"reconnect_timeout": 0.0, "images": self.images, "host_stash_min": stash_min,
-                                  "prefetch": self.prefetch}
+                                  "prefetch": self.prefetch, "early_prefetch": self._take_prefetch}
         if self.inventory is not None:
             kwargs["inventory"] = self.inventory
         return Migration(guest, self.store, self.criu(), **kwargs)
@@ -2327,6 +2415,9 @@ class GuestHost:
         guest.key = key
         with self._transplant_lock:
             self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
+            early = self._early.get(kernel_id)
+        if to_gpu is None and early is not None:  # where its prefetch began, placed as this restore would
+            to_gpu = early[1]
         # Said in its folder while CRIU restores it: should this server die meanwhile (and CRIU with it), its
         # next one kills what CRIU had made of the tree, stuck in its restorer for ever (_end_unrecorded).
         marker = self.store.path_for(kernel_id) / RESTORING
@@ -2342,6 +2433,7 @@ class GuestHost:
         finally:
             guest.key = None
             marker.unlink(missing_ok=True)  # gone with the folder once the kernel runs
+            self._drop_prefetch(kernel_id)  # one its restore did not take (it failed before)
         guest.ran = True
         self._remember(guest)
         if moved and guest.pid is not None and not guest.relayed:
@@ -2467,6 +2559,7 @@ class GuestHost:
             proc = proc or waiting
         if timer is not None and timer is not threading.current_thread():
             timer.cancel()
+        self._drop_prefetch(kernel_id)
         with self._transplant_lock:
             if proc is not None and self.guests.get(kernel_id) is not None and self.guests[kernel_id].pid == proc.pid:
                 self.guests[kernel_id].pid = None  # killed here, through its Popen: no PID reused meanwhile

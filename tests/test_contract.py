@@ -386,6 +386,21 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     total = sum(size for _, size, _ in files)
     assert (await walk.call("POST", "/peer/images/{kernel_id}", kernel_id=kid, body={"bytes": total},
                             expect=201))["kernel_id"] == kid
+    # A GPU kernel's prefetch, asked as its images arrive: this host has no GPU of the model, so none begins,
+    # and the answer says why (the restore then makes its own, or the kernel reads its files itself).
+    gpu = {"index": 0, "uuid": "GPU-6f1e2a3b-0000-4000-8000-000000000001", "memory_used": 3 << 30, "name": "NVIDIA H200"}
+    index = {"format": 1, "parts": 1, "session": "s", "buffers": [{"kind": "cuda", "size": 2 << 30}],
+             "chunks": [{"buffer": 0, "at": 0, "size": 2 << 30, "part": 0, "offset": 0, "xxh3": 1}]}
+    said = await walk.call("POST", "/peer/images/{kernel_id}/prefetch", kernel_id=kid,
+                           body={"index": index, "gpu": gpu, "to_gpu": None}, expect=200)
+    assert said["gpu"] is None and "NVIDIA H200" in said["reason"], said
+    damaged = {**index, "chunks": [{**index["chunks"][0], "size": 3 << 30}]}  # beyond its buffer
+    said = await walk.call("POST", "/peer/images/{kernel_id}/prefetch", kernel_id=kid,
+                           body={"index": damaged, "gpu": gpu}, expect=200)
+    assert said["gpu"] is None and "the stash's index sent is damaged (a chunk out of bounds" in said["reason"], said
+    error = await walk.call("POST", "/peer/images/{kernel_id}/prefetch", kernel_id=kid, raw='{"index": {}}',
+                            expect=400)
+    assert "gpu" in error["message"], error
     first = files[0][0]
     error = await walk.call("PUT", "/peer/images/{kernel_id}/{name}", kernel_id=kid, name=first.name,
                             raw=first.read_bytes(), headers={"X-Content-XXH3": "0" * 16}, expect=400)
@@ -421,6 +436,9 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     restored = await walk.call("POST", "/peer/kernels/{kernel_id}/restore", kernel_id=kid, body={"to_gpu": None},
                                expect=200)
     assert restored["pid"] and restored["gpus"] == []
+    error = await walk.call("POST", "/peer/images/{kernel_id}/prefetch", kernel_id=kid,
+                            body={"index": index, "gpu": gpu}, expect=409)  # restored: no images arrive any more
+    assert "are not being received here" in error["message"], error
     guest = await walk.call("GET", "/peer/kernels/{kernel_id}", kernel_id=kid, expect=200)
     assert guest["state"] == "running" and guest["requirements"]["ids"] and guest["stash"] is True
     error = await walk.call("POST", "/peer/kernels/{kernel_id}/signal", kernel_id=kid, raw='{"signum": 0}',

@@ -2547,8 +2547,8 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
         assert [g["index"] for g in view["gpus"]] == [0], view
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
-        assert ["stream", "stash", "lock", "checkpoint", "dump", "transfer", "restore"] == \
-            list(op["timings"])[1:8], op
+        assert ["stream", "stash", "prefetch there", "lock", "checkpoint", "dump", "transfer", "restore"] == \
+            list(op["timings"])[1:9], op
         assert op["stash"]["stashed"] >= 4 << 28 and op["stash"]["unstashed"] == op["stash"]["stashed"], op
         assert op["to_gpu"] == 1
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
@@ -2569,8 +2569,9 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
 @pytest.mark.gpu
 async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_from_a_prefetch_each_way(hosts):
     # One GPU is enough: both hosts restore onto GPU 0 (a's kernel has left it by then). Going away, b's stash
-    # helper reads the 1 GiB tensor's file onto b's GPU while b's CRIU restores the kernel; coming home, a's
-    # does; each time the restored kernel copies it from there (having mapped it while the helper read).
+    # helper reads the 1 GiB tensor's file onto b's GPU as it arrives (asked in "prefetch there", once the
+    # stash is written, before the dump); coming home, a's reads it while a's CRIU restores the kernel; each
+    # time the restored kernel copies it from there (having mapped it while the helper read).
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
@@ -2582,15 +2583,96 @@ async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_
             assert stash["stashed"] >= 1 << 30 and stash["unstashed"] == stash["stashed"], op
             fetched = stash["prefetch"]
             assert fetched["bytes"] >= 1 << 30 and "reason" not in fetched and "mapped_late" not in fetched, op
+            phases = list(op["timings"])
             if to_host == "a":  # the home's own phase, between the transfer and the restore
-                phases = list(op["timings"])
                 assert phases.index("transfer") < phases.index("prefetch") < phases.index("restore"), phases
+                assert "followed" not in fetched, op
+            else:  # b's, begun as the files arrived
+                assert phases.index("stash") < phases.index("prefetch there") < phases.index("dump"), phases
+                assert fetched.get("followed") is True, op
             view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
             assert view["host"] == to_host and [g["index"] for g in view["gpus"]] == [0], view
             if where:
                 assert (await tab.run(WHERE)).strip() == where
             assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
     finally:
+        await end_kernel(a, kernel_id, tab)
+
+
+def criu_pids() -> list[int]:
+    """The CRIU processes that run on this machine now."""
+    found = []
+    for comm in Path("/proc").glob("[0-9]*/comm"):
+        with contextlib.suppress(OSError):
+            if comm.read_text(errors="replace").strip() == "criu":
+                found.append(int(comm.parent.name))
+    return found
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILL ``pid``; whether it was there to kill."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def gpu_processes(index: int) -> dict[int, int]:
+    """The processes that hold memory on GPU ``index`` (PID -> bytes), as NVML says."""
+    from jupyter_gpumigrate.engine import gpus as gpus_mod
+
+    return next(g.processes for g in gpus_mod.snapshot() if g.index == index)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("victim", ["b's server", "a's CRIU"])
+async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_the_kernel_stays_whole(hosts, victim):
+    """b's prefetch begins as the stash arrives ("prefetch there"): its helper holds a copy of the kernel's
+    tensors on b's GPU 1. The move then fails: b's server SIGKILLed alone (its helper, orphaned, ends by itself:
+    it sees its server gone, or its stdin end), or a's CRIU SIGKILLed in the dump (a's undo has b discard the
+    images, and the helper with them). Either way the kernel runs on at home on GPU 0 with every value, and
+    nothing holds b's GPU 1 afterwards."""
+    two_gpus()
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run(GPU_TENSORS)
+        assert not gpu_processes(1), "GPU 1 is free before the move"
+
+        def fail_the_move_after_the_prefetch() -> tuple[list[str], dict]:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b", "to_gpu": 1})
+            seen = []
+            while op["status"] in ("pending", "running"):
+                seen.append(op["phase"])
+                if victim == "b's server" and op["phase"] in ("lock", "checkpoint", "dump", "transfer"):
+                    os.kill(b.proc.pid, signal.SIGKILL)  # the server alone: its helper lives on, orphaned
+                    return seen, finished(a, op)
+                if victim == "a's CRIU" and op["phase"] == "dump":
+                    if [pid for pid in criu_pids() if _kill(pid)]:
+                        return seen, finished(a, op)
+                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
+                    continue
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return seen, op
+
+        seen, op = await call(fail_the_move_after_the_prefetch)
+        assert "prefetch there" in seen, seen
+        assert op["status"] == "failed", op
+        if victim == "a's CRIU":
+            assert op["failed_phase"] == "dump", op
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "a" and view["state"] == "running" and [g["index"] for g in view["gpus"]] == [0], view
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
+        deadline = time.monotonic() + 30
+        while held := gpu_processes(1):
+            assert time.monotonic() < deadline, f"GPU 1 is still held by {held} (b's prefetch helper?)"
+            await asyncio.sleep(0.2)
+    finally:
+        if b.proc.poll() is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(b.proc.pid, signal.SIGKILL)  # what the server left of its group
+            await call(b.start, {"a": a.peer_entry()})
         await end_kernel(a, kernel_id, tab)
 
 

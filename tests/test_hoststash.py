@@ -177,6 +177,110 @@ def test_each_chunk_is_hashed_piece_by_piece_to_the_digest_of_the_whole(tmp_path
     assert target == source
 
 
+def _trickle(src: Path, dest: Path, pieces: int, pause: float, stop: threading.Event) -> None:
+    """Write ``src`` into ``dest`` in ``pieces`` appends, ``pause`` seconds apart (as a peer's file arrives)."""
+    data = src.read_bytes()
+    step = -(-len(data) // pieces)
+    with open(dest, "wb") as f:
+        for start in range(0, len(data), step):
+            if stop.is_set():
+                return
+            f.write(data[start:start + step])
+            f.flush()
+            time.sleep(pause)
+
+
+def test_a_part_is_read_as_it_arrives_each_chunk_once_there(tmp_path: Path) -> None:
+    """A move's receiving host has its prefetch read each part as it arrives (kernel/hoststash.py's Follow): a
+    file that does not exist yet is waited for, each chunk is read once the file holds it, checked, and every
+    byte comes back; while a file arrives, the reader is never ahead of it."""
+    source = bytearray(os.urandom((24 << 20) + 4321))
+    target = bytearray(len(source))
+    address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
+    chunks = hoststash.plan_chunks([len(source)], threads=2, chunk=3 << 20)
+    written, arriving = tmp_path / "written", tmp_path / "arriving"
+    written.mkdir()
+    arriving.mkdir()
+    for part in range(2):
+        fd = os.open(written / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            hoststash.write_part(fd, chunks, part, [address(source)], [False], None, durable=False)
+        finally:
+            os.close(fd)
+    stop = threading.Event()
+    writers = [threading.Thread(target=_trickle, args=(written / hoststash.PART.format(p),
+                                                       arriving / hoststash.PART.format(p), 16, 0.02, stop))
+               for p in range(2)]
+    said: list = [None, None]
+    seen_short: list[int] = []
+
+    def read(part: int) -> None:
+        said[part] = hoststash.read_part(arriving / hoststash.PART.format(part), chunks, part, [address(target)],
+                                         [False], None, follow=hoststash.Follow(stall=10.0))
+
+    readers = [threading.Thread(target=read, args=(p,)) for p in range(2)]
+    for t in readers:  # before any byte is there: each waits for its file to appear
+        t.start()
+    time.sleep(0.1)
+    assert not any((arriving / hoststash.PART.format(p)).exists() for p in range(2))
+    assert all(t.is_alive() for t in readers)
+    for t in writers:
+        t.start()
+    while any(t.is_alive() for t in writers):
+        size = sum(p.stat().st_size for p in arriving.iterdir())
+        if size < len(source):
+            seen_short.append(size)
+        time.sleep(0.01)
+    for t in readers + writers:
+        t.join(30)
+    assert seen_short, "the files arrived in pieces"
+    assert said == [None, None]
+    assert target == source
+
+
+@pytest.mark.parametrize("how", ["removed", "stalled", "gone"])
+def test_a_part_that_stops_arriving_is_given_up_with_a_reason(tmp_path: Path, how: str) -> None:
+    """A part followed as it arrives that is removed (its transfer failed: another copy, or none, comes), that
+    stops growing, or whose reader's caller is gone, ends the reading with why: never a wait for ever, never a
+    chunk read from what is not there."""
+    source = bytearray(os.urandom(8 << 20))
+    target = bytearray(len(source))
+    address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
+    chunks = hoststash.plan_chunks([len(source)], threads=1, chunk=1 << 20)
+    path = tmp_path / hoststash.PART.format(0)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        hoststash.write_part(fd, chunks, 0, [address(source)], [False], None, durable=False)
+    finally:
+        os.close(fd)
+    whole = path.read_bytes()
+    with open(path, "r+b") as f:
+        f.truncate(len(whole) // 2)  # half of it has arrived
+    gone = threading.Event()
+    follow = hoststash.Follow(stall=0.5 if how == "stalled" else 30.0,
+                              gone=lambda: "the server is gone" if gone.is_set() else None)
+    result: list = []
+    reader = threading.Thread(target=lambda: result.append(
+        hoststash.read_part(path, chunks, 0, [address(target)], [False], None, follow=follow)))
+    began = time.monotonic()
+    reader.start()
+    time.sleep(0.2)
+    assert reader.is_alive(), "it waits for the rest"
+    if how == "removed":
+        path.unlink()
+        path.write_bytes(whole)  # a new copy arrives whole under the same name: another file, not followed
+    elif how == "gone":
+        gone.set()
+    reader.join(10)
+    assert not reader.is_alive() and time.monotonic() - began < 5
+    expected = {"removed": "it was removed or replaced while it arrived", "stalled": "it stopped arriving",
+                "gone": "the server is gone"}[how]
+    assert result and result[0].startswith(f"{path.name}: {expected}"), result
+    half = len(whole) // 2 // (1 << 20) * (1 << 20)
+    assert target[:half] == source[:half] and not any(target[len(whole) // 2 + (1 << 20):]), \
+        "what arrived was read, nothing beyond it"
+
+
 def test_a_prefetch_is_taken_only_if_the_index_it_was_checked_against_is_the_kernels_own(monkeypatch) -> None:
     """A resume's prefetch (engine/prefetch.py) checks the files against the index on disk; the kernel copies
     from it only if that index's table, checksums included, is the one in its own memory, and only within the

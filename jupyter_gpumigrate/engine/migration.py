@@ -32,6 +32,7 @@ Nothing in the engine knows about Jupyter: the kernel is anything that fits :cla
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
+from pathlib import Path
 
 from . import gpus as gpus_mod
 from . import proctree
@@ -44,6 +45,7 @@ from .plans import back, gpu_move, host_move, host_transplant, resume, suspend, 
 from .plans.common import FastPath, Outcome, Tools
 from .plans.host_move import HostLink
 from .plans.host_transplant import TransplantLink
+from .prefetch import Prefetch
 from .saga import ProgressCallback
 from .stash import Stash
 
@@ -69,11 +71,14 @@ class Migration:
         keep_source: float = 0.0,
         prefetch: bool = True,
         avoid: Callable[[], Collection[int]] = tuple,
+        early_prefetch: Callable[[Path], Prefetch | None] | None = None,
     ) -> None:
         self.kernel = kernel
         self.progress = progress
         self.tools = Tools(store, criu, inventory, driver_major, reconnect_timeout, lock_timeout, host_stash_min,
                            images, keep_source, prefetch=prefetch, avoid=avoid)
+        if early_prefetch is not None:
+            self.tools.early_prefetch = early_prefetch
 
     def suspend(self) -> Outcome:
         return suspend.run(self.kernel, self.tools, self.progress)

@@ -207,6 +207,12 @@ class Helper:
         :meth:`filled` waits for it. Instead of :meth:`allocate`."""
         self._say(f"fill {folder}")
 
+    def follow(self, folder: str, index: dict) -> None:
+        """:meth:`fill`, for files still arriving in ``folder`` (the stash of a kernel moving to this host): the
+        helper allocates as ``index`` (its stash's index, as the file holds it) says, at once, and reads each
+        chunk as soon as its file holds it (kernel/hoststash.py's ``Follow``)."""
+        self._say("follow " + json.dumps({"folder": folder, "index": index}, separators=(",", ":")))
+
     def allocated(self, timeout: float) -> dict:
         """After :meth:`fill`, once the helper has allocated its memory, before it reads the files: ``handle``
         and ``session`` (the stash's), for the kernel to map that memory while it waits (kernel/hoststash.py's
@@ -622,7 +628,8 @@ def _hold() -> int:
     """Load the CUDA driver's bindings; on ``gpu UUID`` from stdin make a context on that GPU alone; on
     ``alloc N`` allocate N bytes there and print its IPC handle as JSON (with the monotonic clock's
     ``stamps`` of each step), or on ``fill FOLDER`` allocate room for the CUDA buffers of the host stash in
-    FOLDER, read them into it (:func:`_fill`) and print the handle with where each buffer lies; wait for
+    FOLDER, read them into it (:func:`_fill`) and print the handle with where each buffer lies (``follow
+    {"folder", "index"}``: the same as the files arrive, the index given); wait for
     ``free`` on stdin (or its end, then :data:`ORPHAN_GRACE`, or for a fill :data:`FILL_GRACE`, more
     seconds), free, exit. Stdin ending before ``alloc``: exit at once (a spare the server did not need).
 
@@ -675,6 +682,11 @@ def _hold() -> int:
             pointer = ok(driver.cuMemAlloc(int(arg)))
         elif verb == "fill":
             pointer, said = _fill(driver, ok, arg, stamps)
+        elif verb == "follow":
+            asked = json.loads(arg)
+            parent = os.getppid()
+            pointer, said = _fill(driver, ok, str(asked["folder"]), stamps, index=asked["index"],
+                                  gone=lambda: "the server that asked is gone" if os.getppid() != parent else None)
         else:
             return 0
         handle = ok(driver.cuIpcGetMemHandle(pointer))
@@ -684,7 +696,7 @@ def _hold() -> int:
     stamps.setdefault("allocated", time.monotonic())
     print(json.dumps({**said, "handle": bytes(handle.reserved).hex(), "stamps": stamps}), flush=True)  # type: ignore[attr-defined]
     if sys.stdin.readline() == "":
-        time.sleep(FILL_GRACE if verb == "fill" else ORPHAN_GRACE)
+        time.sleep(FILL_GRACE if verb in ("fill", "follow") else ORPHAN_GRACE)
     driver.cuMemFree(pointer)
     return 0
 
@@ -723,15 +735,18 @@ def layout(buffers: list[dict]) -> tuple[list[int | None], int]:
     return bases, end
 
 
-def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float]) -> tuple[Any, dict]:
+def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float], index: dict | None = None,
+          gone: Any = None) -> tuple[Any, dict]:
     """In the helper: allocate room on its GPU for the CUDA buffers of the host stash in ``folder`` and read
     them into it from the stash's files, by as many threads as there are files, each chunk checked against
     the checksum the index gives (the kernel then checks that the index's checksums are its own). A file that
-    does not match: an error, and nothing is kept."""
+    does not match: an error, and nothing is kept. With ``index`` (as its file holds it), the files may still
+    be arriving: each chunk is read once there, until a file stalls or ``gone()`` says why to stop."""
     from ..kernel import hoststash  # the same reader as the kernel's (its Cuda uses this context)
 
     started = time.monotonic()
-    index = hoststash.read_index(folder)
+    follow = hoststash.Follow(gone=gone or (lambda: None)) if index is not None else None
+    index = hoststash.read_index(folder) if index is None else hoststash.index_of(index, "the index sent")
     bases, size = layout(index["buffers"])
     if not size:
         raise ValueError(f"the stash in {folder} holds no CUDA buffer")
@@ -751,7 +766,7 @@ def _fill(driver: Any, ok: Any, folder: str, stamps: dict[str, float]) -> tuple[
 
         def read(part: int) -> None:
             wrong = hoststash.read_part(Path(folder) / hoststash.PART.format(part), chunks, part, addresses, on_gpu,
-                                        cuda, check=True)
+                                        cuda, check=True, follow=follow)
             if wrong:
                 with lock:
                     damaged.append(wrong)

@@ -24,6 +24,7 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{PEER}/transplants/check/?", peer.TransplantCheckHandler),
         (rf"{PEER}/images/{KERNEL_ID}/?", peer.ImagesHandler),
         (rf"{PEER}/images/{KERNEL_ID}/complete/?", peer.CompleteHandler),
+        (rf"{PEER}/images/{KERNEL_ID}/prefetch/?", peer.PrefetchHandler),
         (rf"{PEER}/images/{KERNEL_ID}/(?P<name>[\w.-]+)", peer.ImageFileHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/?", peer.GuestHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal|transplant|switch)/?", peer.GuestActionHandler),

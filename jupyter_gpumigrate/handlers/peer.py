@@ -85,8 +85,9 @@ class CheckHandler(PeerHandler):
         # "checksum": the image files' checksum it takes and gives (an older peer says none: it is refused)
         # "growing": it takes an image file sent in chunks as a dump writes it
         # "bulk_port", "bulk_tls": the port of its bulk listener (bulkd.py), None while it has none
+        # "prefetch": it begins a GPU kernel's prefetch as its images arrive (POST images/{id}/prefetch)
         self.send_json({"problems": problems, "stash": True, "checksum": CHECKSUM, "growing": True,
-                        "bulk_port": self.guests.bulk_port, "bulk_tls": self.guests.bulk_tls})
+                        "bulk_port": self.guests.bulk_port, "bulk_tls": self.guests.bulk_tls, "prefetch": True})
 
 
 class TransplantCheckHandler(PeerHandler):
@@ -154,6 +155,19 @@ class CompleteHandler(PeerHandler):
             self.send_error_message(400, str(exc))
             return
         self.send_json({"kernel_id": kernel_id})
+
+
+class PrefetchHandler(PeerHandler):
+    """POST: while a GPU kernel's images arrive, begin its restore's prefetch here (GuestHost.begin_prefetch)."""
+
+    async def post(self, kernel_id: str) -> None:
+        body = self.json_body("PeerPrefetchRequest")
+        if body is None:
+            return
+        answer = await self.run(self.guests.begin_prefetch, kernel_id, body["index"], [body["gpu"]],
+                                body.get("to_gpu"))
+        if answer is not None:
+            self.send_json(answer)
 
 
 class _WholeReads:

@@ -39,6 +39,7 @@ buffers are back. The writer threads end before it returns.
 from __future__ import annotations
 
 import ctypes
+import errno
 import gc
 import json
 import os
@@ -404,18 +405,77 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
             lane.close()
 
 
+@dataclass
+class Follow:
+    """How :func:`read_part` reads a file that is still arriving (a move to another host: its receiving side's
+    prefetch, engine/prefetch.py): each chunk once the file holds it, polled every :data:`FOLLOW_POLL` seconds.
+    It gives up where the file has not grown for ``stall`` seconds, was removed or replaced (another copy
+    is on its way, or none will come), or ``gone()`` says why (the reader's caller is gone)."""
+
+    stall: float = 30.0
+    gone: Any = staticmethod(lambda: None)
+
+
+#: How often a followed file's size is looked at while it is shorter than the next chunk needs.
+FOLLOW_POLL = 0.002
+
+
+def _open_following(path: Path, follow: Follow) -> int:
+    """Open ``path`` once it exists (it is created as its first bytes arrive)."""
+    since = time.monotonic()
+    while True:
+        try:
+            return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            if time.monotonic() - since > follow.stall:
+                raise OSError(errno.ETIMEDOUT, f"it did not begin to arrive within {follow.stall:.0f} s") from None
+        why = follow.gone()
+        if why:
+            raise OSError(errno.ECANCELED, why)
+        time.sleep(FOLLOW_POLL)
+
+
+def _wait_until_holds(fd: int, path: Path, end: int, follow: Follow) -> None:
+    """Return once the file open as ``fd`` holds ``end`` bytes (its writer appends in order: what is below its
+    size is written); OSError where it stalls, is removed or replaced, or the caller is gone."""
+    last, since = -1, time.monotonic()
+    while True:
+        st = os.fstat(fd)
+        if st.st_size >= end:
+            return
+        now = time.monotonic()
+        if st.st_size != last:
+            last, since = st.st_size, now
+        elif now - since > follow.stall:
+            raise OSError(errno.ETIMEDOUT, f"it stopped arriving ({st.st_size} of {end} bytes there, none more in "
+                                           f"{follow.stall:.0f} s)")
+        try:
+            there = os.stat(path, follow_symlinks=False)
+            same = (there.st_ino, there.st_dev) == (st.st_ino, st.st_dev)
+        except FileNotFoundError:
+            same = False
+        if not same:
+            raise OSError(errno.ESTALE, f"it was removed or replaced while it arrived ({st.st_size} of {end} bytes "
+                                        "read so far)")
+        why = follow.gone()
+        if why:
+            raise OSError(errno.ECANCELED, why)
+        time.sleep(FOLLOW_POLL)
+
+
 def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
-              cuda: Cuda | None, check: bool = True) -> str | None:
+              cuda: Cuda | None, check: bool = True, follow: Follow | None = None) -> str | None:
     """Read the chunks of file ``part`` (at ``path``) into their buffers, checking each checksum (unless
     ``check`` is False: the caller's own record says none was computed); what is wrong with the file, or
-    None. A chunk that does not match, or has no checksum to check, ends the reading of that file."""
+    None. A chunk that does not match, or has no checksum to check, ends the reading of that file. With
+    ``follow``, the file may still be arriving: each chunk is read once it is there (:class:`Follow`)."""
     mine = [c for c in chunks if c.part == part]
     if not mine:
         return None
     if cuda is None and any(on_gpu[c.buffer] for c in mine):
         raise ValueError("CUDA buffers to fill, and no CUDA context given")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        fd = _open_following(path, follow) if follow is not None else os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
         return f"{path.name}: {exc.strerror or exc}"
     lane = None
@@ -430,9 +490,11 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
             if check and c.xxh3 is None:
                 return f"{path.name} at byte {c.offset}: its checksum is missing"
             try:
+                if follow is not None:
+                    _wait_until_holds(fd, path, c.offset + c.size, follow)
                 found = _read_hashed(fd, view, c.offset, check)
             except OSError as exc:
-                return f"{path.name}: {exc}"
+                return f"{path.name}: {exc.strerror if follow is not None and exc.strerror else exc}"
             if check and found != c.xxh3:
                 return f"{path.name} at byte {c.offset}: its checksum does not match"
             if gpu:
@@ -584,18 +646,28 @@ def read_index(folder: str | os.PathLike[str]) -> dict:
     """The stash index of ``folder``, checked for shape; StashDamaged if it is not one."""
     path = Path(folder) / INDEX
     try:
-        index = json.loads(path.read_text())
+        raw = json.loads(path.read_text())
+    except FileNotFoundError as exc:
+        raise StashDamaged(f"{path} is missing") from exc
+    except (OSError, ValueError) as exc:
+        raise StashDamaged(f"{path} is damaged ({exc})") from exc
+    return index_of(raw, str(path))
+
+
+def index_of(raw: Any, where: str) -> dict:
+    """A stash index as its file holds it (parsed JSON), checked for shape, its chunks as :class:`Chunk`
+    (a copy: ``raw`` is left as it is); StashDamaged, naming ``where``, if it is not one."""
+    try:
+        index = dict(raw)
         if index.get("format") != FORMAT:
             raise ValueError(f"format {index.get('format')!r}, not {FORMAT}")
         sizes = [int(b["size"]) for b in index["buffers"]]
         chunks = [Chunk(**c) for c in index["chunks"]]
-    except FileNotFoundError as exc:
-        raise StashDamaged(f"{path} is missing") from exc
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise StashDamaged(f"{path} is damaged ({exc})") from exc
-    wrong = out_of_bounds(chunks, sizes, int(index.get("parts", 0)))
+        wrong = out_of_bounds(chunks, sizes, int(index.get("parts", 0)))
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StashDamaged(f"{where} is damaged ({exc})") from exc
     if wrong is not None:
-        raise StashDamaged(f"{path} is damaged (a chunk out of bounds: {wrong})")
+        raise StashDamaged(f"{where} is damaged (a chunk out of bounds: {wrong})")
     index["chunks"] = chunks
     return index
 

@@ -22,6 +22,7 @@ export type Phase =
   | 'verify'
   | 'stream'
   | 'send stash'
+  | 'prefetch there'
   | 'fetch stash'
   | 'transfer'
   | 'start'
@@ -159,6 +160,8 @@ export interface ApiContract {
   PeerImageFile: PeerImageFile;
   PeerImageListing: PeerImageListing;
   PeerCompleteRequest: PeerCompleteRequest;
+  PeerPrefetchRequest: PeerPrefetchRequest;
+  PeerPrefetched: PeerPrefetched;
   PeerImageStored: PeerImageStored;
   PeerGuest: PeerGuest;
   PeerTransplantCheckRequest: PeerTransplantCheckRequest;
@@ -397,6 +400,10 @@ export interface HostStash {
      * Why it was not made or not used.
      */
     reason?: string;
+    /**
+     * A move to another host: the other host began it as the stash's files arrived, before the restore (POST /peer/images/{id}/prefetch), the helper reading each chunk once it was there; absent where it began at the restore.
+     */
+    followed?: true;
     /**
      * Why the kernel mapped the prefetch's memory only once the helper had read everything, not while it read (kernel/hoststash.py's open_prefetch: the kernel waited at a busy cell's safe point, or its version is older); absent where it mapped it meanwhile.
      */
@@ -781,6 +788,10 @@ export interface PeerCheckResponse {
    * Whether the bulk listener takes TLS (with the server's certificate), as the server does; a peer uses the port only where this matches its link's scheme.
    */
   bulk_tls?: boolean;
+  /**
+   * This host begins a GPU kernel's prefetch while its images arrive (POST /peer/images/{id}/prefetch); absent from older versions, to which none is asked.
+   */
+  prefetch?: boolean;
 }
 /**
  * POST /peer/images/{id}: images are about to be sent.
@@ -827,6 +838,39 @@ export interface PeerImageListing {
  */
 export interface PeerCompleteRequest {
   files: PeerImageFile[];
+}
+/**
+ * POST /peer/images/{id}/prefetch, while the images of a GPU kernel that stashed arrive: begin its restore's prefetch now, the stash helper reading each chunk of the stash's files onto the GPU the restore will take as soon as it has arrived.
+ */
+export interface PeerPrefetchRequest {
+  /**
+   * The stash's index (stash-index.json, as its file holds it): what the helper allocates and the checksum of each chunk. The restore uses the prefetch only where the index that arrived is the same.
+   */
+  index: {};
+  gpu: HeldGpu1;
+  /**
+   * As the restore will be asked (null: where the restore would place it; the restore then goes where the prefetch began).
+   */
+  to_gpu?: number | null;
+}
+/**
+ * GPU memory a kernel holds (or held when it was suspended: then with the GPU's model).
+ */
+export interface HeldGpu1 {
+  index: GpuIndex;
+  uuid: string;
+  memory_used: Bytes;
+  /**
+   * The GPU's model (suspended kernels only).
+   */
+  name?: string;
+}
+/**
+ * The answer to POST /peer/images/{id}/prefetch: the GPU it began on, or why none began (the restore then makes its own, or the kernel reads its files itself). It ends with the images (DELETE /peer/kernels/{id}) or once the restore took it.
+ */
+export interface PeerPrefetched {
+  gpu: number | null;
+  reason: string | null;
 }
 /**
  * The answer to PUT /peer/images/{id}/{name} (201); its body is the file itself, not JSON.

@@ -75,6 +75,7 @@ ROUTES: tuple[Route, ...] = (
     Route("POST", "/peer/images/{kernel_id}", "PeerImagesRequest", {201: "PeerKernelRef"}),
     Route("GET", "/peer/images/{kernel_id}", None, {200: "PeerImageListing"}),
     Route("POST", "/peer/images/{kernel_id}/complete", "PeerCompleteRequest", {200: "PeerKernelRef"}),
+    Route("POST", "/peer/images/{kernel_id}/prefetch", "PeerPrefetchRequest", {200: "PeerPrefetched"}),
     Route("PUT", "/peer/images/{kernel_id}/{name}", None, {201: "PeerImageStored"}),  # the file's bytes
     Route("GET", "/peer/images/{kernel_id}/{name}", None, {200: None}),  # the file's bytes
     Route("GET", "/peer/kernels/{kernel_id}", None, {200: "PeerGuest"}),

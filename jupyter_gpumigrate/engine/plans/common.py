@@ -55,6 +55,10 @@ class Tools:
     #: whether a resume of a GPU kernel that stashed has the stash helper read its CUDA buffers onto its GPU
     #: while CRIU restores it (engine/prefetch.py)
     prefetch: bool = True
+    #: a prefetch begun before the restore, as the images in the folder given arrived (peers.py: the host a
+    #: kernel moves to begins one once its owner sends the stash's index), handed to the restore of those
+    #: images (taken: asked once); None: none
+    early_prefetch: Callable[[Path], Prefetch | None] = lambda folder: None
     #: GPUs (indices) no kernel is sent to unless it names them: those being drained now
     avoid: Callable[[], Collection[int]] = tuple
 

@@ -4,7 +4,9 @@
     prefetch    (GPU, stash) the stash helper reads the stashed     undo: the helper frees and ends
                 CUDA buffers onto the chosen GPU, checking each
                 chunk, while the next three phases run
-                (engine/prefetch.py)
+                (engine/prefetch.py); the restore of a move to
+                this host takes the one begun as its images
+                arrived, where it reads them onto that GPU
     restore     CRIU recreates the tree                           undo: kill it (the images stay)
     remap       GPU memory onto the chosen GPUs (GPU only)        (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
@@ -90,6 +92,21 @@ def prefetch(ctx: KernelContext) -> None:
     helper starts reading them there (engine/prefetch.py). Never fails the restore: where it cannot, the
     kernel reads its files itself, and :attr:`KernelContext.no_prefetch` says why. A local resume's, a
     kernel's coming home from another host (plans/host_move.py), and that host's restore of it."""
+    early = ctx.tools.early_prefetch(ctx.images)  # begun as the images arrived (peers.py): ours from here on
+    if early is None:
+        _prefetch(ctx, None)
+        return
+    ctx.undo(early.stop, cleanup=True)  # after the restore's undo, as below
+    try:
+        _prefetch(ctx, early)
+    finally:
+        if ctx.prefetch is not early:  # not taken: its memory goes now
+            early.stop()
+
+
+def _prefetch(ctx: KernelContext, early: Prefetch | None) -> None:
+    """:func:`prefetch`, given the one begun as the images arrived, if any: taken (as :attr:`KernelContext.prefetch`)
+    where it reads the stash that arrived onto the GPU chosen."""
     assert ctx.manifest is not None
     move = ctx.move
     if move is None or move.several:
@@ -101,6 +118,14 @@ def prefetch(ctx: KernelContext) -> None:
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         ctx.no_prefetch = f"its stash's index cannot be read ({exc}): the kernel reads its files itself"
         return
+    if early is not None:
+        if early.gpu_uuid == move.target.uuid and early.reads(index):
+            ctx.prefetch = early  # its GPU was checked for room as it began (which it now holds)
+            return
+        log.warning("kernel %s: the prefetch begun as its images arrived is dropped (%s)", ctx.kernel.kernel_id,
+                    "it read another stash's index" if early.gpu_uuid == move.target.uuid
+                    else "the restore goes onto another GPU")
+        early.stop()  # before the room for another is judged
     if not nbytes:
         ctx.no_prefetch = "the stash holds no CUDA buffer"
         return
