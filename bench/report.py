@@ -351,7 +351,11 @@ counted before the restore that had closed meanwhile) in 5 of 20 GPU trips home;
 from the restore (not measured on a GPU yet). Since 2026-11-29 a GPU kernel's restore on either host has the
 stash helper read its buffers onto its GPU while CRIU restores it, as a local resume does (**prefetch**; the
 column says how many GB the kernel copied from it; a way named `-files` turns it off); on a machine of one
-GPU, b's GPU is GPU 0 too. `bench/results/2026-11-26-host-move.md`,
+GPU, b's GPU is GPU 0 too. Since d5d8d76, going away, b begins that prefetch as the stash's files arrive, told
+the stash's index by a once the stash is written (**prefetch there**): its helper reads each chunk as soon as
+it has arrived, and b's **restore** no longer waits for 32 GB to be read after the transfer. The goal's bound
+with the eight-stream TLS floor (the link's throughput with as many streams as the move uses) is the stricter
+one each run's notes compare with. `bench/results/2026-11-26-host-move.md`,
 `bench/results/2026-11-27-host-stream.md` and `bench/results/2026-11-27-trips-and-rounds.md` say what the runs
 found.
 """
