@@ -125,6 +125,9 @@ TRANSPLANT_ORPHAN = 1800.0
 #: How long images received for a move may wait here, never restored, before they go (c.GPUMigrateApp.
 #: guest_images_expire): their peer keeps its own copy until the kernel answers from here.
 RECEIVED_EXPIRE = 1800.0
+#: How long after its images are complete a prefetch begun as they arrived may wait for the restore that takes
+#: it (which its peer asks at once) before it ends: its helper holds a copy of the kernel's buffers on a GPU.
+PREFETCH_UNTAKEN = 120.0
 #: What a transplant's new process was given here, removed once it runs: the key, the source's environment.
 _TRANSPLANT_FILES = ("connection.json", "prelude.json", "ready.json", "started.json", "failed.json",
                      "new-process.log")
@@ -1345,15 +1348,27 @@ class PeerLink(HostLink):
         if fetching is not None:
             fetching.stop()
 
-    def dump(self, stash_min: int | None = None, timeout: float | None = None) -> None:
+    def dump(self, stash_min: int | None = None, timeout: float | None = None) -> dict:
         # The stash is asked of a kernel that can serve it only: a busy one would answer only once its cell
         # ends; one that cannot run this package's code would fail it. That host bounds its wait for the stash
         # (and for the stash's undo) by what the kernel holds: a large kernel's may outlast 600 s. ``timeout``:
         # wait no longer for its answer (that host's dump runs on to its end regardless).
         self._dump_key = stash_min is not None and self.peer_stash and self.idle()
         body = {**self._key(), "stash_min": int(stash_min or 0)} if self._dump_key else {}
-        self.client.call("POST", f"kernels/{self.kernel_id}/dump", body,
-                         timeout=timeout or (3600 if self._dump_key else 600))
+        said = self.client.call("POST", f"kernels/{self.kernel_id}/dump", body,
+                                timeout=timeout or (3600 if self._dump_key else 600))
+        return said if isinstance(said, dict) else {}
+
+    def read_json(self, name: str) -> dict:
+        if not _IMAGE_NAME.match(name):
+            raise PeerError(f"{name!r} is not an image file's name.")
+        try:
+            said = self.client.call("GET", f"images/{self.kernel_id}/{name}", timeout=30)
+        except ValueError as exc:
+            raise PeerError(f"{self.host}'s {name} is not JSON ({exc}).") from None
+        if not isinstance(said, dict):
+            raise PeerError(f"{self.host}'s {name} is not a JSON object.")
+        return said
 
     def resume(self) -> None:
         self.client.call("POST", f"kernels/{self.kernel_id}/resume", self._key() if self._dump_key else {},
@@ -2000,6 +2015,7 @@ class GuestHost:
             self.discard(kernel_id)
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             raise InvalidState(f"Kernel {kernel_id} already lives here.")
+        self._drop_prefetch(kernel_id)  # begun for images sent before: their copy is replaced
         self.received[kernel_id] = {}
         path = self.store.create(kernel_id, choose(self.store, self.images, size)[0])
         free = shutil.disk_usage(path).free
@@ -2041,7 +2057,8 @@ class GuestHost:
         the restore then makes its own, or the kernel reads its files itself. InvalidState if the kernel's images
         are not being received here."""
         with self._transplant_lock:
-            if kernel_id not in self._receiving:
+            receipt = self._receiving.get(kernel_id)
+            if receipt is None:
                 raise InvalidState(f"Kernel {kernel_id}'s images are not being received here: its prefetch begins "
                                    f"after POST /peer/images/{kernel_id}.")
         folder = self.store.path_for(kernel_id)
@@ -2067,7 +2084,8 @@ class GuestHost:
             return aside("the kernel comes onto several GPUs")
         if gpus_mod.one_context_only(target.uuid):
             return aside(f"GPU {target.index} takes one process's CUDA context at a time (its compute mode)")
-        if not room_for(placement.free(target), move.needed, nbytes):
+        # the restore's own placement then finds the kernel's room (and its headroom) beside the helper's copy
+        if not room_for(placement.free(target), move.needed + placement.HEADROOM, nbytes):
             return aside(f"GPU {target.index} has {placement.free(target) / 1e9:.1f} GB free: too little for the "
                          f"kernel and a second copy of its {nbytes / 1e9:.1f} GB of buffers")
         fetch = Prefetch(folder, target.uuid, nbytes, index=index)
@@ -2078,7 +2096,7 @@ class GuestHost:
             return aside(f"the stash helper did not start ({exc})")
         with self._transplant_lock:
             old = self._early.pop(kernel_id, None)
-            if kernel_id in self._receiving:
+            if self._receiving.get(kernel_id) is receipt:  # the same images still arrive
                 self._early[kernel_id], fetch = (fetch, target.index), None
         if old is not None:
             old[0].stop()
@@ -2089,6 +2107,24 @@ class GuestHost:
                  target.index, nbytes / 1e9)
         return {"gpu": target.index, "reason": None}
 
+    def _prefetched_gpu(self, kernel_id: str, guest: Guest, to_gpu: int | None) -> int | None:
+        """The GPU the restore of ``guest`` goes to: ``to_gpu``, or, where none was asked and a prefetch began as
+        its images arrived, that one's (placed as the restore would), if the kernel still has its room there
+        beside the helper's copy; if it has not (another process took memory meanwhile), that prefetch ends,
+        and the restore places the kernel itself."""
+        with self._transplant_lock:
+            early = self._early.get(kernel_id)
+        if to_gpu is not None or early is None or self.inventory is None:
+            return to_gpu
+        needed = sum(int(g.get("memory_used", 0)) for g in guest.manifest.gpus)
+        there = next((g for g in self.inventory() if g.index == early[1]), None)
+        if there is not None and placement.free(there) >= needed + placement.HEADROOM:
+            return early[1]
+        log.warning("gpumigrate: kernel %s: GPU %d has no room left for it beside its prefetch: that ends, and the "
+                    "restore places the kernel itself", kernel_id, early[1])
+        self._drop_prefetch(kernel_id)
+        return None
+
     def _take_prefetch(self, folder: Path) -> Prefetch | None:
         """The prefetch begun for the images in ``folder`` as they arrived, now the restore's (Tools.early_prefetch)."""
         with self._transplant_lock:
@@ -2098,11 +2134,16 @@ class GuestHost:
                     return fetch
         return None
 
-    def _drop_prefetch(self, kernel_id: str) -> None:
+    def _drop_prefetch(self, kernel_id: str, which: Prefetch | None = None) -> None:
+        """Stop the prefetch begun for the kernel's images as they arrived, if it was not taken (``which``: only
+        if it is that one)."""
         with self._transplant_lock:
-            early = self._early.pop(kernel_id, None)
-        if early is not None:
-            early[0].stop()
+            early = self._early.get(kernel_id)
+            if early is None or (which is not None and early[0] is not which):
+                return
+            del self._early[kernel_id]
+        log.info("gpumigrate: kernel %s: the prefetch begun as its images arrived ends, not taken", kernel_id)
+        early[0].stop()
 
     def received_file(self, kernel_id: str, name: str, checksum: str) -> None:
         """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`
@@ -2128,6 +2169,12 @@ class GuestHost:
     def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
         folder = self.store.path_for(kernel_id)
         self._check_received(kernel_id, files)
+        with self._transplant_lock:
+            early = self._early.get(kernel_id)
+        loop = _running_loop()  # the restore follows at once: a prefetch still not taken later is dropped
+        if early is not None and loop is not None:
+            loop.call_later(PREFETCH_UNTAKEN, lambda: loop.run_in_executor(
+                None, self._drop_prefetch, kernel_id, early[0]))
         manifest = self.store.read_manifest(kernel_id)
         if manifest.kernel_id != kernel_id:
             raise ImageError(f"The images in {folder} belong to kernel {manifest.kernel_id}, not {kernel_id}.")
@@ -2413,22 +2460,20 @@ class GuestHost:
         if guest.state == BROKEN:  # a resume of broken whole images is its owner's call, on its own host
             raise InvalidState(f"Kernel {kernel_id} is broken here: {guest.broken_reason}")
         guest.key = key
-        with self._transplant_lock:
-            self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
-            early = self._early.get(kernel_id)
-        if to_gpu is None and early is not None:  # where its prefetch began, placed as this restore would
-            to_gpu = early[1]
-        # Said in its folder while CRIU restores it: should this server die meanwhile (and CRIU with it), its
-        # next one kills what CRIU had made of the tree, stuck in its restorer for ever (_end_unrecorded).
         marker = self.store.path_for(kernel_id) / RESTORING
         try:
-            write_durably(marker, json.dumps({"since": proctree.tick_boundary(), "boot": _boot_id(),
-                                              "owner": str(self.records)}))
-        except OSError as exc:  # a full or read-only disk: nothing restored, the peer keeps its copy
-            raise ImageError(f"Kernel {kernel_id} cannot be restored here: {marker.parent} cannot be written "
-                             f"({exc.strerror or exc}). Free space there, then move it again; it runs on at its "
-                             "peer.") from exc
-        try:
+            with self._transplant_lock:
+                self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
+            to_gpu = self._prefetched_gpu(kernel_id, guest, to_gpu)
+            # Said in its folder while CRIU restores it: should this server die meanwhile (and CRIU with it), its
+            # next one kills what CRIU had made of the tree, stuck in its restorer for ever (_end_unrecorded).
+            try:
+                write_durably(marker, json.dumps({"since": proctree.tick_boundary(), "boot": _boot_id(),
+                                                  "owner": str(self.records)}))
+            except OSError as exc:  # a full or read-only disk: nothing restored, the peer keeps its copy
+                raise ImageError(f"Kernel {kernel_id} cannot be restored here: {marker.parent} cannot be written "
+                                 f"({exc.strerror or exc}). Free space there, then move it again; it runs on at its "
+                                 "peer.") from exc
             outcome = self._migration(guest).resume(to_gpu)
         finally:
             guest.key = None

@@ -2570,8 +2570,8 @@ async def test_a_gpu_kernel_moves_to_the_other_hosts_gpu_and_back(hosts):
 async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_from_a_prefetch_each_way(hosts):
     # One GPU is enough: both hosts restore onto GPU 0 (a's kernel has left it by then). Going away, b's stash
     # helper reads the 1 GiB tensor's file onto b's GPU as it arrives (asked in "prefetch there", once the
-    # stash is written, before the dump); coming home, a's reads it while a's CRIU restores the kernel; each
-    # time the restored kernel copies it from there (having mapped it while the helper read).
+    # stash is written, before the dump); coming home, a's does (its "prefetch", once b's dump is over, before
+    # the transfer); each time the restored kernel copies it from there (having mapped it while the helper read).
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
@@ -2584,12 +2584,11 @@ async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_
             fetched = stash["prefetch"]
             assert fetched["bytes"] >= 1 << 30 and "reason" not in fetched and "mapped_late" not in fetched, op
             phases = list(op["timings"])
-            if to_host == "a":  # the home's own phase, between the transfer and the restore
-                assert phases.index("transfer") < phases.index("prefetch") < phases.index("restore"), phases
-                assert "followed" not in fetched, op
-            else:  # b's, begun as the files arrived
+            if to_host == "a":  # the home's own phase, once b's dump is over, before the transfer
+                assert phases.index("dump") < phases.index("prefetch") < phases.index("transfer"), phases
+            else:  # b's, begun once the stash was written
                 assert phases.index("stash") < phases.index("prefetch there") < phases.index("dump"), phases
-                assert fetched.get("followed") is True, op
+            assert fetched.get("followed") is True, op  # begun as the files arrived, each way
             view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
             assert view["host"] == to_host and [g["index"] for g in view["gpus"]] == [0], view
             if where:
@@ -2657,8 +2656,8 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
             return seen, op
 
         seen, op = await call(fail_the_move_after_the_prefetch)
-        assert "prefetch there" in seen, seen
         assert op["status"] == "failed", op
+        assert "prefetch there" in op["timings"], (seen, op)
         if victim == "a's CRIU":
             assert op["failed_phase"] == "dump", op
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
@@ -2673,6 +2672,51 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(b.proc.pid, signal.SIGKILL)  # what the server left of its group
             await call(b.start, {"a": a.peer_entry()})
+        await end_kernel(a, kernel_id, tab)
+
+
+@pytest.mark.gpu
+async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kernel_runs_on_there(hosts):
+    """Coming home, a's prefetch begins once b's dump is over, before the transfer: its helper holds a copy of
+    the kernel's tensors on a's GPU 0. a's CRIU SIGKILLed in the restore fails the way home: the undo kills what
+    CRIU made, ends the helper, and has b resume the kernel, which runs on there on GPU 1 with every value;
+    nothing holds a's GPU 0 afterwards."""
+    two_gpus()
+    a, b = hosts
+    kernel_id, tab = await new_kernel(a)
+    try:
+        await tab.run(GPU_TENSORS)
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+
+        def fail_the_restore_home() -> tuple[list[str], dict]:
+            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a", "to_gpu": 0})
+            seen = []
+            while op["status"] in ("pending", "running"):
+                seen.append(op["phase"])
+                if op["phase"] == "restore":
+                    if [pid for pid in criu_pids() if _kill(pid)]:
+                        return seen, finished(a, op)
+                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
+                    continue
+                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            return seen, op
+
+        _, op = await call(fail_the_restore_home)
+        assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+        phases = list(op["timings"])
+        assert phases.index("dump") < phases.index("prefetch") < phases.index("transfer"), phases
+        view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["host"] == "b" and view["state"] == "running" and [g["index"] for g in view["gpus"]] == [1], view
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
+        deadline = time.monotonic() + 30
+        while held := gpu_processes(0):
+            assert time.monotonic() < deadline, f"GPU 0 is still held by {held} (a's prefetch helper?)"
+            await asyncio.sleep(0.2)
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})  # and home it comes
+        assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
+        assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
+    finally:
         await end_kernel(a, kernel_id, tab)
 
 

@@ -191,9 +191,10 @@ def _trickle(src: Path, dest: Path, pieces: int, pause: float, stop: threading.E
 
 
 def test_a_part_is_read_as_it_arrives_each_chunk_once_there(tmp_path: Path) -> None:
-    """A move's receiving host has its prefetch read each part as it arrives (kernel/hoststash.py's Follow): a
-    file that does not exist yet is waited for, each chunk is read once the file holds it, checked, and every
-    byte comes back; while a file arrives, the reader is never ahead of it."""
+    """A move's receiving host has its prefetch read each part as it arrives (kernel/hoststash.py's Follow, one
+    for all the parts): a file that does not exist yet is waited for, each chunk is read once the file holds
+    it, checked, and every byte comes back. The second part begins to arrive only once the first is whole (as
+    a sender with one stream sends them), after longer than the stall: it waits while the first grows."""
     source = bytearray(os.urandom((24 << 20) + 4321))
     target = bytearray(len(source))
     address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
@@ -208,15 +209,19 @@ def test_a_part_is_read_as_it_arrives_each_chunk_once_there(tmp_path: Path) -> N
         finally:
             os.close(fd)
     stop = threading.Event()
-    writers = [threading.Thread(target=_trickle, args=(written / hoststash.PART.format(p),
-                                                       arriving / hoststash.PART.format(p), 16, 0.02, stop))
-               for p in range(2)]
+
+    def send_one_after_the_other() -> None:
+        for p in range(2):
+            _trickle(written / hoststash.PART.format(p), arriving / hoststash.PART.format(p), 16, 0.05, stop)
+
+    writer = threading.Thread(target=send_one_after_the_other)
     said: list = [None, None]
     seen_short: list[int] = []
+    follow = hoststash.Follow(stall=0.5)  # shorter than the first part takes to arrive (16 x 0.05 s)
 
     def read(part: int) -> None:
         said[part] = hoststash.read_part(arriving / hoststash.PART.format(part), chunks, part, [address(target)],
-                                         [False], None, follow=hoststash.Follow(stall=10.0))
+                                         [False], None, follow=follow)
 
     readers = [threading.Thread(target=read, args=(p,)) for p in range(2)]
     for t in readers:  # before any byte is there: each waits for its file to appear
@@ -224,25 +229,24 @@ def test_a_part_is_read_as_it_arrives_each_chunk_once_there(tmp_path: Path) -> N
     time.sleep(0.1)
     assert not any((arriving / hoststash.PART.format(p)).exists() for p in range(2))
     assert all(t.is_alive() for t in readers)
-    for t in writers:
-        t.start()
-    while any(t.is_alive() for t in writers):
+    writer.start()
+    while writer.is_alive():
         size = sum(p.stat().st_size for p in arriving.iterdir())
         if size < len(source):
             seen_short.append(size)
         time.sleep(0.01)
-    for t in readers + writers:
+    for t in [*readers, writer]:
         t.join(30)
     assert seen_short, "the files arrived in pieces"
     assert said == [None, None]
     assert target == source
 
 
-@pytest.mark.parametrize("how", ["removed", "stalled", "gone"])
+@pytest.mark.parametrize("how", ["removed", "stalled", "gone", "another failed"])
 def test_a_part_that_stops_arriving_is_given_up_with_a_reason(tmp_path: Path, how: str) -> None:
     """A part followed as it arrives that is removed (its transfer failed: another copy, or none, comes), that
-    stops growing, or whose reader's caller is gone, ends the reading with why: never a wait for ever, never a
-    chunk read from what is not there."""
+    stops growing, whose reader's caller is gone, or whose sibling part failed, ends the reading with why: never
+    a wait for ever, never a chunk read from what is not there."""
     source = bytearray(os.urandom(8 << 20))
     target = bytearray(len(source))
     address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
@@ -271,10 +275,17 @@ def test_a_part_that_stops_arriving_is_given_up_with_a_reason(tmp_path: Path, ho
         path.write_bytes(whole)  # a new copy arrives whole under the same name: another file, not followed
     elif how == "gone":
         gone.set()
+    elif how == "another failed":  # another part of the same stash, whole but damaged
+        other = bytearray(len(source))
+        damaged = path.with_name("elsewhere")
+        damaged.write_bytes(whole)
+        _flip(damaged, 10)
+        wrong = hoststash.read_part(damaged, chunks, 0, [address(other)], [False], None, follow=follow)
+        assert wrong == "elsewhere at byte 0: its checksum does not match", wrong
     reader.join(10)
     assert not reader.is_alive() and time.monotonic() - began < 5
-    expected = {"removed": "it was removed or replaced while it arrived", "stalled": "it stopped arriving",
-                "gone": "the server is gone"}[how]
+    expected = {"removed": "it was removed or replaced while it arrived", "stalled": "nothing of the stash arrived",
+                "gone": "the server is gone", "another failed": "another part failed (elsewhere at byte 0"}[how]
     assert result and result[0].startswith(f"{path.name}: {expected}"), result
     half = len(whole) // 2 // (1 << 20) * (1 << 20)
     assert target[:half] == source[:half] and not any(target[len(whole) // 2 + (1 << 20):]), \

@@ -191,7 +191,7 @@ def test_every_plan_publishes_its_phases_from_its_own_table():
     assert PHASES["move_to_gpu"] == ("prepare", "stash", "host stash", "lock", "checkpoint", "remap", "unlock", "unstash",
                                      "take back", "verify")
     assert PHASES["move_to_host"][-3:] == ("transfer", "restore", "adopt")
-    assert PHASES["return_home"][:5] == ("prepare", "stream", "fetch stash", "dump", "transfer")
+    assert PHASES["return_home"][:6] == ("prepare", "stream", "fetch stash", "dump", "prefetch", "transfer")
     assert set(ALL_PHASES) == {p for phases in PHASES.values() for p in phases}
 
 

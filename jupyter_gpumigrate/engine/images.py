@@ -99,6 +99,19 @@ class Manifest:
         return cls(**{"owner": -1, **{k: v for k, v in data.items() if k in known}})
 
 
+def manifest_from(data: Any, where: str) -> Manifest:
+    """The manifest whose JSON, parsed, is ``data`` (read from ``where``, which the error names); ImageError if it
+    is not one."""
+    try:
+        manifest = Manifest.from_dict(data)
+    except (TypeError, AttributeError, ValueError) as exc:
+        raise ImageError(f"{where} is damaged (not a manifest: {exc}); the kernel cannot be resumed.") from exc
+    wrong = manifest.wrong_types()
+    if wrong:
+        raise ImageError(f"{where} is damaged ({wrong}); the kernel cannot be resumed.")
+    return manifest
+
+
 def this_process() -> list[int]:
     """This process as [PID, start time]: a name that a later process with the same PID does not share."""
     try:
@@ -480,15 +493,7 @@ class ImageStore:
             ) from exc
         except ValueError as exc:
             raise ImageError(f"{path / MANIFEST} is damaged ({exc}); the kernel cannot be resumed.") from exc
-        try:
-            manifest = Manifest.from_dict(data)
-        except (TypeError, AttributeError, ValueError) as exc:
-            raise ImageError(f"{path / MANIFEST} is damaged (not a manifest: {exc}); the kernel cannot be "
-                             "resumed.") from exc
-        wrong = manifest.wrong_types()
-        if wrong:
-            raise ImageError(f"{path / MANIFEST} is damaged ({wrong}); the kernel cannot be resumed.")
-        return manifest
+        return manifest_from(data, str(path / MANIFEST))
 
     def remove_logs(self, name: str) -> None:
         """Delete the logs kept for ``name`` (a failed dump's)."""

@@ -26,8 +26,10 @@ host begins it before the restore, as the files arrive (plans/host_move.py's "pr
 stash's index by the kernel's owner once the stash is written, the helper allocates at once and reads each
 chunk as soon as its file holds it (kernel/hoststash.py's ``Follow``), so that 32 GB are on the GPU when the
 transfer ends instead of 2.1-2.5 s after; its restore takes it where it reads the index that arrived onto
-the GPU chosen (else it ends, and the restore makes its own). It gives up where a file stops arriving for
-30 s or is replaced, and when its server is gone (its parent changed).
+the GPU chosen and its helper lives (else it ends, and the restore makes its own). It gives up where
+nothing of the stash arrives for 30 s, a part is removed or replaced, or another part fails, and when its
+server is gone (its parent changed). Coming home, this host's does the same once the other host's dump is
+over (plans/host_move.py's ``prefetch``), told the index by that host.
 
 The helper reads no word from the server while it reads the files: an undo or a timeout kills it (its GPU
 memory goes with it). Once it has answered, it frees when told, or :data:`~.stash.FILL_GRACE` seconds after
@@ -80,10 +82,14 @@ class Prefetch:
         else:
             self.helper.fill(str(self.folder))
 
-    def reads(self, index: dict) -> bool:
-        """Whether it reads by ``index`` (the stash's index, as its file holds it now): one begun as the files
-        arrived was given the sender's, which must be the one that arrived."""
-        return self.index is None or self.index == index
+    def alive(self) -> bool:
+        """Whether its helper still reads or holds what it read (it has not failed nor been stopped)."""
+        return self.helper is not None and self.helper.proc.poll() is None
+
+    def reads(self, index: dict | None) -> bool:
+        """Whether it reads by ``index`` (the stash's index, as its file holds it now; None: unread): one begun
+        as the files arrived was given the sender's, which must be the one that arrived."""
+        return self.index is None or (index is not None and self.index == index)
 
     def allocated(self, timeout: float) -> dict | None:
         """Once the helper holds its memory, before it has read the files: ``handle`` and ``session``, for the
@@ -137,7 +143,7 @@ class Prefetch:
             out["reason"] = self.reason
         if self.mapped_late and copied:
             out["mapped_late"] = self.mapped_late
-        elif not copied:
+        elif not copied and not self.reason:
             out["reason"] = "the kernel was not given it (it read its buffers back at its safe point) or took none"
         return out
 

@@ -49,6 +49,7 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -405,50 +406,67 @@ def write_part(fd: int, chunks: list[Chunk], part: int, addresses: list[int], on
             lane.close()
 
 
-@dataclass
 class Follow:
-    """How :func:`read_part` reads a file that is still arriving (a move to another host: its receiving side's
-    prefetch, engine/prefetch.py): each chunk once the file holds it, polled every :data:`FOLLOW_POLL` seconds.
-    It gives up where the file has not grown for ``stall`` seconds, was removed or replaced (another copy
-    is on its way, or none will come), or ``gone()`` says why (the reader's caller is gone)."""
+    """How :func:`read_part` reads files that are still arriving (a move to another host: its receiving side's
+    prefetch, engine/prefetch.py), one for all the parts of a stash: each chunk once its file holds it. While
+    a file is too short, its size is looked at every :data:`FOLLOW_POLL` seconds at first, then less often
+    (up to :data:`FOLLOW_POLL_MAX`) until it grows. It gives up where no part has grown for ``stall`` seconds
+    (parts begin to arrive one after another: a part not there yet waits while the others grow), a file was
+    removed or replaced (another copy is on its way, or none will come), ``gone()`` says why (the reader's
+    caller is gone), or another part's reading failed (:meth:`give_up`)."""
 
-    stall: float = 30.0
-    gone: Any = staticmethod(lambda: None)
+    def __init__(self, stall: float = 30.0, gone: Callable[[], str | None] = lambda: None) -> None:
+        self.stall = stall
+        self.gone = gone
+        #: when any part last grew or was read from (the monotonic clock)
+        self.moved = time.monotonic()
+        self._given_up: str | None = None
+
+    def give_up(self, why: str) -> None:
+        """End every part's reading (one failed: the others' bytes would be of no use)."""
+        self._given_up = self._given_up or why
+
+    def check(self, what: str) -> None:
+        """OSError if the reading should end now; ``what``: how far this part got, for the stall's sentence."""
+        if self._given_up:
+            raise OSError(errno.ECANCELED, f"another part failed ({self._given_up})")
+        if time.monotonic() - self.moved > self.stall:
+            raise OSError(errno.ETIMEDOUT, f"nothing of the stash arrived for {self.stall:.0f} s ({what})")
+        why = self.gone()
+        if why:
+            raise OSError(errno.ECANCELED, why)
 
 
-#: How often a followed file's size is looked at while it is shorter than the next chunk needs.
+#: How often a followed file's size is looked at while it is shorter than the next chunk needs: at first, and
+#: at most (the wait doubles while it does not grow).
 FOLLOW_POLL = 0.002
+FOLLOW_POLL_MAX = 0.05
 
 
 def _open_following(path: Path, follow: Follow) -> int:
     """Open ``path`` once it exists (it is created as its first bytes arrive)."""
-    since = time.monotonic()
+    pause = FOLLOW_POLL
     while True:
         try:
             return os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
-            if time.monotonic() - since > follow.stall:
-                raise OSError(errno.ETIMEDOUT, f"it did not begin to arrive within {follow.stall:.0f} s") from None
-        why = follow.gone()
-        if why:
-            raise OSError(errno.ECANCELED, why)
-        time.sleep(FOLLOW_POLL)
+            follow.check("this part has not begun to arrive")
+        time.sleep(pause)
+        pause = min(pause * 2, FOLLOW_POLL_MAX)
 
 
 def _wait_until_holds(fd: int, path: Path, end: int, follow: Follow) -> None:
     """Return once the file open as ``fd`` holds ``end`` bytes (its writer appends in order: what is below its
-    size is written); OSError where it stalls, is removed or replaced, or the caller is gone."""
-    last, since = -1, time.monotonic()
+    size is written); OSError where it is removed or replaced, or :meth:`Follow.check` says to end."""
+    last, pause = -1, FOLLOW_POLL
     while True:
         st = os.fstat(fd)
         if st.st_size >= end:
+            follow.moved = time.monotonic()
             return
-        now = time.monotonic()
         if st.st_size != last:
-            last, since = st.st_size, now
-        elif now - since > follow.stall:
-            raise OSError(errno.ETIMEDOUT, f"it stopped arriving ({st.st_size} of {end} bytes there, none more in "
-                                           f"{follow.stall:.0f} s)")
+            last, pause = st.st_size, FOLLOW_POLL
+            follow.moved = time.monotonic()
         try:
             there = os.stat(path, follow_symlinks=False)
             same = (there.st_ino, there.st_dev) == (st.st_ino, st.st_dev)
@@ -457,10 +475,9 @@ def _wait_until_holds(fd: int, path: Path, end: int, follow: Follow) -> None:
         if not same:
             raise OSError(errno.ESTALE, f"it was removed or replaced while it arrived ({st.st_size} of {end} bytes "
                                         "read so far)")
-        why = follow.gone()
-        if why:
-            raise OSError(errno.ECANCELED, why)
-        time.sleep(FOLLOW_POLL)
+        follow.check(f"this part at {st.st_size} of the {end} bytes its next chunk needs")
+        time.sleep(pause)
+        pause = min(pause * 2, FOLLOW_POLL_MAX)
 
 
 def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], on_gpu: list[bool],
@@ -477,7 +494,7 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
     try:
         fd = _open_following(path, follow) if follow is not None else os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as exc:
-        return f"{path.name}: {exc.strerror or exc}"
+        return _gave_up(follow, f"{path.name}: {exc.strerror or exc}")
     lane = None
     try:
         lane = cuda.lane() if cuda is not None and any(on_gpu[c.buffer] for c in mine) else None
@@ -494,9 +511,9 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
                     _wait_until_holds(fd, path, c.offset + c.size, follow)
                 found = _read_hashed(fd, view, c.offset, check)
             except OSError as exc:
-                return f"{path.name}: {exc.strerror if follow is not None and exc.strerror else exc}"
+                return _gave_up(follow, f"{path.name}: {exc.strerror if follow is not None and exc.strerror else exc}")
             if check and found != c.xxh3:
-                return f"{path.name} at byte {c.offset}: its checksum does not match"
+                return _gave_up(follow, f"{path.name} at byte {c.offset}: its checksum does not match")
             if gpu:
                 lane.into(i % 2, target, c.size)  # type: ignore[union-attr]
     finally:
@@ -504,6 +521,13 @@ def read_part(path: Path, chunks: list[Chunk], part: int, addresses: list[int], 
         if lane is not None:
             lane.close()  # waits for the last copies
     return None
+
+
+def _gave_up(follow: Follow | None, why: str) -> str:
+    """``why`` a part's reading failed; the other parts' followed readings end too."""
+    if follow is not None:
+        follow.give_up(why)
+    return why
 
 
 def damage(found: list[str]) -> str:

@@ -13,9 +13,9 @@ Away (``move_to_host``):
     send stash  (without stream) the stash's files start going    undo: stop sending; that host
                 there, written already, while the driver and CRIU discards what it has
                 run
-    prefetch    (GPU, stash, if that host can) that host begins    undo: that host discards what it
-    there       its restore's prefetch: the stash helper reads     has, its prefetch with it
-                each chunk onto the GPU the restore will take as
+    prefetch    (GPU, stash, if that host can) that host begins    (undone with stream / send stash:
+    there       its restore's prefetch: the stash helper reads     that host discards what it has, its
+                each chunk onto the GPU the restore will take as   prefetch with it)
                 soon as it has arrived (never fails the move)
     lock        CUDA calls wait (GPU only)                        undo: unlock
     checkpoint  GPU memory into host memory (GPU only)            undo: back onto its GPU
@@ -41,12 +41,16 @@ Home (``return_home``):
                 driver and CRIU run (if that host lists them so)
     dump        that host dumps the kernel (its images stay       undo: that host resumes it
                 there), an idle one's large buffers written first
+    prefetch    (GPU, stashed there) its manifest and stash's      undo: the helper frees and ends
+                index read from there first; choose the GPU; the
+                stash helper reads the stashed CUDA buffers onto
+                it, each chunk as soon as it has arrived here,
+                while the transfer and the next three phases run
+                (as a resume's: engine/prefetch.py)
     transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
                 came whole as it was written is kept); choose
-                the GPU
-    prefetch    (GPU, stash) the stash helper reads the stashed    undo: the helper frees and ends
-                CUDA buffers onto that GPU while the next three
-                phases run (as a resume's: engine/prefetch.py)
+                the GPU (unless the prefetch did, from the same
+                manifest)
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
@@ -82,6 +86,7 @@ from typing import Protocol
 from .. import hostfit, netstate
 from . import resume, suspend
 from ..errors import GpuError, ImageError, InvalidState, MigrateError
+from ..images import MANIFEST, manifest_from
 from ..kernelproc import KernelProcess, kernel_listens
 from ..saga import ON_SUCCESS, ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, adopt_restored, checkpoint, dump, forget_images, gpu_use,
@@ -123,8 +128,8 @@ def home() -> Saga[HostContext]:
             Step("stream", stream_home, when=lambda ctx: ctx.link.takes_growing()),
             Step("fetch stash", fetch_stash_home, when=lambda ctx: ctx.link.fetches_stash()),
             Step("dump", dump_there),
+            Step("prefetch", prefetch_home, when=stashed_on_gpu_there),
             Step("transfer", fetch_images),
-            Step("prefetch", resume.prefetch, when=resume.prefetching),
             Step("restore", restore_here),
             Step("remap", remap_restored, when=KernelContext.on_gpu),
             Step("unlock", unlock_restored, when=KernelContext.on_gpu),
@@ -198,10 +203,13 @@ class HostLink(Protocol):
     def requirements(self) -> hostfit.Requirements:
         """What the tree running there needs of a host."""
 
-    def dump(self, stash_min: int | None = None) -> None:
+    def dump(self, stash_min: int | None = None) -> dict:
         """Suspend the kernel there; its images stay there. With ``stash_min``, a kernel that can (idle, and that
         host able to ask it) holding that many bytes of large buffers or more writes them into the images first
-        (the suspend's stash)."""
+        (the suspend's stash). What that host said of it: ``bytes``, and ``timings`` of its phases."""
+
+    def read_json(self, name: str) -> dict:
+        """The image file ``name`` there, a small JSON one (the manifest, the stash's index), as parsed."""
 
     def resume(self) -> None:
         """Undo of :meth:`dump`: bring the kernel back to life there."""
@@ -232,6 +240,8 @@ class HostContext(KernelContext):
         self.transferred = 0
         #: what that host said of the kernel it restored: pid, gpu, gpus
         self.there: dict = {}
+        #: what that host said of its dump for the way home: bytes, timings of its phases
+        self.dumped: dict = {}
 
 
 # -- away ---------------------------------------------------------------------------------------------
@@ -285,9 +295,9 @@ def prefetch_there(ctx: HostContext) -> None:
     begins: its helper reads each chunk onto the GPU the restore will take as soon as it is there (32 GB read
     onto the GPU after the transfer took 2.1-2.5 s of the restore). Never fails the move: where that host
     cannot (no room for a second copy, say), its restore makes its own, or the kernel reads its files there.
-    Undone with what that host has of the kernel."""
+    Its undo is the stream's (or send stash's), which has that host discard what it has of the kernel, its
+    prefetch with it."""
     assert ctx.manifest is not None and ctx.manifest.gpus
-    ctx.undo(ctx.link.discard, cleanup=True)
     try:
         index = json.loads((ctx.images / "stash-index.json").read_text())
         said = ctx.link.begin_prefetch(index, ctx.manifest.gpus[0], ctx.to_gpu)
@@ -389,8 +399,41 @@ def fetch_stash_home(ctx: HostContext) -> None:
 
 
 def dump_there(ctx: HostContext) -> None:
-    ctx.link.dump(ctx.tools.host_stash_min)
+    ctx.dumped = ctx.link.dump(ctx.tools.host_stash_min) or {}
     ctx.undo(ctx.link.resume)
+
+
+def stashed_on_gpu_there(ctx: HostContext) -> bool:
+    """Whether the dump there checkpointed a GPU kernel that was asked its stash (where this server's
+    ``resume_prefetch`` lets a restore here prefetch it)."""
+    timings = ctx.dumped.get("timings") or {}
+    return bool(ctx.tools.prefetch and "checkpoint" in timings and "stash" in timings)
+
+
+def prefetch_home(ctx: HostContext) -> None:
+    """The dump there is over: its manifest and its stash's index (small) are read from there first, the GPU
+    is chosen (a GPU here that cannot take the kernel fails the move now, not after the transfer), and the
+    stash helper begins reading the stash's parts onto it as they arrive here, each chunk as soon as its file
+    holds it (resume.prefetch). Where the two cannot be read first, or the stash stepped aside there, none
+    begins: the kernel reads its files itself, and its account says why."""
+    try:
+        manifest = manifest_from(ctx.link.read_json(MANIFEST), f"{ctx.link.host}'s {MANIFEST}")
+        index = ctx.link.read_json("stash-index.json") if manifest.stash else None
+    except MigrateError as exc:
+        ctx.no_prefetch = f"its manifest and stash's index could not be read from {ctx.link.host} first ({exc})"
+        return
+    if manifest.kernel_id != ctx.kernel.kernel_id:
+        ctx.no_prefetch = f"{ctx.link.host}'s manifest is not the kernel's"  # the transfer refuses it
+        return
+    place(ctx, manifest, ctx.to_gpu, _no_gpu_there(ctx))
+    if index is None:
+        ctx.no_prefetch = f"the kernel's stash stepped aside on {ctx.link.host}"
+        return
+    resume.prefetch(ctx, index=index)
+
+
+def _no_gpu_there(ctx: HostContext) -> str:
+    return f"The kernel holds no GPU on {ctx.link.host}, so it cannot come back onto GPU {ctx.to_gpu}."
 
 
 def fetch_images(ctx: HostContext) -> None:
@@ -399,8 +442,15 @@ def fetch_images(ctx: HostContext) -> None:
     if manifest.kernel_id != ctx.kernel.kernel_id:
         raise ImageError(f"{ctx.link.host} sent the images of kernel {manifest.kernel_id}, not "
                          f"{ctx.kernel.kernel_id}.")
-    place(ctx, manifest, ctx.to_gpu, f"The kernel holds no GPU on {ctx.link.host}, so it cannot come back onto "
-                                     f"GPU {ctx.to_gpu}.")
+    if ctx.manifest is not None and manifest != ctx.manifest:  # placed by the prefetch, from what it read first
+        log.warning("kernel %s: the manifest that came from %s is not the one read from there first: its GPU is "
+                    "chosen again, and the prefetch ends", ctx.kernel.kernel_id, ctx.link.host)
+        if ctx.prefetch is not None:
+            ctx.prefetch.stop()
+            ctx.prefetch = None
+        ctx.no_prefetch, ctx.manifest = "the manifest that came is not the one read first", None
+    if ctx.manifest is None:
+        place(ctx, manifest, ctx.to_gpu, _no_gpu_there(ctx))
 
 
 def restore_here(ctx: HostContext) -> None:

@@ -87,24 +87,26 @@ def prepare(ctx: ResumeContext) -> None:
     free_pids(manifest)
 
 
-def prefetch(ctx: KernelContext) -> None:
+def prefetch(ctx: KernelContext, index: dict | None = None) -> None:
     """Where the kernel comes back onto one GPU with room for a second copy of its CUDA buffers, the stash
     helper starts reading them there (engine/prefetch.py). Never fails the restore: where it cannot, the
     kernel reads its files itself, and :attr:`KernelContext.no_prefetch` says why. A local resume's, a
-    kernel's coming home from another host (plans/host_move.py), and that host's restore of it."""
+    kernel's coming home from another host (plans/host_move.py), and that host's restore of it. With
+    ``index`` (the stash's, as its file holds it), the files are still arriving: the helper reads each chunk
+    as soon as its file holds it (the way home)."""
     early = ctx.tools.early_prefetch(ctx.images)  # begun as the images arrived (peers.py): ours from here on
     if early is None:
-        _prefetch(ctx, None)
+        _prefetch(ctx, None, index)
         return
     ctx.undo(early.stop, cleanup=True)  # after the restore's undo, as below
     try:
-        _prefetch(ctx, early)
+        _prefetch(ctx, early, index)
     finally:
         if ctx.prefetch is not early:  # not taken: its memory goes now
             early.stop()
 
 
-def _prefetch(ctx: KernelContext, early: Prefetch | None) -> None:
+def _prefetch(ctx: KernelContext, early: Prefetch | None, given: dict | None) -> None:
     """:func:`prefetch`, given the one begun as the images arrived, if any: taken (as :attr:`KernelContext.prefetch`)
     where it reads the stash that arrived onto the GPU chosen."""
     assert ctx.manifest is not None
@@ -113,18 +115,19 @@ def _prefetch(ctx: KernelContext, early: Prefetch | None) -> None:
         ctx.no_prefetch = "the kernel comes back onto several GPUs"
         return
     try:
-        index = json.loads((ctx.images / "stash-index.json").read_text())
+        index = given if given is not None else json.loads((ctx.images / "stash-index.json").read_text())
         nbytes = cuda_bytes(index)
     except (OSError, ValueError, TypeError, KeyError, AttributeError) as exc:
         ctx.no_prefetch = f"its stash's index cannot be read ({exc}): the kernel reads its files itself"
         return
     if early is not None:
-        if early.gpu_uuid == move.target.uuid and early.reads(index):
+        if early.gpu_uuid == move.target.uuid and early.reads(index) and early.alive():
             ctx.prefetch = early  # its GPU was checked for room as it began (which it now holds)
             return
         log.warning("kernel %s: the prefetch begun as its images arrived is dropped (%s)", ctx.kernel.kernel_id,
-                    "it read another stash's index" if early.gpu_uuid == move.target.uuid
-                    else "the restore goes onto another GPU")
+                    "the restore goes onto another GPU" if early.gpu_uuid != move.target.uuid else
+                    "it read another stash's index" if not early.reads(index) else
+                    f"its helper failed: {early.reason or 'it ended'}")
         early.stop()  # before the room for another is judged
     if not nbytes:
         ctx.no_prefetch = "the stash holds no CUDA buffer"
@@ -138,7 +141,7 @@ def _prefetch(ctx: KernelContext, early: Prefetch | None) -> None:
         ctx.no_prefetch = (f"GPU {target.index} has {placement.free(target) / 1e9:.1f} GB free: too little for "
                            f"the kernel and a second copy of its {nbytes / 1e9:.1f} GB of buffers")
         return
-    fetch = Prefetch(ctx.images, move.target.uuid, nbytes)
+    fetch = Prefetch(ctx.images, move.target.uuid, nbytes, index=given)
     ctx.undo(fetch.stop, cleanup=True)  # after the restore's undo (newest first): the tree is gone by then
     try:
         fetch.start()
@@ -169,6 +172,10 @@ def take_back(ctx: KernelContext) -> dict:
     assert ctx.manifest is not None
     timeout = STASH_WAIT + int(ctx.manifest.stash.get("stashed", 0)) / STASH_RATE
     fetch = ctx.prefetch
+    if fetch is not None and not fetch.reads(_arrived_index(ctx)):
+        # begun as the files arrived, by the index sent first: the kernel is given only what was read by its own
+        fetch.stop()
+        fetch.reason = "it read the stash by an index other than the one that arrived: the kernel read its files"
     if fetch is not None:
         # The kernel maps the helper's memory while the helper reads (32 GB: 0.2 s no longer waited for).
         early = fetch.allocated(timeout)
@@ -197,6 +204,14 @@ def take_back(ctx: KernelContext) -> dict:
             account["mapped_late"] = said.pop("mapped_late")
         said["prefetch"] = account
     return said
+
+
+def _arrived_index(ctx: KernelContext) -> dict | None:
+    """The stash's index in the images, as its file holds it (None if it cannot be read)."""
+    try:
+        return json.loads((ctx.images / "stash-index.json").read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def unstash(ctx: KernelContext) -> None:
