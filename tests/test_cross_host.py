@@ -2617,6 +2617,19 @@ def _kill(pid: int) -> bool:
     return True
 
 
+def kill_criu_in(host: Host, op: dict, phase: str) -> dict:
+    """Follow ``host``'s operation ``op``; once it is in ``phase`` and a CRIU runs (the only one on the machine
+    then), SIGKILL it: the operation, once over."""
+    while op["status"] in ("pending", "running"):
+        if op["phase"] == phase:
+            if [pid for pid in criu_pids() if _kill(pid)]:
+                return finished(host, op)
+            op = host.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
+            continue
+        op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    return op
+
+
 def gpu_processes(index: int) -> dict[int, int]:
     """The processes that hold memory on GPU ``index`` (PID -> bytes), as NVML says."""
     from jupyter_gpumigrate.engine import gpus as gpus_mod
@@ -2639,25 +2652,20 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
         await tab.run(GPU_TENSORS)
         assert not gpu_processes(1), "GPU 1 is free before the move"
 
-        def fail_the_move_after_the_prefetch() -> tuple[list[str], dict]:
+        def fail_the_move_after_the_prefetch() -> dict:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b", "to_gpu": 1})
-            seen = []
+            if victim == "a's CRIU":
+                return kill_criu_in(a, op, "dump")
             while op["status"] in ("pending", "running"):
-                seen.append(op["phase"])
-                if victim == "b's server" and op["phase"] in ("lock", "checkpoint", "dump", "transfer"):
+                if op["phase"] in ("lock", "checkpoint", "dump", "transfer"):
                     os.kill(b.proc.pid, signal.SIGKILL)  # the server alone: its helper lives on, orphaned
-                    return seen, finished(a, op)
-                if victim == "a's CRIU" and op["phase"] == "dump":
-                    if [pid for pid in criu_pids() if _kill(pid)]:
-                        return seen, finished(a, op)
-                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
-                    continue
+                    return finished(a, op)
                 op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return seen, op
+            return op
 
-        seen, op = await call(fail_the_move_after_the_prefetch)
+        op = await call(fail_the_move_after_the_prefetch)
         assert op["status"] == "failed", op
-        assert "prefetch there" in op["timings"], (seen, op)
+        assert "prefetch there" in op["timings"], op
         if victim == "a's CRIU":
             assert op["failed_phase"] == "dump", op
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
@@ -2689,20 +2697,8 @@ async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kern
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "b", "to_gpu": 1})
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
 
-        def fail_the_restore_home() -> tuple[list[str], dict]:
-            op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "a", "to_gpu": 0})
-            seen = []
-            while op["status"] in ("pending", "running"):
-                seen.append(op["phase"])
-                if op["phase"] == "restore":
-                    if [pid for pid in criu_pids() if _kill(pid)]:
-                        return seen, finished(a, op)
-                    op = a.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
-                    continue
-                op = a.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-            return seen, op
-
-        _, op = await call(fail_the_restore_home)
+        op = await call(lambda: kill_criu_in(a, a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate",
+                                                          {"to_host": "a", "to_gpu": 0}), "restore"))
         assert op["status"] == "failed" and op["failed_phase"] == "restore", op
         phases = list(op["timings"])
         assert phases.index("dump") < phases.index("prefetch") < phases.index("transfer"), phases
