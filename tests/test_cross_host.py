@@ -2617,17 +2617,25 @@ def _kill(pid: int) -> bool:
     return True
 
 
-def kill_criu_in(host: Host, op: dict, phase: str) -> dict:
-    """Follow ``host``'s operation ``op``; once it is in ``phase`` and a CRIU runs (the only one on the machine
-    then), SIGKILL it: the operation, once over."""
+def kill_criu_in(host: Host, op: dict, phase: str, armed: str | None = None) -> dict:
+    """Follow ``host``'s operation ``op``; from phase ``armed`` on (``phase`` if None: one in which no CRIU runs,
+    just before it), SIGKILL the first CRIU that runs (the only one on the machine then), looked for without a
+    pause (a small kernel's restore takes a fraction of a second): the operation, once over, with ``killed``
+    (in ``phase``, as it should be) and ``seen`` (the phases seen)."""
+    seen: list[str] = []
+    armed = armed or phase
     while op["status"] in ("pending", "running"):
-        if op["phase"] == phase:
-            if [pid for pid in criu_pids() if _kill(pid)]:
-                return finished(host, op)
-            op = host.api("GET", f"api/gpumigrate/operations/{op['id']}")  # until CRIU is there: no wait
+        seen.append(op["phase"])
+        if armed in seen:
+            asked = time.monotonic()
+            while time.monotonic() - asked < 0.25:
+                if [pid for pid in criu_pids() if _kill(pid)]:
+                    op = finished(host, op)
+                    return {**op, "killed": op.get("failed_phase") == phase, "seen": seen}
+            op = host.api("GET", f"api/gpumigrate/operations/{op['id']}")  # still running? no wait
             continue
         op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
-    return op
+    return {**op, "killed": False, "seen": seen}
 
 
 def gpu_processes(index: int) -> dict[int, int]:
@@ -2655,7 +2663,9 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
         def fail_the_move_after_the_prefetch() -> dict:
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b", "to_gpu": 1})
             if victim == "a's CRIU":
-                return kill_criu_in(a, op, "dump")
+                op = kill_criu_in(a, op, "dump")
+                assert op["killed"], op
+                return op
             while op["status"] in ("pending", "running"):
                 if op["phase"] in ("lock", "checkpoint", "dump", "transfer"):
                     os.kill(b.proc.pid, signal.SIGKILL)  # the server alone: its helper lives on, orphaned
@@ -2698,8 +2708,8 @@ async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kern
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
 
         op = await call(lambda: kill_criu_in(a, a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate",
-                                                          {"to_host": "a", "to_gpu": 0}), "restore"))
-        assert op["status"] == "failed" and op["failed_phase"] == "restore", op
+                                                          {"to_host": "a", "to_gpu": 0}), "restore", "transfer"))
+        assert op["killed"] and op["status"] == "failed" and op["failed_phase"] == "restore", op
         phases = list(op["timings"])
         assert phases.index("dump") < phases.index("prefetch") < phases.index("transfer"), phases
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
