@@ -2617,16 +2617,16 @@ def _kill(pid: int) -> bool:
     return True
 
 
-def kill_criu_in(host: Host, op: dict, phase: str, armed: str | None = None) -> dict:
-    """Follow ``host``'s operation ``op``; from phase ``armed`` on (``phase`` if None: one in which no CRIU runs,
-    just before it), SIGKILL the first CRIU that runs (the only one on the machine then), looked for without a
-    pause (a small kernel's restore takes a fraction of a second): the operation, once over, with ``killed``
-    (in ``phase``, as it should be) and ``seen`` (the phases seen)."""
+def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = ()) -> dict:
+    """Follow ``host``'s operation ``op``; from ``phase`` or one of ``before`` (phases just before it in which no
+    CRIU runs: a phase of a fraction of a second can be over before its report is read), SIGKILL the first CRIU
+    that runs (the only one on the machine then), looked for without a pause (a small kernel's restore takes
+    a fraction of a second): the operation, once over, with ``killed`` (in ``phase``, as it should be) and
+    ``seen`` (the phases seen)."""
     seen: list[str] = []
-    armed = armed or phase
     while op["status"] in ("pending", "running"):
         seen.append(op["phase"])
-        if armed in seen:
+        if op["phase"] in (phase, *before) or any(p in seen for p in before):
             asked = time.monotonic()
             while time.monotonic() - asked < 0.25:
                 if [pid for pid in criu_pids() if _kill(pid)]:
@@ -2664,7 +2664,7 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
             op = a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate", {"to_host": "b", "to_gpu": 1})
             if victim == "a's CRIU":
                 op = kill_criu_in(a, op, "dump")
-                assert op["killed"], op
+                assert op["killed"], (op["seen"], op["status"], op.get("failed_phase"), op.get("error"))
                 return op
             while op["status"] in ("pending", "running"):
                 if op["phase"] in ("lock", "checkpoint", "dump", "transfer"):
@@ -2708,8 +2708,10 @@ async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kern
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
 
         op = await call(lambda: kill_criu_in(a, a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate",
-                                                          {"to_host": "a", "to_gpu": 0}), "restore", "transfer"))
-        assert op["killed"] and op["status"] == "failed" and op["failed_phase"] == "restore", op
+                                                          {"to_host": "a", "to_gpu": 0}), "restore",
+                                             ("prefetch", "transfer")))  # after b's dump: a's restore is next
+        assert op["killed"] and op["status"] == "failed" and op["failed_phase"] == "restore", \
+            (op["killed"], op["seen"], op["status"], op.get("failed_phase"), op.get("error"))
         phases = list(op["timings"])
         assert phases.index("dump") < phases.index("prefetch") < phases.index("transfer"), phases
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
