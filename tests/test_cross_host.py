@@ -2598,12 +2598,16 @@ async def test_a_gpu_kernel_moved_to_the_other_host_and_home_copies_its_tensors_
         await end_kernel(a, kernel_id, tab)
 
 
-def criu_pids() -> list[int]:
-    """The CRIU processes that run on this machine now."""
+def criu_pids(verb: str) -> list[int]:
+    """The CRIU processes that run ``verb`` (dump, restore) on this machine now (not one that ended, unreaped)."""
     found = []
     for comm in Path("/proc").glob("[0-9]*/comm"):
-        with contextlib.suppress(OSError):
-            if comm.read_text(errors="replace").strip() == "criu":
+        with contextlib.suppress(OSError, IndexError):
+            if comm.read_text(errors="replace").strip() != "criu":
+                continue
+            if (comm.parent / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                continue
+            if verb.encode() in (comm.parent / "cmdline").read_bytes().split(b"\0"):
                 found.append(int(comm.parent.name))
     return found
 
@@ -2617,10 +2621,10 @@ def _kill(pid: int) -> bool:
     return True
 
 
-def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = ()) -> dict:
+def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = (), verb: str = "dump") -> dict:
     """Follow ``host``'s operation ``op``; from ``phase`` or one of ``before`` (phases just before it in which no
     CRIU runs: a phase of a fraction of a second can be over before its report is read), SIGKILL the first CRIU
-    that runs (the only one on the machine then), looked for without a pause (a small kernel's restore takes
+    that runs ``verb`` (the only one on the machine then), looked for without a pause (a small kernel's restore takes
     a fraction of a second): the operation, once over, with ``killed`` (in ``phase``, as it should be) and
     ``seen`` (the phases seen)."""
     seen: list[str] = []
@@ -2629,7 +2633,7 @@ def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = ())
         if op["phase"] in (phase, *before) or any(p in seen for p in before):
             asked = time.monotonic()
             while time.monotonic() - asked < 0.25:
-                if [pid for pid in criu_pids() if _kill(pid)]:
+                if [pid for pid in criu_pids(verb) if _kill(pid)]:
                     op = finished(host, op)
                     return {**op, "killed": op.get("failed_phase") == phase, "seen": seen}
             op = host.api("GET", f"api/gpumigrate/operations/{op['id']}")  # still running? no wait
@@ -2709,7 +2713,7 @@ async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kern
 
         op = await call(lambda: kill_criu_in(a, a.api("POST", f"api/gpumigrate/kernels/{kernel_id}/migrate",
                                                           {"to_host": "a", "to_gpu": 0}), "restore",
-                                             ("prefetch", "transfer")))  # after b's dump: a's restore is next
+                                             ("prefetch", "transfer"), "restore"))  # after b's dump
         assert op["killed"] and op["status"] == "failed" and op["failed_phase"] == "restore", \
             (op["killed"], op["seen"], op["status"], op.get("failed_phase"), op.get("error"))
         phases = list(op["timings"])
