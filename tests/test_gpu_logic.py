@@ -238,3 +238,61 @@ def test_a_drain_transplants_onto_the_roomiest_gpu_of_any_model_else_the_cpu():
     split = [gpu(0), gpu(1, used=0, mig=True), dataclasses.replace(gpu(2, used=0), error="Unknown Error")]
     assert placement.transplant_target(split, 0, GIB) is None
     assert placement.transplant_target([gpu(0)], 0, 0) is None
+
+
+def _stash_index(nbytes: int) -> dict:
+    return {"format": 1, "parts": 1, "session": "s", "buffers": [{"kind": "cuda", "size": nbytes}],
+            "chunks": [{"buffer": 0, "at": 0, "size": nbytes, "part": 0, "offset": 0, "xxh3": 1}]}
+
+
+def test_a_prefetch_begun_as_images_arrive_never_outlives_them(tmp_path):
+    """The other host's prefetch, begun as a GPU kernel's images arrive (peers.GuestHost.begin_prefetch), on a
+    GPU as NVML records it: its room counts the kernel, a second copy of its buffers and the placement's
+    headroom; it ends when the images are received again, when they are discarded, and when its restore goes
+    elsewhere for want of room; one begun for images replaced meanwhile is never kept. Its helper process is
+    real (here, with no GPU, it starts and says so), and ends each time."""
+    from jupyter_gpumigrate.engine.images import Manifest
+    from jupyter_gpumigrate.peers import Guest, GuestHost
+
+    needed, nbytes = 33 * GIB, 32 * GIB
+    gpus = [gpu(0, used=1 * GIB, total=141 * GIB)]
+    guests = GuestHost(tmp_path / "guests", lambda: None, inventory=lambda: gpus,
+                       records=tmp_path / "state" / "guests-running")
+    held_there = [{"index": 0, "uuid": UUIDS[0], "memory_used": needed, "name": "NVIDIA H200"}]
+    kid = "k-early"
+
+    def begin() -> dict:
+        return guests.begin_prefetch(kid, _stash_index(nbytes), held_there, None)
+
+    guests.begin(kid, 1 << 20)
+    assert begin() == {"gpu": 0, "reason": None}
+    first = guests._early[kid][0]
+    helper = first.helper.proc
+    guests.begin(kid, 1 << 20)  # the images come again: the copy begun for the first ones ends
+    assert kid not in guests._early and first.helper is None
+    assert helper.wait(15) is not None
+
+    assert begin()["gpu"] == 0
+    second = guests._early[kid][0].helper.proc
+    guests.discard(kid)
+    assert kid not in guests._early and second.wait(15) is not None
+
+    # Room: the kernel, the copy and the helper's reserve, and the placement's headroom beside them.
+    guests.begin(kid, 1 << 20)
+    free = needed + nbytes + (1 << 30) + placement.HEADROOM
+    gpus[0] = gpu(0, used=141 * GIB - free + 1, total=141 * GIB)
+    said = begin()
+    assert said["gpu"] is None and "too little for the kernel and a second copy" in said["reason"], said
+    gpus[0] = gpu(0, used=141 * GIB - free, total=141 * GIB)
+    assert begin()["gpu"] == 0
+
+    # The restore pins the prefetch's GPU while the kernel has its room there beside it, and only then.
+    guest = Guest(Manifest(kernel_id=kid, kernel_name="python3", pid=4242, ids=[4242], gpus=held_there), "a")
+    gpus[0] = gpu(0, used=141 * GIB - needed - placement.HEADROOM, total=141 * GIB)  # the copy is held
+    assert guests._prefetched_gpu(kid, guest, None) == 0 and kid in guests._early
+    assert guests._prefetched_gpu(kid, guest, 1) == 1, "a GPU asked is the restore's"
+    third = guests._early[kid][0].helper.proc
+    gpus[0] = gpu(0, used=141 * GIB - needed, total=141 * GIB)  # another process took memory meanwhile
+    assert guests._prefetched_gpu(kid, guest, None) is None
+    assert kid not in guests._early and third.wait(15) is not None
+    guests.discard(kid)
