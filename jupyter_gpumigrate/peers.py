@@ -1671,8 +1671,9 @@ class DumpRun:
             scratch.write_text(json.dumps({"over": over, "ok": self.ok, "began": self.began}))
             os.replace(scratch, self.mark)
         except OSError as exc:  # with no mark, the bulk listener refuses to follow its files (409): they come
-            log.warning("gpumigrate: the mark of a dump could not be written at %s (%s): its files are fetched "
-                        "after the dump, not as it writes them", self.mark, exc)
+            log.warning("gpumigrate: the mark of a dump could not be written at %s (%s): the bulk listener will not "
+                        "serve its files as it writes them (this server's own port still does); they are fetched "
+                        "whole after the dump otherwise", self.mark, exc)
             with contextlib.suppress(OSError):
                 self.mark.unlink(missing_ok=True)
 
