@@ -125,9 +125,12 @@ TRANSPLANT_ORPHAN = 1800.0
 #: How long images received for a move may wait here, never restored, before they go (c.GPUMigrateApp.
 #: guest_images_expire): their peer keeps its own copy until the kernel answers from here.
 RECEIVED_EXPIRE = 1800.0
-#: How long after its images are complete a prefetch begun as they arrived may wait for the restore that takes
-#: it (which its peer asks at once) before it ends: its helper holds a copy of the kernel's buffers on a GPU.
+#: How long a prefetch begun as a kernel's images arrive may wait, nothing more of them arriving, for the restore
+#: that takes it (its peer asks it as soon as they are complete) before it ends: its helper holds a copy of the
+#: kernel's buffers on a GPU, which a peer that died or gave up would leave there until the images expire.
 PREFETCH_UNTAKEN = 120.0
+#: How often that is looked at (seconds).
+PREFETCH_WATCH = 5.0
 #: What a transplant's new process was given here, removed once it runs: the key, the source's environment.
 _TRANSPLANT_FILES = ("connection.json", "prelude.json", "ready.json", "started.json", "failed.json",
                      "new-process.log")
@@ -1485,6 +1488,16 @@ class PeerLink(HostLink):
 # -- B's side: the kernels this server hosts for its peers ---------------------------------------------
 
 
+def _bytes_in(folder: Path) -> int:
+    """The bytes of the files in ``folder`` now (0 if it cannot be read)."""
+    total = 0
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(folder):
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_size
+    return total
+
+
 def _said(log_path: Path, lines: int = 3) -> str:
     """The last lines of a new process's log, to end a sentence with ('' if it said nothing)."""
     try:
@@ -2095,6 +2108,7 @@ class GuestHost:
         except OSError as exc:
             fetch.stop()
             return aside(f"the stash helper did not start ({exc})")
+        registered = fetch
         with self._transplant_lock:
             old = self._early.pop(kernel_id, None)
             if self._receiving.get(kernel_id) is receipt:  # the same images still arrive
@@ -2104,9 +2118,30 @@ class GuestHost:
         if fetch is not None:  # the images went meanwhile
             fetch.stop()
             raise InvalidState(f"Kernel {kernel_id}'s images were discarded here meanwhile.")
+        threading.Thread(target=self._watch_prefetch, args=(kernel_id, registered), daemon=True,
+                         name="gpumigrate-prefetch-watch").start()
         log.info("gpumigrate: kernel %s: its prefetch begins on GPU %d as its images arrive (%.1f GB)", kernel_id,
                  target.index, nbytes / 1e9)
         return {"gpu": target.index, "reason": None}
+
+    def _watch_prefetch(self, kernel_id: str, fetch: Prefetch) -> None:
+        """End the prefetch begun for ``kernel_id``'s images once nothing more of them has arrived for
+        :data:`PREFETCH_UNTAKEN` seconds and no restore has taken it (its peer died or gave up); return once
+        it is taken or ended."""
+        last, since = -1, time.monotonic()
+        while True:
+            time.sleep(PREFETCH_WATCH)
+            with self._transplant_lock:
+                if self._early.get(kernel_id, (None, 0))[0] is not fetch:
+                    return
+            arrived = _bytes_in(fetch.folder)
+            if arrived != last:
+                last, since = arrived, time.monotonic()
+            elif time.monotonic() - since >= PREFETCH_UNTAKEN:
+                log.warning("gpumigrate: kernel %s: nothing more of its images arrived for %.0f s and no restore took "
+                            "its prefetch", kernel_id, PREFETCH_UNTAKEN)
+                self._drop_prefetch(kernel_id, fetch)
+                return
 
     def _prefetched_gpu(self, kernel_id: str, guest: Guest, to_gpu: int | None) -> int | None:
         """The GPU the restore of ``guest`` goes to: ``to_gpu``, or, where none was asked and a prefetch began as
@@ -2170,12 +2205,6 @@ class GuestHost:
     def complete(self, kernel_id: str, files: list[dict], peer: str) -> Guest:
         folder = self.store.path_for(kernel_id)
         self._check_received(kernel_id, files)
-        with self._transplant_lock:
-            early = self._early.get(kernel_id)
-        loop = _running_loop()  # the restore follows at once: a prefetch still not taken later is dropped
-        if early is not None and loop is not None:
-            loop.call_later(PREFETCH_UNTAKEN, lambda: loop.run_in_executor(
-                None, self._drop_prefetch, kernel_id, early[0]))
         manifest = self.store.read_manifest(kernel_id)
         if manifest.kernel_id != kernel_id:
             raise ImageError(f"The images in {folder} belong to kernel {manifest.kernel_id}, not {kernel_id}.")

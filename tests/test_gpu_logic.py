@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 
 import pytest
 from helpers import api
@@ -245,12 +246,13 @@ def _stash_index(nbytes: int) -> dict:
             "chunks": [{"buffer": 0, "at": 0, "size": nbytes, "part": 0, "offset": 0, "xxh3": 1}]}
 
 
-def test_a_prefetch_begun_as_images_arrive_never_outlives_them(tmp_path):
+def test_a_prefetch_begun_as_images_arrive_never_outlives_them(tmp_path, monkeypatch):
     """The other host's prefetch, begun as a GPU kernel's images arrive (peers.GuestHost.begin_prefetch), on a
     GPU as NVML records it: its room counts the kernel, a second copy of its buffers and the placement's
-    headroom; it ends when the images are received again, when they are discarded, and when its restore goes
-    elsewhere for want of room; one begun for images replaced meanwhile is never kept. Its helper process is
+    headroom; it ends when the images are received again, when they are discarded, when its restore goes
+    elsewhere for want of room, and once nothing more of the images arrives and no restore takes it. Its helper process is
     real (here, with no GPU, it starts and says so), and ends each time."""
+    from jupyter_gpumigrate import peers
     from jupyter_gpumigrate.engine.images import Manifest
     from jupyter_gpumigrate.peers import Guest, GuestHost
 
@@ -295,4 +297,24 @@ def test_a_prefetch_begun_as_images_arrive_never_outlives_them(tmp_path):
     gpus[0] = gpu(0, used=141 * GIB - needed, total=141 * GIB)  # another process took memory meanwhile
     assert guests._prefetched_gpu(kid, guest, None) is None
     assert kid not in guests._early and third.wait(15) is not None
+
+    # Nothing more arrives and no restore takes it (its peer died or gave up): it ends by itself; while bytes
+    # still arrive, it stays.
+    monkeypatch.setattr(peers, "PREFETCH_WATCH", 0.05)
+    monkeypatch.setattr(peers, "PREFETCH_UNTAKEN", 0.5)
+    gpus[0] = gpu(0, used=1 * GIB, total=141 * GIB)
+    assert begin()["gpu"] == 0
+    fourth = guests._early[kid][0].helper.proc
+    part = guests.image_path(kid, "stash-00.bin")
+    with open(part, "wb") as arriving:
+        for _ in range(20):  # 1 s of bytes arriving, twice the patience
+            arriving.write(b"x" * 4096)
+            arriving.flush()
+            time.sleep(0.05)
+            assert kid in guests._early, "ended while its images still arrived"
+    deadline = time.monotonic() + 10
+    while kid in guests._early:
+        assert time.monotonic() < deadline, "a prefetch nobody took outlived its images' arrival"
+        time.sleep(0.05)
+    assert fourth.wait(15) is not None
     guests.discard(kid)
