@@ -125,10 +125,12 @@ TRANSPLANT_ORPHAN = 1800.0
 #: How long images received for a move may wait here, never restored, before they go (c.GPUMigrateApp.
 #: guest_images_expire): their peer keeps its own copy until the kernel answers from here.
 RECEIVED_EXPIRE = 1800.0
-#: How long a prefetch begun as a kernel's images arrive may wait, nothing more of them arriving, for the restore
-#: that takes it (its peer asks it as soon as they are complete) before it ends: its helper holds a copy of the
-#: kernel's buffers on a GPU, which a peer that died or gave up would leave there until the images expire.
+#: A prefetch begun as a kernel's images arrive holds a copy of the kernel's buffers on a GPU: it ends once its
+#: images have been complete this long and no restore took it (its peer asks the restore at once), or once
+#: nothing more of them has arrived for PREFETCH_STALLED seconds (its peer died or gave up; its dump, which runs
+#: meanwhile, writes at some 2 GB/s: 10 minutes is a 1 TB tree), not when the images expire (30 minutes).
 PREFETCH_UNTAKEN = 120.0
+PREFETCH_STALLED = 600.0
 #: How often that is looked at (seconds).
 PREFETCH_WATCH = 5.0
 #: What a transplant's new process was given here, removed once it runs: the key, the source's environment.
@@ -2029,7 +2031,11 @@ class GuestHost:
             self.discard(kernel_id)
         if kernel_id in self.guests and self.guests[kernel_id].state != STOPPED:
             raise InvalidState(f"Kernel {kernel_id} already lives here.")
-        self._drop_prefetch(kernel_id)  # begun for images sent before: their copy is replaced
+        with self._transplant_lock:  # images sent before are replaced: their receipt, and a prefetch begun for them
+            self._receiving.pop(kernel_id, None)
+            early = self._early.pop(kernel_id, None)
+        if early is not None:
+            early[0].stop()
         self.received[kernel_id] = {}
         path = self.store.create(kernel_id, choose(self.store, self.images, size)[0])
         free = shutil.disk_usage(path).free
@@ -2125,21 +2131,26 @@ class GuestHost:
         return {"gpu": target.index, "reason": None}
 
     def _watch_prefetch(self, kernel_id: str, fetch: Prefetch) -> None:
-        """End the prefetch begun for ``kernel_id``'s images once nothing more of them has arrived for
-        :data:`PREFETCH_UNTAKEN` seconds and no restore has taken it (its peer died or gave up); return once
-        it is taken or ended."""
-        last, since = -1, time.monotonic()
+        """End the prefetch begun for ``kernel_id``'s images if no restore takes it :data:`PREFETCH_UNTAKEN`
+        seconds after they are complete, or once nothing more of them has arrived for :data:`PREFETCH_STALLED`
+        seconds; return once it is taken or ended."""
+        last, since, complete = -1, time.monotonic(), None
         while True:
             time.sleep(PREFETCH_WATCH)
             with self._transplant_lock:
                 if self._early.get(kernel_id, (None, 0))[0] is not fetch:
                     return
-            arrived = _bytes_in(fetch.folder)
+                if complete is None and kernel_id in self.guests:  # its images are complete (complete())
+                    complete = time.monotonic()
+            arrived, now = _bytes_in(fetch.folder), time.monotonic()
             if arrived != last:
-                last, since = arrived, time.monotonic()
-            elif time.monotonic() - since >= PREFETCH_UNTAKEN:
-                log.warning("gpumigrate: kernel %s: nothing more of its images arrived for %.0f s and no restore took "
-                            "its prefetch", kernel_id, PREFETCH_UNTAKEN)
+                last, since = arrived, now
+            why = (f"its images have been complete for {PREFETCH_UNTAKEN:.0f} s" if complete is not None and
+                   now - complete >= PREFETCH_UNTAKEN else
+                   f"nothing more of its images arrived for {PREFETCH_STALLED:.0f} s" if now - since >=
+                   PREFETCH_STALLED else None)
+            if why:
+                log.warning("gpumigrate: kernel %s: %s, and no restore took its prefetch", kernel_id, why)
                 self._drop_prefetch(kernel_id, fetch)
                 return
 
@@ -2158,7 +2169,7 @@ class GuestHost:
             return early[1]
         log.warning("gpumigrate: kernel %s: GPU %d has no room left for it beside its prefetch: that ends, and the "
                     "restore places the kernel itself", kernel_id, early[1])
-        self._drop_prefetch(kernel_id)
+        self._drop_prefetch(kernel_id, wait=True)  # its memory free before the restore judges the GPUs' room
         return None
 
     def _take_prefetch(self, folder: Path) -> Prefetch | None:
@@ -2170,16 +2181,16 @@ class GuestHost:
                     return fetch
         return None
 
-    def _drop_prefetch(self, kernel_id: str, which: Prefetch | None = None) -> None:
+    def _drop_prefetch(self, kernel_id: str, which: Prefetch | None = None, wait: bool = False) -> None:
         """Stop the prefetch begun for the kernel's images as they arrived, if it was not taken (``which``: only
-        if it is that one)."""
+        if it is that one; ``wait``: until its helper has ended)."""
         with self._transplant_lock:
             early = self._early.get(kernel_id)
             if early is None or (which is not None and early[0] is not which):
                 return
             del self._early[kernel_id]
         log.info("gpumigrate: kernel %s: the prefetch begun as its images arrived ends, not taken", kernel_id)
-        early[0].stop()
+        early[0].stop(wait=wait)
 
     def received_file(self, kernel_id: str, name: str, checksum: str) -> None:
         """``name`` arrived, its checksum ``checksum``: checked against the sender's word in :meth:`complete`

@@ -924,9 +924,13 @@ async def test_the_other_host_going_away_mid_transfer_leaves_the_kernel_running_
         await asyncio.sleep(0.1)
 
 
-def finished(host: Host, op: dict) -> dict:
-    """Operation ``op`` of ``host``, once it succeeded or failed."""
+def finished(host: Host, op: dict, within: float = 300.0) -> dict:
+    """Operation ``op`` of ``host``, once it succeeded or failed (within ``within`` seconds, or the test fails
+    with where it stands and the server's log)."""
+    deadline = time.monotonic() + within
     while op["status"] not in ("succeeded", "failed"):
+        assert time.monotonic() < deadline, f"{op.get('action')} still {op['status']} in {op.get('phase')} after " \
+            f"{within:.0f} s\n{host.server_log()}"
         op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
     return op
 
@@ -2628,7 +2632,10 @@ def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = (),
     a fraction of a second): the operation, once over, with ``killed`` (in ``phase``, as it should be) and
     ``seen`` (the phases seen)."""
     seen: list[str] = []
+    deadline = time.monotonic() + 300
     while op["status"] in ("pending", "running"):
+        assert time.monotonic() < deadline, f"still {op['status']} in {op['phase']} after 300 s, phases seen " \
+            f"{seen[-5:]}\n{host.server_log()}"
         seen.append(op["phase"])
         if op["phase"] in (phase, *before) or any(p in seen for p in before):
             asked = time.monotonic()
@@ -2636,6 +2643,7 @@ def kill_criu_in(host: Host, op: dict, phase: str, before: tuple[str, ...] = (),
                 if [pid for pid in criu_pids(verb) if _kill(pid)]:
                     op = finished(host, op)
                     return {**op, "killed": op.get("failed_phase") == phase, "seen": seen}
+                time.sleep(0.001)
             op = host.api("GET", f"api/gpumigrate/operations/{op['id']}")  # still running? no wait
             continue
         op = host.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")

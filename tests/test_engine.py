@@ -218,6 +218,31 @@ def test_criu_errors_name_the_remedy(tmp_path):
         find(str(fake))
 
 
+def test_a_criu_killed_mid_run_is_said_at_once_though_a_child_of_its_lives_on(tmp_path):
+    """A CRIU SIGKILLed mid-run (the OOM killer, an attacker) whose child lives on (a plugin's helper, which
+    inherited what CRIU prints to) is said killed as soon as CRIU has ended: the operation does not wait for the
+    child. The program run stands in for CRIU's process only (its version, a child, its death); the runner is
+    what is tested."""
+    child = tmp_path / "child.pid"
+    stand_in = tmp_path / "criu"
+    stand_in.write_text("#!/bin/sh\n"
+                        "if [ \"$1\" = --version ]; then echo 'Version: 4.2.1'; exit 0; fi\n"
+                        f"sleep 60 & echo $! > {child}\n"
+                        "echo 'dumping'\n"
+                        "kill -KILL $$\n")
+    stand_in.chmod(0o755)
+    began = time.monotonic()
+    try:
+        with pytest.raises(CriuFailed, match="CRIU was killed by SIGKILL before it could dump process 4242"):
+            Criu(str(stand_in), unprivileged=False)._run(["dump"], tmp_path, tmp_path / "dump.log",
+                                                         "dump process 4242")
+        assert time.monotonic() - began < 10, "it waited for CRIU's child, not CRIU"
+        assert proctree.is_alive(int(child.read_text())), "the child lived on meanwhile"
+    finally:
+        with contextlib.suppress(OSError, ValueError):
+            os.kill(int(child.read_text()), signal.SIGKILL)
+
+
 def test_pid_holder_is_named(tmp_path):
     proc = start_sleep("60")
     try:

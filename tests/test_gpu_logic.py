@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from typing import Any
 
 import pytest
 from helpers import api
@@ -299,22 +300,34 @@ def test_a_prefetch_begun_as_images_arrive_never_outlives_them(tmp_path, monkeyp
     assert kid not in guests._early and third.wait(15) is not None
 
     # Nothing more arrives and no restore takes it (its peer died or gave up): it ends by itself; while bytes
-    # still arrive, it stays.
+    # still arrive, it stays. And once the images are complete, no restore taking it, it ends too.
     monkeypatch.setattr(peers, "PREFETCH_WATCH", 0.05)
-    monkeypatch.setattr(peers, "PREFETCH_UNTAKEN", 0.5)
+    monkeypatch.setattr(peers, "PREFETCH_STALLED", 0.5)
+    monkeypatch.setattr(peers, "PREFETCH_UNTAKEN", 60.0)
     gpus[0] = gpu(0, used=1 * GIB, total=141 * GIB)
+
+    def ends_by_itself(helper: Any) -> None:
+        deadline = time.monotonic() + 10
+        while kid in guests._early:
+            assert time.monotonic() < deadline, "a prefetch nobody took outlived its images"
+            time.sleep(0.05)
+        assert helper.wait(15) is not None
+
     assert begin()["gpu"] == 0
     fourth = guests._early[kid][0].helper.proc
-    part = guests.image_path(kid, "stash-00.bin")
-    with open(part, "wb") as arriving:
+    with open(guests.image_path(kid, "stash-00.bin"), "wb") as arriving:
         for _ in range(20):  # 1 s of bytes arriving, twice the patience
             arriving.write(b"x" * 4096)
             arriving.flush()
             time.sleep(0.05)
             assert kid in guests._early, "ended while its images still arrived"
-    deadline = time.monotonic() + 10
-    while kid in guests._early:
-        assert time.monotonic() < deadline, "a prefetch nobody took outlived its images' arrival"
-        time.sleep(0.05)
-    assert fourth.wait(15) is not None
+    ends_by_itself(fourth)
+
+    monkeypatch.setattr(peers, "PREFETCH_STALLED", 60.0)
+    monkeypatch.setattr(peers, "PREFETCH_UNTAKEN", 0.5)
+    assert begin()["gpu"] == 0
+    fifth = guests._early[kid][0].helper.proc
+    guests.store.write_manifest(guests.store.path_for(kid), guest.manifest)
+    guests.complete(kid, [], "a")
+    ends_by_itself(fifth)
     guests.discard(kid)

@@ -27,6 +27,7 @@ import shutil
 import signal
 import struct
 import subprocess
+import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -221,28 +222,32 @@ class Criu:
         cmd = [*(enter or [self.binary.path]), *args, *self._mode(), "--images-dir", str(images_dir),
                "--log-file", str(log_path), "-v4"]
         key = str(Path(images_dir).resolve())
-        with _RUNS_LOCK:
-            if key in _CANCELLED:
-                raise CriuFailed(f"CRIU did not {what}: the server is stopping, and gave this operation up.",
-                                 str(log_path))
-            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, preexec_fn=_die_with_parent)
-            _RUNS[key] = proc
-        try:
-            stdout, stderr = proc.communicate(timeout=self.timeout)
-        except subprocess.TimeoutExpired as exc:
-            proc.kill()
-            proc.communicate()
-            raise CriuFailed(
-                f"CRIU {what} did not finish within {self.timeout:.0f} s; see {log_path}.",
-                str(log_path),
-            ) from exc
-        finally:
+        # What CRIU prints goes to a file, not a pipe: a child it started (a plugin's helper) that outlives a
+        # CRIU killed mid-run would hold a pipe open, and the move would wait for its end, not CRIU's.
+        with tempfile.TemporaryFile(mode="w+", prefix="gpumigrate-criu-") as said:
             with _RUNS_LOCK:
-                if _RUNS.get(key) is proc:
-                    del _RUNS[key]
-        if proc.returncode != 0:
-            raise failure(log_path, stderr or stdout, what, proc.returncode)
+                if key in _CANCELLED:
+                    raise CriuFailed(f"CRIU did not {what}: the server is stopping, and gave this operation up.",
+                                     str(log_path))
+                proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=said, stderr=subprocess.STDOUT,
+                                        text=True, preexec_fn=_die_with_parent)
+                _RUNS[key] = proc
+            try:
+                proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired as exc:
+                proc.kill()
+                proc.wait()
+                raise CriuFailed(
+                    f"CRIU {what} did not finish within {self.timeout:.0f} s; see {log_path}.",
+                    str(log_path),
+                ) from exc
+            finally:
+                with _RUNS_LOCK:
+                    if _RUNS.get(key) is proc:
+                        del _RUNS[key]
+            if proc.returncode != 0:
+                said.seek(0)
+                raise failure(log_path, said.read()[-20000:], what, proc.returncode)
 
     def check(self) -> tuple[bool, str]:
         """Run ``criu check``: (passed, what it printed)."""

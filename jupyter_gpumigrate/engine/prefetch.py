@@ -123,16 +123,17 @@ class Prefetch:
             log.warning("the prefetch of %s stepped aside: %s", self.folder, exc)
             return None
 
-    def stop(self) -> None:
+    def stop(self, wait: bool = False) -> None:
         """Free the helper's memory and end it (idempotent): at once, killed, if it is still reading (it reads
-        no word from the server meanwhile); else told to free, which it does as the resume goes on."""
+        no word from the server meanwhile); else told to free, which it does as the resume goes on. With
+        ``wait``, return once it has ended (its memory is free before a GPU's room is judged again)."""
         helper, self.helper = self.helper, None
         if helper is None:
             return
         if helper.handle is None:
-            helper.kill()
+            helper.end_now() if wait else helper.kill()
         else:
-            helper.stop(wait=False)
+            helper.stop(wait=wait)
 
     def said(self, copied: int | None) -> dict:
         """Its record in the operation's ``stash`` (bytes copied from it by the kernel, seconds, or why not)."""

@@ -866,7 +866,7 @@ export interface HeldGpu1 {
   name?: string;
 }
 /**
- * The answer to POST /peer/images/{id}/prefetch: the GPU it began on, or why none began (the restore then makes its own, or the kernel reads its files itself). It ends once the restore took it; with the images (DELETE /peer/kernels/{id}, their expiry, images sent again); when the restore fails, goes onto another GPU or finds no room left beside it; and once nothing more of the images has arrived for 120 s and no restore took it (its peer died or gave up).
+ * The answer to POST /peer/images/{id}/prefetch: the GPU it began on, or why none began (the restore then makes its own, or the kernel reads its files itself). It ends once the restore took it; with the images (DELETE /peer/kernels/{id}, their expiry, images sent again); when the restore fails, goes onto another GPU or finds no room left beside it; 120 s after the images are complete if no restore took it, and once nothing more of them has arrived for 10 minutes (its peer died or gave up).
  */
 export interface PeerPrefetched {
   gpu: number | null;

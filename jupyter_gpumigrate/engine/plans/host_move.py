@@ -47,10 +47,11 @@ Home (``return_home``):
                 it, each chunk as soon as it has arrived here,
                 while the transfer and the next three phases run
                 (as a resume's: engine/prefetch.py)
-    transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo)
-                came whole as it was written is kept); choose
+    transfer    the rest of the images come here (a file that     (the folder goes with prepare's undo;
+                came whole as it was written is kept); choose     a prefetch begun here: as above)
                 the GPU (unless the prefetch did, from the same
-                manifest)
+                manifest); where no prefetch began before and
+                one can, it begins now
     restore     the relay lets go of the ports; CRIU restores     undo: kill the tree, relay again
     remap       GPU memory onto the chosen GPU (GPU only)         (undone with the restore)
     unlock      CUDA calls go on (GPU only)                       undo: lock (tidiness: the tree is killed)
@@ -414,13 +415,14 @@ def prefetch_home(ctx: HostContext) -> None:
     """The dump there is over: its manifest and its stash's index (small) are read from there first, the GPU
     is chosen (a GPU here that cannot take the kernel fails the move now, not after the transfer), and the
     stash helper begins reading the stash's parts onto it as they arrive here, each chunk as soon as its file
-    holds it (resume.prefetch). Where the two cannot be read first, or the stash stepped aside there, none
-    begins: the kernel reads its files itself, and its account says why."""
+    holds it (resume.prefetch). Where the two cannot be read first, one begins after the transfer, as before;
+    where the stash stepped aside there, none: the kernel reads its files itself, and its account says why."""
     try:
         manifest = manifest_from(ctx.link.read_json(MANIFEST), f"{ctx.link.host}'s {MANIFEST}")
         index = ctx.link.read_json("stash-index.json") if manifest.stash else None
-    except MigrateError as exc:
-        ctx.no_prefetch = f"its manifest and stash's index could not be read from {ctx.link.host} first ({exc})"
+    except MigrateError as exc:  # the transfer's phase begins one once the files are here, as before
+        log.warning("kernel %s: its manifest and stash's index could not be read from %s first (%s): its prefetch "
+                    "begins after the transfer", ctx.kernel.kernel_id, ctx.link.host, exc)
         return
     if manifest.kernel_id != ctx.kernel.kernel_id:
         ctx.no_prefetch = f"{ctx.link.host}'s manifest is not the kernel's"  # the transfer refuses it
@@ -446,11 +448,13 @@ def fetch_images(ctx: HostContext) -> None:
         log.warning("kernel %s: the manifest that came from %s is not the one read from there first: its GPU is "
                     "chosen again, and the prefetch ends", ctx.kernel.kernel_id, ctx.link.host)
         if ctx.prefetch is not None:
-            ctx.prefetch.stop()
+            ctx.prefetch.stop(wait=True)  # its memory free before the GPU is chosen again
             ctx.prefetch = None
         ctx.no_prefetch, ctx.manifest = "the manifest that came is not the one read first", None
     if ctx.manifest is None:
         place(ctx, manifest, ctx.to_gpu, _no_gpu_there(ctx))
+    if ctx.prefetch is None and ctx.no_prefetch is None and resume.prefetching(ctx):
+        resume.prefetch(ctx)  # none began before the transfer (the two files could not be read first): now
 
 
 def restore_here(ctx: HostContext) -> None:

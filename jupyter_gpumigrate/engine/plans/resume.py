@@ -128,7 +128,7 @@ def _prefetch(ctx: KernelContext, early: Prefetch | None, given: dict | None) ->
                     "the restore goes onto another GPU" if early.gpu_uuid != move.target.uuid else
                     "it read another stash's index" if not early.reads(index) else
                     f"its helper failed: {early.reason or 'it ended'}")
-        early.stop()  # before the room for another is judged
+        early.stop(wait=True)  # its memory free before the room for another is judged
     if not nbytes:
         ctx.no_prefetch = "the stash holds no CUDA buffer"
         return
