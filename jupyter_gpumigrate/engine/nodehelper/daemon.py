@@ -504,19 +504,23 @@ class CriuBroker:
         env = {"PATH": SAFE_PATH, "LANG": "C.UTF-8"}
         if os.environ.get("LD_LIBRARY_PATH"):  # a CRIU bundle with its own libraries
             env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-        with self._spawn:
-            proc = subprocess.Popen(cmd, cwd="/", pass_fds=fds, env=env, text=True,
-                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-            self._ours.add(proc.pid)
-        try:
-            out, _ = proc.communicate(timeout=self.criu_timeout)
-        except subprocess.TimeoutExpired:
-            cgroup.kill()
-            out, _ = proc.communicate()
-        finally:
+        # Its output goes to a file, not a pipe: a child of a CRIU killed mid-run would hold a pipe open, and
+        # the caller would wait for that child's end, not CRIU's (engine/criu.py does the same).
+        with tempfile.TemporaryFile(mode="w+") as said:
             with self._spawn:
-                self._ours.discard(proc.pid)
-        return subprocess.CompletedProcess(cmd, proc.returncode, out)
+                proc = subprocess.Popen(cmd, cwd="/", pass_fds=fds, env=env, text=True,
+                                        stdin=subprocess.DEVNULL, stdout=said, stderr=subprocess.STDOUT)
+                self._ours.add(proc.pid)
+            try:
+                proc.wait(timeout=self.criu_timeout)
+            except subprocess.TimeoutExpired:
+                cgroup.kill()
+                proc.wait()
+            finally:
+                with self._spawn:
+                    self._ours.discard(proc.pid)
+            said.seek(0)
+            return subprocess.CompletedProcess(cmd, proc.returncode, said.read())
 
     def reap(self) -> list[int]:
         """Collect our zombie children but those a Popen of ours waits for. Restored trees are re-parented
