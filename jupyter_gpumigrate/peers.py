@@ -2501,7 +2501,7 @@ class GuestHost:
         if guest.state == BROKEN:  # a resume of broken whole images is its owner's call, on its own host
             raise InvalidState(f"Kernel {kernel_id} is broken here: {guest.broken_reason}")
         guest.key = key
-        marker = self.store.path_for(kernel_id) / RESTORING
+        marker, marked = self.store.path_for(kernel_id) / RESTORING, False
         try:
             with self._transplant_lock:
                 self._receiving.pop(kernel_id, None)  # restored (or tried): no longer litter to expire
@@ -2515,10 +2515,12 @@ class GuestHost:
                 raise ImageError(f"Kernel {kernel_id} cannot be restored here: {marker.parent} cannot be written "
                                  f"({exc.strerror or exc}). Free space there, then move it again; it runs on at its "
                                  "peer.") from exc
+            marked = True
             outcome = self._migration(guest).resume(to_gpu)
         finally:
             guest.key = None
-            marker.unlink(missing_ok=True)  # gone with the folder once the kernel runs
+            if marked:
+                marker.unlink(missing_ok=True)  # gone with the folder once the kernel runs
             self._drop_prefetch(kernel_id)  # one its restore did not take (it failed before)
         guest.ran = True
         self._remember(guest)
