@@ -2657,6 +2657,14 @@ def gpu_processes(index: int) -> dict[int, int]:
     return next(g.processes for g in gpus_mod.snapshot() if g.index == index)
 
 
+async def until_gpu_free(index: int, suspect: str, within: float = 30.0) -> None:
+    """Wait until no process holds memory on GPU ``index``; fail, naming the holders (``suspect``?), after ``within`` s."""
+    deadline = time.monotonic() + within
+    while held := gpu_processes(index):
+        assert time.monotonic() < deadline, f"GPU {index} is still held by {held} ({suspect}?)"
+        await asyncio.sleep(0.2)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("victim", ["b's server", "a's CRIU"])
 async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_the_kernel_stays_whole(hosts, victim):
@@ -2693,10 +2701,7 @@ async def test_a_prefetch_begun_on_the_other_host_ends_with_a_failed_move_and_th
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "a" and view["state"] == "running" and [g["index"] for g in view["gpus"]] == [0], view
         assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
-        deadline = time.monotonic() + 30
-        while held := gpu_processes(1):
-            assert time.monotonic() < deadline, f"GPU 1 is still held by {held} (b's prefetch helper?)"
-            await asyncio.sleep(0.2)
+        await until_gpu_free(1, "b's prefetch helper")
     finally:
         if b.proc.poll() is not None:
             with contextlib.suppress(ProcessLookupError):
@@ -2729,10 +2734,7 @@ async def test_a_prefetch_begun_at_home_ends_with_a_failed_way_home_and_the_kern
         view = await call(a.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["host"] == "b" and view["state"] == "running" and [g["index"] for g in view["gpus"]] == [1], view
         assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"
-        deadline = time.monotonic() + 30
-        while held := gpu_processes(0):
-            assert time.monotonic() < deadline, f"GPU 0 is still held by {held} (a's prefetch helper?)"
-            await asyncio.sleep(0.2)
+        await until_gpu_free(0, "a's prefetch helper")
         op = await call(a.operate, kernel_id, "migrate", {"to_host": "a", "to_gpu": 0})  # and home it comes
         assert op["status"] == "succeeded", (op.get("error"), op.get("failed_phase"))
         assert (await tab.run(GPU_SAME)).strip() == "True cuda:0 3000.0 True"

@@ -177,6 +177,16 @@ def test_each_chunk_is_hashed_piece_by_piece_to_the_digest_of_the_whole(tmp_path
     assert target == source
 
 
+def _write_parts(folder: Path, chunks: list, parts: int, address: int) -> None:
+    """The stash's part files of one host buffer at ``address`` (checksummed, not synced) in ``folder``."""
+    for part in range(parts):
+        fd = os.open(folder / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            hoststash.write_part(fd, chunks, part, [address], [False], None, durable=False)
+        finally:
+            os.close(fd)
+
+
 def _trickle(src: Path, dest: Path, pieces: int, pause: float, stop: threading.Event) -> None:
     """Write ``src`` into ``dest`` in ``pieces`` appends, ``pause`` seconds apart (as a peer's file arrives)."""
     data = src.read_bytes()
@@ -202,12 +212,7 @@ def test_a_part_is_read_as_it_arrives_each_chunk_once_there(tmp_path: Path) -> N
     written, arriving = tmp_path / "written", tmp_path / "arriving"
     written.mkdir()
     arriving.mkdir()
-    for part in range(2):
-        fd = os.open(written / hoststash.PART.format(part), os.O_WRONLY | os.O_CREAT, 0o600)
-        try:
-            hoststash.write_part(fd, chunks, part, [address(source)], [False], None, durable=False)
-        finally:
-            os.close(fd)
+    _write_parts(written, chunks, 2, address(source))
     stop = threading.Event()
 
     def send_one_after_the_other() -> None:
@@ -252,11 +257,7 @@ def test_a_part_that_stops_arriving_is_given_up_with_a_reason(tmp_path: Path, ho
     address = lambda b: ctypes.addressof(ctypes.c_char.from_buffer(b))  # noqa: E731
     chunks = hoststash.plan_chunks([len(source)], threads=1, chunk=1 << 20)
     path = tmp_path / hoststash.PART.format(0)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        hoststash.write_part(fd, chunks, 0, [address(source)], [False], None, durable=False)
-    finally:
-        os.close(fd)
+    _write_parts(tmp_path, chunks, 1, address(source))
     whole = path.read_bytes()
     with open(path, "r+b") as f:
         f.truncate(len(whole) // 2)  # half of it has arrived
