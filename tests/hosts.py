@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+import pwd
 import secrets
+import shutil
 import signal
 import ssl
 import subprocess
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers import operate_on, rest, wait_answering
+from users import as_user, user_env
 
 PORT = 8888
 
@@ -93,6 +96,8 @@ class Host:
     proc: subprocess.Popen | None = None
     #: more configuration, by class ({"MigratableProvisioner": {"shared_dir": ...}}), merged into the defaults
     extra: dict = field(default_factory=dict)
+    #: an ordinary Unix user (tests/users.py) who runs this host's server; root where None
+    user: str | None = None
 
     @property
     def url(self) -> str:
@@ -116,13 +121,23 @@ class Host:
         for section, values in self.extra.items():
             settings.setdefault(section, {}).update(values)
         config.write_text(json.dumps(settings))
-        env = {**os.environ, "JUPYTER_CONFIG_DIR": str(self.root / "config"),
-               "JUPYTER_DATA_DIR": str(self.root / "data"), "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
-               "JUPYTER_PLATFORM_DIRS": "1"}
+        dirs = {"JUPYTER_CONFIG_DIR": str(self.root / "config"), "JUPYTER_DATA_DIR": str(self.root / "data"),
+                "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"), "JUPYTER_PLATFORM_DIRS": "1"}
+        env, enter = {**os.environ, **dirs}, ["ip", "netns", "exec", self.ns]
+        if self.user is not None:  # its folders its own and closed to others, as a user's home would be
+            pw = pwd.getpwnam(self.user)
+            for path in [self.root, *self.root.rglob("*")]:
+                os.chown(path, pw.pw_uid, pw.pw_gid)
+            os.chmod(self.root, 0o700)
+            # Into the network namespace only: its kernels share the mount namespace of the node helper, which
+            # dumps and restores them (ip netns exec gives each command a mount namespace of its own).
+            env, enter = user_env(self.user, **dirs), [shutil.which("nsenter") or "nsenter",
+                                                        f"--net=/run/netns/{self.ns}", *as_user(self.user)]
         self.log = open(self.root / "server.log", "ab")  # noqa: SIM115 (open while the server runs)
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", self.ns, sys.executable, "-m", "jupyter_server"],
-            env=env, stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log, start_new_session=True,
+            [*enter, sys.executable, "-m", "jupyter_server"],
+            env=env, cwd=str(self.root / "work"), stdin=subprocess.DEVNULL, stdout=self.log, stderr=self.log,
+            start_new_session=True,
         )
         wait_answering(self)
 

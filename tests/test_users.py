@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import pwd
 import signal
 import socket
 import subprocess
@@ -20,7 +21,7 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab, two_gpus
-from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove
+from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove, user_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
 
@@ -76,8 +77,9 @@ def sleep_as(user: str) -> subprocess.Popen:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def ask_as(users: Users, user: str, helper: NodeHelper, *requests: dict) -> list[dict]:
-    """Send each request to the helper from a process of ``user`` (so SO_PEERCRED says ``user``)."""
+def ask_as(users: Users, user: str, helper: NodeHelper, *requests: dict, netns: str | None = None) -> list[dict]:
+    """Send each request to the helper from a process of ``user`` (so SO_PEERCRED says ``user``), in network
+    namespace ``netns`` where given."""
     script = (
         "import json, sys\n"
         "from jupyter_gpumigrate.engine.nodehelper import HelperClient\n"
@@ -85,7 +87,10 @@ def ask_as(users: Users, user: str, helper: NodeHelper, *requests: dict) -> list
         "for line in sys.stdin:\n"
         "    print(json.dumps(client.request(json.loads(line))), flush=True)\n"
     )
-    done = users.run(user, sys.executable, "-c", script, input="".join(json.dumps(r) + "\n" for r in requests))
+    enter = ["nsenter", f"--net=/run/netns/{netns}"] if netns else []
+    done = subprocess.run([*enter, *as_user(user), sys.executable, "-c", script], env=user_env(user), cwd="/",
+                          input="".join(json.dumps(r) + "\n" for r in requests), capture_output=True, text=True,
+                          timeout=60)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
@@ -313,6 +318,7 @@ async def test_doctor_tells_an_ordinary_user_what_an_administrator_must_set_up(w
     helped = users.run(A, cli, "doctor", "--json", "--helper-socket", str(helper.socket))
     rows = {c["name"]: c for c in json.loads(helped.stdout)["checks"]}
     assert rows["privileges"]["status"] == "ok" and "node helper" in rows["privileges"]["detail"]
+    assert rows["helper namespaces"]["status"] == "ok", rows["helper namespaces"]
     assert rows["criu check"]["status"] == "ok", rows["criu check"]
 
 
@@ -371,3 +377,126 @@ async def test_an_ordinary_users_gpu_kernel_moves_between_gpus_and_suspends_thro
     out = await tab.run("import os; print(float(x.sum()) == s, torch.cuda.current_device(), os.getuid())")
     assert out.split() == ["True", "0", str(users.uid(A))]
     assert f"uid={users.uid(A)}({A})" in helper.log()
+
+
+@pytest.fixture(scope="module")
+def hosts_of_a_user(world):
+    """User A's servers on two hosts (tests/hosts.py's network namespaces), each host with a node helper of its
+    own in its namespace, as a cluster's machines each have theirs. A's key and certificate are A's."""
+    from hosts import Network, host_pair
+
+    users, _, _, base = world
+    root = base / "hosts"
+    root.mkdir(mode=0o755)
+    net = Network(20 + (os.getpid() + 101) % 200).up()
+    hosts, helpers = [], []
+    try:
+        a, b = hosts = list(host_pair(net, root))
+        pw = pwd.getpwnam(A)
+        os.chown(a.key, pw.pw_uid, pw.pw_gid)
+        for host in hosts:
+            folder = root / f"{host.name}-helper"
+            folder.mkdir(mode=0o755)
+            helpers.append(NodeHelper(folder, ns=host.ns))
+            host.user = A
+            host.extra = {"MigratableProvisioner": {"helper_socket": str(helpers[-1].socket), "suspend_to": "auto"}}
+        a.start({"b": b.peer_entry()})
+        b.start({"a": a.peer_entry()})
+        yield a, b, helpers
+    finally:
+        for host in hosts:
+            host.stop()
+        for helper in helpers:
+            helper.stop()
+        net.close()
+
+
+async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_each_hosts_helper(hosts_of_a_user):
+    """docs/users.md: a move to another host goes through the helper on each host, for that host's images. A's
+    kernel, on A's server of host a, goes to A's server of host b and comes home: each dump and restore by
+    the helper of the host it runs on, the images A's alone, the kernel A's process with all its state."""
+    from hosts import Host
+
+    a, b, (helper_a, helper_b) = hosts_of_a_user
+    uid = pwd.getpwnam(A).pw_uid
+
+    async def tab_of(host: Host, kernel_id: str) -> WebSocketTab:
+        request = HTTPRequest(f"wss://{host.ip}:8888/api/kernels/{kernel_id}/channels",
+                              headers={"Authorization": f"token {host.token}"}, ca_certs=str(host.cert))
+        return WebSocketTab(await websocket_connect(request))
+
+    kernel_id = (await call(a.api, "POST", "api/kernels", {"name": "python3"}))["id"]
+    tab = await tab_of(a, kernel_id)
+    try:
+        where = ("import os, subprocess\nprint(os.getuid(), subprocess.run(['ip', '-4', '-o', 'addr', 'show', "
+                 "'eth0'], capture_output=True, text=True).stdout.split()[3])")
+        await tab.run("import itertools, hashlib\ncount = itertools.count(41)\nnext(count)\n"
+                      "blob = bytes(range(256)) * 400_000\nbefore = hashlib.sha256(blob).hexdigest()")
+        assert (await tab.run(where)).split() == [str(uid), f"{a.ip}/24"]
+
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "b"})
+        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), helper_a.log()[-2000:],
+                                             helper_b.log()[-2000:])
+        assert (await tab.run(where)).split() == [str(uid), f"{b.ip}/24"]
+        pid = int((await tab.run("print(os.getpid())")).strip())
+        assert os.stat(f"/proc/{pid}").st_uid == uid
+        # Each helper did its own host's part, for A.
+        assert f"uid={uid}({A})" in helper_a.log() and "'dump' pid=" in helper_a.log()
+        assert f"uid={uid}({A})" in helper_b.log() and "'restore' images=" in helper_b.log()
+
+        op = await call(a.operate, kernel_id, "migrate", {"to_host": "a"})
+        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), helper_a.log()[-2000:],
+                                             helper_b.log()[-2000:])
+        assert (await tab.run(where)).split() == [str(uid), f"{a.ip}/24"]
+        out = await tab.run("print(next(count), hashlib.sha256(blob).hexdigest() == before)")
+        assert out.split() == ["42", "True"]
+        assert "'dump' pid=" in helper_b.log() and "'restore' images=" in helper_a.log()
+        # Neither host keeps a copy of the kernel's memory (CRIU's logs aside), and what folders are left are A's.
+        for helper in (helper_a, helper_b):
+            left = [p for p in (helper.images / str(uid)).rglob("*") if ".logs" not in p.parts]
+            assert not [p for p in left if not p.is_dir()], left
+            assert all(p.stat().st_uid == uid and p.stat().st_mode & 0o077 == 0 for p in left), left
+    finally:
+        tab.ws.close()
+        await call(a.api, "DELETE", f"api/kernels/{kernel_id}")
+
+
+async def test_a_helper_in_other_namespaces_than_the_users_kernel_or_server_refuses_it_saying_so(world,
+                                                                                                hosts_of_a_user):
+    """The helper (world's, in this machine's namespaces) is asked by A about processes in host a's network
+    namespace (a kernel under a container's or a sandboxed unit's namespaces): CRIU would carry the
+    namespaces that differ, or restore into the helper's own, so the helper refuses, saying which and what to
+    do, and the process runs on untouched."""
+    users, helper, _, _ = world
+    a, _, _ = hosts_of_a_user
+    netns_only = subprocess.Popen(["nsenter", f"--net=/run/netns/{a.ns}", *as_user(A), "setsid", "sleep", "300"],
+                                  cwd="/", stdin=subprocess.DEVNULL)
+    mounts_too = subprocess.Popen(["ip", "netns", "exec", a.ns, *as_user(A), "setsid", "sleep", "300"], cwd="/",
+                                  stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 10
+        while any(os.stat(f"/proc/{p.pid}").st_uid != users.uid(A) for p in (netns_only, mounts_too)):
+            assert time.monotonic() < deadline, "the sleeps did not become A's"
+            time.sleep(0.05)
+        replies = await call(ask_as, users, A, helper, {"op": "dump", "pid": netns_only.pid, "images": "images/ns1"},
+                             {"op": "dump", "pid": mounts_too.pid, "images": "images/ns2"})
+        assert [r["code"] for r in replies] == ["refused", "refused"], replies
+        assert f"process {netns_only.pid} is in another network namespace than the node helper" in replies[0]["error"]
+        assert f"process {mounts_too.pid} is in another mount namespace than the node helper" in replies[1]["error"]
+        assert all("run the helper in the same mount, network and PID namespaces" in r["error"] for r in replies)
+        (restore,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "images/ns1"}, netns=a.ns)
+        assert restore["code"] == "refused" and "your server is in another network namespace" in restore["error"]
+        assert netns_only.poll() is None and mounts_too.poll() is None
+        assert not (helper.images / str(users.uid(A)) / "images" / "ns1").exists()
+        # A's doctor, run where that server would run, says it before any suspend.
+        cli = str(Path(sys.executable).parent / "jupyter-gpumigrate")
+        done = await call(subprocess.run, ["nsenter", f"--net=/run/netns/{a.ns}", *as_user(A), cli, "doctor", "--json",
+                                           "--helper-socket", str(helper.socket)], env=user_env(A), cwd="/",
+                          capture_output=True, text=True, timeout=120)
+        row = {c["name"]: c for c in json.loads(done.stdout)["checks"]}["helper namespaces"]
+        assert row["status"] == "fail" and "this process is in another network namespace" in row["detail"], row
+        assert "same mount, network and PID namespaces" in row["remedy"], row
+    finally:
+        for proc in (netns_only, mounts_too):
+            proc.kill()
+            proc.wait()

@@ -41,7 +41,15 @@ def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET
         checks = [Check("criu", OK, f"{helper.binary.path}, version {helper.binary.version_string}")]
         # The helper ran `criu check --unprivileged` as this user, with what it lends a restore.
         remedy = "Ask an administrator to fix what `criu check --unprivileged` reports in the node helper's log."
-        return [*checks, Check("criu check", OK if passed else FAIL, last or "failed", "" if passed else remedy)]
+        checks.append(Check("criu check", OK if passed else FAIL, last or "failed", "" if passed else remedy))
+        if helper.elsewhere:
+            checks.append(Check("helper namespaces", FAIL, helper.elsewhere.replace("your server", "this process", 1),
+                                "Ask an administrator to run the node helper and the users' servers in the same "
+                                "mount, network and PID namespaces (docs/users.md)."))
+        elif helper.elsewhere is not None:
+            checks.append(Check("helper namespaces", OK, "the helper shares this process's mount, network and PID "
+                                                         "namespaces"))
+        return checks
     try:
         binary = criu_mod.find(criu_path)
     except CriuNotFound as exc:

@@ -68,6 +68,9 @@ class HelperCriu:
         self.images_root = Path(hello["images"])
         version = criu_mod.parse_version(f"Version: {hello.get('criu', '0.0')}") or (0, 0)
         self.binary = criu_mod.CriuBinary(f"{hello.get('criu_path')} (through the node helper at {path})", version)
+        #: why this server is not in the helper's namespaces (its dumps and restores are refused), "" where it
+        #: is, None where the helper does not say (an older one)
+        self.elsewhere: str | None = hello.get("elsewhere")
 
     def _relative(self, images_dir: Path) -> str:
         try:

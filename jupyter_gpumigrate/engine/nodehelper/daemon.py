@@ -128,6 +128,26 @@ def foreign(pid: int, uid: int) -> str | None:
     return None
 
 
+#: the namespaces a process must share with the helper: CRIU carries those of a tree that differ from its own
+#: (and restores new ones), which the helper does not let it do: a kernel must come back into the network,
+#: mounts and PIDs of its user's server
+SHARED_NAMESPACES = {"mnt": "mount", "net": "network", "pid": "PID"}
+
+
+def elsewhere(pid: int) -> str | None:
+    """Which of SHARED_NAMESPACES process ``pid`` does not share with the helper, as a sentence, or None."""
+    for kind, name in SHARED_NAMESPACES.items():
+        try:
+            theirs, ours = os.readlink(f"/proc/{pid}/ns/{kind}"), os.readlink(f"/proc/self/ns/{kind}")
+        except OSError:
+            continue  # gone meanwhile (said by the caller), or no such namespace on this kernel
+        if theirs != ours:
+            return (f"process {pid} is in another {name} namespace than the node helper (a container, or a "
+                    "systemd unit with PrivateTmp=, PrivateNetwork= or the like): run the helper in the same "
+                    "mount, network and PID namespaces as the users' servers")
+    return None
+
+
 def restore_caps() -> tuple[str, ...]:
     """What a restore needs lent. CRIU's restorer trims the restored task's bounding set to the
     image's, which needs CAP_SETPCAP for every capability not in it; where this machine's bounding set
@@ -213,7 +233,13 @@ class CriuBroker:
     def hello(self, caller: Caller, request: dict) -> dict:
         os.close(self._user_dir(caller))
         return {"ok": True, "version": PROTOCOL_VERSION, "uid": caller.uid, "images": str(self.root / str(caller.uid)),
-                "criu": self.criu.version_string, "criu_path": self.criu.path}
+                "criu": self.criu.version_string, "criu_path": self.criu.path, "elsewhere": self._elsewhere(caller)}
+
+    @staticmethod
+    def _elsewhere(caller: Caller) -> str:
+        """Why the caller's server is not in the helper's namespaces (what its restores would refuse), or ""."""
+        why = elsewhere(caller.pid)
+        return why.replace(f"process {caller.pid}", "your server", 1) if why else ""
 
     def check(self, caller: Caller, request: dict) -> dict:
         """``criu check --unprivileged``, run as the caller with what a restore lends: what users get."""
@@ -235,6 +261,9 @@ class CriuBroker:
             why = foreign(p, caller.uid)
             if why:
                 raise Refused(f"{why}: you may only suspend your own processes")
+        why = elsewhere(pid)
+        if why:
+            raise Refused(why)
         fd = self._open_images(caller, request.get("images"))
         try:
             start = time.monotonic()
@@ -264,6 +293,9 @@ class CriuBroker:
         if not isinstance(ids, list) or len(ids) > MAX_IDS or not all(
                 isinstance(i, int) and not isinstance(i, bool) and 0 < i < 1 << 22 for i in ids):
             raise BadRequest(f'"ids" must be a list of at most {MAX_IDS} process IDs')
+        why = self._elsewhere(caller)  # what CRIU restores lands in the helper's namespaces, not the caller's
+        if why:
+            raise Refused(why)
         fd = self._open_images(caller, request.get("images"))
         try:
             try:

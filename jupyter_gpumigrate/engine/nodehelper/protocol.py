@@ -7,8 +7,12 @@ line (at most 64 KiB, all of it within 10 s), answered by one JSON object on one
 helper closes. At most 32 requests run at once, 2 per user (the daemon's limits).
 
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
-                                               "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu"}
-                                              (makes the caller's images folder if it is missing)
+                                               "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu",
+                                               "elsewhere": ""}
+                                              (makes the caller's images folder if it is missing;
+                                              "elsewhere": "" where the caller shares the helper's
+                                              mount, network and PID namespaces, else why not, which
+                                              refuses its dumps and restores; absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
