@@ -31,7 +31,7 @@ from .handlers import handlers
 from .engine import gpus as gpus_mod
 from .engine import cudackpt
 from .engine import stash as stash_mod
-from .engine.access import images_root, open_criu
+from .engine.access import images_root, memory_root, open_criu
 from .engine.errors import MigrateError
 from .engine.images import write_durably
 from .engine.migration import SUSPENDED
@@ -180,12 +180,14 @@ class GPUMigrateApp(ExtensionApp):
         helper_socket = defaults.helper_socket or None
         # Guests' images in memory where there is room, beside this user's (not inside: a folder there is a
         # kernel's); through the node helper (where its socket is there, for a user not root: images_root then
-        # names the helper's folder), on disk only, as the helper writes nowhere else. The configured socket
-        # alone says nothing: it has a default, so testing it kept every guest's images on disk (the way home's
-        # stash wrote at the disk's speed).
+        # names the helper's folder), in the helper's folders, on disk or, where it keeps them, in memory: it
+        # writes nowhere else. The configured socket alone says nothing: it has a default, so testing it kept
+        # every guest's images on disk (the way home's stash wrote at the disk's speed).
         guests_root = images_root(Path(defaults.state_dir), helper_socket)
-        through_helper = guests_root != Path(defaults.state_dir)
-        guests_memory = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir and not through_helper else None
+        guests_memory: Path | None = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir else None
+        if guests_root != Path(defaults.state_dir) and guests_memory is not None:
+            helper_memory = memory_root(None, helper_socket)
+            guests_memory = helper_memory / "guests" if helper_memory is not None else None
         self.guests = GuestHost(guests_root / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,

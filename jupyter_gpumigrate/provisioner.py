@@ -45,7 +45,7 @@ from traitlets import Bool, Enum, Float, Int, Unicode, default
 
 from .credentials import KernelCredentials
 from .engine import proctree
-from .engine.access import images_root
+from .engine.access import images_root, memory_root
 from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
@@ -359,10 +359,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     @property
     def images(self) -> ImageStore:
-        # With the node helper, the folder it made for this user (access.py), on disk only: the helper
-        # dumps nowhere else. With a shared folder, this host's folder there (engine/shared.py).
+        # With the node helper, the folders it made for this user (access.py), on disk and, where it keeps
+        # them, in memory: it dumps nowhere else (memory_dir "" keeps a user's images on disk all the same).
+        # With a shared folder, this host's folder there (engine/shared.py).
         root = images_root(Path(self.state_dir), self.helper_socket or None)
-        memory = self.memory_dir if root == Path(self.state_dir) else None
+        memory: str | Path | None = self.memory_dir
+        if root != Path(self.state_dir) and memory:
+            helper_memory = memory_root(None, self.helper_socket or None)
+            memory = helper_memory / "images" if helper_memory is not None else None
         shared = self.shared
         return ImageStore(shared.images_root() if shared is not None else root / "images", memory or None)
 

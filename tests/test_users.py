@@ -5,6 +5,7 @@ the real helper as root, real servers run by those users, real CRIU."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pwd
@@ -37,7 +38,7 @@ def world():
     servers: dict[str, UserServer] = {}
     try:
         users = Users([A, B])
-        helper = NodeHelper(base)
+        helper = NodeHelper(base, memory=Path(f"/dev/shm/gm-helper-{os.getpid()}"))  # images in memory too
         for name in (A, B):
             servers[name] = UserServer(name, base / name, {"helper_socket": str(helper.socket)}).start()
         yield users, helper, servers, base
@@ -123,6 +124,82 @@ async def test_each_user_suspends_and_resumes_their_own_kernel_through_the_helpe
         assert out.split() == ["only", name, "42", str(uid)]
         log = helper.log()
         assert f"uid={uid}({name})" in log and "'dump' pid=" in log and f"'restore' images='images/{kernel_id}'" in log
+
+
+async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_and_no_one_else_reads_it(world):
+    """The helper run with --memory-root: a user's suspend puts the images in memory, in the folder the helper
+    made there for that user (asked for, then chosen by auto where there is room), private as on disk; the
+    kernel comes back whole. Another user can neither read them nor have them restored."""
+    users, helper, servers, _ = world
+    server, uid = servers[A], users.uid(A)
+    kernel_id, tab = await new_kernel(server)
+    await tab.run("import itertools, hashlib, os\ncount = itertools.count(41)\nnext(count)\n"
+                  "blob = bytes(range(256)) * 400_000\nbefore = hashlib.sha256(blob).hexdigest()")
+    images = helper.memory / str(uid) / "images" / kernel_id
+    try:
+        for asked in ("memory", "auto"):
+            op = await call(server.operate, kernel_id, "suspend", {"images": asked})
+            assert op["status"] == "succeeded" and op["images"] == "memory", (asked, op, server.server_log())
+            assert (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["images"] == "memory"
+            pages = sorted(images.glob("pages-*.img"))
+            assert pages and images.stat().st_uid == uid and images.stat().st_mode & 0o077 == 0
+            assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in images.iterdir())
+            assert not (helper.images / str(uid) / "images" / kernel_id).exists()
+            peek = users.run(B, "cat", str(pages[0]))
+            assert peek.returncode != 0 and "Permission denied" in peek.stderr
+            (stolen,) = await call(ask_as, users, B, helper, {"op": "restore", "images": f"../{uid}/images/{kernel_id}",
+                                                                 "place": "memory"})
+            assert stolen["code"] == "refused" and "inside your images folder" in stolen["error"], stolen
+            op = await call(server.operate, kernel_id, "resume")
+            assert op["status"] == "succeeded", (op, server.server_log())
+            out = await tab.run("print(next(count) - 41, hashlib.sha256(blob).hexdigest() == before, os.getuid())")
+            assert out.split() == ["1" if asked == "memory" else "2", "True", str(uid)]
+            assert not images.exists()
+        assert f"'restore' images='images/{kernel_id}' place='memory'" in helper.log()
+        (odd,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "images/x", "place": "tape"})
+        assert odd["code"] == "bad-request" and '"place" must be "disk" or "memory"' in odd["error"], odd
+    finally:
+        tab.ws.close()
+        await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+
+
+async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_disk_as_its_server_stops(world):
+    """Memory images of the helper's go to the user's folder on disk when their server stops (its own files,
+    moved by the server as the user), and the next server resumes the kernel from there."""
+    users, helper, _, base = world
+    uid = users.uid(A)
+    server = UserServer(A, base / "a-stops", {"helper_socket": str(helper.socket), "suspend_to": "memory"}).start()
+    kernel_id = None
+    try:
+        kernel_id, tab = await new_kernel(server)
+        await tab.run("x = 41")
+        tab.ws.close()
+        op = await call(server.operate, kernel_id, "suspend")
+        assert op["status"] == "succeeded" and op["images"] == "memory", (op, server.server_log())
+        memory, disk = (root / str(uid) / "images" / kernel_id for root in (helper.memory, helper.images))
+        assert (memory / "manifest.json").is_file() and not disk.exists()
+        server.stop()
+        assert (disk / "manifest.json").is_file() and not memory.exists(), server.server_log()
+        assert "moved from memory to" in server.server_log()
+        assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in [disk, *disk.iterdir()])
+        server.start()
+        deadline = time.monotonic() + 60
+        while (view := await call(server.api, "GET", "api/gpumigrate/kernels")) and kernel_id not in [
+                k["id"] for k in view]:
+            assert time.monotonic() < deadline, server.server_log()
+            await asyncio.sleep(0.2)
+        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "suspended" and view["images"] == "disk", view
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        tab = await open_tab(server, kernel_id)
+        assert (await tab.run("print(x + 1)")).strip() == "42"
+        tab.ws.close()
+    finally:
+        if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
+            with contextlib.suppress(AssertionError, OSError):
+                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+        server.stop()
 
 
 async def test_a_user_naming_another_users_kernel_or_images_is_refused_and_logged(world):
@@ -382,7 +459,8 @@ async def test_an_ordinary_users_gpu_kernel_moves_between_gpus_and_suspends_thro
 @pytest.fixture(scope="module")
 def hosts_of_a_user(world):
     """User A's servers on two hosts (tests/hosts.py's network namespaces), each host with a node helper of its
-    own in its namespace, as a cluster's machines each have theirs. A's key and certificate are A's."""
+    own in its namespace, as a cluster's machines each have theirs (a's with images in memory too, b's on disk
+    only). A's key and certificate are A's."""
     from hosts import Network, host_pair
 
     users, _, _, base = world
@@ -394,10 +472,11 @@ def hosts_of_a_user(world):
         a, b = hosts = list(host_pair(net, root))
         pw = pwd.getpwnam(A)
         os.chown(a.key, pw.pw_uid, pw.pw_gid)
-        for host in hosts:
+        for host in hosts:  # a's helper keeps images in memory too, b's on disk only
             folder = root / f"{host.name}-helper"
             folder.mkdir(mode=0o755)
-            helpers.append(NodeHelper(folder, ns=host.ns))
+            memory = Path(f"/dev/shm/gm-helper-{os.getpid()}-a") if host is a else None
+            helpers.append(NodeHelper(folder, ns=host.ns, memory=memory))
             host.user = A
             host.extra = {"MigratableProvisioner": {"helper_socket": str(helpers[-1].socket), "suspend_to": "auto"}}
         a.start({"b": b.peer_entry()})
@@ -411,12 +490,14 @@ def hosts_of_a_user(world):
         net.close()
 
 
-async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_each_hosts_helper(hosts_of_a_user):
+async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_each_hosts_helper(world,
+                                                                                                 hosts_of_a_user):
     """docs/users.md: a move to another host goes through the helper on each host, for that host's images. A's
     kernel, on A's server of host a, goes to A's server of host b and comes home: each dump and restore by
     the helper of the host it runs on, the images A's alone, the kernel A's process with all its state."""
     from hosts import Host
 
+    users = world[0]
     a, b, (helper_a, helper_b) = hosts_of_a_user
     uid = pwd.getpwnam(A).pw_uid
 
@@ -451,11 +532,17 @@ async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_e
         out = await tab.run("print(next(count), hashlib.sha256(blob).hexdigest() == before)")
         assert out.split() == ["42", "True"]
         assert "'dump' pid=" in helper_b.log() and "'restore' images=" in helper_a.log()
+        # a's images went to memory (its helper keeps them there), b's to disk (its helper keeps none there).
+        assert "'dump' pid=" in helper_a.log() and "place='memory'" in helper_a.log()
+        assert "place=" not in helper_b.log()
         # Neither host keeps a copy of the kernel's memory (CRIU's logs aside), and what folders are left are A's.
-        for helper in (helper_a, helper_b):
-            left = [p for p in (helper.images / str(uid)).rglob("*") if ".logs" not in p.parts]
+        for folder in (helper_a.images, helper_a.memory, helper_b.images):
+            left = [p for p in (folder / str(uid)).rglob("*") if ".logs" not in p.parts]
             assert not [p for p in left if not p.is_dir()], left
             assert all(p.stat().st_uid == uid and p.stat().st_mode & 0o077 == 0 for p in left), left
+        (refused,) = await call(ask_as, users, A, helper_b, {"op": "restore", "images": "images/x", "place": "memory"},
+                                netns=b.ns)
+        assert refused["code"] == "refused" and "keeps no images in memory" in refused["error"], refused
     finally:
         tab.ws.close()
         await call(a.api, "DELETE", f"api/kernels/{kernel_id}")

@@ -82,18 +82,34 @@ def open_criu(criu_path: str | None = None, helper_socket: str | None = DEFAULT_
     return criu_mod.Criu(criu_path)
 
 
-_helper_roots: dict[str, Path] = {}
+_helper_roots: dict[str, tuple[Path, Path | None]] = {}
+
+
+def _helper_folders(helper_socket: str | None) -> tuple[Path, Path | None] | None:
+    """The folders the node helper made for this user, on disk and in memory (None: it keeps none in memory),
+    asked once, then kept; None where this server does not go through a helper."""
+    if os.geteuid() == 0 or not helper_socket or not _is_socket(helper_socket):
+        return None
+    if helper_socket not in _helper_roots:
+        helper = HelperCriu(helper_socket, hello_timeout=5)
+        _helper_roots[helper_socket] = (helper.images_root, helper.memory_root)
+    return _helper_roots[helper_socket]
 
 
 def images_root(default: Path, helper_socket: str | None = DEFAULT_SOCKET) -> Path:
     """Where this server keeps images: ``default``, or, with the node helper, the folder the helper
-    made for this user (the only place it dumps to and restores from; asked once, then kept). Raises
-    :class:`HelperError` if the helper is there but does not say: never another folder meanwhile."""
-    if os.geteuid() == 0 or not helper_socket or not _is_socket(helper_socket):
-        return default
-    if helper_socket not in _helper_roots:
-        _helper_roots[helper_socket] = HelperCriu(helper_socket, hello_timeout=5).images_root
-    return _helper_roots[helper_socket]
+    made for this user (the only place it dumps to and restores from, with its folder in memory: see
+    :func:`memory_root`). Raises :class:`HelperError` if the helper is there but does not say: never
+    another folder meanwhile."""
+    folders = _helper_folders(helper_socket)
+    return default if folders is None else folders[0]
 
 
-__all__ = ["Access", "criu_access", "open_criu", "images_root", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]
+def memory_root(default: Path | None, helper_socket: str | None = DEFAULT_SOCKET) -> Path | None:
+    """Where this server keeps images in memory: ``default``, or, with the node helper, the folder the
+    helper made for this user in memory, or None where the helper keeps none (run without --memory-root)."""
+    folders = _helper_folders(helper_socket)
+    return default if folders is None else folders[1]
+
+
+__all__ = ["Access", "criu_access", "open_criu", "images_root", "memory_root", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]

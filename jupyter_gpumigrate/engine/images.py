@@ -642,8 +642,8 @@ def choose(store: ImageStore, wanted: str, estimate: int, pid: int | None = None
         if wanted == MEMORY:
             raise ImageError("Images cannot go to memory here: no memory folder is set (c.MigratableProvisioner."
                              "memory_dir; none by default with a shared_dir, whose images other hosts must be "
-                             "able to read), or CRIU runs through the node helper, which writes only to disk. "
-                             "Suspend to disk.")
+                             "able to read), or CRIU runs through a node helper that keeps no images in memory "
+                             "(an administrator starts it with --memory-root). Suspend to disk.")
         return DISK, "no memory folder"
     refused = store.memory_refused()
     if refused:

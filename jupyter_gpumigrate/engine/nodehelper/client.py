@@ -66,18 +66,22 @@ class HelperCriu:
         if not hello.get("ok"):
             raise HelperError(f"The node helper at {path} refused: {hello.get('error')}")
         self.images_root = Path(hello["images"])
+        #: the folder the helper made for this user in memory (a tmpfs), or None: it writes only to disk
+        self.memory_root = Path(hello["memory"]) if hello.get("memory") else None
         version = criu_mod.parse_version(f"Version: {hello.get('criu', '0.0')}") or (0, 0)
         self.binary = criu_mod.CriuBinary(f"{hello.get('criu_path')} (through the node helper at {path})", version)
         #: why this server is not in the helper's namespaces (its dumps and restores are refused), "" where it
         #: is, None where the helper does not say (an older one)
         self.elsewhere: str | None = hello.get("elsewhere")
 
-    def _relative(self, images_dir: Path) -> str:
-        try:
-            return str(Path(images_dir).relative_to(self.images_root))
-        except ValueError as exc:
-            raise HelperError(f"{images_dir} is outside {self.images_root}, the only images folder the node "
-                              "helper writes for you.") from exc
+    def _relative(self, images_dir: Path) -> dict:
+        """Where ``images_dir`` is, as a request says it: its path under one of this user's images folders
+        (``images``), and which (``place``)."""
+        for root, place in ((self.images_root, {}), (self.memory_root, {"place": "memory"})):  # disk: as before
+            if root is not None and Path(images_dir).is_relative_to(root):
+                return {"images": str(Path(images_dir).relative_to(root)), **place}
+        roots = " or ".join(str(r) for r in (self.images_root, self.memory_root) if r is not None)
+        raise HelperError(f"{images_dir} is outside {roots}, the only images folders the node helper writes for you.")
 
     def _failed(self, reply: dict, log_path: Path, what: str) -> CriuFailed | HelperError:
         if reply.get("code") == CRIU_FAILED:
@@ -87,7 +91,7 @@ class HelperCriu:
         return HelperError(f"The node helper refused to {what}: {reply.get('error')}.")
 
     def dump(self, pid: int, images_dir: Path, *, log_path: Path | None = None) -> None:
-        reply = self.client.request({"op": "dump", "pid": pid, "images": self._relative(images_dir)}, self.timeout)
+        reply = self.client.request({"op": "dump", "pid": pid, **self._relative(images_dir)}, self.timeout)
         if not reply.get("ok"):
             written = Path(images_dir) / criu_mod.DUMP_LOG
             if log_path is not None and written.exists():
@@ -95,8 +99,7 @@ class HelperCriu:
             raise self._failed(reply, log_path or written, f"dump process {pid}")
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
-        reply = self.client.request({"op": "restore", "images": self._relative(images_dir), "ids": ids or []},
-                                    self.timeout)
+        reply = self.client.request({"op": "restore", **self._relative(images_dir), "ids": ids or []}, self.timeout)
         if reply.get("ok"):
             return int(reply["pid"])
         error = self._failed(reply, Path(images_dir) / criu_mod.RESTORE_LOG, "restore the process")

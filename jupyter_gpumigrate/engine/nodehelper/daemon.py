@@ -67,6 +67,11 @@ from .protocol import (BUSY, CRIU_FAILED, DEFAULT_SOCKET, INTERNAL, MAX_DEPTH, M
 log = logging.getLogger("jupyter_gpumigrate.helper")
 
 DEFAULT_IMAGES = "/var/lib/jupyter-gpumigrate/images"
+EXAMPLE_MEMORY = "/dev/shm/jupyter-gpumigrate-helper"
+#: each images root's folder for restores' checked copies
+STAGING = ".staging"
+#: where a dump or restore's images are: under the images root on disk, or under the one in memory
+DISK, MEMORY = "disk", "memory"
 MAX_CLIENTS = 32
 MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
@@ -179,36 +184,56 @@ class CriuBroker:
     made. One request per call of :meth:`handle` (threads may overlap)."""
 
     def __init__(self, images_root: str | os.PathLike[str], criu_path: str | None = None,
-                 criu_timeout: float = 3600.0) -> None:
+                 criu_timeout: float = 3600.0, memory_root: str | os.PathLike[str] | None = None) -> None:
         self.criu = criu_mod.find(criu_path)
         self.criu_timeout = criu_timeout
         self.cgroups = cgroups.base()
         if self.cgroups is None:
             raise SystemExit("The helper needs cgroup v2 (mounted, with this process in it): it confines each "
                              "CRIU run in a cgroup of its own. Under systemd, set Delegate=yes in the unit.")
-        self.root = Path(images_root)
-        for folder in [*reversed(self.root.parents), self.root]:
-            if not folder.exists():
-                folder.mkdir()
-                os.chmod(folder, 0o711 if folder == self.root else 0o755)  # users pass through to ROOT/UID
-        st = os.lstat(self.root)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise SystemExit(f"{self.root} must be a folder owned by uid {os.geteuid()} that no one else can "
-                             "write (chmod 711): it holds every user's images folder.")
-        os.chmod(self.root, 0o711)
-        self.staging = self.root / ".staging"  # restores' checked copies: no one else may reach them
-        self.staging.mkdir(mode=0o700, exist_ok=True)
-        os.chmod(self.staging, 0o700)
-        if os.lstat(self.staging).st_uid != os.geteuid() or self.staging.is_symlink():
-            raise SystemExit(f"{self.staging} must be a folder of uid {os.geteuid()}")
-        for left in self.staging.iterdir():  # an earlier helper's, interrupted
-            shutil.rmtree(left, ignore_errors=True)
+        self.root = self._own_root(Path(images_root))
+        #: the images root in memory (a tmpfs), or None: images on disk only
+        self.memory = self._own_root(Path(memory_root)) if memory_root else None
         self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see reap()
         self._ours: set[int] = set()
         self._runs = itertools.count(1)
         self.restore_caps = restore_caps()
         self._kept: set[cgroups.Cgroup] = set()  # cgroups not empty yet when their run ended: removed later
         self._tidy_earlier_runs()
+
+    @staticmethod
+    def _own_root(root: Path) -> Path:
+        """Make ``root`` (and the folders to it) if missing, check that it is ours alone to write, and empty
+        its staging folder: restores' checked copies, which no one else may reach, on its file system (they
+        are hard links)."""
+        for folder in [*reversed(root.parents), root]:
+            if not folder.exists():
+                folder.mkdir()
+                os.chmod(folder, 0o711 if folder == root else 0o755)  # users pass through to ROOT/UID
+        st = os.lstat(root)
+        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            raise SystemExit(f"{root} must be a folder owned by uid {os.geteuid()} that no one else can "
+                             "write (chmod 711): it holds every user's images folder. Remove it, or name another.")
+        os.chmod(root, 0o711)
+        staging = root / STAGING
+        staging.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(staging, 0o700)
+        if os.lstat(staging).st_uid != os.geteuid() or staging.is_symlink():
+            raise SystemExit(f"{staging} must be a folder of uid {os.geteuid()}")
+        for left in staging.iterdir():  # an earlier helper's, interrupted
+            shutil.rmtree(left, ignore_errors=True)
+        return root
+
+    def _place(self, request: dict) -> Path:
+        """The images root a dump or restore names (``"place"``: "disk", the default, or "memory")."""
+        place = request.get("place", DISK)
+        if place == DISK:
+            return self.root
+        if place != MEMORY:
+            raise BadRequest('"place" must be "disk" or "memory"')
+        if self.memory is None:
+            raise Refused("this helper keeps no images in memory (it runs without --memory-root): suspend to disk")
+        return self.memory
 
     def _tidy_earlier_runs(self) -> None:
         """Cgroups of an earlier helper: remove the empty ones, name the others (never kill: they may hold
@@ -231,8 +256,11 @@ class CriuBroker:
         return handler(caller, request)
 
     def hello(self, caller: Caller, request: dict) -> dict:
-        os.close(self._user_dir(caller))
+        for root in (self.root, self.memory):
+            if root is not None:
+                os.close(self._user_dir(caller, root))
         return {"ok": True, "version": PROTOCOL_VERSION, "uid": caller.uid, "images": str(self.root / str(caller.uid)),
+                "memory": str(self.memory / str(caller.uid)) if self.memory is not None else None,
                 "criu": self.criu.version_string, "criu_path": self.criu.path, "elsewhere": self._elsewhere(caller)}
 
     @staticmethod
@@ -264,7 +292,7 @@ class CriuBroker:
         why = elsewhere(pid)
         if why:
             raise Refused(why)
-        fd = self._open_images(caller, request.get("images"))
+        fd = self._open_images(caller, request.get("images"), self._place(request))
         try:
             start = time.monotonic()
             with self._confined(caller) as cgroup:
@@ -296,7 +324,8 @@ class CriuBroker:
         why = self._elsewhere(caller)  # what CRIU restores lands in the helper's namespaces, not the caller's
         if why:
             raise Refused(why)
-        fd = self._open_images(caller, request.get("images"))
+        root = self._place(request)
+        fd = self._open_images(caller, request.get("images"), root)
         try:
             try:
                 os.unlink(criu_mod.RESTORE_PIDFILE, dir_fd=fd)
@@ -304,7 +333,7 @@ class CriuBroker:
                 pass
             proctree.steer_pid_allocation(ids)  # only moves the PID cursor forward
             start = time.monotonic()
-            with self._staged(fd, caller) as staged, self._confined(caller) as cgroup:
+            with self._staged(fd, caller, root / STAGING) as staged, self._confined(caller) as cgroup:
                 proc = self._criu(caller, self.restore_caps, fd, [
                     "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
                     *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup, images_fd=staged)
@@ -329,13 +358,13 @@ class CriuBroker:
             os.close(fd)
 
     @contextlib.contextmanager
-    def _staged(self, fd: int, caller: Caller) -> Iterator[int]:
+    def _staged(self, fd: int, caller: Caller, staging: Path) -> Iterator[int]:
         """The caller's images as CRIU will read them: in a folder of ours that no user can reach or
         write. The core images, which say what credentials each thread gets, are copied and checked
         (the caller's IDs, no capability, no securebits); the rest is hard-linked (memory pages and
         the like: the caller's own data, whatever they write into it). So nothing the caller does
         during the restore changes what was checked, nor stalls CRIU after it let the tasks go."""
-        path = Path(tempfile.mkdtemp(prefix=f"{caller.uid}-", dir=self.staging))
+        path = Path(tempfile.mkdtemp(prefix=f"{caller.uid}-", dir=staging))
         os.chmod(path, 0o755)  # CRIU, as the caller, reaches it only through our descriptor
         staged = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
         try:
@@ -450,19 +479,20 @@ class CriuBroker:
 
     # -- what keeps users apart ----------------------------------------------------------------------
 
-    def _user_dir(self, caller: Caller) -> int:
-        """An open descriptor of ``ROOT/UID``, made (0700, the caller's) if missing."""
+    def _user_dir(self, caller: Caller, root: Path) -> int:
+        """An open descriptor of ``ROOT/UID`` (``root``: the images root on disk or in memory), made (0700, the
+        caller's) if missing."""
         name = str(caller.uid)
-        root = os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        parent = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             try:
-                os.mkdir(name, 0o700, dir_fd=root)
-                os.chown(name, caller.uid, caller.gid, dir_fd=root, follow_symlinks=False)
+                os.mkdir(name, 0o700, dir_fd=parent)
+                os.chown(name, caller.uid, caller.gid, dir_fd=parent, follow_symlinks=False)
             except FileExistsError:
                 pass
-            return self._enter(root, name, caller, str(self.root / name))
+            return self._enter(parent, name, caller, str(root / name))
         finally:
-            os.close(root)
+            os.close(parent)
 
     @staticmethod
     def _enter(parent: int, name: str, caller: Caller, shown: str) -> int:
@@ -483,16 +513,16 @@ class CriuBroker:
             raise Refused(why)
         return fd
 
-    def _open_images(self, caller: Caller, rel: Any) -> int:
-        """An open descriptor of the caller's image folder ``rel``, each step checked."""
+    def _open_images(self, caller: Caller, rel: Any, root: Path) -> int:
+        """An open descriptor of the caller's image folder ``rel`` under ``root``, each step checked."""
         if not isinstance(rel, str) or not rel:
             raise BadRequest('"images" must name a folder inside your images folder')
         parts = rel.split("/")
         if rel.startswith("/") or len(parts) > MAX_DEPTH or not all(NAME.fullmatch(p) for p in parts):
-            raise Refused(f"{rel!r} is not a folder inside your images folder {self.root / str(caller.uid)} "
+            raise Refused(f"{rel!r} is not a folder inside your images folder {root / str(caller.uid)} "
                           f"(1 to {MAX_DEPTH} plain names, no '..', no absolute path)")
-        fd = self._user_dir(caller)
-        shown = self.root / str(caller.uid)
+        fd = self._user_dir(caller, root)
+        shown = root / str(caller.uid)
         for part in parts:
             shown = shown / part
             try:
@@ -579,7 +609,7 @@ def _summary(request: Any) -> str:
     if not isinstance(request, dict):
         return "?"
     parts = [repr(request.get("op"))[:60]]
-    for key in ("pid", "images"):
+    for key in ("pid", "images", "place"):
         if key in request:
             value = request[key]
             parts.append(f"{key}={value[:200]!r}" if isinstance(value, str) else f"{key}={str(value)[:200]}")
@@ -695,6 +725,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--socket", default=DEFAULT_SOCKET, help=f"the Unix socket to listen on ({DEFAULT_SOCKET})")
     parser.add_argument("--images-root", default=DEFAULT_IMAGES,
                         help=f"where users' images folders are made ({DEFAULT_IMAGES}); on a disk with room")
+    parser.add_argument("--memory-root", default="",
+                        help="where users' images folders in memory are made, on a tmpfs (for example "
+                             f"{EXAMPLE_MEMORY}); none by default: images on disk only. Users' servers then "
+                             "suspend to memory where it has room (docs/users.md says what that costs)")
     parser.add_argument("--criu", default=None, help="the CRIU binary (default: /usr/local/sbin/criu, else PATH)")
     parser.add_argument("--log-file", default=None, help="also log every request to this file")
     parser.add_argument("--criu-timeout", type=float, default=3600.0,
@@ -708,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the helper runs as root (it lends CRIU's capabilities to each caller, as that caller)")
     try:
-        broker = CriuBroker(args.images_root, args.criu, args.criu_timeout)
+        broker = CriuBroker(args.images_root, args.criu, args.criu_timeout, args.memory_root or None)
     except Exception as exc:  # CriuNotFound says what to install
         log.error("%s", exc)
         return 1
@@ -718,8 +752,9 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     threading.Thread(target=_reaper, args=(broker, stop), daemon=True, name="reaper").start()
     signal.signal(signal.SIGTERM, lambda *_: threading.Thread(target=service.shutdown).start())
-    log.info("listening on %s; images in %s; CRIU %s (%s); a restore is lent %s", args.socket, broker.root,
-             broker.criu.version_string, broker.criu.path, ", ".join(broker.restore_caps))
+    log.info("listening on %s; images in %s%s; CRIU %s (%s); a restore is lent %s", args.socket, broker.root,
+             f" and, in memory, {broker.memory}" if broker.memory is not None else "", broker.criu.version_string,
+             broker.criu.path, ", ".join(broker.restore_caps))
     try:
         service.serve_forever()
     except KeyboardInterrupt:

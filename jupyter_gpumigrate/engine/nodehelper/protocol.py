@@ -7,19 +7,22 @@ line (at most 64 KiB, all of it within 10 s), answered by one JSON object on one
 helper closes. At most 32 requests run at once, 2 per user (the daemon's limits).
 
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
+                                               "memory": "MEMORY/U" or null,
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu",
                                                "elsewhere": ""}
-                                              (makes the caller's images folder if it is missing;
+                                              (makes the caller's images folders if they are missing;
+                                              "memory" only from a helper run with --memory-root;
                                               "elsewhere": "" where the caller shares the helper's
                                               mount, network and PID namespaces, else why not, which
                                               refuses its dumps and restores; absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
-    {"op": "dump", "pid": P, "images": REL}
+    {"op": "dump", "pid": P, "images": REL, "place": "disk" or "memory"}
                                            -> {"ok": true, "seconds": s}   CRIU dumps the tree under P
-                                              into ROOT/U/REL and kills it; on failure it runs on
-    {"op": "restore", "images": REL, "ids": [PID or TID, ...]}
+                                              into ROOT/U/REL (MEMORY/U/REL for "memory"; "disk" when
+                                              absent) and kills it; on failure it runs on
+    {"op": "restore", "images": REL, "place": ..., "ids": [PID or TID, ...]}
                                            -> {"ok": true, "pid": P, "seconds": s}   the new root
     any failure                            -> {"ok": false, "code": C, "error": "a sentence"}
         C: "bad-request" (malformed), "refused" (not yours, forged, unsafe), "criu-failed" (then
