@@ -8,9 +8,13 @@ from the operations themselves. The last thing printed is a short table; --out w
 ``--ways`` compares who runs CRIU (docs/users.md), in one run, side by side: ``root`` (the server is
 root), ``helper`` (the server runs as an ordinary user made for the run, the node helper as root) and
 ``capabilities`` (that user, and a copy of CRIU given cap_checkpoint_restore,cap_setpcap). The user
-ways need root to set up, and reuse the tests' users.py.
+ways need root to set up, and reuse the tests' users.py. A way may name where the images go:
+``-memory`` (/dev/shm; the helper run with --memory-root) or ``-disk`` (the run's folder under /tmp);
+without it, the server's default (root: auto, memory where there is room; the users' ways: disk). The
+floors, measured in the same run before the kernels, for each place a way names: one file of the largest
+size written and read by dd (O_DIRECT on disk), as CRIU writes and reads its pages file.
 
-    .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--ways root,helper] [--out bench.json]
+    .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--ways root,helper-memory] [--out bench.json]
 """
 
 from __future__ import annotations
@@ -149,7 +153,7 @@ def execute(url: str, token: str, kernel_id: str, code: str, timeout: float = 60
 class UserWay(Way):
     """A server run by an ordinary user, CRIU through the node helper or with capabilities (users.py)."""
 
-    def __init__(self, way: str, root: Path) -> None:
+    def __init__(self, way: str, root: Path, where: str | None = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
         from users import NodeHelper, UserServer, Users
 
@@ -158,14 +162,15 @@ class UserWay(Way):
         name = self.users.names[0]
         os.chmod(root, 0o755)
         if way == "helper":
-            self.helper = NodeHelper(root)
+            memory = Path(f"/dev/shm/gpumigrate-bench-helper-{os.getpid()}") if where == "memory" else None
+            self.helper = NodeHelper(root, memory=memory)
             config = {"helper_socket": str(self.helper.socket)}
         else:
             criu = root / "criu-with-capabilities"
             shutil.copy("/usr/local/sbin/criu", criu)
             subprocess.run(["setcap", "cap_checkpoint_restore,cap_setpcap+eip", str(criu)], check=True)
             config = {"helper_socket": "", "criu_path": str(criu)}
-        self.server = UserServer(name, root / name, config).start()
+        self.server = UserServer(name, root / name, {**config, **({"suspend_to": where} if where else {})}).start()
         self.url, self.token = self.server.url, self.server.token
 
     def api(self, method: str, path: str, body: dict | None = None) -> dict:
@@ -181,16 +186,42 @@ class UserWay(Way):
         self.users.close()
 
 
-def table(rows: list[dict]) -> str:
-    head = ["way", "kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s", "GB/s dump", "GB/s restore"]
+def table(rows: list[dict], floors: dict | None = None) -> str:
+    head = ["way", "images", "kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s",
+            "GB/s dump", "GB/s restore", "floor GB/s write / read"]
     body = []
     for r in rows:
         s, m = r["suspend"]["timings"], r["resume"]["timings"]
         gbytes = r["image_bytes"] / GB
-        body.append([r.get("way", "root"), f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}", f"{s['dump']:.2f}",
-                     f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
-                     f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}"])
+        place = r["suspend"].get("images") or "?"
+        floor = (floors or {}).get(place)
+        body.append([r.get("way", "root"), place, f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}",
+                     f"{s['dump']:.2f}", f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
+                     f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}",
+                     f"{floor['write']:.2f} / {floor['read']:.2f}" if floor else ""])
     return text_table(head, body)
+
+
+def place_floors(places: set[str], nbytes: int, disk_dir: Path) -> dict:
+    """One file of ``nbytes`` written then read by dd in each of ``places`` (memory: /dev/shm; disk: ``disk_dir``,
+    O_DIRECT, as the page cache would otherwise answer the read), GB/s: what one CRIU pages file could get."""
+    out: dict = {}
+    count = max(1, nbytes // (16 << 20))
+    for place in sorted(places):
+        folder = Path("/dev/shm") if place == "memory" else disk_dir
+        probe = folder / f"gpumigrate-floor-{os.getpid()}.bin"
+        direct = place == "disk"
+        try:
+            speeds = []
+            for args in ([f"of={probe}", "if=/dev/zero", *(["oflag=direct"] if direct else [])],
+                         [f"if={probe}", "of=/dev/null", *(["iflag=direct"] if direct else [])]):
+                t0 = time.perf_counter()
+                subprocess.run(["dd", *args, "bs=16M", f"count={count}", "status=none"], check=True)
+                speeds.append(round(count * (16 << 20) / (time.perf_counter() - t0) / GB, 2))
+            out[place] = {"write": speeds[0], "read": speeds[1]}
+        finally:
+            probe.unlink(missing_ok=True)
+    return out
 
 
 def main() -> int:
@@ -201,20 +232,32 @@ def main() -> int:
     parser.add_argument("--out", help="write every row as JSON here")
     args = parser.parse_args()
     rows: list[dict] = []
-    for way in args.ways.split(","):
+    ways = args.ways.split(",")
+    for way in ways:
+        who, _, where = way.partition("-")
+        if who not in ("root", "helper", "capabilities") or where not in ("", "memory", "disk"):
+            parser.error(f"{way!r} is not a way: root, helper or capabilities, then -memory or -disk if you like")
+    largest = int(max(float(s) for s in args.sizes.split(",")) * GB)
+    floors = place_floors({w.partition("-")[2] for w in ways} - {""}, max(largest, GB), Path("/tmp"))
+    for way in ways:
+        who, _, where = way.partition("-")
         root = Path(tempfile.mkdtemp(prefix="gpumigrate-cpu-bench-", dir="/tmp"))
-        server = Server(root) if way == "root" else UserWay(way, root)
+        if who == "root":
+            server: Way = Server(root, {"MigratableProvisioner": {"suspend_to": where}} if where else None)
+        else:
+            server = UserWay(who, root, where or None)
         try:
             bench(server, way, args, rows)
         finally:
             server.stop()
             shutil.rmtree(root, ignore_errors=True)
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "host": socket.gethostname(),
-            "cpus": os.cpu_count(), "kernel": os.uname().release}
+            "cpus": os.cpu_count(), "kernel": os.uname().release, "floors": floors,
+            "command": " ".join(["bench/cpu_bench.py", *sys.argv[1:]])}
     if args.out:
         Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     print(f"\n# {meta['date']}, {meta['cpus']} CPUs, Linux {meta['kernel']}")
-    print(table(rows))
+    print(table(rows, floors))
     return 0
 
 

@@ -202,6 +202,15 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
         server.stop()
 
 
+def doctor_in(netns: str, user: str, helper: NodeHelper) -> dict[str, dict]:
+    """`jupyter-gpumigrate doctor --json` run by ``user`` in network namespace ``netns`` with ``helper``: its rows."""
+    cli = str(Path(sys.executable).parent / "jupyter-gpumigrate")
+    done = subprocess.run(["nsenter", f"--net=/run/netns/{netns}", *as_user(user), cli, "doctor", "--json",
+                           "--helper-socket", str(helper.socket)], env=user_env(user), cwd="/", capture_output=True,
+                          text=True, timeout=120)
+    return {c["name"]: c for c in json.loads(done.stdout)["checks"]}
+
+
 async def test_a_user_naming_another_users_kernel_or_images_is_refused_and_logged(world):
     users, helper, servers, _ = world
     b_kernel, b_tab = await new_kernel(servers[B])
@@ -396,6 +405,7 @@ async def test_doctor_tells_an_ordinary_user_what_an_administrator_must_set_up(w
     rows = {c["name"]: c for c in json.loads(helped.stdout)["checks"]}
     assert rows["privileges"]["status"] == "ok" and "node helper" in rows["privileges"]["detail"]
     assert rows["helper namespaces"]["status"] == "ok", rows["helper namespaces"]
+    assert rows["helper images"]["status"] == "ok" and str(helper.memory) in rows["helper images"]["detail"]
     assert rows["criu check"]["status"] == "ok", rows["criu check"]
 
 
@@ -543,6 +553,10 @@ async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_e
         (refused,) = await call(ask_as, users, A, helper_b, {"op": "restore", "images": "images/x", "place": "memory"},
                                 netns=b.ns)
         assert refused["code"] == "refused" and "keeps no images in memory" in refused["error"], refused
+        # doctor, run where b's server runs, says so (and that b's helper shares its namespaces).
+        rows = await call(doctor_in, b.ns, A, helper_b)
+        assert rows["helper namespaces"]["status"] == "ok", rows["helper namespaces"]
+        assert rows["helper images"]["status"] == "info" and "--memory-root" in rows["helper images"]["detail"]
     finally:
         tab.ws.close()
         await call(a.api, "DELETE", f"api/kernels/{kernel_id}")
@@ -576,11 +590,7 @@ async def test_a_helper_in_other_namespaces_than_the_users_kernel_or_server_refu
         assert netns_only.poll() is None and mounts_too.poll() is None
         assert not (helper.images / str(users.uid(A)) / "images" / "ns1").exists()
         # A's doctor, run where that server would run, says it before any suspend.
-        cli = str(Path(sys.executable).parent / "jupyter-gpumigrate")
-        done = await call(subprocess.run, ["nsenter", f"--net=/run/netns/{a.ns}", *as_user(A), cli, "doctor", "--json",
-                                           "--helper-socket", str(helper.socket)], env=user_env(A), cwd="/",
-                          capture_output=True, text=True, timeout=120)
-        row = {c["name"]: c for c in json.loads(done.stdout)["checks"]}["helper namespaces"]
+        row = (await call(doctor_in, a.ns, A, helper))["helper namespaces"]
         assert row["status"] == "fail" and "this process is in another network namespace" in row["detail"], row
         assert "same mount, network and PID namespaces" in row["remedy"], row
     finally:

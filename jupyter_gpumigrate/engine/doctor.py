@@ -42,6 +42,14 @@ def check_criu(criu_path: str | None, helper_socket: str | None = DEFAULT_SOCKET
         # The helper ran `criu check --unprivileged` as this user, with what it lends a restore.
         remedy = "Ask an administrator to fix what `criu check --unprivileged` reports in the node helper's log."
         checks.append(Check("criu check", OK if passed else FAIL, last or "failed", "" if passed else remedy))
+        if helper.memory_root is not None:
+            checks.append(Check("helper images", OK, f"on disk in {helper.images_root}, in memory in "
+                                                     f"{helper.memory_root}"))
+        else:
+            checks.append(Check("helper images", INFO, f"on disk only, in {helper.images_root}: the helper runs "
+                                                       "without --memory-root, so suspends go to disk",
+                                "Ask an administrator for --memory-root (docs/users.md) for suspends at memory "
+                                "speed."))
         if helper.elsewhere:
             checks.append(Check("helper namespaces", FAIL, helper.elsewhere.replace("your server", "this process", 1),
                                 "Ask an administrator to run the node helper and the users' servers in the same "
