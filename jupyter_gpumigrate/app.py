@@ -187,7 +187,7 @@ class GPUMigrateApp(ExtensionApp):
         guests_memory: Path | None = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir else None
         if guests_root != Path(defaults.state_dir) and guests_memory is not None:
             helper_memory = memory_root(None, helper_socket)
-            guests_memory = helper_memory / "guests" if helper_memory is not None else None
+            guests_memory = helper_memory / f"guests-{defaults.state_digest()}" if helper_memory is not None else None
         self.guests = GuestHost(guests_root / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,

@@ -292,8 +292,12 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         if not os.path.isdir("/dev/shm") or self.shared_dir:
             return ""
         # One per user and state folder: two servers with folders of their own never share it.
-        digest = hashlib.sha256(os.path.realpath(self.state_dir).encode()).hexdigest()[:12]
-        return f"/dev/shm/jupyter-gpumigrate-{os.geteuid()}-{digest}"
+        return f"/dev/shm/jupyter-gpumigrate-{os.geteuid()}-{self.state_digest()}"
+
+    def state_digest(self) -> str:
+        """A short name of this server's state folder: its memory folders are its own, not its user's other
+        servers' (a server takes back and sweeps all that is in its folders)."""
+        return hashlib.sha256(os.path.realpath(self.state_dir).encode()).hexdigest()[:12]
 
     state: str = STOPPED
     broken_reason: str | None = None
@@ -360,13 +364,14 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     @property
     def images(self) -> ImageStore:
         # With the node helper, the folders it made for this user (access.py), on disk and, where it keeps
-        # them, in memory: it dumps nowhere else (memory_dir "" keeps a user's images on disk all the same).
+        # them, in memory (there, one of this state folder's own): it dumps nowhere else (memory_dir ""
+        # keeps a user's images on disk all the same).
         # With a shared folder, this host's folder there (engine/shared.py).
         root = images_root(Path(self.state_dir), self.helper_socket or None)
         memory: str | Path | None = self.memory_dir
         if root != Path(self.state_dir) and memory:
             helper_memory = memory_root(None, self.helper_socket or None)
-            memory = helper_memory / "images" if helper_memory is not None else None
+            memory = helper_memory / f"images-{self.state_digest()}" if helper_memory is not None else None
         shared = self.shared
         return ImageStore(shared.images_root() if shared is not None else root / "images", memory or None)
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import pwd
+import re
 import signal
 import socket
 import subprocess
@@ -38,7 +40,7 @@ def world():
     servers: dict[str, UserServer] = {}
     try:
         users = Users([A, B])
-        helper = NodeHelper(base, memory=Path(f"/dev/shm/gm-helper-{os.getpid()}"))  # images in memory too
+        helper = NodeHelper(base, memory=base / "memory")  # images in memory too
         for name in (A, B):
             servers[name] = UserServer(name, base / name, {"helper_socket": str(helper.socket)}).start()
         yield users, helper, servers, base
@@ -135,7 +137,8 @@ async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_an
     kernel_id, tab = await new_kernel(server)
     await tab.run("import itertools, hashlib, os\ncount = itertools.count(41)\nnext(count)\n"
                   "blob = bytes(range(256)) * 400_000\nbefore = hashlib.sha256(blob).hexdigest()")
-    images = helper.memory / str(uid) / "images" / kernel_id
+    mine = f"images-{state_digest(server)}"  # this server's own folder in the user's folder in memory
+    images = helper.memory / str(uid) / mine / kernel_id
     try:
         for asked in ("memory", "auto"):
             op = await call(server.operate, kernel_id, "suspend", {"images": asked})
@@ -147,15 +150,18 @@ async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_an
             assert not (helper.images / str(uid) / "images" / kernel_id).exists()
             peek = users.run(B, "cat", str(pages[0]))
             assert peek.returncode != 0 and "Permission denied" in peek.stderr
-            (stolen,) = await call(ask_as, users, B, helper, {"op": "restore", "images": f"../{uid}/images/{kernel_id}",
-                                                                 "place": "memory"})
-            assert stolen["code"] == "refused" and "inside your images folder" in stolen["error"], stolen
+            stolen = await call(ask_as, users, B, helper,
+                                {"op": "restore", "images": f"../{uid}/{mine}/{kernel_id}", "place": "memory"},
+                                {"op": "restore", "images": f"{mine}/{kernel_id}", "place": "memory"})
+            assert [r["code"] for r in stolen] == ["refused", "refused"], stolen
+            assert "inside your images folder" in stolen[0]["error"], stolen  # and B's own folder has none of it:
+            assert f"{helper.memory / str(users.uid(B)) / mine} cannot be opened" in stolen[1]["error"], stolen
             op = await call(server.operate, kernel_id, "resume")
             assert op["status"] == "succeeded", (op, server.server_log())
             out = await tab.run("print(next(count) - 41, hashlib.sha256(blob).hexdigest() == before, os.getuid())")
             assert out.split() == ["1" if asked == "memory" else "2", "True", str(uid)]
             assert not images.exists()
-        assert f"'restore' images='images/{kernel_id}' place='memory'" in helper.log()
+        assert f"'restore' images='{mine}/{kernel_id}' place='memory'" in helper.log()
         (odd,) = await call(ask_as, users, A, helper, {"op": "restore", "images": "images/x", "place": "tape"})
         assert odd["code"] == "bad-request" and '"place" must be "disk" or "memory"' in odd["error"], odd
     finally:
@@ -176,7 +182,8 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
         tab.ws.close()
         op = await call(server.operate, kernel_id, "suspend")
         assert op["status"] == "succeeded" and op["images"] == "memory", (op, server.server_log())
-        memory, disk = (root / str(uid) / "images" / kernel_id for root in (helper.memory, helper.images))
+        memory = helper.memory / str(uid) / f"images-{state_digest(server)}" / kernel_id
+        disk = helper.images / str(uid) / "images" / kernel_id
         assert (memory / "manifest.json").is_file() and not disk.exists()
         server.stop()
         assert (disk / "manifest.json").is_file() and not memory.exists(), server.server_log()
@@ -184,8 +191,7 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
         assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in [disk, *disk.iterdir()])
         server.start()
         deadline = time.monotonic() + 60
-        while (view := await call(server.api, "GET", "api/gpumigrate/kernels")) and kernel_id not in [
-                k["id"] for k in view]:
+        while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
             assert time.monotonic() < deadline, server.server_log()
             await asyncio.sleep(0.2)
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
@@ -200,6 +206,47 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
             with contextlib.suppress(AssertionError, OSError):
                 await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
         server.stop()
+
+
+def state_digest(server: UserServer) -> str:
+    """What names ``server``'s own folders in its user's folders in memory (provisioner.py's state_digest)."""
+    return hashlib.sha256(os.path.realpath(server.root / "state").encode()).hexdigest()[:12]
+
+
+async def test_a_helper_refuses_a_memory_root_others_could_change_and_a_dump_into_memory_without_room(world):
+    """The helper's memory root: every folder on the way to it is root's (one a user owns could be swapped for
+    a link, and the helper would then write where that user chose): refused at start, saying which. A dump into
+    memory that the helper's tmpfs has no room for is refused, asked directly as much as through a server (CRIU's
+    pages there are charged to the helper, not the user), and the process runs on."""
+    users, _, _, base = world
+    uid = users.uid(A)
+    theirs = base / "theirs"
+    theirs.mkdir()
+    os.chown(theirs, uid, -1)
+    bad = NodeHelper(theirs, memory=theirs / "memory", wait=False)
+    try:
+        assert bad.proc.wait(timeout=30) != 0
+        said = (theirs / "helper.out").read_text()
+        assert f"{theirs} must be a folder owned by uid 0 that no one else can write" in said, said
+        assert not (theirs / "memory").exists() and not (theirs / "run" / "helper.sock").exists()
+    finally:
+        bad.stop()
+    small_base = base / "small"
+    small_base.mkdir(mode=0o755)
+    small = NodeHelper(small_base, memory=small_base / "memory", memory_size="16m")
+    holder = subprocess.Popen([*as_user(A), sys.executable, "-c", "import time\nx = b'1' * (64 << 20)\n"
+                               "print('held', flush=True)\ntime.sleep(300)"], cwd="/", env=user_env(A),
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        (dump,) = await call(ask_as, users, A, small, {"op": "dump", "pid": holder.pid, "images": "images/big",
+                                                       "place": "memory"})
+        assert dump["code"] == "refused" and "no room in memory for 0.1 GB of images" in dump["error"], dump
+        assert "suspend to disk" in dump["error"] and holder.poll() is None
+    finally:
+        holder.kill()
+        holder.wait()
+        small.stop()
 
 
 def doctor_in(netns: str, user: str, helper: NodeHelper) -> dict[str, dict]:
@@ -485,7 +532,7 @@ def hosts_of_a_user(world):
         for host in hosts:  # a's helper keeps images in memory too, b's on disk only
             folder = root / f"{host.name}-helper"
             folder.mkdir(mode=0o755)
-            memory = Path(f"/dev/shm/gm-helper-{os.getpid()}-a") if host is a else None
+            memory = folder / "memory" if host is a else None
             helpers.append(NodeHelper(folder, ns=host.ns, memory=memory))
             host.user = A
             host.extra = {"MigratableProvisioner": {"helper_socket": str(helpers[-1].socket), "suspend_to": "auto"}}
@@ -543,7 +590,7 @@ async def test_an_ordinary_users_kernel_moves_to_another_host_and_home_through_e
         assert out.split() == ["42", "True"]
         assert "'dump' pid=" in helper_b.log() and "'restore' images=" in helper_a.log()
         # a's images went to memory (its helper keeps them there), b's to disk (its helper keeps none there).
-        assert "'dump' pid=" in helper_a.log() and "place='memory'" in helper_a.log()
+        assert re.search(r"'dump' pid=\d+ images='images-\w+/[\w-]+' place='memory'", helper_a.log()), helper_a.log()
         assert "place=" not in helper_b.log()
         # Neither host keeps a copy of the kernel's memory (CRIU's logs aside), and what folders are left are A's.
         for folder in (helper_a.images, helper_a.memory, helper_b.images):

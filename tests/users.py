@@ -91,21 +91,22 @@ class NodeHelper:
     """The node helper, as root, on a socket and an images root of its own; in network namespace ``ns`` (a host
     of tests/hosts.py: what CRIU restores there takes that host's network) where given."""
 
-    def __init__(self, base: Path, ns: str | None = None, memory: Path | None = None) -> None:
+    def __init__(self, base: Path, ns: str | None = None, memory: Path | None = None, memory_size: str = "4g",
+                 wait: bool = True) -> None:
         # Folders that do not exist yet, as on a fresh machine: the helper must make them reachable.
         self.socket = base / "run" / "helper.sock"
         self.images = base / "lib" / "images"
-        self.memory = memory  # --memory-root: users' images in memory too
+        self.memory = memory  # --memory-root: users' images in memory too, on a tmpfs the helper mounts there
         self.log_path = base / "helper.log"
         self.out = open(base / "helper.out", "ab")  # noqa: SIM115 (open while the helper runs)
         self.proc = subprocess.Popen(
             # nsenter, not ip netns exec: that one mounts a /sys of its own, without the cgroup v2 the helper needs
             [*([shutil.which("nsenter") or "nsenter", f"--net=/run/netns/{ns}"] if ns else []), sys.executable, "-m",
              "jupyter_gpumigrate.engine.nodehelper", "--socket", str(self.socket), "--images-root", str(self.images),
-             "--log-file", str(self.log_path), *(["--memory-root", str(memory)] if memory else [])],
+             "--log-file", str(self.log_path), *(["--memory-root", str(memory), "--memory-size", memory_size] if memory else [])],
             stdin=subprocess.DEVNULL, stdout=self.out, stderr=self.out, start_new_session=True)
         deadline = time.monotonic() + 30
-        while not self.socket.exists():
+        while wait and not self.socket.exists():
             assert self.proc.poll() is None, (base / "helper.out").read_text()
             assert time.monotonic() < deadline, "the helper did not listen within 30 s"
             time.sleep(0.1)
@@ -142,7 +143,8 @@ class NodeHelper:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.out.close()
-        if self.memory is not None:
+        if self.memory is not None:  # the helper leaves its tmpfs mounted, as it should: the test does not
+            subprocess.run(["umount", "--lazy", str(self.memory)], capture_output=True)
             shutil.rmtree(self.memory, ignore_errors=True)
 
 

@@ -61,13 +61,14 @@ from typing import Any
 from .. import cgroups
 from .. import criu as criu_mod
 from .. import criuimages, proctree
+from .. import images as images_mod
 from .protocol import (BUSY, CRIU_FAILED, DEFAULT_SOCKET, INTERNAL, MAX_DEPTH, MAX_IDS, NAME, PROTOCOL_VERSION,
                        REFUSED, BadRequest, Refused, encode, failure, read_request)
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
 
 DEFAULT_IMAGES = "/var/lib/jupyter-gpumigrate/images"
-EXAMPLE_MEMORY = "/dev/shm/jupyter-gpumigrate-helper"
+EXAMPLE_MEMORY = "/var/lib/jupyter-gpumigrate/memory"
 #: each images root's folder for restores' checked copies
 STAGING = ".staging"
 #: where a dump or restore's images are: under the images root on disk, or under the one in memory
@@ -140,17 +141,54 @@ SHARED_NAMESPACES = {"mnt": "mount", "net": "network", "pid": "PID"}
 
 
 def elsewhere(pid: int) -> str | None:
-    """Which of SHARED_NAMESPACES process ``pid`` does not share with the helper, as a sentence, or None."""
+    """Which of SHARED_NAMESPACES process ``pid`` does not share with the helper, as a sentence, or None. A
+    process whose namespaces cannot be read is not taken to share them: a caller outside the helper's PID
+    namespace is pid 0 to it, and one gone meanwhile is nobody to serve."""
     for kind, name in SHARED_NAMESPACES.items():
         try:
-            theirs, ours = os.readlink(f"/proc/{pid}/ns/{kind}"), os.readlink(f"/proc/self/ns/{kind}")
+            ours = os.readlink(f"/proc/self/ns/{kind}")
         except OSError:
-            continue  # gone meanwhile (said by the caller), or no such namespace on this kernel
+            continue  # no such namespace on this kernel
+        try:
+            theirs = os.readlink(f"/proc/{pid}/ns/{kind}") if pid > 0 else None
+        except OSError:
+            theirs = None
+        if theirs is None:
+            return (f"process {pid}'s {name} namespace cannot be read (it is gone, or outside the helper's PID "
+                    "namespace): run the helper in the same mount, network and PID namespaces as the users' "
+                    "servers")
         if theirs != ours:
             return (f"process {pid} is in another {name} namespace than the node helper (a container, or a "
-                    "systemd unit with PrivateTmp=, PrivateNetwork= or the like): run the helper in the same "
-                    "mount, network and PID namespaces as the users' servers")
+                    "systemd unit with PrivateTmp=, PrivateNetwork=, ProtectSystem= or the like): run the helper "
+                    "in the same mount, network and PID namespaces as the users' servers")
     return None
+
+
+def _tmpfs_at(path: Path) -> bool:
+    """Whether a tmpfs is mounted at ``path`` itself (this mount namespace's /proc/self/mountinfo)."""
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                fields = line.split()
+                if "-" not in fields:
+                    continue
+                point = fields[4].encode().decode("unicode_escape")  # spaces and the like come as \040
+                if point == str(path) and fields[fields.index("-") + 1] == "tmpfs":
+                    return True
+    except OSError:
+        pass
+    return False
+
+
+def tree_resident(pids: list[int]) -> int:
+    """Bytes the processes ``pids`` hold in memory (VmRSS): what a dump of them writes, about."""
+    total = 0
+    for pid in pids:
+        try:
+            total += int(_status(f"/proc/{pid}/status").get("VmRSS", "0 kB").split()[0]) * 1024
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
 
 
 def restore_caps() -> tuple[str, ...]:
@@ -184,7 +222,8 @@ class CriuBroker:
     made. One request per call of :meth:`handle` (threads may overlap)."""
 
     def __init__(self, images_root: str | os.PathLike[str], criu_path: str | None = None,
-                 criu_timeout: float = 3600.0, memory_root: str | os.PathLike[str] | None = None) -> None:
+                 criu_timeout: float = 3600.0, memory_root: str | os.PathLike[str] | None = None,
+                 memory_size: str | None = None) -> None:
         self.criu = criu_mod.find(criu_path)
         self.criu_timeout = criu_timeout
         self.cgroups = cgroups.base()
@@ -192,8 +231,8 @@ class CriuBroker:
             raise SystemExit("The helper needs cgroup v2 (mounted, with this process in it): it confines each "
                              "CRIU run in a cgroup of its own. Under systemd, set Delegate=yes in the unit.")
         self.root = self._own_root(Path(images_root))
-        #: the images root in memory (a tmpfs), or None: images on disk only
-        self.memory = self._own_root(Path(memory_root)) if memory_root else None
+        #: the images root in memory (a tmpfs of its own), or None: images on disk only
+        self.memory = self._own_root(Path(memory_root), True, memory_size) if memory_root else None
         self._spawn = threading.Lock()  # taken to start a child, and by the reaper: see reap()
         self._ours: set[int] = set()
         self._runs = itertools.count(1)
@@ -202,18 +241,39 @@ class CriuBroker:
         self._tidy_earlier_runs()
 
     @staticmethod
-    def _own_root(root: Path) -> Path:
-        """Make ``root`` (and the folders to it) if missing, check that it is ours alone to write, and empty
-        its staging folder: restores' checked copies, which no one else may reach, on its file system (they
-        are hard links)."""
+    def _own_root(root: Path, memory: bool = False, tmpfs_size: str | None = None) -> Path:
+        """Make ``root`` (and the folders to it) if missing, check that no one else can change it or the
+        folders to it, and empty its staging folder: restores' checked copies, which no one else may reach,
+        on its file system (they are hard links). With ``tmpfs_size`` (a memory root), mount a tmpfs of
+        that size there if none is (never unmounted: it holds suspended kernels; it outlives the helper); a
+        ``memory`` root must be a tmpfs mount of its own, whose size bounds all users' images in memory, and
+        which no cleaner of /dev/shm (systemd-logind's RemoveIPC) walks."""
+        root = Path(os.path.abspath(root))
         for folder in [*reversed(root.parents), root]:
             if not folder.exists():
                 folder.mkdir()
                 os.chmod(folder, 0o711 if folder == root else 0o755)  # users pass through to ROOT/UID
-        st = os.lstat(root)
-        if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o022:
-            raise SystemExit(f"{root} must be a folder owned by uid {os.geteuid()} that no one else can "
-                             "write (chmod 711): it holds every user's images folder. Remove it, or name another.")
+            st = os.lstat(folder)
+            # Each folder on the way is root's, and no one else can rename what is in it (not writable by
+            # others, or sticky: then what is in it is theirs to move only if theirs, and the next is root's):
+            # so the path names these folders for as long as the helper runs.
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or (
+                    st.st_mode & 0o022 and (folder == root or not st.st_mode & stat.S_ISVTX)):
+                raise SystemExit(f"{folder} must be a folder owned by uid {os.geteuid()} that no one else can "
+                                 f"write{' (chmod 711)' if folder == root else ''}: it is on the way to, or is, "
+                                 f"{root}, which holds every user's images folder. Name another place.")
+        if memory and not _tmpfs_at(root):
+            if not tmpfs_size:
+                raise SystemExit(f"{root} is no tmpfs of its own: give --memory-size (the helper then mounts one "
+                                 f"there), or mount one yourself: mount -t tmpfs -o size=50%,mode=0711 tmpfs {root}")
+            done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_size},mode=0711,nosuid,nodev",
+                                   "jupyter-gpumigrate-memory", str(root)], capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"Could not mount a tmpfs of {tmpfs_size} at {root}: {done.stderr.strip()}")
+            log.info("mounted a tmpfs of %s at %s for images in memory (it stays mounted)", tmpfs_size, root)
+            st = os.lstat(root)
+            if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+                raise SystemExit(f"the tmpfs mounted at {root} is not root's alone to write")
         os.chmod(root, 0o711)
         staging = root / STAGING
         staging.mkdir(mode=0o700, exist_ok=True)
@@ -234,6 +294,20 @@ class CriuBroker:
         if self.memory is None:
             raise Refused("this helper keeps no images in memory (it runs without --memory-root): suspend to disk")
         return self.memory
+
+    def _memory_room(self, tree: list[int]) -> None:
+        """Refuse a dump into memory that the memory root or the machine has no room for, as the user's server
+        judges it (engine/images.py's choose): the tmpfs must hold what the tree holds and 10 % more, and the
+        machine keep a quarter of its memory available after. Judged here too, since CRIU's pages there are
+        charged to our cgroup, not the user's: a user who asks the helper directly is held to it all the same."""
+        assert self.memory is not None
+        need = tree_resident(tree)
+        free = images_mod.memory_free(self.memory)
+        total, available = images_mod.host_memory()
+        if free < need * 1.1 or (total and available - need < images_mod.KEEP_AVAILABLE * total):
+            raise Refused(f"no room in memory for {need / 1e9:.1f} GB of images ({free / 1e9:.1f} GB free in "
+                          f"{self.memory}, {available / 1e9:.1f} GB of the machine's memory available): suspend to "
+                          "disk")
 
     def _tidy_earlier_runs(self) -> None:
         """Cgroups of an earlier helper: remove the empty ones, name the others (never kill: they may hold
@@ -289,10 +363,13 @@ class CriuBroker:
             why = foreign(p, caller.uid)
             if why:
                 raise Refused(f"{why}: you may only suspend your own processes")
-        why = elsewhere(pid)
+        why = self._elsewhere(caller) or elsewhere(pid)  # the caller's PID numbers are ours only in our namespace
         if why:
             raise Refused(why)
-        fd = self._open_images(caller, request.get("images"), self._place(request))
+        root = self._place(request)
+        if root == self.memory:
+            self._memory_room(tree)
+        fd = self._open_images(caller, request.get("images"), root)
         try:
             start = time.monotonic()
             with self._confined(caller) as cgroup:
@@ -726,9 +803,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--images-root", default=DEFAULT_IMAGES,
                         help=f"where users' images folders are made ({DEFAULT_IMAGES}); on a disk with room")
     parser.add_argument("--memory-root", default="",
-                        help="where users' images folders in memory are made, on a tmpfs (for example "
-                             f"{EXAMPLE_MEMORY}); none by default: images on disk only. Users' servers then "
-                             "suspend to memory where it has room (docs/users.md says what that costs)")
+                        help="where users' images folders in memory are made: a tmpfs of its own, in folders that "
+                             f"only root can change (for example {EXAMPLE_MEMORY}); none by default: images on disk "
+                             "only. Users' servers then suspend to memory where it has room (docs/users.md says what "
+                             "that costs)")
+    parser.add_argument("--memory-size", default="",
+                        help="mount a tmpfs of this size at --memory-root if none is mounted there (mount's size=: "
+                             "bytes with k, m or g, or a share of the machine's memory such as 50%%); it stays "
+                             "mounted when the helper stops")
     parser.add_argument("--criu", default=None, help="the CRIU binary (default: /usr/local/sbin/criu, else PATH)")
     parser.add_argument("--log-file", default=None, help="also log every request to this file")
     parser.add_argument("--criu-timeout", type=float, default=3600.0,
@@ -742,7 +824,8 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0:
         parser.error("the helper runs as root (it lends CRIU's capabilities to each caller, as that caller)")
     try:
-        broker = CriuBroker(args.images_root, args.criu, args.criu_timeout, args.memory_root or None)
+        broker = CriuBroker(args.images_root, args.criu, args.criu_timeout, args.memory_root or None,
+                            args.memory_size or None)
     except Exception as exc:  # CriuNotFound says what to install
         log.error("%s", exc)
         return 1

@@ -14,14 +14,17 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
                                               "memory" only from a helper run with --memory-root;
                                               "elsewhere": "" where the caller shares the helper's
                                               mount, network and PID namespaces, else why not, which
-                                              refuses its dumps and restores; absent from older helpers)
+                                              refuses its dumps and restores (a dump, also of a tree
+                                              outside them); absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
     {"op": "dump", "pid": P, "images": REL, "place": "disk" or "memory"}
                                            -> {"ok": true, "seconds": s}   CRIU dumps the tree under P
-                                              into ROOT/U/REL (MEMORY/U/REL for "memory"; "disk" when
-                                              absent) and kills it; on failure it runs on
+                                              into ROOT/U/REL (MEMORY/U/REL for "memory", refused
+                                              where that tmpfs or the machine has no room for what the
+                                              tree holds; "disk" when absent) and kills it; on
+                                              failure it runs on
     {"op": "restore", "images": REL, "place": ..., "ids": [PID or TID, ...]}
                                            -> {"ok": true, "pid": P, "seconds": s}   the new root
     any failure                            -> {"ok": false, "code": C, "error": "a sentence"}
