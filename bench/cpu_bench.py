@@ -9,7 +9,7 @@ from the operations themselves. The last thing printed is a short table; --out w
 root), ``helper`` (the server runs as an ordinary user made for the run, the node helper as root) and
 ``capabilities`` (that user, and a copy of CRIU given cap_checkpoint_restore,cap_setpcap). The user
 ways need root to set up, and reuse the tests' users.py. A way may name where the images go:
-``-memory`` (/dev/shm; the helper run with --memory-root) or ``-disk`` (the run's folder under /tmp);
+``-memory`` (/dev/shm; the helper's own tmpfs, --memory-root) or ``-disk`` (the run's folder under /tmp);
 without it, the server's default (root: auto, memory where there is room; the users' ways: disk). The
 floors, measured in the same run before the kernels, for each place a way names: one file of the largest
 size written and read by dd (O_DIRECT on disk), as CRIU writes and reads its pages file.
@@ -162,8 +162,8 @@ class UserWay(Way):
         name = self.users.names[0]
         os.chmod(root, 0o755)
         if way == "helper":
-            memory = Path(f"/dev/shm/gpumigrate-bench-helper-{os.getpid()}") if where == "memory" else None
-            self.helper = NodeHelper(root, memory=memory)
+            # in memory: a tmpfs the helper mounts in the run's folder (NodeHelper.stop unmounts it)
+            self.helper = NodeHelper(root, memory=root / "memory" if where == "memory" else None, memory_size="50%")
             config = {"helper_socket": str(self.helper.socket)}
         else:
             criu = root / "criu-with-capabilities"
