@@ -9,10 +9,11 @@ from the operations themselves. The last thing printed is a short table; --out w
 root), ``helper`` (the server runs as an ordinary user made for the run, the node helper as root) and
 ``capabilities`` (that user, and a copy of CRIU given cap_checkpoint_restore,cap_setpcap). The user
 ways need root to set up, and reuse the tests' users.py. A way may name where the images go:
-``-memory`` (/dev/shm; the helper's own tmpfs, --memory-root) or ``-disk`` (the run's folder under /tmp);
+``-memory`` (/dev/shm; the helper's own tmpfs, --memory-root, in /run) or ``-disk`` (the run's folder under /tmp);
 without it, the server's default (root: auto, memory where there is room; the users' ways: disk). The
 floors, measured in the same run before the kernels, for each place a way names: one file of the largest
-size written and read by dd (O_DIRECT on disk), as CRIU writes and reads its pages file.
+size written and read by dd (O_DIRECT on disk), as CRIU writes and reads its pages file; memory's in
+/dev/shm, a tmpfs as the helper's is.
 
     .venv/bin/python bench/cpu_bench.py [--sizes 0,1,4] [--repeat 2] [--ways root,helper-memory] [--out bench.json]
 """
@@ -155,15 +156,17 @@ class UserWay(Way):
 
     def __init__(self, way: str, root: Path, where: str | None = None) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-        from users import NodeHelper, UserServer, Users
+        from users import NodeHelper, UserServer, Users, root_only_folder
 
         self.users = Users([f"gmbench{os.getpid()}"])
         self.helper = None
+        self.memory: Path | None = None
         name = self.users.names[0]
         os.chmod(root, 0o755)
         if way == "helper":
-            # in memory: a tmpfs the helper mounts in the run's folder (NodeHelper.stop unmounts it)
-            self.helper = NodeHelper(root, memory=root / "memory" if where == "memory" else None, memory_size="50%")
+            # in memory: a tmpfs the helper mounts on a way only root writes (NodeHelper.stop unmounts it)
+            self.memory = root_only_folder("gpumigrate-bench-memory-") if where == "memory" else None
+            self.helper = NodeHelper(root, memory=self.memory / "memory" if self.memory else None, memory_size="50%")
             config = {"helper_socket": str(self.helper.socket)}
         else:
             criu = root / "criu-with-capabilities"
@@ -183,6 +186,8 @@ class UserWay(Way):
         self.server.stop()
         if self.helper is not None:
             self.helper.stop()
+        if self.memory is not None:
+            shutil.rmtree(self.memory, ignore_errors=True)
         self.users.close()
 
 

@@ -24,7 +24,7 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab, two_gpus
-from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove, user_env
+from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove, root_only_folder, user_env
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
 
@@ -36,11 +36,12 @@ A, B = f"gm{os.getpid()}a", f"gm{os.getpid()}b"
 def world():
     base = Path(tempfile.mkdtemp(prefix="gm-users-", dir="/tmp"))
     os.chmod(base, 0o755)
+    memory = root_only_folder("gm-users-memory-") / "memory"  # images in memory too, on a way only root writes
     users = helper = None
     servers: dict[str, UserServer] = {}
     try:
         users = Users([A, B])
-        helper = NodeHelper(base, memory=base / "memory")  # images in memory too
+        helper = NodeHelper(base, memory=memory)
         for name in (A, B):
             servers[name] = UserServer(name, base / name, {"helper_socket": str(helper.socket)}).start()
         yield users, helper, servers, base
@@ -49,9 +50,11 @@ def world():
             server.stop()
         if helper is not None:
             helper.stop()
+        subprocess.run(["umount", "--lazy", str(memory)], capture_output=True)  # if it was left mounted
         if users is not None:
             users.close()
         remove(base)
+        remove(memory.parent)
 
 
 async def open_tab(server: UserServer, kernel_id: str) -> WebSocketTab:
@@ -214,39 +217,52 @@ def state_digest(server: UserServer) -> str:
 
 
 async def test_a_helper_refuses_a_memory_root_others_could_change_and_a_dump_into_memory_without_room(world):
-    """The helper's memory root: every folder on the way to it is root's (one a user owns could be swapped for
-    a link, and the helper would then write where that user chose): refused at start, saying which. A dump into
-    memory that the helper's tmpfs has no room for is refused, asked directly as much as through a server (CRIU's
-    pages there are charged to the helper, not the user), and the process runs on."""
+    """The helper's memory root: every folder on the way to it is root's and closed to others, sticky ones
+    included (in one a user owns, or /tmp, someone else could make the name first or swap it for a link, and the
+    helper would then write where they chose): refused at start, saying which, with nothing mounted. A dump into
+    memory that the helper's tmpfs has no room for is refused (asked of the helper directly, as a user could),
+    and the process runs on."""
     users, _, _, base = world
     uid = users.uid(A)
-    theirs = base / "theirs"
+    ways = root_only_folder("gm-users-ways-")
+    theirs, sticky = ways / "theirs", ways / "sticky"
     theirs.mkdir()
     os.chown(theirs, uid, -1)
-    bad = NodeHelper(theirs, memory=theirs / "memory", wait=False)
-    try:
-        assert bad.proc.wait(timeout=30) != 0
-        said = (theirs / "helper.out").read_text()
-        assert f"{theirs} must be a folder owned by uid 0 that no one else can write" in said, said
-        assert not (theirs / "memory").exists() and not (theirs / "run" / "helper.sock").exists()
-    finally:
-        bad.stop()
+    sticky.mkdir()
+    os.chmod(sticky, 0o1777)
+    for n, (memory, named) in enumerate(((theirs / "memory", theirs), (sticky / "memory", sticky))):
+        folder = base / f"refused-{n}"
+        folder.mkdir(mode=0o755)
+        bad = NodeHelper(folder, memory=memory, wait=False)
+        try:
+            assert bad.proc.wait(timeout=30) != 0
+            said = (folder / "helper.out").read_text()
+            assert f"{named} must be a folder owned by uid 0 that no one else can write" in said, said
+            assert not memory.exists() and not bad.socket.exists(), said
+        finally:
+            bad.stop()
+    remove(ways)
     small_base = base / "small"
     small_base.mkdir(mode=0o755)
-    small = NodeHelper(small_base, memory=small_base / "memory", memory_size="16m")
-    holder = subprocess.Popen([*as_user(A), sys.executable, "-c", "import time\nx = b'1' * (64 << 20)\n"
-                               "print('held', flush=True)\ntime.sleep(300)"], cwd="/", env=user_env(A),
-                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    small_memory = root_only_folder("gm-users-memory-small-") / "memory"
     try:
-        assert holder.stdout.readline().strip() == "held"
-        (dump,) = await call(ask_as, users, A, small, {"op": "dump", "pid": holder.pid, "images": "images/big",
-                                                       "place": "memory"})
-        assert dump["code"] == "refused" and "no room in memory for 0.1 GB of images" in dump["error"], dump
-        assert "suspend to disk" in dump["error"] and holder.poll() is None
+        small = NodeHelper(small_base, memory=small_memory, memory_size="16m")
+        holder = subprocess.Popen([*as_user(A), sys.executable, "-c", "import time\nx = b'1' * (64 << 20)\n"
+                                   "print('held', flush=True)\ntime.sleep(300)"], cwd="/", env=user_env(A),
+                                  stdout=subprocess.PIPE, text=True, start_new_session=True)
+        try:
+            assert holder.stdout.readline().strip() == "held"
+            (dump,) = await call(ask_as, users, A, small, {"op": "dump", "pid": holder.pid, "images": "images/big",
+                                                           "place": "memory"})
+            assert dump["code"] == "refused" and "no room in memory for 0.1 GB of images" in dump["error"], dump
+            assert "suspend to disk" in dump["error"] and holder.poll() is None
+        finally:
+            holder.kill()
+            holder.wait()
+            small.stop()
     finally:
-        holder.kill()
-        holder.wait()
-        small.stop()
+        subprocess.run(["umount", "--lazy", str(small_memory)], capture_output=True)
+        remove(small_memory.parent)
 
 
 def doctor_in(netns: str, user: str, helper: NodeHelper) -> dict[str, dict]:
@@ -368,7 +384,8 @@ async def test_a_restore_whose_pid_file_is_swapped_signals_nothing_outside_it(wo
 async def test_a_restore_whose_asker_left_is_not_let_run_outside_the_users_cgroup(world):
     """The restored tree runs in the cgroup of the process that asked (the user's server, under the
     user's limits). If that process is gone, there is nowhere to put it: it is killed, not let run
-    in the helper's cgroup."""
+    in the helper's cgroup; or, gone before the helper looked at its namespaces, it is refused before CRIU
+    runs at all (the usual case now: the asker here leaves at once)."""
     users, helper, _, _ = world
     folder = helper.images / str(users.uid(A)) / "orphan"
     assert users.run(A, "mkdir", "-m", "700", "-p", str(folder)).returncode == 0
@@ -382,7 +399,8 @@ async def test_a_restore_whose_asker_left_is_not_let_run_outside_the_users_cgrou
         f"s.sendall(json.dumps({{'op': 'restore', 'images': 'orphan', 'ids': [{sleeper.pid}]}}).encode() + b'\\n')\n"))
     assert gone.returncode == 0, gone.stderr
     deadline = time.monotonic() + 30
-    while "the process that asked is gone" not in helper.log():
+    while not any(said in helper.log() for said in ("the process that asked is gone",
+                                                     "your server's mount namespace cannot be read (it is gone")):
         assert time.monotonic() < deadline, helper.log()[-2000:]
         await asyncio.sleep(0.1)
     await asyncio.sleep(0.3)
@@ -524,6 +542,7 @@ def hosts_of_a_user(world):
     root = base / "hosts"
     root.mkdir(mode=0o755)
     net = Network(20 + (os.getpid() + 101) % 200).up()
+    memory_a = root_only_folder("gm-users-memory-a-") / "memory"
     hosts, helpers = [], []
     try:
         a, b = hosts = list(host_pair(net, root))
@@ -532,7 +551,7 @@ def hosts_of_a_user(world):
         for host in hosts:  # a's helper keeps images in memory too, b's on disk only
             folder = root / f"{host.name}-helper"
             folder.mkdir(mode=0o755)
-            memory = folder / "memory" if host is a else None
+            memory = memory_a if host is a else None
             helpers.append(NodeHelper(folder, ns=host.ns, memory=memory))
             host.user = A
             host.extra = {"MigratableProvisioner": {"helper_socket": str(helpers[-1].socket), "suspend_to": "auto"}}
@@ -544,6 +563,8 @@ def hosts_of_a_user(world):
             host.stop()
         for helper in helpers:
             helper.stop()
+        subprocess.run(["umount", "--lazy", str(memory_a)], capture_output=True)
+        remove(memory_a.parent)
         net.close()
 
 

@@ -18,6 +18,7 @@ import stat
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,6 +213,18 @@ class UserServer:
                 self.proc.wait(timeout=10)
         if getattr(self, "log", None):
             self.log.close()
+
+
+def root_only_folder(prefix: str) -> Path:
+    """A new folder (0755) whose way is root's and closed to others, sticky folders such as /tmp excluded: where
+    the node helper accepts a memory root (in /run, a tmpfs cleared at boot, else /var/lib)."""
+    for parent in ("/run", "/var/lib"):
+        st = os.stat(parent)
+        if st.st_uid == 0 and not st.st_mode & 0o022:
+            folder = Path(tempfile.mkdtemp(prefix=prefix, dir=parent))
+            os.chmod(folder, 0o755)
+            return folder
+    raise RuntimeError("neither /run nor /var/lib is root's alone to write")
 
 
 def remove(path: Path) -> None:

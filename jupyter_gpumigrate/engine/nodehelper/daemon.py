@@ -43,6 +43,7 @@ import json
 import logging
 import os
 import pwd
+import re
 import signal
 import socket
 import socketserver
@@ -151,6 +152,9 @@ def elsewhere(pid: int) -> str | None:
             continue  # no such namespace on this kernel
         try:
             theirs = os.readlink(f"/proc/{pid}/ns/{kind}") if pid > 0 else None
+        except PermissionError:
+            return (f"the node helper may not read process {pid}'s namespaces: it needs CAP_SYS_PTRACE (do not take "
+                    "it away in its unit's CapabilityBoundingSet)")
         except OSError:
             theirs = None
         if theirs is None:
@@ -164,19 +168,30 @@ def elsewhere(pid: int) -> str | None:
     return None
 
 
+def _unescape(field: bytes) -> bytes:
+    """A mountinfo path: octal escapes (\\040 for a space...) back to their bytes."""
+    return re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), field)
+
+
 def _tmpfs_at(path: Path) -> bool:
-    """Whether a tmpfs is mounted at ``path`` itself (this mount namespace's /proc/self/mountinfo)."""
+    """Whether ``path`` is the root of a tmpfs mounted there, the one on top (not a bind of a folder of another
+    file system, nor a tmpfs with something mounted over it): the mount in /proc/self/mountinfo whose device is
+    the path's and whose mount point is the path, mounting that tmpfs's own root."""
     try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                fields = line.split()
-                if "-" not in fields:
-                    continue
-                point = fields[4].encode().decode("unicode_escape")  # spaces and the like come as \040
-                if point == str(path) and fields[fields.index("-") + 1] == "tmpfs":
-                    return True
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().splitlines()
     except OSError:
-        pass
+        return False
+    wanted = (os.major(dev), os.minor(dev))
+    for line in lines:
+        fields = line.split()
+        if b"-" not in fields or len(fields) < 5:
+            continue
+        major, _, minor = fields[2].partition(b":")
+        if (int(major), int(minor)) == wanted and _unescape(fields[4]) == os.fsencode(path) and fields[3] == b"/" \
+                and fields[fields.index(b"-") + 1] == b"tmpfs":
+            return True
     return False
 
 
@@ -244,21 +259,22 @@ class CriuBroker:
     def _own_root(root: Path, memory: bool = False, tmpfs_size: str | None = None) -> Path:
         """Make ``root`` (and the folders to it) if missing, check that no one else can change it or the
         folders to it, and empty its staging folder: restores' checked copies, which no one else may reach,
-        on its file system (they are hard links). With ``tmpfs_size`` (a memory root), mount a tmpfs of
-        that size there if none is (never unmounted: it holds suspended kernels; it outlives the helper); a
-        ``memory`` root must be a tmpfs mount of its own, whose size bounds all users' images in memory, and
-        which no cleaner of /dev/shm (systemd-logind's RemoveIPC) walks."""
-        root = Path(os.path.abspath(root))
+        on its file system (they are hard links). A ``memory`` root must be a tmpfs of its own, whose size
+        bounds all users' images in memory, on a way no one else can write (sticky folders such as /tmp and
+        /dev/shm included: someone could make the name first, and systemd-logind's RemoveIPC empties /dev/shm
+        of a user's files); with ``tmpfs_size``, the helper mounts one there if none is, never over anything,
+        and leaves it mounted (it holds suspended kernels: it outlives the helper)."""
+        root = Path(os.path.realpath(root))  # the links on the way, resolved once: then each folder is checked
         for folder in [*reversed(root.parents), root]:
             if not folder.exists():
                 folder.mkdir()
                 os.chmod(folder, 0o711 if folder == root else 0o755)  # users pass through to ROOT/UID
             st = os.lstat(folder)
             # Each folder on the way is root's, and no one else can rename what is in it (not writable by
-            # others, or sticky: then what is in it is theirs to move only if theirs, and the next is root's):
-            # so the path names these folders for as long as the helper runs.
-            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or (
-                    st.st_mode & 0o022 and (folder == root or not st.st_mode & stat.S_ISVTX)):
+            # others, or, on the way to a disk root, sticky: then what is in it is theirs to move only if
+            # theirs, and the next is root's): so the path names these folders for as long as the helper runs.
+            others = st.st_mode & 0o022 and (folder == root or memory or not st.st_mode & stat.S_ISVTX)
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or others:
                 raise SystemExit(f"{folder} must be a folder owned by uid {os.geteuid()} that no one else can "
                                  f"write{' (chmod 711)' if folder == root else ''}: it is on the way to, or is, "
                                  f"{root}, which holds every user's images folder. Name another place.")
@@ -266,9 +282,15 @@ class CriuBroker:
             if not tmpfs_size:
                 raise SystemExit(f"{root} is no tmpfs of its own: give --memory-size (the helper then mounts one "
                                  f"there), or mount one yourself: mount -t tmpfs -o size=50%,mode=0711 tmpfs {root}")
+            if not re.fullmatch(r"[0-9]+[kmgKMG%]?", tmpfs_size):
+                raise SystemExit(f"--memory-size {tmpfs_size!r} is not a size: bytes, with k, m or g, or a share of "
+                                 "the machine's memory such as 50%")
+            if any(name != STAGING for name in os.listdir(root)):
+                raise SystemExit(f"{root} is not empty: the helper mounts its tmpfs only on an empty folder (what is "
+                                 "there would be hidden). Move it away, or name another place.")
             done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={tmpfs_size},mode=0711,nosuid,nodev",
                                    "jupyter-gpumigrate-memory", str(root)], capture_output=True, text=True)
-            if done.returncode != 0:
+            if done.returncode != 0 or not _tmpfs_at(root):
                 raise SystemExit(f"Could not mount a tmpfs of {tmpfs_size} at {root}: {done.stderr.strip()}")
             log.info("mounted a tmpfs of %s at %s for images in memory (it stays mounted)", tmpfs_size, root)
             st = os.lstat(root)
@@ -296,18 +318,17 @@ class CriuBroker:
         return self.memory
 
     def _memory_room(self, tree: list[int]) -> None:
-        """Refuse a dump into memory that the memory root or the machine has no room for, as the user's server
-        judges it (engine/images.py's choose): the tmpfs must hold what the tree holds and 10 % more, and the
-        machine keep a quarter of its memory available after. Judged here too, since CRIU's pages there are
-        charged to our cgroup, not the user's: a user who asks the helper directly is held to it all the same."""
+        """Refuse a dump into memory that the memory root has no room for: what the tree holds now (VmRSS) and
+        10 % more, as the user's server judges it first (engine/images.py's choose, which also keeps a quarter
+        of the machine's memory available; not judged again here, where a GPU kernel's checkpointed memory
+        would count twice). An estimate at the request, not a bound: a tree can grow before CRIU freezes it,
+        and hold what RSS does not show (a memfd, swap). The tmpfs's size is the bound on all users together."""
         assert self.memory is not None
         need = tree_resident(tree)
         free = images_mod.memory_free(self.memory)
-        total, available = images_mod.host_memory()
-        if free < need * 1.1 or (total and available - need < images_mod.KEEP_AVAILABLE * total):
+        if free < need * 1.1:
             raise Refused(f"no room in memory for {need / 1e9:.1f} GB of images ({free / 1e9:.1f} GB free in "
-                          f"{self.memory}, {available / 1e9:.1f} GB of the machine's memory available): suspend to "
-                          "disk")
+                          f"{self.memory}): suspend to disk")
 
     def _tidy_earlier_runs(self) -> None:
         """Cgroups of an earlier helper: remove the empty ones, name the others (never kill: they may hold
@@ -785,8 +806,13 @@ class Service(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             os.chmod(folder, 0o755)  # every user must reach the socket
         if os.path.exists(path) or os.path.islink(path):
             os.unlink(path)
-        super().__init__(path, _Connection)
-        os.chmod(path, 0o666)  # anyone may ask; SO_PEERCRED says who asks
+        # Made 0666 as it is bound (anyone may ask; SO_PEERCRED says who asks), not by a chmod of its path
+        # after, which would follow whatever someone put there meanwhile.
+        mask = os.umask(0o111)
+        try:
+            super().__init__(path, _Connection)
+        finally:
+            os.umask(mask)
 
 
 def _reaper(broker: CriuBroker, stop: threading.Event) -> None:

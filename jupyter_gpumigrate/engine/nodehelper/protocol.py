@@ -15,7 +15,8 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
                                               "elsewhere": "" where the caller shares the helper's
                                               mount, network and PID namespaces, else why not, which
                                               refuses its dumps and restores (a dump, also of a tree
-                                              outside them); absent from older helpers)
+                                              outside them; a caller whose namespaces cannot be read
+                                              is refused too); absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
