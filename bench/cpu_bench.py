@@ -192,17 +192,20 @@ class UserWay(Way):
 
 
 def table(rows: list[dict], floors: dict | None = None) -> str:
-    head = ["way", "images", "kernel GB", "images GB", "suspend s", "dump s", "resume s", "restore s", "adopt s",
-            "GB/s dump", "GB/s restore", "floor GB/s write / read"]
+    """One line per round. Written: the seconds the images took to write (the host stash, where the kernel's
+    large buffers went, then CRIU's dump); read: to read back (CRIU's restore, then the unstash)."""
+    head = ["way", "images", "kernel GB", "images GB", "suspend s", "written s", "resume s", "read s", "adopt s",
+            "GB/s written", "GB/s read", "floor GB/s write / read"]
     body = []
     for r in rows:
         s, m = r["suspend"]["timings"], r["resume"]["timings"]
         gbytes = r["image_bytes"] / GB
+        written, read = s.get("stash", 0) + s["dump"], m["restore"] + m.get("unstash", 0)
         place = r["suspend"].get("images") or "?"
         floor = (floors or {}).get(place)
         body.append([r.get("way", "root"), place, f"{r['size_gb']:g}", f"{gbytes:.2f}", f"{r['suspend']['total']:.2f}",
-                     f"{s['dump']:.2f}", f"{r['resume']['total']:.2f}", f"{m['restore']:.2f}", f"{m['adopt']:.2f}",
-                     f"{gbytes / s['dump']:.2f}", f"{gbytes / m['restore']:.2f}",
+                     f"{written:.2f}", f"{r['resume']['total']:.2f}", f"{read:.2f}", f"{m['adopt']:.2f}",
+                     f"{gbytes / written:.2f}", f"{gbytes / read:.2f}",
                      f"{floor['write']:.2f} / {floor['read']:.2f}" if floor else ""])
     return text_table(head, body)
 
