@@ -33,7 +33,7 @@ from .engine import cudackpt
 from .engine import stash as stash_mod
 from .engine.access import images_root, memory_root, open_criu
 from .engine.errors import MigrateError
-from .engine.images import adopt_shared_folder, write_durably
+from .engine.images import write_durably
 from .engine.migration import SUSPENDED
 from .operations import EVENT_SCHEMA_ID, Operation, OperationManager, event_schema
 from .peers import RUNNING_GUESTS, GuestHost, Peer
@@ -184,15 +184,11 @@ class GPUMigrateApp(ExtensionApp):
         # writes nowhere else. The configured socket alone says nothing: it has a default, so testing it kept
         # every guest's images on disk (the way home's stash wrote at the disk's speed).
         guests_root = images_root(Path(defaults.state_dir), helper_socket)
-        guests_disk = guests_root / "guests"
         guests_memory: Path | None = Path(f"{defaults.memory_dir}-guests") if defaults.memory_dir else None
-        if guests_root != Path(defaults.state_dir):  # the user's folders: in them, this server's own
-            guests_disk = guests_root / f"guests-{defaults.state_digest()}"
-            adopt_shared_folder(guests_root / "guests", guests_disk)  # where an earlier version kept every server's
-            if guests_memory is not None:
-                helper_memory = memory_root(None, helper_socket)
-                guests_memory = helper_memory / f"guests-{defaults.state_digest()}" if helper_memory else None
-        self.guests = GuestHost(guests_disk,
+        if guests_root != Path(defaults.state_dir) and guests_memory is not None:
+            helper_memory = memory_root(None, helper_socket)
+            guests_memory = helper_memory / f"guests-{defaults.state_digest()}" if helper_memory is not None else None
+        self.guests = GuestHost(guests_root / "guests",
                                 lambda: open_criu(self.criu_path or defaults.criu_path or None, helper_socket),
                                 gpus_mod.snapshot, guests_memory, defaults.suspend_to, self._kernelspec,
                                 received_expire=self.guest_images_expire, unclaimed=self.guest_unclaimed_expire,

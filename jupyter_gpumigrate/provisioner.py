@@ -46,7 +46,7 @@ from traitlets import Bool, Enum, Float, Int, Unicode, default
 from .credentials import KernelCredentials
 from .engine import proctree
 from .engine.access import images_root, memory_root
-from .engine.images import ImageStore, Manifest, adopt_shared_folder, this_process, write_durably
+from .engine.images import ImageStore, Manifest, this_process, write_durably
 from .engine.nodehelper import DEFAULT_SOCKET
 from .engine.shared import SharedFolder
 from .engine.errors import ImageError, InvalidState, MigrateError
@@ -364,20 +364,16 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     @property
     def images(self) -> ImageStore:
         # With the node helper, the folders it made for this user (access.py), on disk and, where it keeps
-        # them, in memory (in each, one of this state folder's own: a user's other servers take back and
-        # sweep what is in theirs only): it dumps nowhere else (memory_dir "" keeps a user's images on disk).
+        # them, in memory (there, one of this state folder's own): it dumps nowhere else (memory_dir ""
+        # keeps a user's images on disk all the same).
         # With a shared folder, this host's folder there (engine/shared.py).
         root = images_root(Path(self.state_dir), self.helper_socket or None)
         memory: str | Path | None = self.memory_dir
-        disk = root / "images"
-        if root != Path(self.state_dir):  # the helper's folders are the user's: in them, this server's own
-            disk = root / f"images-{self.state_digest()}"
-            adopt_shared_folder(root / "images", disk)  # where an earlier version kept every server's
-            if memory:
-                helper_memory = memory_root(None, self.helper_socket or None)
-                memory = helper_memory / f"images-{self.state_digest()}" if helper_memory is not None else None
+        if root != Path(self.state_dir) and memory:
+            helper_memory = memory_root(None, self.helper_socket or None)
+            memory = helper_memory / f"images-{self.state_digest()}" if helper_memory is not None else None
         shared = self.shared
-        return ImageStore(shared.images_root() if shared is not None else disk, memory or None)
+        return ImageStore(shared.images_root() if shared is not None else root / "images", memory or None)
 
     def secrets(self) -> dict:
         info = self.connection_info

@@ -358,23 +358,3 @@ async def test_a_stop_during_the_memory_watchers_move_waits_for_it_and_makes_no_
     finally:
         server.stop(signal.SIGKILL)
         server.kill_kernels()
-
-
-def test_images_a_users_servers_once_shared_become_the_first_starting_servers_own(tmp_path):
-    """Through the node helper, an earlier version kept all of a user's servers' images in one folder; each
-    server now has its own (provisioner.py, app.py), and the first to start takes what the shared one holds,
-    whole: the folder at once where it has none yet, else each name it does not have (one it has stays)."""
-    shared, own = tmp_path / "images", tmp_path / "images-aaaa"
-    for name in ("k1", "k2"):
-        (shared / name).mkdir(parents=True)
-        (shared / name / "manifest.json").write_text(name)
-    assert sorted(images.adopt_shared_folder(shared, own)) == ["k1", "k2"]
-    assert not shared.exists() and (own / "k2" / "manifest.json").read_text() == "k2"
-    assert images.adopt_shared_folder(shared, own) == []  # once per process
-
-    shared, own = tmp_path / "guests", tmp_path / "guests-bbbb"
-    for name in ("g1", "g2"):
-        (shared / name).mkdir(parents=True)
-    (own / "g1").mkdir(parents=True)
-    assert images.adopt_shared_folder(shared, own) == ["g2"]
-    assert (own / "g2").is_dir() and (shared / "g1").is_dir()  # its own g1 kept, the shared one left as it was

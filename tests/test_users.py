@@ -113,10 +113,8 @@ async def test_each_user_suspends_and_resumes_their_own_kernel_through_the_helpe
         listed = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert listed["state"] == "suspended" and listed["pid"] is None
 
-        # The images are the user's, closed to everyone else, in the folder the helper made for them (in it, the
-        # server's own).
-        own = f"images-{state_digest(server)}"
-        images = helper.images / str(uid) / own / kernel_id
+        # The images are the user's, closed to everyone else, in the folder the helper made for them.
+        images = helper.images / str(uid) / "images" / kernel_id
         assert images.is_dir() and images.stat().st_uid == uid and images.stat().st_mode & 0o077 == 0
         pages = sorted(images.glob("pages-*.img"))
         assert pages and all(p.stat().st_uid == uid for p in pages)
@@ -130,7 +128,7 @@ async def test_each_user_suspends_and_resumes_their_own_kernel_through_the_helpe
         out = await tab.run("print(secret, next(count), os.getuid())")
         assert out.split() == ["only", name, "42", str(uid)]
         log = helper.log()
-        assert f"uid={uid}({name})" in log and "'dump' pid=" in log and f"'restore' images='{own}/{kernel_id}'" in log
+        assert f"uid={uid}({name})" in log and "'dump' pid=" in log and f"'restore' images='images/{kernel_id}'" in log
 
 
 async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_and_no_one_else_reads_it(world):
@@ -152,7 +150,7 @@ async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_an
             pages = sorted(images.glob("pages-*.img"))
             assert pages and images.stat().st_uid == uid and images.stat().st_mode & 0o077 == 0
             assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in images.iterdir())
-            assert not (helper.images / str(uid) / mine / kernel_id).exists()
+            assert not (helper.images / str(uid) / "images" / kernel_id).exists()
             peek = users.run(B, "cat", str(pages[0]))
             assert peek.returncode != 0 and "Permission denied" in peek.stderr
             stolen = await call(ask_as, users, B, helper,
@@ -188,17 +186,12 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
         op = await call(server.operate, kernel_id, "suspend")
         assert op["status"] == "succeeded" and op["images"] == "memory", (op, server.server_log())
         memory = helper.memory / str(uid) / f"images-{state_digest(server)}" / kernel_id
-        disk = helper.images / str(uid) / f"images-{state_digest(server)}" / kernel_id
+        disk = helper.images / str(uid) / "images" / kernel_id
         assert (memory / "manifest.json").is_file() and not disk.exists()
         server.stop()
         assert (disk / "manifest.json").is_file() and not memory.exists(), server.server_log()
         assert "moved from memory to" in server.server_log()
         assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in [disk, *disk.iterdir()])
-        # As an earlier version kept them: in the user's folder that all their servers shared. The next server
-        # makes them its own, then takes the kernel back.
-        shared = helper.images / str(uid) / "images"
-        assert users.run(A, "mkdir", "-m", "700", str(shared)).returncode == 0
-        assert users.run(A, "mv", str(disk), str(shared / kernel_id)).returncode == 0
         server.start()
         deadline = time.monotonic() + 60
         while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
@@ -206,7 +199,6 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
             await asyncio.sleep(0.2)
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["state"] == "suspended" and view["images"] == "disk", view
-        assert (disk / "manifest.json").is_file() and not shared.exists()
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op, server.server_log())
         tab = await open_tab(server, kernel_id)

@@ -584,35 +584,6 @@ def _remove(path: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
-_adopted: set[tuple[Path, Path]] = set()
-
-
-def adopt_shared_folder(shared: Path, own: Path) -> list[str]:
-    """Move into ``own`` what ``shared`` holds (once per process): images an earlier version kept in a folder
-    that all of a user's servers shared (the node helper's ``images`` and ``guests``), now each server's own.
-    The first server to start takes them all, as it took them back before; a name ``own`` has already is left
-    where it is. The names moved."""
-    if (shared, own) in _adopted:
-        return []
-    _adopted.add((shared, own))
-    moved: list[str] = []
-    try:
-        if not shared.is_dir() or shared.is_symlink():
-            return moved
-        if not own.exists():
-            names = [p.name for p in shared.iterdir()]
-            os.rename(shared, own)  # one step: nothing is ever in neither
-            return names
-        for entry in shared.iterdir():
-            if not (own / entry.name).exists():
-                os.rename(entry, own / entry.name)
-                moved.append(entry.name)
-        shared.rmdir()
-    except OSError:
-        pass  # what could not move stays where it was, and is said by nothing worse than before
-    return moved
-
-
 def memory_free(folder: Path) -> int:
     """Bytes that can still be written to the file system of ``folder`` (or of its nearest existing parent)."""
     while not folder.exists() and folder != folder.parent:
