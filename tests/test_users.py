@@ -665,3 +665,136 @@ async def test_a_helper_in_other_namespaces_than_the_users_kernel_or_server_refu
         for proc in (netns_only, mounts_too):
             proc.kill()
             proc.wait()
+
+
+def criu_running(*args: str, timeout: float = 120) -> int:
+    """A CRIU running with all of ``args``, once it runs (not the shell that becomes it, nor a zombie)."""
+    wanted = [a.encode() for a in args]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if argv and argv[0].endswith(b"criu") and all(w in argv for w in wanted) and state != "Z":
+                return int(entry.name)
+        time.sleep(0.005)
+    raise AssertionError(f"no CRIU ran with {args} within {timeout} s")
+
+
+class HelperGoes:
+    """A helper of its own, and A's server on it, for a test that kills the helper mid-run: a kernel holding
+    1 GB of bytes (CRIU writes them: a run long enough to be caught), its tab, its PID."""
+
+    BUILD = "import hashlib\nblob = bytes(range(256)) * 4_000_000\nx = 41\nbefore = hashlib.sha256(blob).hexdigest()"
+    CHECK = "print(x + 1, hashlib.sha256(blob).hexdigest() == before)"
+
+    def __init__(self, base: Path, name: str) -> None:
+        self.folder = base / f"gone-{name}"
+        self.folder.mkdir(mode=0o755)
+        self.helper = NodeHelper(self.folder)
+        self.server = UserServer(A, base / f"a-gone-{name}", {"helper_socket": str(self.helper.socket),
+                                                              "suspend_to": "disk"}).start()
+        self.kernel_id: str | None = None
+
+    async def kernel(self) -> tuple[str, WebSocketTab, int]:
+        self.kernel_id, tab = await new_kernel(self.server)
+        await tab.run(self.BUILD)
+        return self.kernel_id, tab, (await call(self.server.api, "GET", f"api/gpumigrate/kernels/{self.kernel_id}"))["pid"]
+
+    def goes_while(self, criu: int) -> None:
+        """SIGKILL the helper while ``criu``, a CRIU it started, is held mid-run (SIGSTOPped; the caller says
+        what becomes of it)."""
+        os.kill(criu, signal.SIGSTOP)
+        self.helper.proc.kill()
+        self.helper.proc.wait(timeout=30)
+
+    async def ended(self, op: dict) -> dict:
+        deadline = time.monotonic() + 300
+        while op["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, op
+            await asyncio.sleep(0.2)
+            op = await call(self.server.api, "GET", f"api/gpumigrate/operations/{op['id']}")
+        return op
+
+    def next_helper(self) -> None:
+        """The next helper, on the same socket, as systemd restarts it (the dead one's socket goes first: the
+        next unlinks it too, but it is waited for by its socket)."""
+        self.helper.stop()
+        self.helper.socket.unlink()
+        self.helper = NodeHelper(self.folder)
+
+    async def close(self) -> None:
+        if self.kernel_id is not None:
+            with contextlib.suppress(AssertionError, OSError):
+                await call(self.server.api, "DELETE", f"api/kernels/{self.kernel_id}")
+        self.server.stop()
+        self.helper.stop()
+
+
+@pytest.mark.parametrize("criu", ["outlives it", "dies with it"])
+async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(world, criu):
+    """The helper SIGKILLed (or restarted: its unit's KillMode=process leaves its children) while the CRIU it
+    started dumps a kernel. That CRIU runs on without it: the server waits for it, and goes by what it did (its
+    images complete: the kernel is suspended, and resumes through the next helper), not by the helper's going,
+    which said nothing. A CRIU killed with the helper leaves the kernel running, untouched."""
+    gone = HelperGoes(world[3], criu.split()[0])
+    server = gone.server
+    try:
+        kernel_id, tab, pid = await gone.kernel()
+        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+        dumper = await call(criu_running, "dump", "--tree", str(pid))
+        gone.goes_while(dumper)
+        if criu == "outlives it":
+            await asyncio.sleep(1)
+            os.kill(dumper, signal.SIGCONT)
+        else:
+            os.kill(dumper, signal.SIGKILL)
+        op = await gone.ended(op)
+        gone.next_helper()
+        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        if criu == "outlives it":
+            assert op["status"] == "succeeded" and view["state"] == "suspended", (op, server.server_log())
+            op = await call(server.operate, kernel_id, "resume")
+            assert op["status"] == "succeeded", (op, server.server_log())
+        else:
+            assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+            assert "runs on, unchanged" in op["error"] and view["state"] == "running" and view["pid"] == pid, op
+            assert "the node helper went during the dump" in op["error"] or "killed" in op["error"], op
+        assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
+        tab.ws.close()
+    finally:
+        await gone.close()
+
+
+async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(world):
+    """The helper SIGKILLed while the CRIU it started restores a kernel: the tree CRIU makes waits, stopped, for
+    the helper's check, which never comes. The resume fails, saying so, with the images kept; the next helper
+    kills that tree as it starts (it never ran), and the resume asked again brings the kernel back whole."""
+    gone = HelperGoes(world[3], "restore")
+    server = gone.server
+    try:
+        kernel_id, tab, pid = await gone.kernel()
+        op = await call(server.operate, kernel_id, "suspend")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
+        restorer = await call(criu_running, "restore")
+        gone.goes_while(restorer)
+        os.kill(restorer, signal.SIGCONT)  # it finishes without the helper: the tree it made waits, stopped
+        op = await gone.ended(op)
+        assert op["status"] == "failed" and "did it restart?" in op["error"], op
+        assert (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "suspended"
+        gone.next_helper()  # it kills the tree left stopped
+        assert "an earlier helper's restore, still holds processes" in gone.helper.log()
+        deadline = time.monotonic() + 60  # killed, they are collected by PID 1 (their parent, the helper, went)
+        while Path(f"/proc/{pid}").exists():
+            assert time.monotonic() < deadline, f"process {pid} of the tree left stopped is still there"
+            await asyncio.sleep(0.1)
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
+        assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
+        tab.ws.close()
+    finally:
+        await gone.close()

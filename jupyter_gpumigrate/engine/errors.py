@@ -107,6 +107,11 @@ class HelperError(MigrateError):
     http_status = 503
 
 
+class HelperGone(HelperError):
+    """The node helper took a request and went (killed, restarted) before it answered: what it started, a CRIU
+    run, may still be running."""
+
+
 class PrivilegeMissing(MigrateError):
     """This server runs as an ordinary user, and nothing lends CRIU the privileges it needs."""
 

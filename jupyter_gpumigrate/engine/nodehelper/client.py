@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+import time
 from pathlib import Path
 
 from .. import criu as criu_mod
-from ..errors import CriuFailed, HelperError
+from ..errors import CriuFailed, HelperError, HelperGone
 from .protocol import BUSY, CRIU_FAILED, DEFAULT_SOCKET, encode
 
 
@@ -24,26 +26,35 @@ class HelperClient:
         self.path = path
 
     def request(self, payload: dict, timeout: float = 30.0) -> dict:
-        """Send one request; the helper's answer (``ok`` may be false). ``timeout`` bounds each wait."""
+        """Send one request; the helper's answer (``ok`` may be false). ``timeout`` bounds each wait. Raises
+        :class:`HelperGone` where the helper took the request and went before it answered."""
         data = b""
+        sent = False
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(timeout)
                 sock.connect(self.path)
                 sock.sendall(encode(payload))
+                sent = True
                 while not data.endswith(b"\n") and len(data) < self.MAX_REPLY:
                     chunk = sock.recv(65536)
                     if not chunk:
                         break
                     data += chunk
+        except (ConnectionResetError, BrokenPipeError) as exc:
+            if sent:
+                raise HelperGone(f"The node helper at {self.path} went before it answered ({exc}; did it restart?): "
+                                 "try again; its log says more.") from exc
+            raise HelperError(f"The node helper at {self.path} does not answer ({exc}): ask an administrator to "
+                              "start it (systemctl start jupyter-gpumigrate-helper; docs/users.md).") from exc
         except OSError as exc:
             raise HelperError(
                 f"The node helper at {self.path} does not answer ({exc}): ask an administrator to start it "
                 "(systemctl start jupyter-gpumigrate-helper; docs/users.md)."
             ) from exc
         if not data:
-            raise HelperError(f"The node helper at {self.path} closed the connection without an answer (did it "
-                              "restart?): try again; its log says more.")
+            raise HelperGone(f"The node helper at {self.path} closed the connection without an answer (did it "
+                             "restart?): try again; its log says more.")
         try:
             reply = json.loads(data)
         except ValueError:
@@ -51,6 +62,23 @@ class HelperClient:
         if not isinstance(reply, dict):
             raise HelperError(f"The node helper at {self.path} answered nothing readable: see its log.")
         return reply
+
+
+def dumping(pid: int) -> list[int]:
+    """The processes (of this user: /proc shows their command lines) whose arguments dump the tree of ``pid``:
+    a CRIU the helper started (``dump --tree PID``), or the shell that becomes it."""
+    wanted = f"dump\0--tree\0{pid}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if wanted in f.read() + b"\0":
+                    found.append(int(entry))
+        except OSError:
+            continue
+    return found
 
 
 class HelperCriu:
@@ -85,18 +113,35 @@ class HelperCriu:
 
     def _failed(self, reply: dict, log_path: Path, what: str) -> CriuFailed | HelperError:
         if reply.get("code") == CRIU_FAILED:
-            return criu_mod.failure(log_path, "", what)
+            return criu_mod.failure(log_path, reply.get("detail", ""), what)  # detail: where the log says nothing
         if reply.get("code") == BUSY:
             return HelperError(f"The node helper could not {what} now: {reply.get('error')}.")
         return HelperError(f"The node helper refused to {what}: {reply.get('error')}.")
 
     def dump(self, pid: int, images_dir: Path, *, log_path: Path | None = None) -> None:
-        reply = self.client.request({"op": "dump", "pid": pid, **self._relative(images_dir)}, self.timeout)
+        written = Path(images_dir) / criu_mod.DUMP_LOG
+        try:
+            reply = self.client.request({"op": "dump", "pid": pid, **self._relative(images_dir)}, self.timeout)
+        except HelperGone as exc:
+            # The helper went (restarted, killed) while its CRIU dumped: that CRIU runs on without it, and
+            # kills the tree once its images are written. What it does decides, not the helper's going.
+            reply = self._outlived_helper(pid, written, exc)
         if not reply.get("ok"):
-            written = Path(images_dir) / criu_mod.DUMP_LOG
             if log_path is not None and written.exists():
-                os.replace(written, log_path)  # the rollback deletes the images, not the log
+                shutil.move(written, log_path)  # the rollback deletes the images, not the log (images in memory:
+                # another file system)
             raise self._failed(reply, log_path or written, f"dump process {pid}")
+
+    def _outlived_helper(self, pid: int, log: Path, gone: HelperGone) -> dict:
+        """Wait (up to this client's timeout) for the CRIU run that dumps ``pid`` to end, as the helper that
+        started it went: an answer as the helper would have given it, read from CRIU's log ``log``."""
+        deadline = time.monotonic() + self.timeout
+        while dumping(pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        if criu_mod.dump_finished(log):
+            return {"ok": True}
+        # Ended unfinished, or never began: CRIU resumes (or never stopped) the tree, as on any failed dump.
+        return {"ok": False, "code": CRIU_FAILED, "detail": f"the node helper went during the dump ({gone})"}
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         reply = self.client.request({"op": "restore", **self._relative(images_dir), "ids": ids or []}, self.timeout)

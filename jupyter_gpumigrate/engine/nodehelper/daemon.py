@@ -74,6 +74,8 @@ EXAMPLE_MEMORY = "/var/lib/jupyter-gpumigrate/memory"
 STAGING = ".staging"
 #: where a dump or restore's images are: under the images root on disk, or under the one in memory
 DISK, MEMORY = "disk", "memory"
+#: what names a restore's cgroup (_confined, _tidy_earlier_runs)
+RESTORE_RUN = "restore"
 MAX_CLIENTS = 32
 MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
@@ -331,13 +333,24 @@ class CriuBroker:
                           f"{self.memory}): suspend to disk")
 
     def _tidy_earlier_runs(self) -> None:
-        """Cgroups of an earlier helper: remove the empty ones, name the others (never kill: they may hold
-        restored kernels that could not be moved out, or a CRIU that a restart interrupted)."""
+        """Cgroups of an earlier helper that went mid-run (killed, restarted: the unit's KillMode=process leaves
+        its children): the empty ones are removed. A restore's is killed first: what it holds never ran, and
+        never will (CRIU left the tree stopped for a check no helper makes now; its server took the restore as
+        failed and kept the images, whose next restore needs those PIDs). Any other (a dump's CRIU, which its
+        server waits for and goes by) runs on, and goes once empty (the reaper)."""
         assert self.cgroups is not None
         for path in self.cgroups.glob(CGROUP_PREFIX + "*"):
             cgroup = cgroups.Cgroup(path)
-            if not cgroup.remove():
-                log.warning("%s, left by an earlier helper, still holds processes %s", path, cgroup.procs())
+            if cgroup.remove():
+                continue
+            if path.name.endswith(f"-{RESTORE_RUN}"):
+                log.warning("%s, an earlier helper's restore, still holds processes %s: killed (they were never "
+                            "handed over)", path, cgroup.procs())
+                cgroup.kill()
+            else:
+                log.warning("%s, left by an earlier helper, still holds processes %s: left to end", path,
+                            cgroup.procs())
+            self._kept.add(cgroup)
 
     # -- requests ------------------------------------------------------------------------------------
 
@@ -366,7 +379,7 @@ class CriuBroker:
 
     def check(self, caller: Caller, request: dict) -> dict:
         """``criu check --unprivileged``, run as the caller with what a restore lends: what users get."""
-        with self._confined(caller) as cgroup:
+        with self._confined(caller, "check") as cgroup:
             proc = self._criu(caller, self.restore_caps, None, ["check"], None, cgroup)
         lines = [ln for ln in (proc.stdout or "").splitlines() if not any(h in ln for h in criu_mod._HARMLESS)]
         return {"ok": proc.returncode == 0, "output": lines[-1].strip() if lines else ""}
@@ -393,7 +406,7 @@ class CriuBroker:
         fd = self._open_images(caller, request.get("images"), root)
         try:
             start = time.monotonic()
-            with self._confined(caller) as cgroup:
+            with self._confined(caller, "dump") as cgroup:
                 args = ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS, *criu_mod.DUMP_OPTIONS]
                 proc = self._criu(caller, DUMP_CAPS, fd, args, criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
@@ -431,7 +444,7 @@ class CriuBroker:
                 pass
             proctree.steer_pid_allocation(ids)  # only moves the PID cursor forward
             start = time.monotonic()
-            with self._staged(fd, caller, root / STAGING) as staged, self._confined(caller) as cgroup:
+            with self._staged(fd, caller, root / STAGING) as staged, self._confined(caller, RESTORE_RUN) as cgroup:
                 proc = self._criu(caller, self.restore_caps, fd, [
                     "restore", "--restore-detached", "--leave-stopped", "--pidfile", criu_mod.RESTORE_PIDFILE,
                     *criu_mod.COMMON_OPTIONS], criu_mod.RESTORE_LOG, cgroup, images_fd=staged)
@@ -529,13 +542,15 @@ class CriuBroker:
             return f.read(limit + 1)[:limit]
 
     @contextlib.contextmanager
-    def _confined(self, caller: Caller) -> Iterator[cgroups.Cgroup]:
-        """A cgroup for one CRIU run. Whatever is still in it when the block ends (a failure, a refusal,
-        CRIU's own leftovers) is killed, and the PIDs of its dead that came to us are collected."""
+    def _confined(self, caller: Caller, op: str) -> Iterator[cgroups.Cgroup]:
+        """A cgroup for one CRIU run (named by its ``op``: an earlier helper's are told apart at start). Whatever
+        is still in it when the block ends (a failure, a refusal, CRIU's own leftovers) is killed, and the PIDs
+        of its dead that came to us are collected."""
         assert self.cgroups is not None
         while True:
             try:
-                cgroup = cgroups.Cgroup.create(self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}")
+                cgroup = cgroups.Cgroup.create(
+                    self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}-{op}")
                 break
             except FileExistsError:  # one an earlier helper of the same PID kept
                 continue
