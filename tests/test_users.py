@@ -762,7 +762,8 @@ async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(wor
         else:
             assert op["status"] == "failed" and op["failed_phase"] == "dump", op
             assert "runs on, unchanged" in op["error"] and view["state"] == "running" and view["pid"] == pid, op
-            assert "the node helper went during the dump" in op["error"] or "killed" in op["error"], op
+            # its log, or none yet (caught as it began)
+            assert "the node helper went during the dump" in op["error"] or "No CRIU ran" in op["error"], op
         assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
         tab.ws.close()
     finally:
@@ -782,12 +783,15 @@ async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
         restorer = await call(criu_running, "restore")
         gone.goes_while(restorer)
-        os.kill(restorer, signal.SIGCONT)  # it finishes without the helper: the tree it made waits, stopped
+        forked = Path(f"/proc/{pid}").exists()  # caught that late, the resume's own rollback kills what it made
         op = await gone.ended(op)
         assert op["status"] == "failed" and "did it restart?" in op["error"], op
         assert (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "suspended"
+        os.kill(restorer, signal.SIGCONT)  # it finishes without the helper: the tree it made waits, stopped
+        await call(subprocess.run, ["sh", "-c", f"while [ -e /proc/{restorer} ] && ! grep -q '^State:.*Z' "
+                                               f"/proc/{restorer}/status; do sleep 0.1; done"], timeout=120)
         gone.next_helper()  # it kills the tree left stopped
-        assert "an earlier helper's restore, still holds processes" in gone.helper.log()
+        assert forked or "an earlier helper's restore, still holds processes" in gone.helper.log()
         deadline = time.monotonic() + 60  # killed, they are collected by PID 1 (their parent, the helper, went)
         while Path(f"/proc/{pid}").exists():
             assert time.monotonic() < deadline, f"process {pid} of the tree left stopped is still there"

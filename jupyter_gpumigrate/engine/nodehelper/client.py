@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import time
 from pathlib import Path
 
 from .. import criu as criu_mod
+from .. import proctree
 from ..errors import CriuFailed, HelperError, HelperGone
 from .protocol import BUSY, CRIU_FAILED, DEFAULT_SOCKET, encode
 
@@ -81,6 +83,19 @@ def dumping(pid: int) -> list[int]:
     return found
 
 
+#: seconds without a CRIU seen on the tree after which a CRIU whose helper went is taken to have ended
+QUIET = 2.0
+
+
+def traced(pid: int) -> bool:
+    """Whether process ``pid`` is seized by a tracer now (a CRIU dumping it)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii", errors="replace") as f:
+            return any(line.startswith("TracerPid:") and line.split()[1] != "0" for line in f)
+    except (OSError, IndexError):
+        return False
+
+
 class HelperCriu:
     """CRIU through the node helper: what :class:`~jupyter_gpumigrate.engine.criu.Criu` does, for a server
     run by an ordinary user.
@@ -133,14 +148,35 @@ class HelperCriu:
             raise self._failed(reply, log_path or written, f"dump process {pid}")
 
     def _outlived_helper(self, pid: int, log: Path, gone: HelperGone) -> dict:
-        """Wait (up to this client's timeout) for the CRIU run that dumps ``pid`` to end, as the helper that
-        started it went: an answer as the helper would have given it, read from CRIU's log ``log``."""
+        """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does
+        without it: wait while that CRIU runs (its process, where /proc shows it, or the kernel's tracer: a
+        CRIU holding the tree seized, which /proc shows even where it hides the CRIU, a process with
+        capabilities, from its user: hidepid), then read its log ``log``. Up to this client's timeout, when
+        the CRIU runs found are killed (the tree then runs on), as the helper would have done."""
         deadline = time.monotonic() + self.timeout
-        while dumping(pid) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if criu_mod.dump_finished(log):
+        quiet_since = None
+        while time.monotonic() < deadline:
+            if dumping(pid) or traced(pid):
+                quiet_since = None
+            elif quiet_since is None:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since > QUIET:  # a CRIU about to seize the tree has had its time
+                break
+            time.sleep(0.1)
+        else:
+            for run in dumping(pid):
+                try:
+                    os.kill(run, signal.SIGKILL)  # the user's own CRIU: theirs to signal
+                except OSError:
+                    pass
+            give_up = time.monotonic() + 10
+            while (dumping(pid) or traced(pid)) and time.monotonic() < give_up:
+                time.sleep(0.1)
+        if not log.exists():
+            raise HelperGone(f"{gone} No CRIU ran: the kernel runs on, unchanged.") from gone
+        if criu_mod.dump_finished(log) and not proctree.is_alive(pid):  # images written, the tree killed
             return {"ok": True}
-        # Ended unfinished, or never began: CRIU resumes (or never stopped) the tree, as on any failed dump.
+        # Ended unfinished: CRIU resumes the tree, as on any failed dump (common.dump says whether it lives).
         return {"ok": False, "code": CRIU_FAILED, "detail": f"the node helper went during the dump ({gone})"}
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:

@@ -76,6 +76,23 @@ STAGING = ".staging"
 DISK, MEMORY = "disk", "memory"
 #: what names a restore's cgroup (_confined, _tidy_earlier_runs)
 RESTORE_RUN = "restore"
+#: how each run's cgroup name ends (older helpers' end with the caller's uid)
+OPS = ("-check", "-dump", f"-{RESTORE_RUN}")
+
+
+def _left_stopped(cgroup: cgroups.Cgroup) -> bool:
+    """Whether every process in ``cgroup`` is stopped and none is CRIU: a tree CRIU restored with
+    --leave-stopped and no helper handed over."""
+    procs = cgroup.procs()
+    for pid in procs:
+        try:
+            with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as f:
+                head, _, rest = f.read().rpartition(")")
+        except OSError:
+            return False
+        if rest.split()[0] != "T" or head.partition("(")[2] == "criu":
+            return False
+    return bool(procs)
 MAX_CLIENTS = 32
 MAX_PER_USER = 2
 CGROUP_PREFIX = "gpumigrate-"
@@ -343,7 +360,8 @@ class CriuBroker:
             cgroup = cgroups.Cgroup(path)
             if cgroup.remove():
                 continue
-            if path.name.endswith(f"-{RESTORE_RUN}"):
+            # A restore's (an older helper's names say no op: one whose processes are all stopped, none CRIU)
+            if path.name.endswith(f"-{RESTORE_RUN}") or (not path.name.endswith(OPS) and _left_stopped(cgroup)):
                 log.warning("%s, an earlier helper's restore, still holds processes %s: killed (they were never "
                             "handed over)", path, cgroup.procs())
                 cgroup.kill()
