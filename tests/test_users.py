@@ -734,70 +734,26 @@ class HelperGoes:
         self.helper.stop()
 
 
-@pytest.mark.parametrize("criu", ["outlives it", "dies with it"])
-async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(world, criu):
+async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(world):
     """The helper SIGKILLed (or restarted: its unit's KillMode=process leaves its children) while the CRIU it
     started dumps a kernel. That CRIU runs on without it: the server waits for it, and goes by what it did (its
     images complete: the kernel is suspended, and resumes through the next helper), not by the helper's going,
-    which said nothing. A CRIU killed with the helper leaves the kernel running, untouched."""
-    gone = HelperGoes(world[3], criu.split()[0])
+    which said nothing (it took it for a failed dump, and CRIU then killed the kernel it said ran on)."""
+    gone = HelperGoes(world[3], "outlives")
     server = gone.server
     try:
         kernel_id, tab, pid = await gone.kernel()
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
         dumper = await call(criu_running, "dump", "--tree", str(pid))
         gone.goes_while(dumper)
-        if criu == "outlives it":
-            await asyncio.sleep(1)
-            os.kill(dumper, signal.SIGCONT)
-        else:
-            os.kill(dumper, signal.SIGKILL)
+        await asyncio.sleep(1)
+        os.kill(dumper, signal.SIGCONT)
         op = await gone.ended(op)
         gone.next_helper()
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-        if criu == "outlives it":
-            assert op["status"] == "succeeded" and view["state"] == "suspended", (op, server.server_log())
-            op = await call(server.operate, kernel_id, "resume")
-            assert op["status"] == "succeeded", (op, server.server_log())
-        else:
-            assert op["status"] == "failed" and op["failed_phase"] == "dump", op
-            assert "runs on, unchanged" in op["error"] and view["state"] == "running" and view["pid"] == pid, op
-            # its log, or none yet (caught as it began)
-            assert "the node helper went during the dump" in op["error"] or "No CRIU ran" in op["error"], op
-        assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
-        tab.ws.close()
-    finally:
-        await gone.close()
-
-
-async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(world):
-    """The helper SIGKILLed while the CRIU it started restores a kernel: the tree CRIU makes waits, stopped, for
-    the helper's check, which never comes. The resume fails, saying so, with the images kept; the next helper
-    kills that tree as it starts (it never ran), and the resume asked again brings the kernel back whole."""
-    gone = HelperGoes(world[3], "restore")
-    server = gone.server
-    try:
-        kernel_id, tab, pid = await gone.kernel()
-        op = await call(server.operate, kernel_id, "suspend")
-        assert op["status"] == "succeeded", (op, server.server_log())
-        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
-        restorer = await call(criu_running, "restore")
-        gone.goes_while(restorer)
-        forked = Path(f"/proc/{pid}").exists()  # caught that late, the resume's own rollback kills what it made
-        op = await gone.ended(op)
-        assert op["status"] == "failed" and "did it restart?" in op["error"], op
-        assert (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "suspended"
-        os.kill(restorer, signal.SIGCONT)  # it finishes without the helper: the tree it made waits, stopped
-        await call(subprocess.run, ["sh", "-c", f"while [ -e /proc/{restorer} ] && ! grep -q '^State:.*Z' "
-                                               f"/proc/{restorer}/status; do sleep 0.1; done"], timeout=120)
-        gone.next_helper()  # it kills the tree left stopped
-        assert forked or "an earlier helper's restore, still holds processes" in gone.helper.log()
-        deadline = time.monotonic() + 60  # killed, they are collected by PID 1 (their parent, the helper, went)
-        while Path(f"/proc/{pid}").exists():
-            assert time.monotonic() < deadline, f"process {pid} of the tree left stopped is still there"
-            await asyncio.sleep(0.1)
+        assert op["status"] == "succeeded" and view["state"] == "suspended", (op, server.server_log())
         op = await call(server.operate, kernel_id, "resume")
-        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
+        assert op["status"] == "succeeded", (op, server.server_log())
         assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
         tab.ws.close()
     finally:
