@@ -96,6 +96,13 @@ def traced(pid: int) -> bool:
         return False
 
 
+def _stopped(pid: int) -> bool:
+    """Whether process ``pid`` is stopped (state T): a CRIU stopped holds the tree only where it seized it,
+    which :func:`traced` says."""
+    found = proctree.info(pid)
+    return found is not None and found.state == "T"
+
+
 class HelperCriu:
     """CRIU through the node helper: what :class:`~jupyter_gpumigrate.engine.criu.Criu` does, for a server
     run by an ordinary user.
@@ -151,29 +158,32 @@ class HelperCriu:
         """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does
         without it: wait while that CRIU runs (its process, where /proc shows it, or the kernel's tracer: a
         CRIU holding the tree seized, which /proc shows even where it hides the CRIU, a process with
-        capabilities, from its user: hidepid), then read its log ``log``. Up to this client's timeout, when
-        the CRIU runs found are killed (the tree then runs on), as the helper would have done."""
+        capabilities, from its user: hidepid), then read its log ``log``. A CRIU stopped that holds nothing
+        of the tree is not waited for, and is killed. Up to this client's timeout, when the CRIU runs found
+        are killed (the tree then runs on), as the helper would have done."""
         deadline = time.monotonic() + self.timeout
         quiet_since = None
         while time.monotonic() < deadline:
-            if dumping(pid) or traced(pid):
+            if any(not _stopped(run) for run in dumping(pid)) or traced(pid):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > QUIET:  # a CRIU about to seize the tree has had its time
                 break
             time.sleep(0.1)
-        else:
-            for run in dumping(pid):
-                try:
-                    os.kill(run, signal.SIGKILL)  # the user's own CRIU: theirs to signal
-                except OSError:
-                    pass
-            give_up = time.monotonic() + 10
-            while (dumping(pid) or traced(pid)) and time.monotonic() < give_up:
-                time.sleep(0.1)
+        # What is left stopped and holds nothing of the tree is a CRIU's child that waits for its parent,
+        # gone (as it starts, a CRIU forks one that stops itself until CRIU has looked at it); at the
+        # timeout, every run found. Either way the user's own processes: theirs to signal.
+        for run in dumping(pid):
+            try:
+                os.kill(run, signal.SIGKILL)
+            except OSError:
+                pass
+        give_up = time.monotonic() + 10
+        while (dumping(pid) or traced(pid)) and time.monotonic() < give_up:
+            time.sleep(0.1)
         if not log.exists():
-            raise HelperGone(f"{gone} No CRIU ran: the kernel runs on, unchanged.") from gone
+            raise HelperGone(f"{gone} Its CRIU had not begun the dump: the kernel runs on, unchanged.") from gone
         if criu_mod.dump_finished(log) and not proctree.is_alive(pid):  # images written, the tree killed
             return {"ok": True}
         # Ended unfinished: CRIU resumes the tree, as on any failed dump (common.dump says whether it lives).
