@@ -841,3 +841,57 @@ async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(
         tab.ws.close()
     finally:
         await gone.close()
+
+
+async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_nothing(world):
+    """The helper's tmpfs fills while its CRIU writes a kernel's images into memory (another user's dump, say:
+    the helper's room check is an estimate at request time). CRIU fails on the full tmpfs, the kernel runs on
+    with its state and its process, nothing of the failed images stays in memory, and the suspend says memory
+    was full and how to go to disk. Once there is room again, it suspends to memory and resumes whole."""
+    users, _, _, base = world
+    folder = base / "fills"
+    folder.mkdir(mode=0o755)
+    memory = root_only_folder("gm-users-memory-fills-") / "memory"
+    helper = NodeHelper(folder, memory=memory, memory_size="384m")
+    server = UserServer(A, base / "a-fills", {"helper_socket": str(helper.socket)}).start()
+    kernel_id = None
+    try:
+        kernel_id, tab = await new_kernel(server)
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 400_000\nx = 41\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {"images": "memory"},
+                        expect=202)
+        dumper = await call(criu_running, "dump", "--tree", str(pid))
+        os.kill(dumper, signal.SIGSTOP)
+        filler = memory / "filler"
+        fill = subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, text=True)
+        assert "No space left on device" in fill.stderr, fill.stderr
+        os.kill(dumper, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while op["status"] not in ("succeeded", "failed"):
+            assert time.monotonic() < deadline, op
+            await asyncio.sleep(0.2)
+            op = await call(server.api, "GET", f"api/gpumigrate/operations/{op['id']}")
+        assert op["status"] == "failed" and op["failed_phase"] == "dump", (op, server.server_log())
+        said = op["error"]
+        assert "(a tmpfs) is full" in said and "Suspend to disk instead" in said and "runs on, unchanged" in said, said
+        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "running" and view["pid"] == pid, view
+        assert not (memory / str(users.uid(A)) / f"images-{state_digest(server)}" / kernel_id).exists()
+        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        filler.unlink()
+        op = await call(server.operate, kernel_id, "suspend", {"images": "memory"})
+        assert op["status"] == "succeeded" and op["images"] == "memory", (op, server.server_log())
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        tab.ws.close()
+    finally:
+        if kernel_id is not None:
+            with contextlib.suppress(AssertionError, OSError):
+                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+        server.stop()
+        helper.stop()
+        subprocess.run(["umount", "--lazy", str(memory)], capture_output=True)
+        remove(memory.parent)
