@@ -24,7 +24,8 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab, two_gpus
-from users import NodeHelper, UserServer, Users, as_user, forge_capabilities, remove, root_only_folder, user_env
+from users import (NodeHelper, UserServer, Users, as_user, forge_capabilities, proc_hiding_others, remove,
+                   root_only_folder, user_env)
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="makes Unix users and runs the node helper: needs root")
 
@@ -691,12 +692,13 @@ class HelperGoes:
     BUILD = "import hashlib\nblob = bytes(range(256)) * 4_000_000\nx = 41\nbefore = hashlib.sha256(blob).hexdigest()"
     CHECK = "print(x + 1, hashlib.sha256(blob).hexdigest() == before)"
 
-    def __init__(self, base: Path, name: str) -> None:
+    def __init__(self, base: Path, name: str, enter: tuple[str, ...] = ()) -> None:
         self.folder = base / f"gone-{name}"
         self.folder.mkdir(mode=0o755)
-        self.helper = NodeHelper(self.folder)
+        self.enter = enter  # the namespaces the helper and the server run in (nsenter ...), where given
+        self.helper = NodeHelper(self.folder, enter=enter)
         self.server = UserServer(A, base / f"a-gone-{name}", {"helper_socket": str(self.helper.socket),
-                                                              "suspend_to": "disk"}).start()
+                                                              "suspend_to": "disk"}, enter=enter).start()
         self.kernel_id: str | None = None
 
     async def kernel(self) -> tuple[str, WebSocketTab, int]:
@@ -724,7 +726,7 @@ class HelperGoes:
         next unlinks it too, but it is waited for by its socket)."""
         self.helper.stop()
         self.helper.socket.unlink()
-        self.helper = NodeHelper(self.folder)
+        self.helper = NodeHelper(self.folder, enter=self.enter)
 
     async def close(self) -> None:
         if self.kernel_id is not None:
@@ -748,26 +750,37 @@ def stopped_like_a_criu_child(user: str, pid: int) -> subprocess.Popen:
     return child
 
 
-@pytest.mark.parametrize("criu", ["outlives it", "dies with it", "dies, its probe child stopped"])
+@pytest.mark.parametrize("criu", ["outlives it", "outlives it, hidden by /proc", "dies with it",
+                                  "dies, its probe child stopped"])
 async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(world, criu):
     """The helper SIGKILLed (or restarted: its unit's KillMode=process leaves its children) while the CRIU it
     started dumps a kernel. That CRIU runs on without it: the server waits for it, and goes by what it did (its
     images complete: the kernel is suspended, and resumes through the next helper), not by the helper's going,
-    which said nothing (it took it for a failed dump, and CRIU then killed the kernel it said ran on). A CRIU
-    killed with the helper leaves the kernel running, untouched; a child it left stopped is not waited for
-    (the server waited an hour, its CRIU timeout), and is killed."""
-    gone = HelperGoes(world[3], criu.split(",")[0].replace(" ", "-"))
+    which said nothing (it took it for a failed dump, and CRIU then killed the kernel it said ran on). Where
+    /proc hides that CRIU from its user (hidepid=2: a process with capabilities its user lacks), the server
+    goes by the kernel's tracer. A CRIU killed with the helper leaves the kernel running, untouched; a child it
+    left stopped is not waited for (the server waited an hour, its CRIU timeout), and is killed."""
+    with contextlib.ExitStack() as stack:
+        enter = stack.enter_context(proc_hiding_others()) if "hidden" in criu else ()
+        await helper_killed_mid_dump(world[3], criu, enter)
+
+
+async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) -> None:
+    gone = HelperGoes(base, re.sub(r"\W+", "-", criu), enter)
     server = gone.server
     probe = None
     try:
         kernel_id, tab, pid = await gone.kernel()
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
         dumper = await call(criu_running, "dump", "--tree", str(pid))
+        if enter:  # the server's user cannot see it there
+            peek = subprocess.run([*enter, *as_user(A), "cat", f"/proc/{dumper}/cmdline"], capture_output=True)
+            assert peek.returncode != 0 and b"No such file" in peek.stderr, peek
         if "probe" in criu:
             os.kill(dumper, signal.SIGSTOP)  # held while its stand-in child appears
             probe = await call(stopped_like_a_criu_child, A, pid)
         gone.goes_while(dumper)
-        if criu == "outlives it":
+        if criu.startswith("outlives it"):
             await asyncio.sleep(0.2)
             os.kill(dumper, signal.SIGCONT)
         else:
@@ -775,7 +788,7 @@ async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(wor
         op = await gone.ended(op)
         gone.next_helper()
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
-        if criu == "outlives it":
+        if criu.startswith("outlives it"):
             assert op["status"] == "succeeded" and view["state"] == "suspended", (op, server.server_log())
             op = await call(server.operate, kernel_id, "resume")
             assert op["status"] == "succeeded", (op, server.server_log())
@@ -795,18 +808,12 @@ async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(wor
         await gone.close()
 
 
-def gone_or_zombie(pid: int) -> bool:
-    """Whether process ``pid`` has ended (a zombie of this process, a subreaper in the whole suite's run, is
-    collected here; one of PID 1's is its to collect)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return True
-    if state == "Z":
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(pid, os.WNOHANG)
-        return True
-    return False
+def collected(pid: int) -> bool:
+    """Whether process ``pid`` is gone, its PID free again: a zombie of this process (a subreaper in the whole
+    suite's run: the helper's orphans come here) is collected here; PID 1 collects its own."""
+    with contextlib.suppress(ChildProcessError):
+        os.waitpid(pid, os.WNOHANG)
+    return not Path(f"/proc/{pid}").exists()
 
 
 async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(world):
@@ -832,7 +839,7 @@ async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(
         gone.next_helper()  # it kills the tree left stopped
         assert forked or "an earlier helper's restore, still holds processes" in gone.helper.log()
         deadline = time.monotonic() + 60
-        while not gone_or_zombie(pid):
+        while not collected(pid):
             assert time.monotonic() < deadline, f"process {pid} of the tree left stopped is still there"
             await asyncio.sleep(0.1)
         op = await call(server.operate, kernel_id, "resume")

@@ -7,6 +7,7 @@ through it (o+x only, nothing listed) while they run, then put its mode back.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pwd
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -93,7 +95,7 @@ class NodeHelper:
     of tests/hosts.py: what CRIU restores there takes that host's network) where given."""
 
     def __init__(self, base: Path, ns: str | None = None, memory: Path | None = None, memory_size: str = "4g",
-                 wait: bool = True) -> None:
+                 wait: bool = True, enter: tuple[str, ...] = ()) -> None:
         # Folders that do not exist yet, as on a fresh machine: the helper must make them reachable.
         self.socket = base / "run" / "helper.sock"
         self.images = base / "lib" / "images"
@@ -102,7 +104,7 @@ class NodeHelper:
         self.out = open(base / "helper.out", "ab")  # noqa: SIM115 (open while the helper runs)
         self.proc = subprocess.Popen(
             # nsenter, not ip netns exec: that one mounts a /sys of its own, without the cgroup v2 the helper needs
-            [*([shutil.which("nsenter") or "nsenter", f"--net=/run/netns/{ns}"] if ns else []), sys.executable, "-m",
+            [*([shutil.which("nsenter") or "nsenter", f"--net=/run/netns/{ns}"] if ns else []), *enter, sys.executable, "-m",
              "jupyter_gpumigrate.engine.nodehelper", "--socket", str(self.socket), "--images-root", str(self.images),
              "--log-file", str(self.log_path), *(["--memory-root", str(memory), "--memory-size", memory_size] if memory else [])],
             stdin=subprocess.DEVNULL, stdout=self.out, stderr=self.out, start_new_session=True)
@@ -159,6 +161,7 @@ class UserServer:
     token: str = field(default_factory=lambda: secrets.token_hex(16))
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen | None = None
+    enter: tuple[str, ...] = ()  # a command that runs the server in other namespaces (nsenter ...), then execs it
 
     @property
     def url(self) -> str:
@@ -182,7 +185,7 @@ class UserServer:
                        JUPYTER_DATA_DIR=str(self.root / "data"), JUPYTER_RUNTIME_DIR=str(self.root / "runtime"),
                        JUPYTER_PLATFORM_DIRS="1")
         self.log = open(self.root.parent / f"{self.root.name}-server.log", "ab")  # noqa: SIM115
-        self.proc = subprocess.Popen([*as_user(self.user), sys.executable, "-m", "jupyter_server"], env=env,
+        self.proc = subprocess.Popen([*self.enter, *as_user(self.user), sys.executable, "-m", "jupyter_server"], env=env,
                                      cwd=str(self.root / "work"), stdin=subprocess.DEVNULL, stdout=self.log,
                                      stderr=self.log, start_new_session=True)
         wait_answering(self)
@@ -225,6 +228,27 @@ def root_only_folder(prefix: str) -> Path:
             os.chmod(folder, 0o755)
             return folder
     raise RuntimeError("neither /run nor /var/lib is root's alone to write")
+
+
+@contextlib.contextmanager
+def proc_hiding_others() -> Iterator[tuple[str, ...]]:
+    """A mount namespace of its own whose /proc hides from each user the processes they may not trace
+    (hidepid=2: another user's, and their own run with capabilities they lack, such as a CRIU the node helper
+    lends some): the nsenter command that runs a program in it. Unmounted after."""
+    folder = root_only_folder("gm-users-mnt-")
+    ns = folder / "ns"
+    try:
+        subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
+        subprocess.run(["mount", "--make-private", str(folder)], check=True)
+        ns.touch()
+        subprocess.run(["unshare", f"--mount={ns}", "--propagation", "private", "true"], check=True)
+        enter = (shutil.which("nsenter") or "nsenter", f"--mount={ns}")
+        subprocess.run([*enter, "mount", "-t", "proc", "-o", "hidepid=2", "proc", "/proc"], check=True)
+        yield enter
+    finally:
+        subprocess.run(["umount", str(ns)], capture_output=True)
+        subprocess.run(["umount", str(folder)], capture_output=True)
+        remove(folder)
 
 
 def remove(path: Path) -> None:
