@@ -902,3 +902,51 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         helper.stop()
         subprocess.run(["umount", "--lazy", str(memory)], capture_output=True)
         remove(memory.parent)
+
+
+@pytest.mark.parametrize("place", ["disk", "memory"])
+async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_nothing(world, place):
+    """A's server SIGKILLed (a Hub's cull or a crash) while the helper's CRIU dumps A's kernel: that CRIU is the
+    helper's, not the server's, and runs on to the end (it kills the kernel, its images whole). The next server
+    completes the images from the manifest written before the dump, says the kernel is suspended, and resumes
+    it through the helper with all its state. (Until 2026-11-30 it refused them as a dump that did not finish:
+    it looked for CRIU's log where a server that runs CRIU itself keeps it, not in the folder, where the
+    helper's CRIU writes it.)"""
+    _, helper, _, base = world
+    server = UserServer(A, base / f"a-killed-{place}", {"helper_socket": str(helper.socket),
+                                                        "suspend_to": place}).start()
+    kernel_id = None
+    try:
+        kernel_id, tab = await new_kernel(server)
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 4_000_000\nx = 41\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        tab.ws.close()
+        pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+        dumper = await call(criu_running, "dump", "--tree", str(pid))
+        os.kill(dumper, signal.SIGSTOP)  # held until the server is gone
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        os.kill(dumper, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not collected(dumper) or not collected(pid):  # the dump ends, and the kernel's PID is free again
+            assert time.monotonic() < deadline, f"CRIU {dumper} or the kernel {pid} is still there"
+            await asyncio.sleep(0.1)
+        server.start()
+        deadline = time.monotonic() + 60
+        while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
+            assert time.monotonic() < deadline, server.server_log()
+            await asyncio.sleep(0.2)
+        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        assert view["state"] == "suspended" and view["images"] == place, (view, server.server_log())
+        assert "completed the images of kernel" in server.server_log()
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
+        tab = await open_tab(server, kernel_id)
+        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        tab.ws.close()
+    finally:
+        if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
+            with contextlib.suppress(AssertionError, OSError):
+                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+        server.stop()

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 from collections.abc import Callable
 
-from .criu import dump_finished
+from .criu import DUMP_LOG, dump_finished
 from .errors import ImageError
 
 MANIFEST = "manifest.json"
@@ -457,14 +457,17 @@ class ImageStore:
         pending = self.read_pending(name)
         if pending is None or pending.kernel_id != name:
             return None
-        log = self.root / LOGS / f"{folder.name}-dump.log"
-        try:  # that dump's log, not one an earlier dump of the kernel left (dump() removes it before CRIU runs):
-            # written to after the manifest to be and after CRIU's inventory (its last image)
-            if log.stat().st_mtime < min((folder / PENDING).stat().st_mtime, (folder / INVENTORY).stat().st_mtime):
-                return None
-        except OSError:
-            return None
-        return pending if dump_finished(log) else None
+        # That dump's log: beside the other logs where this server ran CRIU, in the folder itself where the
+        # node helper did (its CRIU works there; the server moves the log out only on a failure). Not one an
+        # earlier dump of the kernel left (dump() removes it before CRIU runs): written to after the manifest
+        # to be and after CRIU's inventory (its last image).
+        for log in (self.root / LOGS / f"{folder.name}-dump.log", folder / DUMP_LOG):
+            try:
+                if log.stat().st_mtime >= min((folder / PENDING).stat().st_mtime, (folder / INVENTORY).stat().st_mtime):
+                    return pending if dump_finished(log) else None
+            except OSError:
+                continue
+        return None
 
     def read_secrets(self, name: str) -> dict:
         """The secrets kept with ``name``'s images ({} if none were)."""

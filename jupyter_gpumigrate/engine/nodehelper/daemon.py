@@ -74,10 +74,10 @@ EXAMPLE_MEMORY = "/var/lib/jupyter-gpumigrate/memory"
 STAGING = ".staging"
 #: where a dump or restore's images are: under the images root on disk, or under the one in memory
 DISK, MEMORY = "disk", "memory"
-#: what names a restore's cgroup (_confined, _tidy_earlier_runs)
-RESTORE_RUN = "restore"
+#: what names each run's cgroup (_confined, _tidy_earlier_runs)
+CHECK_RUN, DUMP_RUN, RESTORE_RUN = "check", "dump", "restore"
 #: how each run's cgroup name ends (older helpers' end with the caller's uid)
-OPS = ("-check", "-dump", f"-{RESTORE_RUN}")
+OPS = tuple(f"-{run}" for run in (CHECK_RUN, DUMP_RUN, RESTORE_RUN))
 
 
 def _left_stopped(cgroup: cgroups.Cgroup) -> bool:
@@ -397,7 +397,7 @@ class CriuBroker:
 
     def check(self, caller: Caller, request: dict) -> dict:
         """``criu check --unprivileged``, run as the caller with what a restore lends: what users get."""
-        with self._confined(caller, "check") as cgroup:
+        with self._confined(caller, CHECK_RUN) as cgroup:
             proc = self._criu(caller, self.restore_caps, None, ["check"], None, cgroup)
         lines = [ln for ln in (proc.stdout or "").splitlines() if not any(h in ln for h in criu_mod._HARMLESS)]
         return {"ok": proc.returncode == 0, "output": lines[-1].strip() if lines else ""}
@@ -424,7 +424,7 @@ class CriuBroker:
         fd = self._open_images(caller, request.get("images"), root)
         try:
             start = time.monotonic()
-            with self._confined(caller, "dump") as cgroup:
+            with self._confined(caller, DUMP_RUN) as cgroup:
                 args = ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS, *criu_mod.DUMP_OPTIONS]
                 proc = self._criu(caller, DUMP_CAPS, fd, args, criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
