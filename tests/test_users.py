@@ -173,6 +173,16 @@ async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_an
         await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
 
 
+async def restarted(server: UserServer, kernel_id: str) -> dict:
+    """Start ``server`` again; its view of ``kernel_id`` once it has taken it back."""
+    server.start()
+    deadline = time.monotonic() + 60
+    while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
+        assert time.monotonic() < deadline, server.server_log()
+        await asyncio.sleep(0.2)
+    return await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+
+
 async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_disk_as_its_server_stops(world):
     """Memory images of the helper's go to the user's folder on disk when their server stops (its own files,
     moved by the server as the user), and the next server resumes the kernel from there."""
@@ -193,12 +203,7 @@ async def test_a_users_kernel_suspended_to_memory_through_the_helper_goes_to_dis
         assert (disk / "manifest.json").is_file() and not memory.exists(), server.server_log()
         assert "moved from memory to" in server.server_log()
         assert all(f.stat().st_uid == uid and f.stat().st_mode & 0o077 == 0 for f in [disk, *disk.iterdir()])
-        server.start()
-        deadline = time.monotonic() + 60
-        while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
-            assert time.monotonic() < deadline, server.server_log()
-            await asyncio.sleep(0.2)
-        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        view = await restarted(server, kernel_id)
         assert view["state"] == "suspended" and view["images"] == "disk", view
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op, server.server_log())
@@ -932,12 +937,7 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
         while not collected(dumper) or not collected(pid):  # the dump ends, and the kernel's PID is free again
             assert time.monotonic() < deadline, f"CRIU {dumper} or the kernel {pid} is still there"
             await asyncio.sleep(0.1)
-        server.start()
-        deadline = time.monotonic() + 60
-        while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
-            assert time.monotonic() < deadline, server.server_log()
-            await asyncio.sleep(0.2)
-        view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
+        view = await restarted(server, kernel_id)
         assert view["state"] == "suspended" and view["images"] == place, (view, server.server_log())
         assert "completed the images of kernel" in server.server_log()
         op = await call(server.operate, kernel_id, "resume")
