@@ -950,3 +950,69 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
             with contextlib.suppress(AssertionError, OSError):
                 await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
         server.stop()
+
+
+def processes_of(user: str) -> dict[int, str]:
+    """Every process of ``user`` now, and its state (R, S, T, Z...)."""
+    uid, found = pwd.getpwnam(user).pw_uid, {}
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and entry.stat().st_uid == uid:
+                found[int(entry.name)] = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_nothing(world):
+    """A's server SIGKILLed while the helper's CRIU restores A's kernel: the helper finds its asker gone and does
+    not hand the tree over (it kills it), so the images stay. The next server says the kernel is suspended, a
+    resume brings it back whole, and no process of the cut restore is left."""
+    _, helper, _, base = world
+    server = UserServer(A, base / "a-killed-restore", {"helper_socket": str(helper.socket)}).start()
+    kernel_id = None
+    try:
+        kernel_id, tab = await new_kernel(server)
+        await tab.run("import hashlib\nblob = bytes(range(256)) * 1_600_000\nx = 41\n"
+                      "before = hashlib.sha256(blob).hexdigest()")
+        tab.ws.close()
+        op = await call(server.operate, kernel_id, "suspend")
+        assert op["status"] == "succeeded", (op, server.server_log())
+        others = set(processes_of(A)) - {server.proc.pid}  # world's servers of A, and what they run
+        logged = len(helper.log())
+        await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
+        restorer = await call(criu_running, "restore")
+        os.kill(restorer, signal.SIGSTOP)  # held until the server is gone
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait(timeout=30)
+        os.kill(restorer, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not collected(restorer):
+            assert time.monotonic() < deadline, f"CRIU {restorer} is still there"
+            await asyncio.sleep(0.1)
+        deadline = time.monotonic() + 60  # the helper says how the restore ended once it has cleaned up
+        while "'restore' images=" not in helper.log()[logged:]:
+            assert time.monotonic() < deadline, helper.log()[-2000:]
+            await asyncio.sleep(0.1)
+        assert "refused: the process that asked is gone" in helper.log()[logged:], helper.log()[logged:]
+        view = await restarted(server, kernel_id)
+        assert view["state"] == "suspended", (view, server.server_log())
+        deadline = time.monotonic() + 60  # what the helper killed is collected (by it, PID 1 or us)
+        while set(processes_of(A)) - others - {server.proc.pid}:
+            assert time.monotonic() < deadline, (processes_of(A), others)
+            for pid in set(processes_of(A)) - others:
+                collected(pid)
+            await asyncio.sleep(0.1)
+        op = await call(server.operate, kernel_id, "resume")
+        assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
+        tab = await open_tab(server, kernel_id)
+        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        tab.ws.close()
+        kernel = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
+        left = {p: s for p, s in processes_of(A).items() if p not in others and p != server.proc.pid and p != kernel}
+        assert all(s not in ("T", "t") for s in left.values()), f"stopped processes left: {left}"
+    finally:
+        if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
+            with contextlib.suppress(AssertionError, OSError):
+                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+        server.stop()
