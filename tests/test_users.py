@@ -690,12 +690,23 @@ def criu_running(*args: str, timeout: float = 120) -> int:
     raise AssertionError(f"no CRIU ran with {args} within {timeout} s")
 
 
+def holding(n: int) -> str:
+    """A cell that makes the kernel hold ``n`` x 256 bytes, with ``x`` and the bytes' digest (see :data:`WHOLE`)."""
+    return f"import hashlib\nblob = bytes(range(256)) * {n}\nx = 41\nbefore = hashlib.sha256(blob).hexdigest()"
+
+
+#: a cell that prints "42 True" where the kernel made by :func:`holding` kept its state
+WHOLE = "print(x + 1, hashlib.sha256(blob).hexdigest() == before)"
+
+
+async def is_whole(tab: WebSocketTab) -> bool:
+    return (await tab.run(WHOLE)).split() == ["42", "True"]
+
+
 class HelperGoes:
     """A helper of its own, and A's server on it, for a test that kills the helper mid-run: a kernel holding
     1 GB of bytes (CRIU writes them: a run long enough to be caught), its tab, its PID."""
 
-    BUILD = "import hashlib\nblob = bytes(range(256)) * 4_000_000\nx = 41\nbefore = hashlib.sha256(blob).hexdigest()"
-    CHECK = "print(x + 1, hashlib.sha256(blob).hexdigest() == before)"
 
     def __init__(self, base: Path, name: str, enter: tuple[str, ...] = ()) -> None:
         self.folder = base / f"gone-{name}"
@@ -708,7 +719,7 @@ class HelperGoes:
 
     async def kernel(self) -> tuple[str, WebSocketTab, int]:
         self.kernel_id, tab = await new_kernel(self.server)
-        await tab.run(self.BUILD)
+        await tab.run(holding(4_000_000))
         return self.kernel_id, tab, (await call(self.server.api, "GET", f"api/gpumigrate/kernels/{self.kernel_id}"))["pid"]
 
     def goes_while(self, criu: int) -> None:
@@ -804,7 +815,7 @@ async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) 
             assert "the node helper went during the dump" in op["error"] or "had not begun" in op["error"], op
         if probe is not None:
             assert await call(probe.wait, timeout=30) == -signal.SIGKILL  # killed by the server, not waited for
-        assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
+        assert await is_whole(tab)
         tab.ws.close()
     finally:
         if probe is not None and probe.poll() is None:
@@ -849,7 +860,7 @@ async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(
             await asyncio.sleep(0.1)
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
-        assert (await tab.run(gone.CHECK)).split() == ["42", "True"]
+        assert await is_whole(tab)
         tab.ws.close()
     finally:
         await gone.close()
@@ -869,8 +880,7 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
     kernel_id = None
     try:
         kernel_id, tab = await new_kernel(server)
-        await tab.run("import hashlib\nblob = bytes(range(256)) * 400_000\nx = 41\n"
-                      "before = hashlib.sha256(blob).hexdigest()")
+        await tab.run(holding(400_000))
         pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {"images": "memory"},
                         expect=202)
@@ -891,13 +901,13 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["state"] == "running" and view["pid"] == pid, view
         assert not (memory / str(users.uid(A)) / f"images-{state_digest(server)}" / kernel_id).exists()
-        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        assert await is_whole(tab)
         filler.unlink()
         op = await call(server.operate, kernel_id, "suspend", {"images": "memory"})
         assert op["status"] == "succeeded" and op["images"] == "memory", (op, server.server_log())
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op, server.server_log())
-        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        assert await is_whole(tab)
         tab.ws.close()
     finally:
         if kernel_id is not None:
@@ -923,8 +933,7 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
     kernel_id = None
     try:
         kernel_id, tab = await new_kernel(server)
-        await tab.run("import hashlib\nblob = bytes(range(256)) * 4_000_000\nx = 41\n"
-                      "before = hashlib.sha256(blob).hexdigest()")
+        await tab.run(holding(4_000_000))
         tab.ws.close()
         pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
@@ -943,7 +952,7 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
         tab = await open_tab(server, kernel_id)
-        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        assert await is_whole(tab)
         tab.ws.close()
     finally:
         if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
@@ -973,8 +982,7 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
     kernel_id = None
     try:
         kernel_id, tab = await new_kernel(server)
-        await tab.run("import hashlib\nblob = bytes(range(256)) * 1_600_000\nx = 41\n"
-                      "before = hashlib.sha256(blob).hexdigest()")
+        await tab.run(holding(1_600_000))
         tab.ws.close()
         op = await call(server.operate, kernel_id, "suspend")
         assert op["status"] == "succeeded", (op, server.server_log())
@@ -1006,7 +1014,7 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
         op = await call(server.operate, kernel_id, "resume")
         assert op["status"] == "succeeded", (op.get("failed_phase"), op.get("error"), server.server_log()[-2000:])
         tab = await open_tab(server, kernel_id)
-        assert (await tab.run("print(x + 1, hashlib.sha256(blob).hexdigest() == before)")).split() == ["42", "True"]
+        assert await is_whole(tab)
         tab.ws.close()
         kernel = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         left = {p: s for p, s in processes_of(A).items() if p not in others and p != server.proc.pid and p != kernel}
