@@ -24,6 +24,8 @@ from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab, two_gpus
+from jupyter_gpumigrate.engine import cgroups
+from jupyter_gpumigrate.engine.nodehelper.client import QUIET
 from users import (NodeHelper, UserServer, Users, as_user, forge_capabilities, proc_hiding_others, remove,
                    root_only_folder, user_env)
 
@@ -752,30 +754,44 @@ class HelperGoes:
         self.helper.stop()
 
 
-def stopped_like_a_criu_child(user: str, pid: int) -> subprocess.Popen:
-    """A process of ``user`` that names the dump of ``pid`` and stops itself, as the child a CRIU forks as it
-    starts does (it stops itself until its parent has looked at it; the parent gone, it waits stopped for good).
-    Caught in the whole suite's run only now and then (the parent must be held in the microseconds of the
-    probe), it is made here so that each run meets it."""
-    child = subprocess.Popen([*as_user(user), sys.executable, "-c", "import os, signal; os.kill(os.getpid(), signal.SIGSTOP)",
-                              "dump", "--tree", str(pid)])
+def stopped_like_a_criu_child(user: str, pid: int, criu: int) -> subprocess.Popen:
+    """A stand-in for the child a CRIU forks as it starts, which stops itself until CRIU has looked at it (CRIU
+    gone, it waits stopped for good): a process of ``user`` named criu, lent what CRIU is lent, in the cgroup of
+    ``criu`` (the CRIU dumping ``pid``), naming that dump, stopped. The real one is caught only now and then
+    (CRIU must be held in the moments it lives); this one, every run."""
+    child = subprocess.Popen(["setpriv", f"--reuid={user}", f"--regid={user}", "--init-groups",
+                              "--inh-caps=+checkpoint_restore", "--ambient-caps=+checkpoint_restore", "--",
+                              sys.executable, "-c", "import ctypes, os, signal\nctypes.CDLL(None).prctl(15, b'criu', 0, 0, 0)\n"
+                              "os.kill(os.getpid(), signal.SIGSTOP)", "dump", "--tree", str(pid)])
+    path = next(line for line in Path(f"/proc/{criu}/cgroup").read_text().splitlines() if line.startswith("0::"))
+    (cgroups.mount_point() / path[3:].lstrip("/") / "cgroup.procs").write_text(str(child.pid))
     deadline = time.monotonic() + 30
-    while (Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "T":
+    while Path(f"/proc/{child.pid}/comm").read_text().strip() != "criu" or (
+            Path(f"/proc/{child.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "T":
         assert time.monotonic() < deadline, "the stand-in of CRIU's probe child did not stop"
         time.sleep(0.01)
     return child
 
 
+def seized(pid: int, timeout: float = 60) -> None:
+    """Wait until process ``pid`` is seized by a tracer (a CRIU dumping it)."""
+    deadline = time.monotonic() + timeout
+    while "TracerPid:\t0\n" in Path(f"/proc/{pid}/status").read_text():
+        assert time.monotonic() < deadline, f"nothing seized process {pid}"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("criu", ["outlives it", "outlives it, hidden by /proc", "dies with it",
-                                  "dies, its probe child stopped"])
+                                  "dies, its probe child stopped", "dies, its probe child stopped, hidden by /proc"])
 async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(world, criu):
     """The helper SIGKILLed (or restarted: its unit's KillMode=process leaves its children) while the CRIU it
-    started dumps a kernel. That CRIU runs on without it: the server waits for it, and goes by what it did (its
-    images complete: the kernel is suspended, and resumes through the next helper), not by the helper's going,
-    which said nothing (it took it for a failed dump, and CRIU then killed the kernel it said ran on). Where
-    /proc hides that CRIU from its user (hidepid=2: a process with capabilities its user lacks), the server
-    goes by the kernel's tracer. A CRIU killed with the helper leaves the kernel running, untouched; a child it
-    left stopped is not waited for (the server waited an hour, its CRIU timeout), and is killed."""
+    started dumps a kernel. That CRIU runs on without it: the server waits for it (in the helper's cgroup of
+    the run: whatever /proc hides), and goes by what it did (its images complete: the kernel is suspended, and
+    resumes through the next helper), not by the helper's going, which said nothing (it took it for a failed
+    dump, and CRIU then killed the kernel it said ran on). Where /proc hides that CRIU from its user
+    (hidepid=2: a process with capabilities its user lacks) it is waited for all the same. A CRIU killed with
+    the helper leaves the kernel running, untouched; the child it left stopped is not waited for (the server
+    waited an hour, its CRIU timeout): killed by the server, or, where /proc hides it, by the next helper."""
     with contextlib.ExitStack() as stack:
         enter = stack.enter_context(proc_hiding_others()) if "hidden" in criu else ()
         await helper_killed_mid_dump(world[3], criu, enter)
@@ -784,7 +800,7 @@ async def test_the_helper_killed_while_its_criu_dumps_a_kernel_loses_nothing(wor
 async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) -> None:
     gone = HelperGoes(base, re.sub(r"\W+", "-", criu), enter)
     server = gone.server
-    probe = None
+    probe = dumper = None
     try:
         kernel_id, tab, pid = await gone.kernel()
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
@@ -792,17 +808,25 @@ async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) 
         if enter:  # the server's user cannot see it there
             peek = subprocess.run([*enter, *as_user(A), "cat", f"/proc/{dumper}/cmdline"], capture_output=True)
             assert peek.returncode != 0 and b"No such file" in peek.stderr, peek
+        if criu.startswith("outlives it"):
+            await call(seized, pid)  # held once it holds the kernel: the server must wait for it, seen or not
         if "probe" in criu:
             os.kill(dumper, signal.SIGSTOP)  # held while its stand-in child appears
-            probe = await call(stopped_like_a_criu_child, A, pid)
+            probe = await call(stopped_like_a_criu_child, A, pid, dumper)
         gone.goes_while(dumper)
         if criu.startswith("outlives it"):
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(QUIET + 1)  # longer than the server would wait for a CRIU it cannot see
             os.kill(dumper, signal.SIGCONT)
         else:
             os.kill(dumper, signal.SIGKILL)
-        op = await gone.ended(op)
-        gone.next_helper()
+        dumper = None
+        if "hidden" in criu and "probe" in criu:
+            gone.next_helper()  # the server cannot see the stopped child: the next helper kills it
+            op = await gone.ended(op)
+            assert "holds only stopped CRIUs" in gone.helper.log(), gone.helper.log()
+        else:
+            op = await gone.ended(op)
+            gone.next_helper()
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         if criu.startswith("outlives it"):
             assert op["status"] == "succeeded" and view["state"] == "suspended", (op, server.server_log())
@@ -812,12 +836,17 @@ async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) 
             assert op["status"] == "failed" and op["failed_phase"] == "dump", op
             assert "runs on, unchanged" in op["error"] and view["state"] == "running" and view["pid"] == pid, op
             # its log, or none yet (caught as it began)
-            assert "the node helper went during the dump" in op["error"] or "had not begun" in op["error"], op
+            assert "the node helper went during the dump" in op["error"] or "No log of its CRIU" in op["error"], op
         if probe is not None:
-            assert await call(probe.wait, timeout=30) == -signal.SIGKILL  # killed by the server, not waited for
+            assert await call(probe.wait, timeout=30) == -signal.SIGKILL  # killed, not waited for
+            if "hidden" not in criu:
+                assert f"killed process {probe.pid}: a CRIU stopped, its helper gone" in server.server_log()
         assert await is_whole(tab)
         tab.ws.close()
     finally:
+        if dumper is not None:  # a test failing midway leaves nothing stopped behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(dumper, signal.SIGKILL)
         if probe is not None and probe.poll() is None:
             probe.kill()
             probe.wait()
@@ -877,7 +906,8 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
     memory = root_only_folder("gm-users-memory-fills-") / "memory"
     helper = NodeHelper(folder, memory=memory, memory_size="384m")
     server = UserServer(A, base / "a-fills", {"helper_socket": str(helper.socket)}).start()
-    kernel_id = None
+    kernel_id = dumper = None
+    filler = memory / "filler"
     try:
         kernel_id, tab = await new_kernel(server)
         await tab.run(holding(400_000))
@@ -886,10 +916,10 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
                         expect=202)
         dumper = await call(criu_running, "dump", "--tree", str(pid))
         os.kill(dumper, signal.SIGSTOP)
-        filler = memory / "filler"
         fill = subprocess.run(["dd", "if=/dev/zero", f"of={filler}", "bs=1M"], capture_output=True, text=True)
         assert "No space left on device" in fill.stderr, fill.stderr
         os.kill(dumper, signal.SIGCONT)
+        dumper = None
         deadline = time.monotonic() + 120
         while op["status"] not in ("succeeded", "failed"):
             assert time.monotonic() < deadline, op
@@ -910,6 +940,10 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         assert await is_whole(tab)
         tab.ws.close()
     finally:
+        if dumper is not None:  # a test failing midway leaves no CRIU stopped (holding the tmpfs) behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(dumper, signal.SIGKILL)
+        filler.unlink(missing_ok=True)
         if kernel_id is not None:
             with contextlib.suppress(AssertionError, OSError):
                 await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
@@ -930,18 +964,19 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
     _, helper, _, base = world
     server = UserServer(A, base / f"a-killed-{place}", {"helper_socket": str(helper.socket),
                                                         "suspend_to": place}).start()
-    kernel_id = None
+    kernel_id = held = None
     try:
         kernel_id, tab = await new_kernel(server)
         await tab.run(holding(4_000_000))
         tab.ws.close()
         pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
-        dumper = await call(criu_running, "dump", "--tree", str(pid))
+        held = dumper = await call(criu_running, "dump", "--tree", str(pid))
         os.kill(dumper, signal.SIGSTOP)  # held until the server is gone
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=30)
         os.kill(dumper, signal.SIGCONT)
+        held = None
         deadline = time.monotonic() + 120
         while not collected(dumper) or not collected(pid):  # the dump ends, and the kernel's PID is free again
             assert time.monotonic() < deadline, f"CRIU {dumper} or the kernel {pid} is still there"
@@ -955,6 +990,9 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
         assert await is_whole(tab)
         tab.ws.close()
     finally:
+        if held is not None:  # a test failing midway leaves no CRIU stopped behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGKILL)
         if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
             with contextlib.suppress(AssertionError, OSError):
                 await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
@@ -979,7 +1017,7 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
     resume brings it back whole, and no process of the cut restore is left."""
     _, helper, _, base = world
     server = UserServer(A, base / "a-killed-restore", {"helper_socket": str(helper.socket)}).start()
-    kernel_id = None
+    kernel_id = held = None
     try:
         kernel_id, tab = await new_kernel(server)
         await tab.run(holding(1_600_000))
@@ -989,11 +1027,12 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
         others = set(processes_of(A)) - {server.proc.pid}  # world's servers of A, and what they run
         logged = len(helper.log())
         await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/resume", {}, expect=202)
-        restorer = await call(criu_running, "restore")
+        held = restorer = await call(criu_running, "restore")
         os.kill(restorer, signal.SIGSTOP)  # held until the server is gone
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=30)
         os.kill(restorer, signal.SIGCONT)
+        held = None
         deadline = time.monotonic() + 120
         while not collected(restorer):
             assert time.monotonic() < deadline, f"CRIU {restorer} is still there"
@@ -1020,6 +1059,9 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
         left = {p: s for p, s in processes_of(A).items() if p not in others and p != server.proc.pid and p != kernel}
         assert all(s not in ("T", "t") for s in left.values()), f"stopped processes left: {left}"
     finally:
+        if held is not None:  # a test failing midway leaves no CRIU stopped behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(held, signal.SIGKILL)
         if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
             with contextlib.suppress(AssertionError, OSError):
                 await call(server.api, "DELETE", f"api/kernels/{kernel_id}")

@@ -5,6 +5,7 @@ its socket)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
@@ -12,10 +13,12 @@ import socket
 import time
 from pathlib import Path
 
+from .. import cgroups, proctree
 from .. import criu as criu_mod
-from .. import proctree
 from ..errors import CriuFailed, HelperError, HelperGone
-from .protocol import BUSY, CRIU_FAILED, DEFAULT_SOCKET, encode
+from .protocol import BUSY, CGROUP_PREFIX, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, encode
+
+log = logging.getLogger(__name__)
 
 
 class HelperClient:
@@ -97,10 +100,28 @@ def traced(pid: int) -> bool:
 
 
 def _stopped(pid: int) -> bool:
-    """Whether process ``pid`` is stopped (state T): a CRIU stopped holds the tree only where it seized it,
-    which :func:`traced` says."""
+    """Whether process ``pid`` is seen stopped (state T): a CRIU stopped holds the tree only where it seized it,
+    which :func:`traced` says. Not where /proc hides it."""
     found = proctree.info(pid)
     return found is not None and found.state == "T"
+
+
+def _is_criu(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as f:
+            return f.read().strip() == "criu"
+    except OSError:
+        return False
+
+
+def _kill(pids: list[int], why: str) -> None:
+    """SIGKILL ``pids`` (this user's own CRIU runs), saying so in the server's log."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+            log.warning("killed process %d: %s", pid, why)
+        except OSError:
+            pass
 
 
 class HelperCriu:
@@ -123,6 +144,8 @@ class HelperCriu:
         #: why this server is not in the helper's namespaces (its dumps and restores are refused), "" where it
         #: is, None where the helper does not say (an older one)
         self.elsewhere: str | None = hello.get("elsewhere")
+        #: the folder of the helper's cgroups, one per CRIU run (None: an older helper, which does not say)
+        self.runs = Path(hello["runs"]) if isinstance(hello.get("runs"), str) else None
 
     def _relative(self, images_dir: Path) -> dict:
         """Where ``images_dir`` is, as a request says it: its path under one of this user's images folders
@@ -156,38 +179,50 @@ class HelperCriu:
 
     def _outlived_helper(self, pid: int, log: Path, gone: HelperGone) -> dict:
         """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does
-        without it: wait while that CRIU runs (its process, where /proc shows it, or the kernel's tracer: a
-        CRIU holding the tree seized, which /proc shows even where it hides the CRIU, a process with
-        capabilities, from its user: hidepid), then read its log ``log``. A CRIU stopped that holds nothing
-        of the tree is not waited for, and is killed. Up to this client's timeout, when the CRIU runs found
-        are killed (the tree then runs on), as the helper would have done."""
+        without it: wait while that CRIU runs, then read its log ``log``.
+
+        What runs: the processes in this user's dump cgroups of the helper's (:meth:`_dump_runs`: whatever /proc
+        hides), or, from an older helper that does not say where those are, the processes whose arguments
+        name the dump; and the kernel's tracer (a CRIU holding the tree seized). A process seen stopped (state
+        T) is not waited for: as it starts, a CRIU forks a child that stops itself until CRIU has looked at
+        it, and CRIU gone, that child waits stopped for good. One whose state /proc hides (hidepid: CRIU runs
+        with capabilities its user lacks) is waited for. Once quiet, the stopped CRIUs left are killed (the
+        user's own processes: theirs to signal); at this client's timeout, every CRIU seen running this dump
+        (the tree then runs on, as when the helper kills a run at its own timeout)."""
         deadline = time.monotonic() + self.timeout
         quiet_since = None
         while time.monotonic() < deadline:
-            if any(not _stopped(run) for run in dumping(pid)) or traced(pid):
+            if any(not _stopped(run) for run in self._dump_runs(pid)) or traced(pid):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > QUIET:  # a CRIU about to seize the tree has had its time
                 break
             time.sleep(0.1)
-        # What is left stopped and holds nothing of the tree is a CRIU's child that waits for its parent,
-        # gone (as it starts, a CRIU forks one that stops itself until CRIU has looked at it); at the
-        # timeout, every run found. Either way the user's own processes: theirs to signal.
-        for run in dumping(pid):
-            try:
-                os.kill(run, signal.SIGKILL)
-            except OSError:
-                pass
+        else:
+            _kill([run for run in dumping(pid) if _is_criu(run)], "its CRIU timeout passed while it dumped")
+        _kill([run for run in self._dump_runs(pid) if _stopped(run) and _is_criu(run)],
+              "a CRIU stopped, its helper gone")
         give_up = time.monotonic() + 10
         while (dumping(pid) or traced(pid)) and time.monotonic() < give_up:
             time.sleep(0.1)
         if not log.exists():
-            raise HelperGone(f"{gone} Its CRIU had not begun the dump: the kernel runs on, unchanged.") from gone
+            raise HelperGone(f"{gone} No log of its CRIU was found: the kernel runs on, unchanged.") from gone
         if criu_mod.dump_finished(log) and not proctree.is_alive(pid):  # images written, the tree killed
             return {"ok": True}
         # Ended unfinished: CRIU resumes the tree, as on any failed dump (common.dump says whether it lives).
         return {"ok": False, "code": CRIU_FAILED, "detail": f"the node helper went during the dump ({gone})"}
+
+    def _dump_runs(self, pid: int) -> list[int]:
+        """The processes of this user's dumps that the helper runs (in its cgroups named by the caller's uid and
+        the op, which no user can move a process into), or, where it does not say where those are (an older
+        helper), those whose arguments name the dump of ``pid``."""
+        if self.runs is None:
+            return dumping(pid)
+        found: list[int] = []
+        for run in self.runs.glob(f"{CGROUP_PREFIX}*-{os.getuid()}-{DUMP_RUN}"):
+            found += cgroups.Cgroup(run).procs()
+        return found
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         reply = self.client.request({"op": "restore", **self._relative(images_dir), "ids": ids or []}, self.timeout)

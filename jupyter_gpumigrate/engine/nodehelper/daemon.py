@@ -63,8 +63,9 @@ from .. import cgroups
 from .. import criu as criu_mod
 from .. import criuimages, proctree
 from .. import images as images_mod
-from .protocol import (BUSY, CRIU_FAILED, DEFAULT_SOCKET, INTERNAL, MAX_DEPTH, MAX_IDS, NAME, PROTOCOL_VERSION,
-                       REFUSED, BadRequest, Refused, encode, failure, read_request)
+from .protocol import (BUSY, CGROUP_PREFIX, CHECK_RUN, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, INTERNAL, MAX_DEPTH,
+                       MAX_IDS, NAME, PROTOCOL_VERSION, REFUSED, RESTORE_RUN, BadRequest, Refused, encode, failure,
+                       read_request)
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
 
@@ -74,15 +75,13 @@ EXAMPLE_MEMORY = "/var/lib/jupyter-gpumigrate/memory"
 STAGING = ".staging"
 #: where a dump or restore's images are: under the images root on disk, or under the one in memory
 DISK, MEMORY = "disk", "memory"
-#: what names each run's cgroup (_confined, _tidy_earlier_runs)
-CHECK_RUN, DUMP_RUN, RESTORE_RUN = "check", "dump", "restore"
 #: how each run's cgroup name ends (older helpers' end with the caller's uid)
 OPS = tuple(f"-{run}" for run in (CHECK_RUN, DUMP_RUN, RESTORE_RUN))
 
 
-def _left_stopped(cgroup: cgroups.Cgroup) -> bool:
-    """Whether every process in ``cgroup`` is stopped and none is CRIU: a tree CRIU restored with
-    --leave-stopped and no helper handed over."""
+def _left_stopped(cgroup: cgroups.Cgroup, criu: bool = False) -> bool:
+    """Whether every process in ``cgroup`` is stopped (state T, not a tracer's stop) and none is CRIU: a tree
+    CRIU restored with --leave-stopped and no helper handed over; or, with ``criu``, every one is CRIU."""
     procs = cgroup.procs()
     for pid in procs:
         try:
@@ -90,12 +89,11 @@ def _left_stopped(cgroup: cgroups.Cgroup) -> bool:
                 head, _, rest = f.read().rpartition(")")
         except OSError:
             return False
-        if rest.split()[0] != "T" or head.partition("(")[2] == "criu":
+        if rest.split()[0] != "T" or (head.partition("(")[2] == "criu") != criu:
             return False
     return bool(procs)
 MAX_CLIENTS = 32
 MAX_PER_USER = 2
-CGROUP_PREFIX = "gpumigrate-"
 MAX_CORE_IMAGE = 16 << 20
 MAX_STAGED_BYTES = 256 << 20
 MAX_STAGED_FILES = 1 << 17
@@ -387,7 +385,8 @@ class CriuBroker:
                 os.close(self._user_dir(caller, root))
         return {"ok": True, "version": PROTOCOL_VERSION, "uid": caller.uid, "images": str(self.root / str(caller.uid)),
                 "memory": str(self.memory / str(caller.uid)) if self.memory is not None else None,
-                "criu": self.criu.version_string, "criu_path": self.criu.path, "elsewhere": self._elsewhere(caller)}
+                "criu": self.criu.version_string, "criu_path": self.criu.path, "elsewhere": self._elsewhere(caller),
+                "runs": str(self.cgroups) if self.cgroups is not None else None}
 
     @staticmethod
     def _elsewhere(caller: Caller) -> str:
@@ -730,6 +729,13 @@ class CriuBroker:
         for cgroup in list(self._kept):
             if not cgroup.populated() and cgroup.remove():
                 self._kept.discard(cgroup)
+            elif cgroup.path.name.endswith(f"-{DUMP_RUN}") and _left_stopped(cgroup, criu=True):
+                # An earlier helper's dump whose CRIU went, leaving only the child it forks as it starts,
+                # which stops itself until CRIU has looked at it: it waits for good, and the user's server
+                # waits for it where /proc hides it from its user.
+                log.warning("%s, an earlier helper's dump, holds only stopped CRIUs %s: killed", cgroup.path,
+                            cgroup.procs())
+                cgroup.kill()
         return reaped
 
 

@@ -9,14 +9,18 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
                                                "memory": "MEMORY/U" or null,
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu",
-                                               "elsewhere": ""}
+                                               "elsewhere": "", "runs": "/sys/fs/cgroup/..."}
                                               (makes the caller's images folders if they are missing;
                                               "memory" only from a helper run with --memory-root;
                                               "elsewhere": "" where the caller shares the helper's
                                               mount, network and PID namespaces, else why not, which
                                               refuses its dumps and restores (a dump, also of a tree
                                               outside them; a caller whose namespaces cannot be read
-                                              is refused too); absent from older helpers)
+                                              is refused too); absent from older helpers; "runs":
+                                              the folder of the helper's cgroups, one per CRIU run,
+                                              named CGROUP_PREFIX...-U-OP (OP: check, dump, restore),
+                                              which a caller whose helper went mid-dump reads to
+                                              wait for its CRIU; absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
@@ -54,6 +58,11 @@ MAX_IDS = 1 << 16
 #: REL: at most this many names, each matching NAME
 MAX_DEPTH = 4
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
+
+#: how the helper names a CRIU run's cgroup: CGROUP_PREFIX, its PID and run number, the caller's uid, and one of
+#: these ops (older helpers' names end with the uid)
+CGROUP_PREFIX = "gpumigrate-"
+CHECK_RUN, DUMP_RUN, RESTORE_RUN = "check", "dump", "restore"
 
 #: the ``code`` of a failed answer
 BAD_REQUEST = "bad-request"
