@@ -50,6 +50,7 @@ from .credentials import ENV_KERNEL_ID
 from .kernel.hoststash import INDEX as STASH_INDEX
 from .kernelwire import kernel_answers
 from .engine import proctree
+from .engine.access import helper_dumps
 from .engine.errors import MigrateError
 from .engine.images import MANIFEST, ImageStore, Manifest
 from .engine.plans.transplant import SWITCHED
@@ -471,12 +472,43 @@ async def _stash_left_in(store: ImageStore, name: str, safe_points: Path) -> Fou
                    "until it has them back.")
 
 
+#: How long the next server waits for the node helper's dump of a kernel, left running by the server that asked
+#: for it, before it judges the images (seconds); past it they are refused until a restart.
+HELPER_DUMP_WAIT = 600.0
+
+
+async def _helper_dump_ends(serverapp: Any, store: ImageStore, name: str) -> Found | None:
+    """A server that went mid-dump through the node helper left that dump running: its CRIU is the helper's,
+    and goes on writing the folder, then kills the kernel. Wait until it has ended (what runs of it:
+    access.helper_dumps), so that the folder is judged whole or not, never removed under it; None then, or
+    ``name`` refused where it still runs after :data:`HELPER_DUMP_WAIT`."""
+    pending = store.read_pending(name)
+    socket = MigratableProvisioner(config=serverapp.config).helper_socket or None
+    if pending is None or socket is None:
+        return None
+    deadline = time.monotonic() + HELPER_DUMP_WAIT
+    said = False
+    while running := await asyncio.to_thread(helper_dumps, socket, pending.pid):
+        if time.monotonic() > deadline:
+            return refused(name, store.path_for(name), "a dump by the node helper that still runs",
+                           "Restart the server once it has ended: the kernel is taken back then.")
+        if not said:
+            log.warning("gpumigrate: kernel %s is being dumped by the node helper (processes %s), as the server "
+                        "that went asked: waiting for the dump to end", name, running)
+            said = True
+        await asyncio.sleep(0.2)
+    return None
+
+
 async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Found:
     """One folder of images: taken back, removed (an unfinished dump) or refused."""
     folder = store.path_for(name)
     state_dir = Path(MigratableProvisioner(config=serverapp.config).state_dir)
     records, safe_points = state_dir / RECORDS, state_dir / SAFE_POINTS / name
     if not (folder / MANIFEST).exists() and not folder.is_symlink():
+        going = await _helper_dump_ends(serverapp, store, name)
+        if going is not None:
+            return going
         stash_left = await _stash_left_in(store, name, safe_points)
         if stash_left is not None:
             return stash_left

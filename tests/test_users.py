@@ -175,9 +175,11 @@ async def test_an_ordinary_users_kernel_suspends_to_memory_through_the_helper_an
         await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
 
 
-async def restarted(server: UserServer, kernel_id: str) -> dict:
-    """Start ``server`` again; its view of ``kernel_id`` once it has taken it back."""
-    server.start()
+async def restarted(server: UserServer, kernel_id: str, start: bool = True) -> dict:
+    """Start ``server`` again (``start``: else it is started already); its view of ``kernel_id`` once it has
+    taken it back."""
+    if start:
+        server.start()
     deadline = time.monotonic() + 60
     while kernel_id not in [k["id"] for k in await call(server.api, "GET", "api/gpumigrate/kernels")]:
         assert time.monotonic() < deadline, server.server_log()
@@ -953,17 +955,19 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         remove(memory.parent)
 
 
-@pytest.mark.parametrize("place", ["disk", "memory"])
-async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_nothing(world, place):
+@pytest.mark.parametrize("place,then", [("disk", "after the dump"), ("memory", "after the dump"),
+                                        ("disk", "while the dump runs")])
+async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_nothing(world, place, then):
     """A's server SIGKILLed (a Hub's cull or a crash) while the helper's CRIU dumps A's kernel: that CRIU is the
     helper's, not the server's, and runs on to the end (it kills the kernel, its images whole). The next server
     completes the images from the manifest written before the dump, says the kernel is suspended, and resumes
     it through the helper with all its state. (Until 2026-11-30 it refused them as a dump that did not finish:
     it looked for CRIU's log where a server that runs CRIU itself keeps it, not in the folder, where the
-    helper's CRIU writes it.)"""
-    _, helper, _, base = world
-    server = UserServer(A, base / f"a-killed-{place}", {"helper_socket": str(helper.socket),
-                                                        "suspend_to": place}).start()
+    helper's CRIU writes it.) Started while that dump still runs (the user back at once), it waits for the
+    dump to end before it judges the folder: it removed it under the running CRIU, a reviewer found."""
+    users, helper, _, base = world
+    server = UserServer(A, base / f"a-killed-{place}-{then.split()[0]}", {"helper_socket": str(helper.socket),
+                                                                         "suspend_to": place}).start()
     kernel_id = held = None
     try:
         kernel_id, tab = await new_kernel(server)
@@ -972,16 +976,27 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
         pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
         await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
         held = dumper = await call(criu_running, "dump", "--tree", str(pid))
-        os.kill(dumper, signal.SIGSTOP)  # held until the server is gone
+        if then == "while the dump runs":
+            await call(seized, pid)
+        os.kill(dumper, signal.SIGSTOP)  # held until the server is gone (and, while it runs, the next one is up)
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait(timeout=30)
+        if then == "while the dump runs":
+            server.start()
+            folder = helper.images / str(users.uid(A)) / "images" / kernel_id
+            deadline = time.monotonic() + 30
+            while "waiting for the dump to end" not in server.server_log():
+                assert time.monotonic() < deadline, server.server_log()
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1)
+            assert folder.is_dir(), "the folder of a dump that runs was removed"
         os.kill(dumper, signal.SIGCONT)
         held = None
         deadline = time.monotonic() + 120
         while not collected(dumper) or not collected(pid):  # the dump ends, and the kernel's PID is free again
             assert time.monotonic() < deadline, f"CRIU {dumper} or the kernel {pid} is still there"
             await asyncio.sleep(0.1)
-        view = await restarted(server, kernel_id)
+        view = await restarted(server, kernel_id, start=then == "after the dump")
         assert view["state"] == "suspended" and view["images"] == place, (view, server.server_log())
         assert "completed the images of kernel" in server.server_log()
         op = await call(server.operate, kernel_id, "resume")

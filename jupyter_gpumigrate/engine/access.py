@@ -18,8 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import criu as criu_mod
-from .errors import CriuNotFound, PrivilegeMissing
+from .errors import CriuNotFound, HelperError, PrivilegeMissing
 from .nodehelper import DEFAULT_SOCKET, HelperCriu
+from .nodehelper.client import traced
 
 ROOT, HELPER, CAPABILITIES, NONE = "root", "helper", "capabilities", "none"
 
@@ -96,6 +97,18 @@ def _helper_folders(helper_socket: str | None) -> tuple[Path, Path | None] | Non
     return _helper_roots[helper_socket]
 
 
+def helper_dumps(helper_socket: str | None, pid: int) -> list[int]:
+    """What still runs of a dump of ``pid`` by the node helper (its CRIU's processes, the kernel's tracer):
+    a server that went mid-dump left it running, and the next must not judge its images meanwhile. [] where
+    this server does not go through a helper, or the helper does not answer (it is then not dumping)."""
+    if os.geteuid() == 0 or not helper_socket or not _is_socket(helper_socket):
+        return []
+    try:
+        return HelperCriu(helper_socket, hello_timeout=5).busy(pid)
+    except HelperError:
+        return [pid] if traced(pid) else []
+
+
 def images_root(default: Path, helper_socket: str | None = DEFAULT_SOCKET) -> Path:
     """Where this server keeps images: ``default``, or, with the node helper, the folder the helper
     made for this user (the only place it dumps to and restores from, with its folder in memory: see
@@ -112,4 +125,4 @@ def memory_root(default: Path | None, helper_socket: str | None = DEFAULT_SOCKET
     return default if folders is None else folders[1]
 
 
-__all__ = ["Access", "criu_access", "open_criu", "images_root", "memory_root", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]
+__all__ = ["Access", "criu_access", "open_criu", "images_root", "memory_root", "helper_dumps", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]

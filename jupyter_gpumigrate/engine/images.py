@@ -459,8 +459,8 @@ class ImageStore:
             return None
         # That dump's log: beside the other logs where this server ran CRIU, in the folder itself where the
         # node helper did (its CRIU works there; the server moves the log out only on a failure). Not one an
-        # earlier dump of the kernel left (dump() removes it before CRIU runs): written to after the manifest
-        # to be and after CRIU's inventory (its last image).
+        # earlier dump of the kernel left (dump() removes it before CRIU runs): written to no earlier than the
+        # older of the manifest to be and CRIU's inventory (its last image).
         for log in (self.root / LOGS / f"{folder.name}-dump.log", folder / DUMP_LOG):
             try:
                 if log.stat().st_mtime >= min((folder / PENDING).stat().st_mtime, (folder / INVENTORY).stat().st_mtime):

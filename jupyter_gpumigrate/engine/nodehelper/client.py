@@ -146,6 +146,8 @@ class HelperCriu:
         self.elsewhere: str | None = hello.get("elsewhere")
         #: the folder of the helper's cgroups, one per CRIU run (None: an older helper, which does not say)
         self.runs = Path(hello["runs"]) if isinstance(hello.get("runs"), str) else None
+        #: this user, as the helper knows them (its cgroups are named by it)
+        self.uid = hello["uid"] if isinstance(hello.get("uid"), int) else os.getuid()
 
     def _relative(self, images_dir: Path) -> dict:
         """Where ``images_dir`` is, as a request says it: its path under one of this user's images folders
@@ -177,9 +179,9 @@ class HelperCriu:
                 # another file system)
             raise self._failed(reply, log_path or written, f"dump process {pid}")
 
-    def _outlived_helper(self, pid: int, log: Path, gone: HelperGone) -> dict:
+    def _outlived_helper(self, pid: int, log_file: Path, gone: HelperGone) -> dict:
         """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does
-        without it: wait while that CRIU runs, then read its log ``log``.
+        without it: wait while that CRIU runs, then read its log ``log_file``.
 
         What runs: the processes in this user's dump cgroups of the helper's (:meth:`_dump_runs`: whatever /proc
         hides), or, from an older helper that does not say where those are, the processes whose arguments
@@ -187,42 +189,48 @@ class HelperCriu:
         T) is not waited for: as it starts, a CRIU forks a child that stops itself until CRIU has looked at
         it, and CRIU gone, that child waits stopped for good. One whose state /proc hides (hidepid: CRIU runs
         with capabilities its user lacks) is waited for. Once quiet, the stopped CRIUs left are killed (the
-        user's own processes: theirs to signal); at this client's timeout, every CRIU seen running this dump
-        (the tree then runs on, as when the helper kills a run at its own timeout)."""
+        user's own processes: theirs to signal); at this client's timeout, every process of this user's dumps
+        in the helper's cgroups (the tree then runs on, as when the helper kills a run at its own timeout)."""
         deadline = time.monotonic() + self.timeout
         quiet_since = None
         while time.monotonic() < deadline:
-            if any(not _stopped(run) for run in self._dump_runs(pid)) or traced(pid):
+            if self.busy(pid):
                 quiet_since = None
             elif quiet_since is None:
                 quiet_since = time.monotonic()
             elif time.monotonic() - quiet_since > QUIET:  # a CRIU about to seize the tree has had its time
                 break
             time.sleep(0.1)
-        else:
-            _kill([run for run in dumping(pid) if _is_criu(run)], "its CRIU timeout passed while it dumped")
-        _kill([run for run in self._dump_runs(pid) if _stopped(run) and _is_criu(run)],
+        else:  # by the PIDs in the helper's cgroups, which no user can put a process in (/proc may hide them)
+            runs = self.dump_runs(pid) if self.runs is not None else [r for r in dumping(pid) if _is_criu(r)]
+            _kill(runs, "its CRIU timeout passed while it dumped")
+        _kill([run for run in self.dump_runs(pid) if _stopped(run) and _is_criu(run)],
               "a CRIU stopped, its helper gone")
         give_up = time.monotonic() + 10
-        while (dumping(pid) or traced(pid)) and time.monotonic() < give_up:
+        while self.busy(pid) and time.monotonic() < give_up:
             time.sleep(0.1)
-        if not log.exists():
+        if not log_file.exists():
             raise HelperGone(f"{gone} No log of its CRIU was found: the kernel runs on, unchanged.") from gone
-        if criu_mod.dump_finished(log) and not proctree.is_alive(pid):  # images written, the tree killed
+        if criu_mod.dump_finished(log_file) and not proctree.is_alive(pid):  # images written, the tree killed
             return {"ok": True}
         # Ended unfinished: CRIU resumes the tree, as on any failed dump (common.dump says whether it lives).
         return {"ok": False, "code": CRIU_FAILED, "detail": f"the node helper went during the dump ({gone})"}
 
-    def _dump_runs(self, pid: int) -> list[int]:
+    def dump_runs(self, pid: int) -> list[int]:
         """The processes of this user's dumps that the helper runs (in its cgroups named by the caller's uid and
         the op, which no user can move a process into), or, where it does not say where those are (an older
         helper), those whose arguments name the dump of ``pid``."""
         if self.runs is None:
             return dumping(pid)
         found: list[int] = []
-        for run in self.runs.glob(f"{CGROUP_PREFIX}*-{os.getuid()}-{DUMP_RUN}"):
+        for run in self.runs.glob(f"{CGROUP_PREFIX}*-{self.uid}-{DUMP_RUN}"):
             found += cgroups.Cgroup(run).procs()
         return found
+
+    def busy(self, pid: int) -> list[int]:
+        """What still runs of a dump of ``pid`` by the helper: its CRIU's processes but those seen stopped (see
+        :meth:`_outlived_helper`), and ``pid`` itself while a tracer holds it seized."""
+        return [run for run in self.dump_runs(pid) if not _stopped(run)] + ([pid] if traced(pid) else [])
 
     def restore(self, images_dir: Path, ids: list[int] | None = None) -> int:
         reply = self.client.request({"op": "restore", **self._relative(images_dir), "ids": ids or []}, self.timeout)

@@ -18,7 +18,7 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
                                               outside them; a caller whose namespaces cannot be read
                                               is refused too); absent from older helpers; "runs":
                                               the folder of the helper's cgroups, one per CRIU run,
-                                              named CGROUP_PREFIX...-U-OP (OP: check, dump, restore),
+                                              named gpumigrate-HELPERPID-N-U-OP (OP: check, dump, restore),
                                               which a caller whose helper went mid-dump reads to
                                               wait for its CRIU; absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
