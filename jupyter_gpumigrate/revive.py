@@ -50,7 +50,7 @@ from .credentials import ENV_KERNEL_ID
 from .kernel.hoststash import INDEX as STASH_INDEX
 from .kernelwire import kernel_answers
 from .engine import proctree
-from .engine.access import helper_dumps
+from .engine.access import dump_watch
 from .engine.errors import MigrateError
 from .engine.images import MANIFEST, ImageStore, Manifest
 from .engine.plans.transplant import SWITCHED
@@ -480,7 +480,7 @@ HELPER_DUMP_WAIT = 600.0
 async def _helper_dump_ends(serverapp: Any, store: ImageStore, name: str) -> Found | None:
     """A server that went mid-dump through the node helper left that dump running: its CRIU is the helper's,
     and goes on writing the folder, then kills the kernel. Wait until it has ended (what runs of it:
-    access.helper_dumps), so that the folder is judged whole or not, never removed under it; None then, or
+    access.dump_watch), so that the folder is judged whole or not, never removed under it; None then, or
     ``name`` refused where it still runs after :data:`HELPER_DUMP_WAIT`."""
     pending = store.read_pending(name)
     socket = MigratableProvisioner(config=serverapp.config).helper_socket or None
@@ -488,7 +488,8 @@ async def _helper_dump_ends(serverapp: Any, store: ImageStore, name: str) -> Fou
         return None
     deadline = time.monotonic() + HELPER_DUMP_WAIT
     said = False
-    while running := await asyncio.to_thread(helper_dumps, socket, pending.pid):
+    busy = await asyncio.to_thread(dump_watch, socket)
+    while running := await asyncio.to_thread(busy, pending.pid):
         if time.monotonic() > deadline:
             return refused(name, store.path_for(name), "a dump by the node helper that still runs",
                            "Restart the server once it has ended: the kernel is taken back then.")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -97,16 +98,17 @@ def _helper_folders(helper_socket: str | None) -> tuple[Path, Path | None] | Non
     return _helper_roots[helper_socket]
 
 
-def helper_dumps(helper_socket: str | None, pid: int) -> list[int]:
-    """What still runs of a dump of ``pid`` by the node helper (its CRIU's processes, the kernel's tracer):
-    a server that went mid-dump left it running, and the next must not judge its images meanwhile. [] where
-    this server does not go through a helper, or the helper does not answer (it is then not dumping)."""
+def dump_watch(helper_socket: str | None) -> Callable[[int], list[int]]:
+    """What still runs of a dump of a PID by the node helper (its CRIU's processes, the kernel's tracer), as a
+    function of that PID, asking the helper once: a server that went mid-dump left it running, and the next
+    must not judge its images meanwhile. Nothing runs where this server does not go through a helper; where
+    the helper does not answer, only the tracer is looked at."""
     if os.geteuid() == 0 or not helper_socket or not _is_socket(helper_socket):
-        return []
+        return lambda pid: []
     try:
-        return HelperCriu(helper_socket, hello_timeout=5).busy(pid)
+        return HelperCriu(helper_socket, hello_timeout=5).busy
     except HelperError:
-        return [pid] if traced(pid) else []
+        return lambda pid: [pid] if traced(pid) else []
 
 
 def images_root(default: Path, helper_socket: str | None = DEFAULT_SOCKET) -> Path:
@@ -125,4 +127,4 @@ def memory_root(default: Path | None, helper_socket: str | None = DEFAULT_SOCKET
     return default if folders is None else folders[1]
 
 
-__all__ = ["Access", "criu_access", "open_criu", "images_root", "memory_root", "helper_dumps", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]
+__all__ = ["Access", "criu_access", "open_criu", "images_root", "memory_root", "dump_watch", "CriuNotFound", "ROOT", "HELPER", "CAPABILITIES", "NONE"]
