@@ -955,6 +955,18 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         remove(memory.parent)
 
 
+async def end_killed(server: UserServer, kernel_id: str | None, held: int | None) -> None:
+    """The end of a test that kills a user's server mid-run: the CRIU it held stopped, if it failed before
+    letting it go (none is left stopped), is killed; the kernel is shut down and the server stopped."""
+    if held is not None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(held, signal.SIGKILL)
+    if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
+        with contextlib.suppress(AssertionError, OSError):
+            await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
+    server.stop()
+
+
 @pytest.mark.parametrize("place,then", [("disk", "after the dump"), ("memory", "after the dump"),
                                         ("disk", "while the dump runs")])
 async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_nothing(world, place, then):
@@ -1005,13 +1017,7 @@ async def test_a_users_server_killed_while_the_helper_dumps_its_kernel_loses_not
         assert await is_whole(tab)
         tab.ws.close()
     finally:
-        if held is not None:  # a test failing midway leaves no CRIU stopped behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(held, signal.SIGKILL)
-        if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
-            with contextlib.suppress(AssertionError, OSError):
-                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
-        server.stop()
+        await end_killed(server, kernel_id, held)
 
 
 def processes_of(user: str) -> dict[int, str]:
@@ -1074,10 +1080,4 @@ async def test_a_users_server_killed_while_the_helper_restores_its_kernel_loses_
         left = {p: s for p, s in processes_of(A).items() if p not in others and p != server.proc.pid and p != kernel}
         assert all(s not in ("T", "t") for s in left.values()), f"stopped processes left: {left}"
     finally:
-        if held is not None:  # a test failing midway leaves no CRIU stopped behind
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(held, signal.SIGKILL)
-        if kernel_id is not None and server.proc is not None and server.proc.poll() is None:
-            with contextlib.suppress(AssertionError, OSError):
-                await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
-        server.stop()
+        await end_killed(server, kernel_id, held)

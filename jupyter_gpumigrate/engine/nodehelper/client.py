@@ -183,7 +183,7 @@ class HelperCriu:
         """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does
         without it: wait while that CRIU runs, then read its log ``log_file``.
 
-        What runs: the processes in this user's dump cgroups of the helper's (:meth:`_dump_runs`: whatever /proc
+        What runs: the processes in this user's dump cgroups of the helper's (:meth:`dump_runs`: whatever /proc
         hides), or, from an older helper that does not say where those are, the processes whose arguments
         name the dump; and the kernel's tracer (a CRIU holding the tree seized). A process seen stopped (state
         T) is not waited for: as it starts, a CRIU forks a child that stops itself until CRIU has looked at
