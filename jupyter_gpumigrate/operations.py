@@ -113,6 +113,9 @@ class Operation:
     #: a suspend: where its images go, as asked ("memory", "disk", "auto"; None: the server's default,
     #: c.MigratableProvisioner.suspend_to), then as done ("memory" or "disk")
     images: str | None = None
+    #: a suspend that succeeded: why its images went where they did (images.choose's judgement of the room in
+    #: memory, "asked for", or memory that filled as they were written: plans/suspend.py)
+    images_why: str | None = None
     #: a suspend or resume: what the kernel's host stash wrote or read back, or why it stepped aside
     stash: dict[str, Any] | None = None
     #: what asked for it: "api" (REST, CLI, panel, magic, Hub), "cell" (a cell run on a suspended kernel) or
@@ -750,7 +753,7 @@ class OperationManager:
             op.stash = outcome.stash
             op.transplant = outcome.transplant
             if outcome.images is not None:
-                op.images = outcome.images
+                op.images, op.images_why = outcome.images, outcome.images_why or None
             log.info("gpumigrate: %s of kernel %s took %.2f s", op.action, op.kernel_id, outcome.result.total)
         finally:
             op.finished = time.time()

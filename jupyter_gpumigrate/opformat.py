@@ -178,6 +178,9 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     where = gpus_onto(op)
     if action == "suspend" and op.get("images") in ("memory", "disk"):
         where = f" to {op['images']}"
+        why = op.get("images_why")
+        if op["images"] == "disk" and why and why != "asked for":  # memory was not, or could not be, taken
+            where += f" ({why})"
     stash = op.get("stash") or {}
     carried = stash.get("stashed") or stash.get("unstashed")
     how = f", {size(carried)} of it by the kernel's own threads{_mid_cell(stash)}" if carried else ""

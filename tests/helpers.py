@@ -615,3 +615,20 @@ def peer_server_config(tmp_path: Path, peer_token: str) -> dict:
         "MigratableProvisioner": {"state_dir": str(tmp_path / "gpumigrate"), "suspend_to": "disk"},
         "GPUMigrateApp": {"peer_token": peer_token},
     }
+
+
+def criu_running(*args: str, timeout: float = 120) -> int:
+    """A CRIU running with all of ``args``, once it runs (not the shell that becomes it, nor a zombie)."""
+    wanted = [a.encode() for a in args]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for entry in Path("/proc").iterdir():
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                continue
+            if argv and argv[0].endswith(b"criu") and all(w in argv for w in wanted) and state != "Z":
+                return int(entry.name)
+        time.sleep(0.005)
+    raise AssertionError(f"no CRIU ran with {args} within {timeout} s")

@@ -14,6 +14,7 @@ from servers import LocalServer
 from test_hibernation import criu_of, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import proctree
+from jupyter_gpumigrate.opformat import report
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
 
@@ -156,6 +157,49 @@ async def test_a_server_stopping_with_its_disk_full_suspends_its_kernels_to_memo
             assert view["state"] == "suspended" and view["images"] == "memory", view
             tab = await tab_on(srv, kernel_id)
             assert (await tab.run("print(x + 1)", timeout=120)).strip() == "42"
+            tab.ws.close()
+        finally:
+            srv.stop(signal.SIGKILL)
+            srv.kill_kernels()
+
+
+async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_instead(tmp_path):
+    """Images "auto" (the default): memory had room when the suspend looked, then fills while CRIU writes
+    there (another kernel's images, a user's files). The dump fails and rolls back (the kernel runs on), and the
+    suspend goes again with its images on disk, saying why: a suspend the idle policy asked for still frees the
+    kernel's memory and GPU. The kernel resumes from disk as it was."""
+    with small_tmpfs(tmp_path / "small", "200m") as small:
+        srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {
+            "state_dir": str(tmp_path / "state"), "memory_dir": str(small / "memory"), "suspend_to": "auto"}})
+        try:
+            srv.start()
+            _, kernel_id = notebook_session(srv)
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("import itertools; count = itertools.count(41); next(count); print('set')"
+                                  )).strip() == "set"
+            tab.ws.close()
+            op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+            criu = criu_of(srv.proc.pid, b"dump", 60)
+            assert criu is not None, "the dump did not start"
+            os.kill(criu, signal.SIGSTOP)
+            try:
+                filler = fill(small)
+            finally:
+                os.kill(criu, signal.SIGCONT)
+            while op["status"] not in ("succeeded", "failed"):
+                op = srv.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
+            why = f"the memory folder {small / 'memory'} filled as the images were written there"
+            assert op["images_why"] == f"{why}; written to disk instead", op
+            said = f"Kernel {kernel_id} suspended to disk ({why}; written to disk instead) in "
+            assert report(op).startswith(said), report(op)  # what the CLI and %migrate print
+            log = srv.server_log()
+            assert f"kernel {kernel_id}: {why}" in log and "suspending it to disk instead" in log, log
+            assert not (small / "memory" / kernel_id).exists(), "nothing of the failed images stays in memory"
+            filler.unlink()
+            assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
+            tab = await tab_on(srv, kernel_id)
+            assert (await tab.run("print(next(count))")).strip() == "42"
             tab.ws.close()
         finally:
             srv.stop(signal.SIGKILL)

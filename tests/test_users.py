@@ -23,7 +23,7 @@ import pytest
 from tornado.httpclient import HTTPRequest
 from tornado.websocket import websocket_connect
 
-from helpers import WebSocketTab, two_gpus
+from helpers import WebSocketTab, criu_running, two_gpus
 from jupyter_gpumigrate.engine import cgroups
 from jupyter_gpumigrate.engine.nodehelper.client import QUIET
 from users import (NodeHelper, UserServer, Users, as_user, forge_capabilities, proc_hiding_others, remove,
@@ -264,8 +264,18 @@ async def test_a_helper_refuses_a_memory_root_others_could_change_and_a_dump_int
             assert holder.stdout.readline().strip() == "held"
             (dump,) = await call(ask_as, users, A, small, {"op": "dump", "pid": holder.pid, "images": "images/big",
                                                            "place": "memory"})
-            assert dump["code"] == "refused" and "no room in memory for 0.1 GB of images" in dump["error"], dump
+            assert dump["code"] == "no-room" and "no room in memory for 0.1 GB of images" in dump["error"], dump
             assert "suspend to disk" in dump["error"] and holder.poll() is None
+            # A server's client of the helper says it as memory's room (a suspend "auto" then goes to disk).
+            script = ("import sys\nfrom jupyter_gpumigrate.engine.errors import HelperError, no_room\n"
+                      "from jupyter_gpumigrate.engine.nodehelper.client import HelperCriu\n"
+                      f"criu = HelperCriu({str(small.socket)!r})\n"
+                      "try:\n    criu.dump(int(sys.argv[1]), criu.memory_root / 'big')\n"
+                      "except HelperError as exc:\n    print(no_room(exc), criu.memory_root, sep='\\n')\n")
+            done = subprocess.run([*as_user(A), sys.executable, "-c", script, str(holder.pid)], env=user_env(A),
+                                  cwd="/", capture_output=True, text=True, timeout=60)
+            folder, memory_root = done.stdout.split()
+            assert folder == memory_root and holder.poll() is None, (done.stdout, done.stderr)
         finally:
             holder.kill()
             holder.wait()
@@ -677,23 +687,6 @@ async def test_a_helper_in_other_namespaces_than_the_users_kernel_or_server_refu
             proc.wait()
 
 
-def criu_running(*args: str, timeout: float = 120) -> int:
-    """A CRIU running with all of ``args``, once it runs (not the shell that becomes it, nor a zombie)."""
-    wanted = [a.encode() for a in args]
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
-            except (OSError, IndexError):
-                continue
-            if argv and argv[0].endswith(b"criu") and all(w in argv for w in wanted) and state != "Z":
-                return int(entry.name)
-        time.sleep(0.005)
-    raise AssertionError(f"no CRIU ran with {args} within {timeout} s")
-
-
 def holding(n: int) -> str:
     """A cell that makes the kernel hold ``n`` x 256 bytes, with ``x`` and the bytes' digest (see :data:`WHOLE`)."""
     return f"import hashlib\nblob = bytes(range(256)) * {n}\nx = 41\nbefore = hashlib.sha256(blob).hexdigest()"
@@ -897,24 +890,27 @@ async def test_the_helper_killed_while_its_criu_restores_a_kernel_loses_nothing(
         await gone.close()
 
 
-async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_nothing(world):
+@pytest.mark.parametrize("asked", ["memory", "auto"])
+async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_nothing(world, asked):
     """The helper's tmpfs fills while its CRIU writes a kernel's images into memory (another user's dump, say:
     the helper's room check is an estimate at request time). CRIU fails on the full tmpfs, the kernel runs on
-    with its state and its process, nothing of the failed images stays in memory, and the suspend says memory
-    was full and how to go to disk. Once there is room again, it suspends to memory and resumes whole."""
+    with its state and its process, and nothing of the failed images stays in memory. Asked for memory, the
+    suspend says memory was full and how to go to disk; once there is room again, it suspends to memory and
+    resumes whole. Asked for auto (the default, and the idle policy's), it goes to disk instead, saying why,
+    and resumes whole from there."""
     users, _, _, base = world
-    folder = base / "fills"
+    folder = base / f"fills-{asked}"
     folder.mkdir(mode=0o755)
     memory = root_only_folder("gm-users-memory-fills-") / "memory"
     helper = NodeHelper(folder, memory=memory, memory_size="384m")
-    server = UserServer(A, base / "a-fills", {"helper_socket": str(helper.socket)}).start()
+    server = UserServer(A, base / f"a-fills-{asked}", {"helper_socket": str(helper.socket)}).start()
     kernel_id = dumper = None
     filler = memory / "filler"
     try:
         kernel_id, tab = await new_kernel(server)
         await tab.run(holding(400_000))
         pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
-        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {"images": "memory"},
+        op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {"images": asked},
                         expect=202)
         dumper = await call(criu_running, "dump", "--tree", str(pid))
         os.kill(dumper, signal.SIGSTOP)
@@ -927,12 +923,23 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
             assert time.monotonic() < deadline, op
             await asyncio.sleep(0.2)
             op = await call(server.api, "GET", f"api/gpumigrate/operations/{op['id']}")
+        in_memory = memory / str(users.uid(A)) / f"images-{state_digest(server)}" / kernel_id
+        if asked == "auto":
+            assert op["status"] == "succeeded" and op["images"] == "disk", (op, server.server_log())
+            assert op["images_why"] == (f"the memory folder {in_memory.parent} filled as the images were written "
+                                        "there; written to disk instead"), op
+            assert not in_memory.exists()
+            op = await call(server.operate, kernel_id, "resume")
+            assert op["status"] == "succeeded", (op, server.server_log())
+            assert await is_whole(tab)
+            tab.ws.close()
+            return
         assert op["status"] == "failed" and op["failed_phase"] == "dump", (op, server.server_log())
         said = op["error"]
         assert "(a tmpfs) is full" in said and "Suspend to disk instead" in said and "runs on, unchanged" in said, said
         view = await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}")
         assert view["state"] == "running" and view["pid"] == pid, view
-        assert not (memory / str(users.uid(A)) / f"images-{state_digest(server)}" / kernel_id).exists()
+        assert not in_memory.exists()
         assert await is_whole(tab)
         filler.unlink()
         op = await call(server.operate, kernel_id, "suspend", {"images": "memory"})

@@ -504,6 +504,10 @@ export interface Operation {
    */
   images: 'auto' | 'memory' | 'disk' | null;
   /**
+   * A suspend that succeeded: why its images went where they did ("asked for", the room judged in memory for auto, or a memory that filled as they were written, so that they went to disk instead); null otherwise.
+   */
+  images_why: string | null;
+  /**
    * A suspend, resume or move to another host: its host stash, where it was asked.
    */
   stash: HostStash | null;

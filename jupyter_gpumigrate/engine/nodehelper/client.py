@@ -15,8 +15,8 @@ from pathlib import Path
 
 from .. import cgroups, proctree
 from .. import criu as criu_mod
-from ..errors import CriuFailed, HelperError, HelperGone
-from .protocol import BUSY, CGROUP_PREFIX, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, encode
+from ..errors import CriuFailed, HelperError, HelperGone, for_full
+from .protocol import BUSY, CGROUP_PREFIX, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, NO_ROOM, encode
 
 log = logging.getLogger(__name__)
 
@@ -177,7 +177,10 @@ class HelperCriu:
             if log_path is not None and written.exists():
                 shutil.move(written, log_path)  # the rollback deletes the images, not the log (images in memory:
                 # another file system)
-            raise self._failed(reply, log_path or written, f"dump process {pid}")
+            failed = self._failed(reply, log_path or written, f"dump process {pid}")
+            if reply.get("code") == NO_ROOM:  # no room in memory: said as a full memory (errors.no_room)
+                for_full(failed, Path(images_dir).parent)
+            raise failed
 
     def _outlived_helper(self, pid: int, log_file: Path, gone: HelperGone) -> dict:
         """The answer the helper that went would have given about the dump of ``pid``, from what its CRIU does

@@ -64,7 +64,7 @@ from .. import criu as criu_mod
 from .. import criuimages, proctree
 from .. import images as images_mod
 from .protocol import (BUSY, CGROUP_PREFIX, CHECK_RUN, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, INTERNAL, MAX_DEPTH,
-                       MAX_IDS, NAME, PROTOCOL_VERSION, REFUSED, RESTORE_RUN, BadRequest, Refused, encode, failure,
+                       MAX_IDS, NAME, PROTOCOL_VERSION, REFUSED, RESTORE_RUN, BadRequest, NoRoom, Refused, encode, failure,
                        read_request)
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
@@ -344,7 +344,7 @@ class CriuBroker:
         need = tree_resident(tree)
         free = images_mod.memory_free(self.memory)
         if free < need * 1.1:
-            raise Refused(f"no room in memory for {need / 1e9:.1f} GB of images ({free / 1e9:.1f} GB free in "
+            raise NoRoom(f"no room in memory for {need / 1e9:.1f} GB of images ({free / 1e9:.1f} GB free in "
                           f"{self.memory}): suspend to disk")
 
     def _tidy_earlier_runs(self) -> None:

@@ -33,8 +33,10 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
     {"op": "restore", "images": REL, "place": ..., "ids": [PID or TID, ...]}
                                            -> {"ok": true, "pid": P, "seconds": s}   the new root
     any failure                            -> {"ok": false, "code": C, "error": "a sentence"}
-        C: "bad-request" (malformed), "refused" (not yours, forged, unsafe), "criu-failed" (then
-        "log": the CRIU log's name in the image folder, for the caller to read), "busy", "internal"
+        C: "bad-request" (malformed), "refused" (not yours, forged, unsafe), "no-room" (a dump into
+        memory that has no room for it: the caller may dump to disk instead; older helpers said
+        "refused"), "criu-failed" (then "log": the CRIU log's name in the image folder, for the
+        caller to read), "busy", "internal"
 
 REL is a path relative to the caller's images folder: 1 to 4 names of ``[A-Za-z0-9_][A-Za-z0-9._-]*``.
 ``ids`` (optional) are the tree's PIDs and TIDs, kept free for the restore.
@@ -67,6 +69,7 @@ CHECK_RUN, DUMP_RUN, RESTORE_RUN = "check", "dump", "restore"
 #: the ``code`` of a failed answer
 BAD_REQUEST = "bad-request"
 REFUSED = "refused"
+NO_ROOM = "no-room"
 CRIU_FAILED = "criu-failed"
 BUSY = "busy"
 INTERNAL = "internal"
@@ -76,6 +79,12 @@ class Refused(Exception):
     """The request is not the caller's to make: wrong owner, forged or unsafe paths."""
 
     code = REFUSED
+
+
+class NoRoom(Refused):
+    """A dump into memory that the memory root has no room for."""
+
+    code = NO_ROOM
 
 
 class BadRequest(Exception):

@@ -8,6 +8,11 @@
     checkpoint  GPU memory into the process's host memory         undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it from the images
 
+With images "auto" put in memory (images.choose judged there was room), a memory that fills before the
+images are whole (another kernel's images, a user's files, what the tree grew meanwhile) fails the plan,
+which rolls back: the kernel runs on, unchanged. The plan then runs once more with its images on disk
+(:func:`run`): a suspend the idle policy asked for still frees the GPU. Asked for memory, it fails as it did.
+
 The stash (kernel/hoststash.py) is what makes a large kernel fast to suspend: its own threads write the
 big PyTorch storages (CUDA through pinned buffers) and bytearrays in parallel, so the driver checkpoints
 only the CUDA context and CRIU dumps only the rest. A kernel busy with a cell serves it at the cell's safe
@@ -19,13 +24,19 @@ gain), nothing changed and CRIU and the driver carry everything.
 from __future__ import annotations
 
 import errno
+import logging
+from dataclasses import replace
+from pathlib import Path
 
 from .. import proctree
-from ..errors import ImageError, InvalidState, MigrateError, for_full
-from ..kernelproc import KernelProcess
+from ..errors import ImageError, InvalidState, MigrateError, PhaseFailed, for_full, no_room, said
+from ..images import AUTO, DISK
+from ..kernelproc import RUNNING, KernelProcess
 from ..saga import ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, checkpoint, disk_full_said, dump, full_disk, lock, new_images,
                      running_pid)
+
+log = logging.getLogger(__name__)
 
 #: How long the kernel gets to write its buffers: this, plus a second per STASH_RATE bytes it may hold.
 STASH_WAIT = 60.0
@@ -134,6 +145,33 @@ def take_back(ctx: KernelContext, said: dict, timeout: float) -> None:
 
 
 def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None = None) -> Outcome:
+    """Suspend ``kernel``; with images ``auto`` in memory that filled meanwhile, once more on disk (the
+    module's docstring), its outcome's ``images_why`` saying so."""
+    try:
+        return _once(kernel, tools, progress)
+    except PhaseFailed as failed:
+        filled = memory_filled(failed, kernel, tools)
+        if filled is None:
+            raise
+        log.warning("kernel %s: %s (%s); suspending it to disk instead", kernel.kernel_id, filled,
+                    said(failed.cause))
+    outcome = _once(kernel, replace(tools, images=DISK), progress)
+    outcome.images_why = f"{filled}; written to disk instead"
+    return outcome
+
+
+def memory_filled(failed: PhaseFailed, kernel: KernelProcess, tools: Tools) -> str | None:
+    """Why a suspend of images "auto" failed, where it failed because the memory folder filled and rolled
+    back whole (the kernel runs, as it did): said in a few words. None otherwise."""
+    folder = no_room(failed.cause)
+    memory = tools.store.memory_root
+    if (tools.images != AUTO or memory is None or folder is None or Path(folder) != memory
+            or not failed.rolled_back or kernel.state != RUNNING):
+        return None
+    return f"the memory folder {memory} filled as the images were written there"
+
+
+def _once(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None) -> Outcome:
     ctx = KernelContext(kernel, tools)
     result = saga().run(ctx, progress)
     assert ctx.manifest is not None
