@@ -181,9 +181,11 @@ def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there
         floors = {"tcp": link_floor(a, b, nbytes, tls=False), "tls": link_floor(a, b, nbytes, tls=True)}
         for n in streams:
             floors[f"tls_x{n}"] = link_floor_parallel(a, b, nbytes, n)
+        at = {"away": time.time()}  # when each trip began (to read beside bench/cpu_sample.py's samples)
         away = a.operate(kernel_id, "migrate", {"to_host": "b", "to_gpu": there}, timeout=1800)
         assert away["status"] == "succeeded", away
         assert run_cell(a, kernel_id, check).split() == ["True", str(nbytes)]
+        at["home"] = time.time()
         home = a.operate(kernel_id, "migrate", {"to_host": "a", "to_gpu": here}, timeout=1800)
         assert home["status"] == "succeeded", home
         assert run_cell(a, kernel_id, check).split() == ["True", str(nbytes)]
@@ -192,9 +194,9 @@ def one_size(a: Host, b: Host, size: float, way: str, device: str = "cpu", there
     return {"way": way, "device": device, "size_gb": size, "kernel_bytes": nbytes, "floors_gbps": floors,
             "to_gpu": there,
             "away": {"total": away["total"], "bytes": away["bytes"], "timings": away["timings"],
-                     "stash": away.get("stash")},
+                     "stash": away.get("stash"), "at": at["away"]},
             "home": {"total": home["total"], "bytes": home["bytes"], "timings": home["timings"],
-                     "stash": home.get("stash")},
+                     "stash": home.get("stash"), "at": at["home"]},
             # what each server said of this kernel: the transfer's split, the other host's own phases
             "said": {h.name: said_of(h, kernel_id) for h in (a, b)}}
 
