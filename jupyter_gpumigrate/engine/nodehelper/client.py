@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import cgroups, proctree
 from .. import criu as criu_mod
 from ..errors import CriuFailed, HelperError, HelperGone, for_full
-from .protocol import BUSY, CGROUP_PREFIX, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, NO_ROOM, encode
+from .protocol import BUSY, CRIU_FAILED, DEFAULT_SOCKET, NO_ROOM, dump_run_glob, encode
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +146,8 @@ class HelperCriu:
         self.elsewhere: str | None = hello.get("elsewhere")
         #: the folder of the helper's cgroups, one per CRIU run (None: an older helper, which does not say)
         self.runs = Path(hello["runs"]) if isinstance(hello.get("runs"), str) else None
+        #: whether the helper names each dump's cgroup by the PID of the tree it dumps (older ones do not)
+        self.runs_by_pid = hello.get("runs_by_pid") is True
         #: this user, as the helper knows them (its cgroups are named by it)
         self.uid = hello["uid"] if isinstance(hello.get("uid"), int) else os.getuid()
 
@@ -220,13 +222,14 @@ class HelperCriu:
         return {"ok": False, "code": CRIU_FAILED, "detail": f"the node helper went during the dump ({gone})"}
 
     def dump_runs(self, pid: int) -> list[int]:
-        """The processes of this user's dumps that the helper runs (in its cgroups named by the caller's uid and
-        the op, which no user can move a process into), or, where it does not say where those are (an older
-        helper), those whose arguments name the dump of ``pid``."""
+        """The processes of the helper's dump of ``pid`` for this user (in its cgroup named by the tree's PID,
+        the caller's uid and the op, which no user can move a process into); from an older helper, which does
+        not name the tree, those of all this user's dumps (another server's of the same user's too); where it
+        does not say where those are, those whose arguments name the dump of ``pid``."""
         if self.runs is None:
             return dumping(pid)
         found: list[int] = []
-        for run in self.runs.glob(f"{CGROUP_PREFIX}*-{self.uid}-{DUMP_RUN}"):
+        for run in self.runs.glob(dump_run_glob(self.uid, pid if self.runs_by_pid else None)):
             found += cgroups.Cgroup(run).procs()
         return found
 

@@ -64,7 +64,7 @@ from .. import criu as criu_mod
 from .. import criuimages, proctree
 from .. import images as images_mod
 from .protocol import (BUSY, CGROUP_PREFIX, CHECK_RUN, CRIU_FAILED, DEFAULT_SOCKET, DUMP_RUN, INTERNAL, MAX_DEPTH,
-                       MAX_IDS, NAME, PROTOCOL_VERSION, REFUSED, RESTORE_RUN, BadRequest, NoRoom, Refused, encode, failure,
+                       MAX_IDS, NAME, PROTOCOL_VERSION, REFUSED, RESTORE_RUN, BadRequest, NoRoom, Refused, encode, failure, run_name,
                        read_request)
 
 log = logging.getLogger("jupyter_gpumigrate.helper")
@@ -386,7 +386,7 @@ class CriuBroker:
         return {"ok": True, "version": PROTOCOL_VERSION, "uid": caller.uid, "images": str(self.root / str(caller.uid)),
                 "memory": str(self.memory / str(caller.uid)) if self.memory is not None else None,
                 "criu": self.criu.version_string, "criu_path": self.criu.path, "elsewhere": self._elsewhere(caller),
-                "runs": str(self.cgroups) if self.cgroups is not None else None}
+                "runs": str(self.cgroups) if self.cgroups is not None else None, "runs_by_pid": True}
 
     @staticmethod
     def _elsewhere(caller: Caller) -> str:
@@ -423,7 +423,7 @@ class CriuBroker:
         fd = self._open_images(caller, request.get("images"), root)
         try:
             start = time.monotonic()
-            with self._confined(caller, DUMP_RUN) as cgroup:
+            with self._confined(caller, DUMP_RUN, pid) as cgroup:
                 args = ["dump", "--tree", str(pid), *criu_mod.COMMON_OPTIONS, *criu_mod.DUMP_OPTIONS]
                 proc = self._criu(caller, DUMP_CAPS, fd, args, criu_mod.DUMP_LOG, cgroup)
             if proc.returncode != 0:
@@ -559,15 +559,15 @@ class CriuBroker:
             return f.read(limit + 1)[:limit]
 
     @contextlib.contextmanager
-    def _confined(self, caller: Caller, op: str) -> Iterator[cgroups.Cgroup]:
-        """A cgroup for one CRIU run (named by its ``op``: an earlier helper's are told apart at start). Whatever
+    def _confined(self, caller: Caller, op: str, pid: int | None = None) -> Iterator[cgroups.Cgroup]:
+        """A cgroup for one CRIU run (named by its ``op``: an earlier helper's are told apart at start; a dump's
+        by the PID of the tree too, which its caller waits on should this helper go: run_name). Whatever
         is still in it when the block ends (a failure, a refusal, CRIU's own leftovers) is killed, and the PIDs
         of its dead that came to us are collected."""
         assert self.cgroups is not None
         while True:
             try:
-                cgroup = cgroups.Cgroup.create(
-                    self.cgroups, f"{CGROUP_PREFIX}{os.getpid()}-{next(self._runs)}-{caller.uid}-{op}")
+                cgroup = cgroups.Cgroup.create(self.cgroups, run_name(os.getpid(), next(self._runs), caller.uid, op, pid))
                 break
             except FileExistsError:  # one an earlier helper of the same PID kept
                 continue

@@ -9,7 +9,8 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
     {"op": "hello"}                        -> {"ok": true, "version": 1, "uid": U, "images": "ROOT/U",
                                                "memory": "MEMORY/U" or null,
                                                "criu": "4.2.1", "criu_path": "/usr/local/sbin/criu",
-                                               "elsewhere": "", "runs": "/sys/fs/cgroup/..."}
+                                               "elsewhere": "", "runs": "/sys/fs/cgroup/...",
+                                               "runs_by_pid": true}
                                               (makes the caller's images folders if they are missing;
                                               "memory" only from a helper run with --memory-root;
                                               "elsewhere": "" where the caller shares the helper's
@@ -18,9 +19,12 @@ helper closes. At most 32 requests run at once, 2 per user (the daemon's limits)
                                               outside them; a caller whose namespaces cannot be read
                                               is refused too); absent from older helpers; "runs":
                                               the folder of the helper's cgroups, one per CRIU run,
-                                              named gpumigrate-HELPERPID-N-U-OP (OP: check, dump, restore),
-                                              which a caller whose helper went mid-dump reads to
-                                              wait for its CRIU; absent from older helpers)
+                                              named gpumigrate-HELPERPID-N-U-OP (OP: check, restore) and
+                                              gpumigrate-HELPERPID-N-P-U-dump for a dump of the tree
+                                              under P ("runs_by_pid": true; older helpers named dumps
+                                              as the others, and said no "runs_by_pid"), which a
+                                              caller whose helper went mid-dump reads to wait for its
+                                              CRIU; absent from older helpers)
     {"op": "check"}                        -> {"ok": bool, "output": "criu check's last words"}
                                               (criu check --unprivileged, as the caller, lent what a
                                               restore is lent)
@@ -61,10 +65,24 @@ MAX_IDS = 1 << 16
 MAX_DEPTH = 4
 NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,127}")
 
-#: how the helper names a CRIU run's cgroup: CGROUP_PREFIX, its PID and run number, the caller's uid, and one of
-#: these ops (older helpers' names end with the uid)
+#: how the helper names a CRIU run's cgroup (:func:`run_name`): CGROUP_PREFIX, its PID and run number, for a dump
+#: the PID of the tree's root, the caller's uid, and one of these ops (older helpers' names end with the uid)
 CGROUP_PREFIX = "gpumigrate-"
 CHECK_RUN, DUMP_RUN, RESTORE_RUN = "check", "dump", "restore"
+
+
+def run_name(helper: int, run: int, uid: int, op: str, pid: int | None = None) -> str:
+    """The name of the cgroup of the helper ``helper``'s CRIU run number ``run`` for ``uid``: ``op``, of the
+    tree under ``pid`` for a dump."""
+    of = f"{pid}-" if pid is not None else ""
+    return f"{CGROUP_PREFIX}{helper}-{run}-{of}{uid}-{op}"
+
+
+def dump_run_glob(uid: int, pid: int | None = None) -> str:
+    """The glob of the names of ``uid``'s dump runs (:func:`run_name`): of the tree under ``pid``, or, None,
+    all of them (as an older helper names them: without the tree's PID)."""
+    of = f"{pid}-" if pid is not None else ""
+    return f"{CGROUP_PREFIX}*-{of}{uid}-{DUMP_RUN}"
 
 #: the ``code`` of a failed answer
 BAD_REQUEST = "bad-request"
