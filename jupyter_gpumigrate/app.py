@@ -804,11 +804,13 @@ class GPUMigrateApp(ExtensionApp):
                          failed.kernel_id, failed.error)
         return again
 
-    def _images_of(self, kernel_id: str) -> Path:
+    def _images_of(self, kernel_id: str) -> list[Path]:
+        """Where the kernel's images may be written: on disk and in memory (a suspend 'auto' whose memory filled
+        goes on to disk: a stop's cancel must reach that one too)."""
         km = self.serverapp.kernel_manager
         provisioner = getattr(km.get_kernel(kernel_id), "provisioner", None) if kernel_id in km else None
         store = provisioner.images if isinstance(provisioner, MigratableProvisioner) else None
-        return store.path_for(kernel_id) if store is not None else Path("/nonexistent")
+        return store.places(kernel_id) if store is not None else []
 
     async def _suspend_all(self, operations: OperationManager) -> None:
         """The stop policy 'suspend': every running kernel, in parallel, within ``stop_timeout``."""
@@ -844,7 +846,7 @@ class GPUMigrateApp(ExtensionApp):
         if late:
             # Their CRIU runs stopped, their dumps give the kernels back (each plan rolls back); then they are
             # shut down with the others. (Through the node helper, CRIU is the helper's: it runs to its end.)
-            stopped = criu_mod.stop_runs([self._images_of(op.kernel_id) for op in late])
+            stopped = criu_mod.stop_runs([folder for op in late for folder in self._images_of(op.kernel_id)])
             self.log.warning("gpumigrate: stopping: %d kernel(s) not suspended within %.0f s (%s): they are shut "
                              "down (stopped %d CRIU run(s))", len(late), self.stop_timeout,
                              ", ".join(op.kernel_id for op in late), stopped)

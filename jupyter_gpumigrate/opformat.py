@@ -178,8 +178,10 @@ def report(op: dict, kernel_id: str | None = None) -> str:
     where = gpus_onto(op)
     if action == "suspend" and op.get("images") in ("memory", "disk"):
         where = f" to {op['images']}"
-        why = op.get("images_why")
-        if op["images"] == "disk" and why and why != "asked for":  # memory was not, or could not be, taken
+        from .engine.images import FILLED  # here: the kernel imports this module, not the server's image store
+
+        why = op.get("images_why") or ""
+        if op["images"] == "disk" and why.startswith(FILLED):  # auto took memory, which filled meanwhile
             where += f" ({why})"
     stash = op.get("stash") or {}
     carried = stash.get("stashed") or stash.get("unstashed")

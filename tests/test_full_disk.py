@@ -14,6 +14,8 @@ from servers import LocalServer
 from test_hibernation import criu_of, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import proctree
+from jupyter_gpumigrate.engine.images import FILLED
+from jupyter_gpumigrate.engine.plans.suspend import MEMORY_UNDONE
 from jupyter_gpumigrate.opformat import report
 
 pytestmark = pytest.mark.usefixtures("criu_binary")
@@ -164,42 +166,38 @@ async def test_a_server_stopping_with_its_disk_full_suspends_its_kernels_to_memo
 
 
 async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_instead(tmp_path):
-    """Images "auto" (the default): memory had room when the suspend looked, then fills while CRIU writes
-    there (another kernel's images, a user's files). The dump fails and rolls back (the kernel runs on), and the
-    suspend goes again with its images on disk, saying why: a suspend the idle policy asked for still frees the
-    kernel's memory and GPU. The kernel resumes from disk as it was."""
+    """Images "auto" (the default): memory had room for what the kernel's resident size says, but the kernel
+    holds more (a memfd of 190 MB, as a DataLoader's shared buffers may be), and its images fill the tmpfs as
+    CRIU writes them. The dump fails and rolls back (the kernel runs on), and the suspend goes again with its
+    images on disk, saying why (the operation, the CLI's line), the first attempt's seconds and CRIU log kept:
+    a suspend the idle policy asked for still frees the kernel's memory and GPU. It resumes as it was."""
     with small_tmpfs(tmp_path / "small", "200m") as small:
+        memory = small / "memory"
         srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {
-            "state_dir": str(tmp_path / "state"), "memory_dir": str(small / "memory"), "suspend_to": "auto"}})
+            "state_dir": str(tmp_path / "state"), "memory_dir": str(memory), "suspend_to": "auto"}})
         try:
             srv.start()
             _, kernel_id = notebook_session(srv)
             tab = await tab_on(srv, kernel_id)
-            assert (await tab.run("import itertools; count = itertools.count(41); next(count); print('set')"
-                                  )).strip() == "set"
+            held = ("import os, itertools\ncount = itertools.count(41); next(count)\nchunk = os.urandom(1 << 20)\n"
+                    "fd = os.memfd_create('held')\nfor _ in range(190): os.write(fd, chunk)\nprint('set')")
+            assert (await tab.run(held)).strip() == "set"
             tab.ws.close()
-            op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
-            criu = criu_of(srv.proc.pid, b"dump", 60)
-            assert criu is not None, "the dump did not start"
-            os.kill(criu, signal.SIGSTOP)
-            try:
-                filler = fill(small)
-            finally:
-                os.kill(criu, signal.SIGCONT)
-            while op["status"] not in ("succeeded", "failed"):
-                op = srv.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+            op = srv.operate(kernel_id, "suspend")
             assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
-            why = f"the memory folder {small / 'memory'} filled as the images were written there"
-            assert op["images_why"] == f"{why}; written to disk instead", op
-            said = f"Kernel {kernel_id} suspended to disk ({why}; written to disk instead) in "
-            assert report(op).startswith(said), report(op)  # what the CLI and %migrate print
+            why = f"{FILLED} in {memory}; written to disk instead"
+            assert op["images_why"] == why and op["timings"][MEMORY_UNDONE] > 0, op
+            assert report(op).startswith(f"Kernel {kernel_id} suspended to disk ({why}) in "), report(op)
             log = srv.server_log()
-            assert f"kernel {kernel_id}: {why}" in log and "suspending it to disk instead" in log, log
-            assert not (small / "memory" / kernel_id).exists(), "nothing of the failed images stays in memory"
-            filler.unlink()
+            assert f"kernel {kernel_id}: {FILLED} in {memory}" in log and "suspending it to disk instead" in log, log
+            logs = tmp_path / "state" / "images" / ".logs"
+            assert (logs / f"{kernel_id}-dump-memory.log").is_file(), "the first attempt's CRIU log is kept"
+            assert not (memory / kernel_id).exists(), "nothing of the failed images stays in memory"
             assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
             tab = await tab_on(srv, kernel_id)
-            assert (await tab.run("print(next(count))")).strip() == "42"
+            said = await tab.run("os.lseek(fd, 0, 0)\nprint(next(count), os.read(fd, 1 << 20) == chunk, "
+                                 "os.fstat(fd).st_size >> 20)")
+            assert said.split() == ["42", "True", "190"], said
             tab.ws.close()
         finally:
             srv.stop(signal.SIGKILL)

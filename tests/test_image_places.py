@@ -6,8 +6,10 @@ import json
 import os
 import re
 import signal
+import subprocess
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from helpers import resident, small_tmpfs
@@ -15,8 +17,11 @@ from servers import LocalServer
 from test_hibernation import notebook_running, notebook_session, tab_on, taken_back
 
 from jupyter_gpumigrate.engine import images
-from jupyter_gpumigrate.engine.errors import ImageError
-from jupyter_gpumigrate.engine.images import DISK, MEMORY, ImageStore, Manifest
+from jupyter_gpumigrate.engine.criu import stop_runs
+from jupyter_gpumigrate.engine.errors import ImageError, MigrateError, PhaseFailed, for_full
+from jupyter_gpumigrate.engine.images import AUTO, DISK, FILLED, MEMORY, ImageStore, Manifest
+from jupyter_gpumigrate.engine.plans.common import Tools
+from jupyter_gpumigrate.engine.plans.suspend import memory_filled
 
 
 def _store(tmp_path: Path) -> ImageStore:
@@ -358,3 +363,38 @@ async def test_a_stop_during_the_memory_watchers_move_waits_for_it_and_makes_no_
     finally:
         server.stop(signal.SIGKILL)
         server.kill_kernels()
+
+
+def test_only_an_auto_suspend_given_back_whole_after_its_memory_filled_goes_again_to_disk(tmp_path):
+    """plans/suspend.py's memory_filled decides whether a failed suspend goes again, to disk: only images "auto"
+    whose memory folder filled, a plan rolled back whole with the kernel running, and no stop under way."""
+    (tmp_path / "memory").mkdir(mode=0o700)
+    store = ImageStore(tmp_path / "disk", tmp_path / "memory")
+    memory = store.memory_root
+    assert memory is not None
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        def kernel(**changed: object) -> SimpleNamespace:
+            return SimpleNamespace(**{"kernel_id": "k", "kernel_pid": proc.pid, "state": "running",
+                                      "stop_requested": None, **changed})
+
+        def failed(folder: Path = memory, rolled_back: bool = True) -> PhaseFailed:
+            return PhaseFailed("dump", for_full(MigrateError("full"), folder), rolled_back, [])
+
+        auto = Tools(store, None, images=AUTO)
+        assert memory_filled(failed(), kernel(), auto) == f"{FILLED} in {memory}"
+        assert memory_filled(failed(), kernel(), Tools(store, None, images=MEMORY)) is None, "memory was asked"
+        assert memory_filled(failed(tmp_path / "disk"), kernel(), auto) is None, "the disk filled"
+        assert memory_filled(PhaseFailed("dump", MigrateError("CRIU failed"), True, []), kernel(), auto) is None
+        assert memory_filled(failed(rolled_back=False), kernel(), auto) is None, "an undo failed"
+        assert memory_filled(failed(), kernel(state="broken"), auto) is None
+        assert memory_filled(failed(), kernel(stop_requested="its server stops"), auto) is None
+        assert memory_filled(failed(), kernel(kernel_id="given-up"), auto) == f"{FILLED} in {memory}"
+        stop_runs(store.places("given-up"))  # a stopping server gave its operations up
+        assert memory_filled(failed(), kernel(kernel_id="given-up"), auto) is None
+        proc.kill()
+        proc.wait()
+        assert memory_filled(failed(), kernel(), auto) is None, "the kernel's process is gone"
+    finally:
+        proc.kill()
+        proc.wait()

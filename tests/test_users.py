@@ -25,6 +25,7 @@ from tornado.websocket import websocket_connect
 
 from helpers import WebSocketTab, criu_running, two_gpus
 from jupyter_gpumigrate.engine import cgroups
+from jupyter_gpumigrate.engine.images import FILLED
 from jupyter_gpumigrate.engine.nodehelper.client import QUIET
 from users import (NodeHelper, UserServer, Users, as_user, forge_capabilities, proc_hiding_others, remove,
                    root_only_folder, user_env)
@@ -966,8 +967,7 @@ async def test_the_helpers_memory_filling_while_its_criu_dumps_a_kernel_loses_no
         in_memory = memory / str(users.uid(A)) / f"images-{state_digest(server)}" / kernel_id
         if asked == "auto":
             assert op["status"] == "succeeded" and op["images"] == "disk", (op, server.server_log())
-            assert op["images_why"] == (f"the memory folder {in_memory.parent} filled as the images were written "
-                                        "there; written to disk instead"), op
+            assert op["images_why"] == f"{FILLED} in {in_memory.parent}; written to disk instead", op
             assert not in_memory.exists()
             op = await call(server.operate, kernel_id, "resume")
             assert op["status"] == "succeeded", (op, server.server_log())

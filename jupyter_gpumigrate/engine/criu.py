@@ -133,6 +133,12 @@ def dump_finished(log_path: Path) -> bool:
     return any(line in tail for line in DUMP_DONE)
 
 
+def given_up(images_dir: Path) -> bool:
+    """Whether the operations on ``images_dir`` were given up (:func:`stop_runs`): a server stopping."""
+    with _RUNS_LOCK:
+        return str(Path(images_dir).resolve()) in _CANCELLED
+
+
 def stop_runs(images_dirs: list[Path]) -> int:
     """SIGKILL the CRIU runs of this process that work on ``images_dirs``; how many there were. A dump
     stopped so gives its kernel back (CRIU releases the tree), and its plan rolls back."""

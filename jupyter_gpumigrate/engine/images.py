@@ -180,6 +180,9 @@ def directory_size(path: Path) -> int:
 
 
 MEMORY, DISK, AUTO = "memory", "disk", "auto"
+#: how a suspend's images_why begins where its images went to disk because memory filled as they were written
+#: (plans/suspend.py)
+FILLED = "memory filled as the images were written"
 #: A folder being moved from memory to disk (to_disk), until it is complete there.
 MOVING = ".moving-"
 #: the prefix of a transplant's folder (:meth:`ImageStore.scratch`)
@@ -262,6 +265,10 @@ class ImageStore:
                 f"(c.MigratableProvisioner.state_dir)."
             ) from exc
         return path
+
+    def places(self, name: str) -> list[Path]:
+        """Where ``name``'s images may be: its folder on disk, and in memory where there is a memory folder."""
+        return self._both(name)
 
     def _both(self, name: str) -> list[Path]:
         memory = self._memory()

@@ -8,10 +8,14 @@
     checkpoint  GPU memory into the process's host memory         undo: back onto its GPU
     dump        CRIU writes the tree and kills it                 undo: restore it from the images
 
-With images "auto" put in memory (images.choose judged there was room), a memory that fills before the
-images are whole (another kernel's images, a user's files, what the tree grew meanwhile) fails the plan,
-which rolls back: the kernel runs on, unchanged. The plan then runs once more with its images on disk
-(:func:`run`): a suspend the idle policy asked for still frees the GPU. Asked for memory, it fails as it did.
+With images "auto" put in memory (images.choose judged there was room), a memory that fills before CRIU
+is done (another kernel's images, a user's files, what the tree holds that its resident size does not show:
+the stash's ENOSPC, the pending manifest's, CRIU's own, or the node helper's room check, "no-room") fails
+the plan, which rolls back: the kernel runs on, unchanged. The plan then runs once more with its images on
+disk (:func:`run`): a suspend the idle policy asked for still frees the GPU. Not for a kernel being shut
+down (a stopping server's late suspends), nor one whose rollback did not end with it running. Asked for
+memory, it fails as it did. A memory that fills after CRIU is done (the final manifest) leaves the kernel
+broken with its images whole, as on a full disk: freed memory, a resume brings it back.
 
 The stash (kernel/hoststash.py) is what makes a large kernel fast to suspend: its own threads write the
 big PyTorch storages (CUDA through pinned buffers) and bytearrays in parallel, so the driver checkpoints
@@ -29,8 +33,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import proctree
+from ..criu import given_up
 from ..errors import ImageError, InvalidState, MigrateError, PhaseFailed, for_full, no_room, said
-from ..images import AUTO, DISK
+from ..images import AUTO, DISK, FILLED
 from ..kernelproc import RUNNING, KernelProcess
 from ..saga import ProgressCallback, Saga, Step
 from .common import (KernelContext, Outcome, Tools, checkpoint, disk_full_said, dump, full_disk, lock, new_images,
@@ -144,31 +149,66 @@ def take_back(ctx: KernelContext, said: dict, timeout: float) -> None:
     ctx.keep_images = keep
 
 
+#: what the timings of a suspend that went to disk call the attempt in memory that was undone
+MEMORY_UNDONE = "memory, undone"
+
+
 def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None = None) -> Outcome:
     """Suspend ``kernel``; with images ``auto`` in memory that filled meanwhile, once more on disk (the
-    module's docstring), its outcome's ``images_why`` saying so."""
+    module's docstring), its outcome's ``images_why`` saying so and its timings the first attempt's seconds
+    (:data:`MEMORY_UNDONE`); the first attempt's CRIU log is kept beside the second's (``dump-memory``)."""
+    first: dict[str, float] = {}
+
+    def noted(phase: str, event: str, timings: dict[str, float]) -> None:
+        first.clear()
+        first.update(timings)
+        if progress is not None:
+            progress(phase, event, timings)
+
     try:
-        return _once(kernel, tools, progress)
+        return _once(kernel, tools, noted)
     except PhaseFailed as failed:
         filled = memory_filled(failed, kernel, tools)
         if filled is None:
             raise
-        log.warning("kernel %s: %s (%s); suspending it to disk instead", kernel.kernel_id, filled,
-                    said(failed.cause))
-    outcome = _once(kernel, replace(tools, images=DISK), progress)
+        log.warning("kernel %s: %s (%s); suspending it to disk instead (the first CRIU log, if any: %s)",
+                    kernel.kernel_id, filled, said(failed.cause), _keep_log(kernel, tools))
+    undone = {MEMORY_UNDONE: sum(first.values())}
+
+    def after(phase: str, event: str, timings: dict[str, float]) -> None:
+        if progress is not None:
+            progress(phase, event, {**undone, **timings})
+
+    outcome = _once(kernel, replace(tools, images=DISK), after)
     outcome.images_why = f"{filled}; written to disk instead"
+    outcome.result.timings = {**undone, **outcome.result.timings}
     return outcome
 
 
 def memory_filled(failed: PhaseFailed, kernel: KernelProcess, tools: Tools) -> str | None:
     """Why a suspend of images "auto" failed, where it failed because the memory folder filled and rolled
-    back whole (the kernel runs, as it did): said in a few words. None otherwise."""
+    back whole (the kernel runs, as it did, and is not being shut down): said in a few words. None otherwise."""
     folder = no_room(failed.cause)
     memory = tools.store.memory_root
-    if (tools.images != AUTO or memory is None or folder is None or Path(folder) != memory
-            or not failed.rolled_back or kernel.state != RUNNING):
+    pid = kernel.kernel_pid
+    if tools.images != AUTO or memory is None or folder is None or Path(folder) != memory:
+        return None  # not "auto", or not its memory that filled
+    if not failed.rolled_back or kernel.state != RUNNING or pid is None or not proctree.is_alive(pid):
+        return None  # not given back whole (its buffers not read back, its process gone...)
+    if getattr(kernel, "stop_requested", None) or any(given_up(p) for p in tools.store.places(kernel.kernel_id)):
+        return None  # being shut down, or its server stopping gave it up
+    return f"{FILLED} in {memory}"
+
+
+def _keep_log(kernel: KernelProcess, tools: Tools) -> Path | None:
+    """The failed attempt's CRIU log, renamed so that the next attempt's does not replace it; its new path."""
+    log_path = tools.store.log_path(kernel.kernel_id, "dump")
+    kept = tools.store.log_path(kernel.kernel_id, "dump-memory")
+    try:
+        log_path.replace(kept)
+    except OSError:
         return None
-    return f"the memory folder {memory} filled as the images were written there"
+    return kept
 
 
 def _once(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None) -> Outcome:
