@@ -852,25 +852,37 @@ async def helper_killed_mid_dump(base: Path, criu: str, enter: tuple[str, ...]) 
 async def test_a_server_whose_helper_went_waits_only_for_the_dump_of_its_own_kernel(world):
     """What a server waits for (and may kill) once its helper went mid-dump is that dump's CRIU: the helper's
     cgroup of each dump is named by the tree's PID, so another dump of the same user (another server of
-    theirs) is neither waited for nor killed. Read here as the user's server reads it, while a dump is held."""
+    theirs) is neither waited for nor killed. Read here as the user's server reads it, while a dump is held;
+    a dump cgroup named as older helpers did (without the tree) counts for every tree of its user."""
     users, helper, servers, _ = world
     server = servers[A]
     kernel_id, tab = await new_kernel(server)
     await tab.run(holding(400_000))
     pid = (await call(server.api, "GET", f"api/gpumigrate/kernels/{kernel_id}"))["pid"]
     other = subprocess.Popen([*as_user(A), "sleep", "300"], cwd="/", env=user_env(A), start_new_session=True)
-    dumper = None
+    dumper = legacy = None
     try:
         op = await call(server.api, "POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
         dumper = await call(criu_running, "dump", "--tree", str(pid))
         os.kill(dumper, signal.SIGSTOP)
         script = ("import json, sys\nfrom jupyter_gpumigrate.engine.nodehelper.client import HelperCriu\n"
                   f"criu = HelperCriu({str(helper.socket)!r})\n"
-                  "print(json.dumps([criu.runs_by_pid, *(criu.dump_runs(int(p)) for p in sys.argv[1:])]))\n")
-        done = subprocess.run([*as_user(A), sys.executable, "-c", script, str(pid), str(other.pid)], env=user_env(A),
-                              cwd="/", capture_output=True, text=True, timeout=60)
-        by_pid, of_kernel, of_other = json.loads(done.stdout)
-        assert by_pid is True and dumper in of_kernel and of_other == [], (done.stdout, done.stderr)
+                  "print(json.dumps([criu.runs_by_pid, str(criu.runs), *(criu.dump_runs(int(p)) for p in sys.argv[1:])]))\n")
+
+        def read() -> list:
+            done = subprocess.run([*as_user(A), sys.executable, "-c", script, str(pid), str(other.pid)],
+                                  env=user_env(A), cwd="/", capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stderr
+            return json.loads(done.stdout)
+
+        by_pid, runs, of_kernel, of_other = read()
+        assert by_pid is True and dumper in of_kernel and of_other == [], (of_kernel, of_other)
+        # A dump's cgroup named as older helpers did (left by one upgraded mid-dump): it may be any tree's
+        legacy = Path(runs) / f"gpumigrate-1-1-{users.uid(A)}-dump"
+        legacy.mkdir()
+        (legacy / "cgroup.procs").write_text(str(other.pid))
+        _, _, of_kernel, of_other = read()
+        assert other.pid in of_kernel and other.pid in of_other and dumper not in of_other, (of_kernel, of_other)
         os.kill(dumper, signal.SIGCONT)
         dumper = None
         while op["status"] not in ("succeeded", "failed"):
@@ -885,6 +897,8 @@ async def test_a_server_whose_helper_went_waits_only_for_the_dump_of_its_own_ker
                 os.kill(dumper, signal.SIGCONT)
         other.kill()
         other.wait()
+        if legacy is not None:
+            legacy.rmdir()
         with contextlib.suppress(AssertionError, OSError):
             await call(server.api, "DELETE", f"api/kernels/{kernel_id}")
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from .. import cgroups, proctree
 from .. import criu as criu_mod
 from ..errors import CriuFailed, HelperError, HelperGone, for_full
-from .protocol import BUSY, CRIU_FAILED, DEFAULT_SOCKET, NO_ROOM, dump_run_glob, encode
+from .protocol import BUSY, CGROUP_PREFIX, CRIU_FAILED, DEFAULT_SOCKET, NO_ROOM, encode, is_dump_run
 
 log = logging.getLogger(__name__)
 
@@ -194,8 +194,8 @@ class HelperCriu:
         T) is not waited for: as it starts, a CRIU forks a child that stops itself until CRIU has looked at
         it, and CRIU gone, that child waits stopped for good. One whose state /proc hides (hidepid: CRIU runs
         with capabilities its user lacks) is waited for. Once quiet, the stopped CRIUs left are killed (the
-        user's own processes: theirs to signal); at this client's timeout, every process of this user's dumps
-        in the helper's cgroups (the tree then runs on, as when the helper kills a run at its own timeout)."""
+        user's own processes: theirs to signal); at this client's timeout, every process of that dump in the
+        helper's cgroups (the tree then runs on, as when the helper kills a run at its own timeout)."""
         deadline = time.monotonic() + self.timeout
         quiet_since = None
         while time.monotonic() < deadline:
@@ -224,13 +224,15 @@ class HelperCriu:
     def dump_runs(self, pid: int) -> list[int]:
         """The processes of the helper's dump of ``pid`` for this user (in its cgroup named by the tree's PID,
         the caller's uid and the op, which no user can move a process into); from an older helper, which does
-        not name the tree, those of all this user's dumps (another server's of the same user's too); where it
-        does not say where those are, those whose arguments name the dump of ``pid``."""
+        not name the tree, those of all this user's dumps (another server's of the same user's too), and so
+        for the cgroups such a helper left (upgraded mid-dump); where it does not say where its cgroups are,
+        the processes whose arguments name the dump of ``pid``."""
         if self.runs is None:
             return dumping(pid)
         found: list[int] = []
-        for run in self.runs.glob(dump_run_glob(self.uid, pid if self.runs_by_pid else None)):
-            found += cgroups.Cgroup(run).procs()
+        for run in self.runs.glob(f"{CGROUP_PREFIX}*"):
+            if is_dump_run(run.name, self.uid, pid if self.runs_by_pid else None):
+                found += cgroups.Cgroup(run).procs()
         return found
 
     def busy(self, pid: int) -> list[int]:

@@ -78,11 +78,15 @@ def run_name(helper: int, run: int, uid: int, op: str, pid: int | None = None) -
     return f"{CGROUP_PREFIX}{helper}-{run}-{of}{uid}-{op}"
 
 
-def dump_run_glob(uid: int, pid: int | None = None) -> str:
-    """The glob of the names of ``uid``'s dump runs (:func:`run_name`): of the tree under ``pid``, or, None,
-    all of them (as an older helper names them: without the tree's PID)."""
-    of = f"{pid}-" if pid is not None else ""
-    return f"{CGROUP_PREFIX}*-{of}{uid}-{DUMP_RUN}"
+def is_dump_run(name: str, uid: int, pid: int | None = None) -> bool:
+    """Whether ``name`` is the cgroup of a dump run for ``uid`` (:func:`run_name`): of the tree under ``pid``, or,
+    None, of any tree. A name without the tree's PID (an older helper's, one that ran before this helper was
+    upgraded, say) may be any tree's: it counts."""
+    parts = name[len(CGROUP_PREFIX):].split("-") if name.startswith(CGROUP_PREFIX) else []
+    if len(parts) not in (4, 5) or parts[-2:] != [str(uid), DUMP_RUN]:
+        return False
+    return pid is None or len(parts) == 4 or parts[-3] == str(pid)
+
 
 #: the ``code`` of a failed answer
 BAD_REQUEST = "bad-request"

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -155,25 +156,20 @@ MEMORY_UNDONE = "memory, undone"
 
 def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None = None) -> Outcome:
     """Suspend ``kernel``; with images ``auto`` in memory that filled meanwhile, once more on disk (the
-    module's docstring), its outcome's ``images_why`` saying so and its timings the first attempt's seconds
-    (:data:`MEMORY_UNDONE`); the first attempt's CRIU log is kept beside the second's (``dump-memory``)."""
-    first: dict[str, float] = {}
-
-    def noted(phase: str, event: str, timings: dict[str, float]) -> None:
-        first.clear()
-        first.update(timings)
-        if progress is not None:
-            progress(phase, event, timings)
-
+    module's docstring), its outcome's ``images_why`` saying so and its timings the first attempt's seconds,
+    its rollback's included (:data:`MEMORY_UNDONE`); the first attempt's CRIU log, where its dump ran, is kept
+    beside the second's (``dump-memory``)."""
+    began = time.perf_counter()
     try:
-        return _once(kernel, tools, noted)
+        return _once(kernel, tools, progress)
     except PhaseFailed as failed:
         filled = memory_filled(failed, kernel, tools)
         if filled is None:
             raise
-        log.warning("kernel %s: %s (%s); suspending it to disk instead (the first CRIU log, if any: %s)",
-                    kernel.kernel_id, filled, said(failed.cause), _keep_log(kernel, tools))
-    undone = {MEMORY_UNDONE: sum(first.values())}
+        kept = _keep_log(kernel, tools) if failed.phase == "dump" else None
+        log.warning("kernel %s: %s (%s); suspending it to disk instead%s", kernel.kernel_id, filled,
+                    said(failed.cause), f" (the first CRIU log: {kept})" if kept else "")
+    undone = {MEMORY_UNDONE: time.perf_counter() - began}
 
     def after(phase: str, event: str, timings: dict[str, float]) -> None:
         if progress is not None:
