@@ -340,8 +340,15 @@ export function describe(op: IOperation): string {
       return op.to_host
         ? `moved to host ${op.to_host} in ${seconds}${bytes}.`
         : `moved${from} to ${to} in ${seconds}${bytes}${midCell}.`;
-    case 'suspend':
-      return `suspended in ${seconds}${bytes}${midCell}.`;
+    case 'suspend': {
+      // "auto" took memory, which filled as the images were written: they went to disk instead (images_why
+      // begins so: jupyter_gpumigrate/engine/images.py FILLED).
+      const filled =
+        op.images === 'disk' && op.images_why?.startsWith('memory filled')
+          ? ' to disk (memory filled as its images were written)'
+          : '';
+      return `suspended${filled} in ${seconds}${bytes}${midCell}.`;
+    }
     case 'resume': {
       const why = op.trigger === 'cell' ? ' (a cell was run)' : '';
       return `resumed${onto} in ${seconds}${why}.`;
