@@ -165,16 +165,18 @@ async def test_a_server_stopping_with_its_disk_full_suspends_its_kernels_to_memo
             srv.kill_kernels()
 
 
-async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_instead(tmp_path):
+@pytest.mark.parametrize("disk", ["with room", "full too"])
+async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_instead(tmp_path, disk):
     """Images "auto" (the default): memory had room for what the kernel's resident size says, but the kernel
     holds more (a memfd of 190 MB, as a DataLoader's shared buffers may be), and its images fill the tmpfs as
     CRIU writes them. The dump fails and rolls back (the kernel runs on), and the suspend goes again with its
     images on disk, saying why (the operation, the CLI's line), the first attempt's seconds and CRIU log kept:
-    a suspend the idle policy asked for still frees the kernel's memory and GPU. It resumes as it was."""
-    with small_tmpfs(tmp_path / "small", "200m") as small:
+    a suspend the idle policy asked for still frees the kernel's memory and GPU. It resumes as it was. With
+    the disk full too, the suspend fails saying both, and the kernel runs on as it was."""
+    with small_tmpfs(tmp_path / "small", "200m") as small, small_tmpfs(tmp_path / "disk", "400m") as state:
         memory = small / "memory"
         srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {
-            "state_dir": str(tmp_path / "state"), "memory_dir": str(memory), "suspend_to": "auto"}})
+            "state_dir": str(state), "memory_dir": str(memory), "suspend_to": "auto"}})
         try:
             srv.start()
             _, kernel_id = notebook_session(srv)
@@ -183,17 +185,27 @@ async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_ins
                     "fd = os.memfd_create('held')\nfor _ in range(190): os.write(fd, chunk)\nprint('set')")
             assert (await tab.run(held)).strip() == "set"
             tab.ws.close()
+            filler = fill(state) if disk == "full too" else None
             op = srv.operate(kernel_id, "suspend")
-            assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
-            why = f"{FILLED} in {memory}; written to disk instead"
-            assert op["images_why"] == why and op["timings"][MEMORY_UNDONE] > 0, op
-            assert report(op).startswith(f"Kernel {kernel_id} suspended to disk ({why}) in "), report(op)
-            log = srv.server_log()
-            assert f"kernel {kernel_id}: {FILLED} in {memory}" in log and "suspending it to disk instead" in log, log
-            logs = tmp_path / "state" / "images" / ".logs"
+            logs = state / "images" / ".logs"
             assert (logs / f"{kernel_id}-dump-memory.log").is_file(), "the first attempt's CRIU log is kept"
             assert not (memory / kernel_id).exists(), "nothing of the failed images stays in memory"
-            assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
+            if filler is not None:
+                assert op["status"] == "failed", op
+                assert op["error"].startswith(f"The {FILLED} in {memory}, so the suspend went to disk, where it "
+                                              f"failed too: The disk of {state / 'images'} is full"), op["error"]
+                assert "runs on, unchanged" in op["error"] and op["timings"][MEMORY_UNDONE] > 0, op
+                assert (srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "running"
+                assert not (state / "images" / kernel_id).exists()
+                filler.unlink()
+            else:
+                assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
+                why = f"{FILLED} in {memory}; written to disk instead"
+                assert op["images_why"] == why and op["timings"][MEMORY_UNDONE] > 0, op
+                assert report(op).startswith(f"Kernel {kernel_id} suspended to disk ({why}) in "), report(op)
+                log = srv.server_log()
+                assert f"kernel {kernel_id}: {FILLED} in {memory}" in log and "to disk instead" in log, log
+                assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
             tab = await tab_on(srv, kernel_id)
             said = await tab.run("os.lseek(fd, 0, 0)\nprint(next(count), os.read(fd, 1 << 20) == chunk, "
                                  "os.fstat(fd).st_size >> 20)")

@@ -69,8 +69,11 @@ class GpuError(MigrateError):
 class PhaseFailed(MigrateError):
     """A phase of a plan failed; the plan was rolled back as far as ``rolled_back`` says."""
 
-    def __init__(self, phase: str, cause: BaseException, rolled_back: bool, undo_errors: list[str]) -> None:
-        message = said(cause)
+    def __init__(self, phase: str, cause: BaseException, rolled_back: bool, undo_errors: list[str],
+                 before: str = "") -> None:
+        """``before``: what the sentence begins with, where the plan had run once already (a suspend's first
+        attempt in memory)."""
+        message = before + said(cause)
         if undo_errors:
             message += " Rolling back also failed: " + "; ".join(undo_errors)
         super().__init__(message)

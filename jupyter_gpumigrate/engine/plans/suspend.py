@@ -175,7 +175,11 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
         if progress is not None:
             progress(phase, event, {**undone, **timings})
 
-    outcome = _once(kernel, replace(tools, images=DISK), after)
+    try:
+        outcome = _once(kernel, replace(tools, images=DISK), after)
+    except PhaseFailed as failed:  # said with what came first: the user asked neither for memory nor for disk
+        raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors,
+                          before=f"The {filled}, so the suspend went to disk, where it failed too: ") from failed
     outcome.images_why = f"{filled}; written to disk instead"
     outcome.result.timings = {**undone, **outcome.result.timings}
     return outcome
