@@ -21,7 +21,9 @@ kernel's restores make no prefetch (``c.MigratableProvisioner.resume_prefetch`` 
 kernel reads its stash's files itself once restored, as before 2026-11-29. With ``-onebulk``
 (``stash-after-onebulk``) the hosts have no bulk listener (``c.GPUMigrateApp.bulk_port`` -1): the files
 arrive through the server's port, received by its one process, as before 2026-11-29 (bulkd.py). With ``-s<N>``
-(``stash-after-s4``) N files go at once (``c.GPUMigrateApp.transfer_streams``). With --device cuda the kernel goes
+(``stash-after-s4``) N files go at once (``c.GPUMigrateApp.transfer_streams``). With ``-nice<N>``
+(``stash-stream-nice0``) both hosts' bulk listeners run at niceness N (``c.GPUMigrateApp.transfer_nice``;
+without it, its default). With --device cuda the kernel goes
 from a's GPU 0 to b's GPU 1, or to b's GPU 0 on a machine of one GPU.
 The goal column is issue 18's bound on a move's downtime: bytes / the TLS floor x 1.3 + 2 s.
 
@@ -257,7 +259,9 @@ def main() -> int:
                                                 "on" if "stream" in parts else "auto",
                                                 "bulk_port": -1 if "onebulk" in parts else 0,
                                                 "transfer_streams": next((int(p[1:]) for p in parts
-                                                                          if p[:1] == "s" and p[1:].isdigit()), 0)}}
+                                                                          if p[:1] == "s" and p[1:].isdigit()), 0),
+                                                **{"transfer_nice": int(p[4:]) for p in parts
+                                                   if p[:4] == "nice" and p[4:].isdigit()}}}
             a.start({"b": b.peer_entry()})
             b.start({"a": a.peer_entry()})
             for size in (float(s) for s in args.sizes.split(",")):

@@ -116,6 +116,8 @@ class BulkSettings:
     #: where the server marks the dumps for a way home that run (GuestHost.dump_marks): their files are then
     #: served as they grow (``GET ...?growing=true``, as the server's route does); None: whole files only
     dumps: str | None = None
+    #: the niceness of the listener and its processes (c.GPUMigrateApp.transfer_nice; 0: the server's own)
+    nice: int = 0
 
 
 class BulkListenerError(MigrateError):
@@ -421,6 +423,8 @@ class BulkTransfers:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[gpumigrate bulkd %(process)d] %(message)s")
     settings = BulkSettings(**json.loads(sys.stdin.buffer.readline()))
+    if settings.nice > 0:  # every process forked for a file inherits it
+        os.nice(settings.nice)
     listener: socket.socket | None = None
     try:
         if settings.port >= 0:
