@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +176,47 @@ async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_ins
     images on disk, saying why (the operation, the CLI's line), the first attempt's seconds and CRIU log kept:
     a suspend the idle policy asked for still frees the kernel's memory and GPU. It resumes as it was. With
     the disk full too, the suspend fails saying both, and the kernel runs on as it was."""
+    async with _holding_more_than_it_shows(tmp_path) as (srv, kernel_id, memory, state):
+        filler = fill(state) if disk == "full too" else None
+        op = srv.operate(kernel_id, "suspend")
+        logs = state / "images" / ".logs"
+        assert (logs / f"{kernel_id}-dump-memory.log").is_file(), "the first attempt's CRIU log is kept"
+        assert not (memory / kernel_id).exists(), "nothing of the failed images stays in memory"
+        if filler is not None:
+            assert op["status"] == "failed", op
+            assert op["error"].startswith(f"The {FILLED} in {memory}, so the suspend went to disk, where it "
+                                          f"failed too: The disk of {state / 'images'} is full"), op["error"]
+            assert "runs on, unchanged" in op["error"] and op["timings"][MEMORY_UNDONE] > 0, op
+            assert (srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "running"
+            assert not (state / "images" / kernel_id).exists()
+            filler.unlink()
+            # Its next suspend (to disk, where memory is not tried) drops it, as each dump drops the last one's
+            # log: it would be taken for that suspend's first attempt.
+            op = srv.operate(kernel_id, "suspend", {"images": "disk"})
+            assert op["status"] == "succeeded" and MEMORY_UNDONE not in op["timings"], op
+            assert not (logs / f"{kernel_id}-dump-memory.log").exists(), "an earlier suspend's log stays"
+        else:
+            assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
+            why = f"{FILLED} in {memory}; written to disk instead"
+            assert op["images_why"] == why and op["timings"][MEMORY_UNDONE] > 0, op
+            assert report(op).startswith(f"Kernel {kernel_id} suspended to disk ({why}) in "), report(op)
+            log = srv.server_log()
+            assert f"kernel {kernel_id}: {FILLED} in {memory}" in log and "to disk instead" in log, log
+        assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
+        assert list(logs.glob(f"{kernel_id}-*.log")) == [], "a resume drops the logs of the suspend it undoes"
+        tab = await tab_on(srv, kernel_id)
+        said = await tab.run("os.lseek(fd, 0, 0)\nprint(next(count), os.read(fd, 1 << 20) == chunk, "
+                             "os.fstat(fd).st_size >> 20)")
+        assert said.split() == ["42", "True", "190"], said
+        tab.ws.close()
+
+
+@asynccontextmanager
+async def _holding_more_than_it_shows(tmp_path: Path) -> AsyncIterator[tuple[LocalServer, str, Path, Path]]:
+    """A server of its own whose suspends are "auto", its memory folder on a 200 MB tmpfs and its state folder on
+    one of 400 MB, with a kernel that holds more than its resident size shows (a memfd of 190 MB, as a
+    DataLoader's shared buffers may be): its images fill the memory folder. The server, the kernel's id, the
+    memory folder and the state folder."""
     with small_tmpfs(tmp_path / "small", "200m") as small, small_tmpfs(tmp_path / "disk", "400m") as state:
         memory = small / "memory"
         srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {
@@ -185,32 +229,70 @@ async def test_memory_filling_during_an_auto_suspend_puts_the_images_on_disk_ins
                     "fd = os.memfd_create('held')\nfor _ in range(190): os.write(fd, chunk)\nprint('set')")
             assert (await tab.run(held)).strip() == "set"
             tab.ws.close()
-            filler = fill(state) if disk == "full too" else None
-            op = srv.operate(kernel_id, "suspend")
-            logs = state / "images" / ".logs"
-            assert (logs / f"{kernel_id}-dump-memory.log").is_file(), "the first attempt's CRIU log is kept"
-            assert not (memory / kernel_id).exists(), "nothing of the failed images stays in memory"
-            if filler is not None:
-                assert op["status"] == "failed", op
-                assert op["error"].startswith(f"The {FILLED} in {memory}, so the suspend went to disk, where it "
-                                              f"failed too: The disk of {state / 'images'} is full"), op["error"]
-                assert "runs on, unchanged" in op["error"] and op["timings"][MEMORY_UNDONE] > 0, op
-                assert (srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}"))["state"] == "running"
-                assert not (state / "images" / kernel_id).exists()
-                filler.unlink()
-            else:
-                assert op["status"] == "succeeded" and op["images"] == "disk", (op, srv.server_log())
-                why = f"{FILLED} in {memory}; written to disk instead"
-                assert op["images_why"] == why and op["timings"][MEMORY_UNDONE] > 0, op
-                assert report(op).startswith(f"Kernel {kernel_id} suspended to disk ({why}) in "), report(op)
-                log = srv.server_log()
-                assert f"kernel {kernel_id}: {FILLED} in {memory}" in log and "to disk instead" in log, log
-                assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
-            tab = await tab_on(srv, kernel_id)
-            said = await tab.run("os.lseek(fd, 0, 0)\nprint(next(count), os.read(fd, 1 << 20) == chunk, "
-                                 "os.fstat(fd).st_size >> 20)")
-            assert said.split() == ["42", "True", "190"], said
-            tab.ws.close()
+            yield srv, kernel_id, memory, state
         finally:
             srv.stop(signal.SIGKILL)
             srv.kill_kernels()
+
+
+def _ended(srv: LocalServer, op: dict) -> dict:
+    while op["status"] not in ("succeeded", "failed"):
+        op = srv.api("GET", f"api/gpumigrate/operations/{op['id']}?after={op['version']}")
+    return op
+
+
+async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_down(tmp_path):
+    """An attack: the kernel's user shuts it down (DELETE) while its suspend's first attempt, in memory, runs
+    (its CRIU held here with SIGSTOP, so that the shutdown waits for it); the memory then fills and the plan is
+    undone. Its error said "The kernel runs on, unchanged", and the kernel was shut down a moment later: now it
+    says that the kernel was shut down and nothing of it is kept. Nothing goes again to disk."""
+    async with _holding_more_than_it_shows(tmp_path) as (srv, kernel_id, memory, state):
+        op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+        criu = criu_of(srv.proc.pid, b"dump", 60)
+        assert criu is not None, "the dump did not start"
+        os.kill(criu, signal.SIGSTOP)
+        try:
+            deleting = threading.Thread(target=srv.api, args=("DELETE", f"api/kernels/{kernel_id}"))
+            deleting.start()
+            time.sleep(1)  # the shutdown asks the provisioner, which waits for the suspend
+        finally:
+            os.kill(criu, signal.SIGCONT)
+        op = _ended(srv, op)
+        deleting.join(120)
+        assert not deleting.is_alive(), srv.server_log()
+        assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+        assert "runs on" not in op["error"], op["error"]
+        assert op["error"] == ("The suspend failed and was undone, and the kernel is being shut down, as asked while "
+                               "the suspend ran: nothing of the kernel is kept (the server log says why the suspend "
+                               "failed)."), op["error"]
+        assert f"kernel {kernel_id}: the suspend failed in dump" in srv.server_log(), srv.server_log()
+        assert kernel_id not in [k["id"] for k in srv.api("GET", "api/kernels")]
+        assert not (state / "images" / ".logs" / f"{kernel_id}-dump-memory.log").exists(), "no second attempt"
+
+
+async def test_a_kernel_killed_between_the_two_attempts_is_said_to_have_ended_before_the_second(tmp_path):
+    """An attack: the kernel's process is SIGKILLed once the suspend's attempt in memory was undone (its server
+    held with SIGSTOP as soon as that attempt's CRIU log is kept), before the attempt on disk dumped it. The error
+    said the kernel "ended while CRIU dumped it": now it says it ended before that second attempt, and that nothing
+    was dumped."""
+    async with _holding_more_than_it_shows(tmp_path) as (srv, kernel_id, memory, state):
+        pid = srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+        kept = state / "images" / ".logs" / f"{kernel_id}-dump-memory.log"
+        deadline = time.monotonic() + 60
+        while not kept.exists():
+            assert time.monotonic() < deadline, srv.server_log()
+            time.sleep(0.0005)
+        os.kill(srv.proc.pid, signal.SIGSTOP)
+        try:
+            os.kill(pid, signal.SIGKILL)
+        finally:
+            os.kill(srv.proc.pid, signal.SIGCONT)
+        op = _ended(srv, op)
+        assert op["status"] == "failed", op
+        assert "while CRIU dumped it" not in op["error"] and "where it failed too" not in op["error"], op["error"]
+        assert op["error"] == (
+            f"The {FILLED} in {memory}, so the suspend went again, to disk; but the kernel's process {pid} ended "
+            "before that second attempt dumped it, so nothing was dumped and what it held is lost: the kernel is "
+            "dead, and Jupyter restarts it (or restart it yourself)."), op["error"]
+        assert not (state / "images" / kernel_id).exists()

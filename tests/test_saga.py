@@ -239,6 +239,21 @@ def test_a_stop_request_undoes_the_plan_before_a_stoppable_phase_and_only_there(
     ctx, _ = run(stoppable(Step("a", change("x")), phases=("a",)))
     assert ctx.world == ["x"]
 
+    # Asked during a phase that may not be stopped, which then fails: undone whole, and said to be shut down next,
+    # not in the failure's words (which say the kernel runs on).
+    def fails(ctx: World) -> None:
+        ask_to_stop(ctx)
+        raise RuntimeError("CRIU failed. The kernel runs on, unchanged.")
+
+    kernel = Stoppable()
+    with pytest.raises(PhaseFailed) as info:
+        run(Saga("move_to_gpu", [Step("prepare", change("folder")), Step("dump", fails)], start_from=("running",),
+                 success="running"), kernel)
+    assert str(info.value) == ("The move to GPU failed and was undone, and the kernel is being shut down, as asked "
+                               "while the move to GPU ran: nothing of the kernel is kept (the server log says why "
+                               "the move to GPU failed)."), str(info.value)
+    assert info.value.rolled_back and isinstance(info.value.cause, RuntimeError) and kernel.state == "running"
+
 
 @pytest.mark.parametrize("code, filename, said", [
     (28, "/state/images/k/marker.json", "The disk of /state/images/k is full (No space left on device). Free space"),

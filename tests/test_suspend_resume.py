@@ -9,8 +9,9 @@ import re
 import signal
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import (
@@ -25,6 +26,7 @@ from helpers import (
     notebook,
     operate,
     resident,
+    restarted,
     start_kernel,
 )
 
@@ -493,6 +495,22 @@ async def test_criu_killed_during_a_resume_leaves_no_process_behind_and_the_next
     assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]
 
 
+async def _suspend_killing(jp_fetch: Any, kernel: Any, kill: Callable[[int], object], won: str) -> tuple[dict, int]:
+    """Suspend ``kernel`` while ``kill(pid)`` (in a thread) kills what it kills; where the suspend won the race
+    (nothing killed, or killed too late), resume the kernel and try again, three times at most (then skip, saying
+    ``won``). The failed operation, and the PID of the kernel it suspended."""
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    for _ in range(3):
+        killer = asyncio.get_running_loop().run_in_executor(None, kill, pid)
+        op = await operate(jp_fetch, kernel.id, "suspend")
+        if await killer and op["status"] == "failed":
+            return op, pid
+        assert op["status"] == "succeeded", op  # the suspend won the race: resume, and try again
+        assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
+        pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    pytest.skip(won)
+
+
 def _kill_criu_dump(when: str, timeout: float) -> str | None:
     """Watch for the server's `criu dump`; SIGKILL it ``early`` (as soon as it runs: while it seizes the
     tree and its parasite is inside the kernel) or once it writes ``pages`` (the kernel's memory). The
@@ -518,18 +536,8 @@ def _kill_criu_dump(when: str, timeout: float) -> str | None:
 async def test_criu_killed_during_a_suspends_dump_leaves_the_kernel_running_with_its_state(jp_fetch, kernel, when):
     # Enough memory that CRIU spends a while writing it.
     assert (await kernel.run("x = 41\nblob = bytes(range(256)) * 4_000_000\nprint('ok')")).strip() == "ok"
-    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
-    for attempt in range(3):
-        killer = asyncio.get_running_loop().run_in_executor(None, _kill_criu_dump, when, 60)
-        op = await operate(jp_fetch, kernel.id, "suspend")
-        killed = await killer
-        if killed and op["status"] == "failed":
-            break
-        assert op["status"] == "succeeded", op  # the dump won the race: resume, and try again
-        assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
-        pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
-    else:
-        pytest.skip("CRIU dumped the kernel before it could be killed, three times")
+    op, pid = await _suspend_killing(jp_fetch, kernel, lambda pid: _kill_criu_dump(when, 60),
+                                     "CRIU dumped the kernel before it could be killed, three times")
     assert op["failed_phase"] == "dump" and "SIGKILL" in op["error"] and "runs on, unchanged" in op["error"], op
     # The same process runs on, with its state, and answers.
     view = await api(jp_fetch, "kernels", kernel.id)
@@ -539,6 +547,39 @@ async def test_criu_killed_during_a_suspends_dump_leaves_the_kernel_running_with
     assert (await operate(jp_fetch, kernel.id, "suspend"))["status"] == "succeeded"
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"
     assert (await kernel.run("print(x + 1, len(blob))")).split() == ["42", str(256 * 4_000_000)]
+
+
+def _kill_before_criu_holds(pid: int, timeout: float) -> bool:
+    """Watch for the server's `criu dump`; hold it (SIGSTOP) as soon as it runs and, where it has not taken hold of
+    the kernel's process ``pid`` yet (no tracer), SIGKILL that process before CRIU goes on. Whether it did."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for criu, _ in _servers_criu(b"dump"):
+            os.kill(criu, signal.SIGSTOP)
+            try:
+                tracer = re.search(r"TracerPid:\s*(\d+)", Path(f"/proc/{pid}/status").read_text())
+                if tracer is None or int(tracer.group(1)) != 0:
+                    return False
+                os.kill(pid, signal.SIGKILL)
+                return True
+            finally:
+                os.kill(criu, signal.SIGCONT)
+        time.sleep(0.001)
+    return False
+
+
+async def test_a_kernel_that_ends_before_criu_takes_hold_of_it_is_said_dead_with_nothing_dumped(
+        jp_fetch, jp_serverapp, kernel):
+    """The kernel's process SIGKILLed as the dump begins, before CRIU took hold of it (CRIU held meanwhile): the
+    operation said that the kernel "ended while CRIU dumped it"; it ended before CRIU began, and nothing was
+    dumped, which it now says. Jupyter restarts the kernel, as the error says."""
+    op, pid = await _suspend_killing(jp_fetch, kernel, lambda pid: _kill_before_criu_holds(pid, 60),
+                                     "CRIU took hold of the kernel before it could be killed, three times")
+    assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+    assert op["error"] == (f"The kernel's process {pid} ended before CRIU began to dump it, so nothing was dumped "
+                           "and what it held is lost: the kernel is dead, and Jupyter restarts it (or restart it "
+                           "yourself)."), op["error"]
+    await restarted(jp_serverapp, kernel.id, pid)
 
 
 async def test_a_suspended_kernel_resumes_though_ipythons_history_file_grew_meanwhile(jp_fetch, kernel):

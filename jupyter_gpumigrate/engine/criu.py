@@ -133,6 +133,18 @@ def dump_finished(log_path: Path) -> bool:
     return any(line in tail for line in DUMP_DONE)
 
 
+def never_seized(log_path: Path, pid: int) -> bool:
+    """Whether the CRIU dump that logged to ``log_path`` could not take hold of ``pid`` (the tree's root) as it
+    began, so that it dumped nothing of it: compel's "Unable to interrupt task: PID (No such process)", or
+    "(Operation not permitted)" for a zombie (docs/internals.md)."""
+    try:
+        with open(log_path, "rb") as f:
+            head = f.read(256 << 10)  # the seizing of the root comes early, before any image is written
+    except OSError:
+        return False
+    return f"Unable to interrupt task: {pid} (".encode() in head
+
+
 def given_up(images_dir: Path) -> bool:
     """Whether the operations on ``images_dir`` were given up (:func:`stop_runs`): a server stopping."""
     with _RUNS_LOCK:

@@ -70,10 +70,12 @@ class PhaseFailed(MigrateError):
     """A phase of a plan failed; the plan was rolled back as far as ``rolled_back`` says."""
 
     def __init__(self, phase: str, cause: BaseException, rolled_back: bool, undo_errors: list[str],
-                 before: str = "") -> None:
+                 before: str = "", ended: str = "") -> None:
         """``before``: what the sentence begins with, where the plan had run once already (a suspend's first
-        attempt in memory)."""
-        message = before + said(cause)
+        attempt in memory). ``ended``: what became of the kernel, said instead of the cause's words (which say
+        what the rollback left: "the kernel runs on") where the kernel did not go on as they say (shut down
+        while the plan ran)."""
+        message = before + (ended or said(cause))
         if undo_errors:
             message += " Rolling back also failed: " + "; ".join(undo_errors)
         super().__init__(message)
@@ -81,6 +83,7 @@ class PhaseFailed(MigrateError):
         self.cause = cause
         self.rolled_back = rolled_back
         self.undo_errors = undo_errors
+        self.ended = ended
 
 
 class Stopped(MigrateError):

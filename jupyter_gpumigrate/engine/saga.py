@@ -19,7 +19,10 @@ A plan may name phases before which it stops when its kernel is asked to stop (`
 kernel's ``stop_requested`` (a sentence, set by whoever shuts it down) is read before each phase, and a
 plan asked to stop there is undone as a failure would be, with :class:`Stopped`. Those are the phases
 before anything that is slow to undo (a transplant stops while its objects are written or read, not once
-its source is saved). A long phase may ask too, in its loop (:meth:`Context.check_stop`).
+its source is saved). A long phase may ask too, in its loop (:meth:`Context.check_stop`). A plan that fails
+while its kernel is asked to stop is undone whole, and then the kernel is shut down (or restarted): its error
+says so instead of the failure's own words, which say the kernel runs on (or that its images are kept); the
+failure is logged.
 
 Steps of kind ``ON_SUCCESS`` run once every phase succeeded, steps of kind ``ALWAYS`` at the very
 end whatever happened: they finish (delete what is stale, close what was opened) and are neither
@@ -133,6 +136,8 @@ class Saga(Generic[C]):
     refuse: Callable[[str], str] = lambda state: f"The kernel is {state}: it cannot be migrated now."
     #: the phases before which (and, where they ask, during which) a stop request undoes the plan
     stoppable: tuple[str, ...] = ()
+    #: what sentences call the plan; empty: its name, in words
+    called: str = ""
 
     @property
     def phases(self) -> tuple[str, ...]:
@@ -172,9 +177,14 @@ class Saga(Generic[C]):
                     report(step.name, "failed", result.timings)
                     failed_undos = self._roll_back(ctx, report, result)
                     broken = [text for text, cleanup in failed_undos if not cleanup]
+                    # before the state is settled: whoever shuts the kernel down waits for that, then forgets why
+                    stopping = getattr(kernel, "stop_requested", None)
                     self._settle(kernel, initial, step.name, exc, broken)
+                    ended = ""
+                    if stopping and initial is not None and not broken and not isinstance(exc, Stopped):
+                        ended = self._stopped_meanwhile(kernel, step.name, exc, stopping)
                     raise PhaseFailed(step.name, exc, rolled_back=not broken,
-                                      undo_errors=[text for text, _ in failed_undos]) from exc
+                                      undo_errors=[text for text, _ in failed_undos], ended=ended) from exc
                 result.timings[step.name] = time.perf_counter() - started
                 report(step.name, "done", result.timings)
             kernel.state = self.success
@@ -183,6 +193,15 @@ class Saga(Generic[C]):
             return result
         finally:
             self._finish(ctx, ALWAYS)
+
+    def _stopped_meanwhile(self, kernel: Stateful, phase: str, exc: BaseException, stopping: str) -> str:
+        """The sentence for a plan that failed, and was undone whole, while its kernel was asked to stop
+        (``stopping``: why): the kernel does not run on as the failure's words say, it is shut down next."""
+        called = self.called or self.name.replace("_", " ").replace("gpu", "GPU")
+        log.warning("kernel %s: the %s failed in %s (%s); it was undone, and %s", getattr(kernel, "kernel_id", "?"),
+                    called, phase, said(exc), stopping)
+        return (f"The {called} failed and was undone, and {stopping}, as asked while the {called} ran: nothing of "
+                f"the kernel is kept (the server log says why the {called} failed).")
 
     @staticmethod
     def _settle(kernel: Stateful, initial: str | None, phase: str, exc: BaseException,

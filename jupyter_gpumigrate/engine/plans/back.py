@@ -62,6 +62,7 @@ def saga() -> Saga[BackContext]:
         success="running",
         refuse=lambda state: f"The kernel is {state}, not running: only a running kernel can go back to the "
                              "process its transplant replaced.",
+        called="way back",
     )
 
 

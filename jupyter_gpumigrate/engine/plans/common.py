@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
-from ..criu import Criu, dump_finished, error_lines
+from ..criu import Criu, dump_finished, error_lines, never_seized
 from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict, for_full
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
@@ -278,8 +278,15 @@ def _ends(pid: int) -> bool:
 
 def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     """A dump that failed: CRIU resumed the tree, which runs on, untouched. Say so, and why; or, where the
-    kernel's process itself is gone (killed meanwhile: CRIU's failure is then its death), say that instead."""
+    kernel's process itself is gone (killed meanwhile: CRIU's failure is then its death), say that instead, and
+    whether it was gone before CRIU took hold of it (nothing dumped)."""
     assert ctx.manifest is not None
+    pid = ctx.manifest.pid
+    if exc.log_path and not proctree.is_alive(pid) and never_seized(Path(exc.log_path), pid):
+        raise CriuFailed(
+            f"The kernel's process {pid} ended before CRIU began to dump it, so nothing was dumped and what it "
+            "held is lost: the kernel is dead, and Jupyter restarts it (or restart it yourself).",
+            exc.log_path, exc.log_tail) from exc
     if not proctree.is_alive(ctx.manifest.pid) or (_killed(f"{exc}\n{exc.log_tail}") and _ends(ctx.manifest.pid)):
         raise CriuFailed(
             f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so what it held is lost: "

@@ -34,7 +34,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from .. import proctree
-from ..criu import given_up
+from ..criu import given_up, never_seized
 from ..errors import ImageError, InvalidState, MigrateError, PhaseFailed, for_full, no_room, said
 from ..images import AUTO, DISK, FILLED
 from ..kernelproc import RUNNING, KernelProcess
@@ -158,8 +158,11 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
     """Suspend ``kernel``; with images ``auto`` in memory that filled meanwhile, once more on disk (the
     module's docstring), its outcome's ``images_why`` saying so and its timings the first attempt's seconds,
     its rollback's included (:data:`MEMORY_UNDONE`); the first attempt's CRIU log, where its dump ran, is kept
-    beside the second's (``dump-memory``)."""
+    beside the second's (``dump-memory``) until the kernel's next suspend begins (as each dump drops the last
+    one's log), its resume (which drops every log of the images it forgets) or its end."""
     began = time.perf_counter()
+    if kernel.state == RUNNING:  # a suspend that failed both ways left it: it would pass for this one's
+        tools.store.log_path(kernel.kernel_id, "dump-memory").unlink(missing_ok=True)
     try:
         return _once(kernel, tools, progress)
     except PhaseFailed as failed:
@@ -170,6 +173,7 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
         log.warning("kernel %s: %s (%s); suspending it to disk instead%s", kernel.kernel_id, filled,
                     said(failed.cause), f" (the first CRIU log: {kept})" if kept else "")
     undone = {MEMORY_UNDONE: time.perf_counter() - began}
+    pid = kernel.kernel_pid  # alive: memory_filled saw it
 
     def after(phase: str, event: str, timings: dict[str, float]) -> None:
         if progress is not None:
@@ -178,7 +182,12 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
     try:
         outcome = _once(kernel, replace(tools, images=DISK), after)
     except PhaseFailed as failed:  # said with what came first: the user asked neither for memory nor for disk
-        raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors,
+        if pid is not None and not failed.ended and _ended_before_dump(failed, kernel, tools, pid):
+            raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors, ended=(
+                f"The {filled}, so the suspend went again, to disk; but the kernel's process {pid} ended before "
+                "that second attempt dumped it, so nothing was dumped and what it held is lost: the kernel is "
+                "dead, and Jupyter restarts it (or restart it yourself).")) from failed
+        raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors, ended=failed.ended,
                           before=f"The {filled}, so the suspend went to disk, where it failed too: ") from failed
     outcome.images_why = f"{filled}; written to disk instead"
     outcome.result.timings = {**undone, **outcome.result.timings}
@@ -198,6 +207,15 @@ def memory_filled(failed: PhaseFailed, kernel: KernelProcess, tools: Tools) -> s
     if getattr(kernel, "stop_requested", None) or any(given_up(p) for p in tools.store.places(kernel.kernel_id)):
         return None  # being shut down, or its server stopping gave it up
     return f"{FILLED} in {memory}"
+
+
+def _ended_before_dump(failed: PhaseFailed, kernel: KernelProcess, tools: Tools, pid: int) -> bool:
+    """Whether the attempt on disk failed because the kernel's process ``pid`` had ended before it was dumped:
+    gone, and the attempt failed before its dump (the stash says its own), or in its dump before CRIU took hold
+    of it."""
+    if proctree.is_alive(pid) or failed.undo_errors or failed.phase == "stash":
+        return False
+    return failed.phase != "dump" or never_seized(tools.store.log_path(kernel.kernel_id, "dump"), pid)
 
 
 def _keep_log(kernel: KernelProcess, tools: Tools) -> Path | None:
