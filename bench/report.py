@@ -342,7 +342,7 @@ stash off: the CUDA driver and CRIU carry every byte. The floors, measured just 
 bytes: one TCP and one TLS stream between the namespaces. The goal is issue 18's: downtime <= bytes / the TLS
 floor x 1.3 + 2 s. A way named `-stream` has `c.GPUMigrateApp.stream_dump` on: each file goes as it is
 written (**stream**, before the stash since 676a76d: the stash's parts as the kernel writes them, then CRIU's
-pages files as the dump does); `-after` has it off (the default since 2026-11-27): the stash's files go once
+pages files as the dump does); `-after` has it off (the default from 2026-11-27 to 2026-11-30; since, `"auto"`: on with 16 CPUs or more): the stash's files go once
 written, while the driver checkpoints and CRIU dumps (**send stash**), CRIU's after the dump. **transfer** is
 what is left after the dump, so transfer / floor reads low; total / goal is the measure. Until a7fdc6b the
 other host's images (what it received, and its dump and stash for the way home) were on its disk, by a

@@ -68,6 +68,10 @@ def _spare_stash_helper(log: Any) -> None:
         log.warning("gpumigrate: no spare helper for the fast path (%s)", exc)
 
 
+#: The CPUs this process may run on from which stream_dump 'auto' streams (each host streams with its own: a
+#: stash's 16 writer threads, and 8 sending processes beside them; docs/cross-host.md).
+STREAM_CPUS = 16
+
 class GPUMigrateApp(ExtensionApp):
     name = "jupyter_gpumigrate"
     description = "Suspend, resume and move live kernels."
@@ -283,15 +287,14 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     stream_dump = Enum(
-        ["auto", "on", "off", True, False], default_value="off",
+        ["auto", "on", "off", True, False], default_value="auto",
         help="Whether this host's dumps for a move to another host (its own kernels going away, and its guests "
         "going home) have their files carried while they are written (phase 'stream': the stash's parts as the "
         "kernel writes them, CRIU's pages files as the dump does), instead of the stash's once it is written "
-        "and CRIU's once the dump is over. 'off' (or false, the default): measured faster on the GPU machine "
-        "(2 x H100, 32 CPUs) in 6 of 8 trips side by side, three runs (bench/host_bench.py --ways criu-stream,"
-        "criu-after and stash-stream,stash-after; docs/cross-host.md): the link is the bound, and more files at "
-        "once only share it. 'on' (or true): "
-        "always; 'auto': where this process may run on 8 CPUs or more.",
+        "and CRIU's once the dump is over. 'auto' (the default): where this process may run on 16 CPUs or more; "
+        "there it was faster in 10 of 12 trips side by side on 2 x H200 (32 CPUs for both hosts; 2026-11-30, "
+        "with transfer_nice; docs/cross-host.md), and slower with 16 CPUs for both hosts (2026-11-29). "
+        "'on' (or true): always; 'off' (or false): never.",
     ).tag(config=True)
 
     stop_timeout = Float(
@@ -440,7 +443,7 @@ class GPUMigrateApp(ExtensionApp):
             return True
         if self.stream_dump in ("off", False):
             return False
-        return len(os.sched_getaffinity(0)) >= 8
+        return len(os.sched_getaffinity(0)) >= STREAM_CPUS
 
     def _keep_culler_off_moving_kernels(self) -> None:
         # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.

@@ -35,7 +35,7 @@ SIZE = DETACH_MIN + 12345  # over the threshold, and not a whole number of block
 @pytest.fixture
 def jp_server_config(tmp_path: Path) -> dict:
     config = peer_server_config(tmp_path, PEER_TOKEN)
-    config["GPUMigrateApp"]["stream_dump"] = "on"  # it serves a dump's files as they grow (off by default)
+    config["GPUMigrateApp"]["stream_dump"] = "on"  # it serves a dump's files as they grow (off by default under 16 CPUs)
     return config
 
 

@@ -45,7 +45,7 @@ def hosts(tmp_path_factory):
     try:
         a, b = host_pair(net, root)
         for host in (a, b):  # a move's images in memory where there is room, as by default (images.choose);
-            # the images carried as they are written (c.GPUMigrateApp.stream_dump; off by default, and in
+            # the images carried as they are written (c.GPUMigrateApp.stream_dump; 'auto' by default, off in
             # test_a_large_kernel_moves_...[off])
             host.extra = {"MigratableProvisioner": {"suspend_to": "auto"}, "GPUMigrateApp": {"stream_dump": "on"}}
         # "c" is b with a wrong credential.
@@ -315,7 +315,7 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
     # into the images itself (the host stash), CRIU dumps the rest; b restores it, and the kernel reads them back
     # there. On the way home b has it do the same (a sends the kernel's key with the calls that need it).
     # Every byte and the buffer's identity survive; no image is left on either host. Both ways of sending:
-    # each file as it is written (stream_dump on), and the default (off): the stash's files once written.
+    # each file as it is written (stream_dump on), and off: the stash's files once written.
     a, b = hosts
     kernel_id, tab = await new_kernel(a)
     try:
@@ -575,7 +575,7 @@ def kill_one_child_as_it_moves(a: Host, kernel_id: str, to_host: str, listener: 
 @pytest.mark.parametrize("stream, home_victim", [("off", "b"), ("on", "a"), ("on", "b")], indirect=["stream"])
 async def test_one_transfer_process_killed_either_way_is_said_and_the_kernel_stays_whole(hosts, stream, home_victim):
     # One process of a bulk listener, not the listener, is SIGKILLed as an out-of-memory killer would. Going
-    # away, one of a's processes sending a file (stream_dump off, the default: whole, once written; on: as it
+    # away, one of a's processes sending a file (stream_dump off: whole, once written; on: as it
     # is written); the move is undone, its error names the process killed and not by the server; the kernel
     # runs on here, whole, and the listener goes on: the next move succeeds with it. Coming home, one of b's
     # processes serving a file (off: whole; on: as b's stash or dump writes it, its lock on the file dying
@@ -773,7 +773,7 @@ async def test_the_other_hosts_disk_filling_up_mid_file_is_said_and_the_kernel_r
 async def test_the_other_hosts_disk_filling_up_as_the_stash_arrives_is_said_and_the_kernel_runs_on_here(
         hosts, tmp_path, stream):
     """The kernel's stash (1.1 GB of buffers, written by its own threads) goes to b part by part: as it is
-    written (stream_dump on), or once written (off, the default: phase 'send stash'). b keeps guests' images on
+    written (stream_dump on), or once written (off: phase 'send stash'). b keeps guests' images on
     a disk (a 1.4 GB tmpfs: room for all, as b checks first) that another process fills once a part arrives: b
     answers 507 naming the file (or, where all arrived first, its restore says the disk is full), the move is undone (the parts' sending stopped, the kernel reads its buffers back), the kernel runs
     on here with every byte and the same buffer, and neither host keeps anything of it."""
