@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import os
 import signal
 import socket
 import sys
@@ -26,7 +25,7 @@ from .autoresume import resuming
 from .bulkd import BulkListener, BulkSettings
 from .credentials import KernelCredentials
 from .engine import criu as criu_mod
-from .engine import proctree
+from .engine import cpus, proctree
 from .handlers import handlers
 from .engine import gpus as gpus_mod
 from .engine import cudackpt
@@ -115,8 +114,9 @@ class GPUMigrateApp(ExtensionApp):
 
     transfer_streams = Int(
         0, help="How many image files a move to another host sends or fetches at once, each over a connection "
-        "of its own (this server's, both ways: away it sends, home it fetches). 0 (the default): half this "
-        "host's CPUs, at most 8 (each stream takes about a core on both hosts).",
+        "of its own (this server's, both ways: away it sends, home it fetches). 0 (the default): half the CPUs "
+        "this server can use (its affinity and its cgroups' CPU quota), at most 8 (each stream takes about a "
+        "core on both hosts).",
     ).tag(config=True)
 
     transfer_nice = Int(
@@ -291,7 +291,8 @@ class GPUMigrateApp(ExtensionApp):
         help="Whether this host's dumps for a move to another host (its own kernels going away, and its guests "
         "going home) have their files carried while they are written (phase 'stream': the stash's parts as the "
         "kernel writes them, CRIU's pages files as the dump does), instead of the stash's once it is written "
-        "and CRIU's once the dump is over. 'auto' (the default): where this process may run on 16 CPUs or more; "
+        "and CRIU's once the dump is over. 'auto' (the default): where this server can use 16 CPUs or more (its "
+        "affinity and its cgroups' CPU quota, as a pod's CPU limit sets it); "
         "there it was faster in 10 of 12 trips side by side on 2 x H200 (32 CPUs for both hosts; 2026-11-30, "
         "with transfer_nice; docs/cross-host.md), and slower with 16 CPUs for both hosts (2026-11-29). "
         "'on' (or true): always; 'off' (or false): never.",
@@ -437,13 +438,13 @@ class GPUMigrateApp(ExtensionApp):
         return argv, dict(spec.env or {})
 
     def _streams_dumps(self) -> bool:
-        """c.GPUMigrateApp.stream_dump, decided: 'auto' counts the CPUs this process may run on (a container's
-        share, not the host's)."""
+        """c.GPUMigrateApp.stream_dump, decided: 'auto' counts the CPUs this process can use (its affinity and its
+        cgroups' CPU quota: a pod's CPU limit, not its node's CPUs; engine/cpus.py)."""
         if self.stream_dump in ("on", True):
             return True
         if self.stream_dump in ("off", False):
             return False
-        return len(os.sched_getaffinity(0)) >= STREAM_CPUS
+        return cpus.usable() >= STREAM_CPUS
 
     def _keep_culler_off_moving_kernels(self) -> None:
         # The idle culler would shut down (and so delete) a suspended kernel: its last activity is old.

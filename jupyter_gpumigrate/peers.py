@@ -53,7 +53,7 @@ from tornado.websocket import websocket_connect
 
 from .credentials import ENV_KERNEL_ID
 from .engine import gpus as gpus_mod
-from .engine import hostfit, netstate, placement, proctree
+from .engine import cpus, hostfit, netstate, placement, proctree
 from .engine.criu import Criu
 from .engine.errors import GpuError, ImageError, InvalidState, MigrateError
 from .engine.images import (AUTO, MANIFEST, PENDING, SECRETS, ImageStore, Manifest, choose, host_memory,
@@ -85,8 +85,9 @@ DETACH_MIN = 16 * BLOCK
 #: about 1.2-1.4 GB/s on one core of the GPU machines, and the link between the bench's two namespaces on
 #: the H200 machine (16 CPUs) carried 1.2 GB/s with one TLS stream, 3.9-4.7 with four, 8.1-9.7 with eight
 #: (bench/host_bench.py --streams 4,8). Each stream takes a core or so on both hosts: one on a small machine
-#: (on 2 CPUs, four were slower than one).
-STREAMS = max(1, min(8, (os.cpu_count() or 2) // 2))
+#: (on 2 CPUs, four were slower than one). The CPUs counted are those this server can use (engine/cpus.py: a
+#: pod's CPU limit, not its node's CPUs).
+STREAMS = max(1, min(8, int(cpus.usable()) // 2))
 #: How long a move waits to connect to its peer's bulk listener before it sends through the peer's server
 #: port instead (seconds).
 BULK_PROBE = 3.0

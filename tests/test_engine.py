@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import hold_pid, start_sleep
 
-from jupyter_gpumigrate.engine import doctor, proctree
+from jupyter_gpumigrate.engine import cpus, doctor, proctree
 from jupyter_gpumigrate.engine.criu import Criu, find
 from jupyter_gpumigrate.engine.errors import CriuFailed, CriuNotFound, ImageError, PidConflict
 from jupyter_gpumigrate.engine.images import ImageStore, Manifest
@@ -429,3 +429,41 @@ def test_a_dump_that_failed_as_a_process_of_the_tree_was_killed_waits_for_the_ke
     finally:
         lives.kill()
         lives.wait()
+
+
+def test_the_cpus_a_process_can_use_are_its_affinitys_or_fewer_where_a_cgroup_quota_says_so():
+    # A pod's CPU limit is a quota of CPU time, not an affinity: a process under it sees every CPU of its node.
+    # What a server can use decides how many files a move sends at once and whether its dumps stream.
+    chain = next(((folder, v2) for folder, v2 in cpus._chains("self")
+                  if (folder / ("cpu.max" if v2 else "cpu.cfs_quota_us")).exists()
+                  or (v2 and "cpu" in (folder / "cgroup.subtree_control").read_text().split())), None)
+    if os.geteuid() != 0 or chain is None:
+        pytest.skip("needs root and a cgroup hierarchy with the cpu controller, to set a quota")
+    folder, v2 = chain
+    proc = subprocess.Popen(["sleep", "60"])
+    limited = folder / f"gm-cpus-{os.getpid()}"
+    inner = limited / "inner"  # no quota of its own: its parent's holds
+    try:
+        assert cpus.usable(proc.pid) == max(1.0, float(len(os.sched_getaffinity(proc.pid))))
+        limited.mkdir()
+        if v2:
+            (limited / "cpu.max").write_text("150000 100000")
+        else:
+            (limited / "cpu.cfs_period_us").write_text("100000")
+            (limited / "cpu.cfs_quota_us").write_text("150000")
+        inner.mkdir()
+        (inner / "cgroup.procs").write_text(str(proc.pid))
+        assert cpus.usable(proc.pid) == min(1.5, len(os.sched_getaffinity(proc.pid)))
+        os.sched_setaffinity(proc.pid, {min(os.sched_getaffinity(proc.pid))})  # one CPU: fewer than the quota
+        assert cpus.usable(proc.pid) == 1.0
+    finally:
+        proc.kill()
+        proc.wait()
+        for gone in (inner, limited):
+            deadline = time.monotonic() + 10
+            while gone.exists():
+                try:
+                    gone.rmdir()
+                except OSError:  # the killed process leaves it a moment later
+                    assert time.monotonic() < deadline, f"{gone} could not be removed"
+                    time.sleep(0.05)
