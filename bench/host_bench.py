@@ -15,7 +15,8 @@ buffers into the images itself (the host stash, ``c.MigratableProvisioner.host_s
 ``--stash-min``) and reads them back there; ``criu``, the stash off: CRIU carries every byte. A way
 named with ``-stream`` (``criu-stream``, ``stash-stream``) has ``c.GPUMigrateApp.stream_dump`` on: CRIU's
 pages files go as the dump writes them (phase ``stream``), either way; with ``-after``, off: once the dump is
-over; without either, as 'auto' decides on this machine (on with 8 CPUs or more). Side by side in one run,
+over; without either, as 'auto' (the default) decides on this machine (on where the server can use 16 CPUs or
+more: its affinity and its cgroups' CPU quota). Side by side in one run,
 ``criu-stream,criu-after`` says what the streaming gains here. With ``-files`` (``stash-after-files``) a GPU
 kernel's restores make no prefetch (``c.MigratableProvisioner.resume_prefetch`` off on both hosts): the
 kernel reads its stash's files itself once restored, as before 2026-11-29. With ``-onebulk``

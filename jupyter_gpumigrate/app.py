@@ -67,8 +67,9 @@ def _spare_stash_helper(log: Any) -> None:
         log.warning("gpumigrate: no spare helper for the fast path (%s)", exc)
 
 
-#: The CPUs this process may run on from which stream_dump 'auto' streams (each host streams with its own: a
-#: stash's 16 writer threads, and 8 sending processes beside them; docs/cross-host.md).
+#: The CPUs this server can use (engine/cpus.py) from which stream_dump 'auto' streams: a stash's 16 writer
+#: threads and 8 sending processes go at once. Faster with about 16 a host, slower with about 8 (two hosts on one
+#: machine of 32 CPUs, and of 16; a host with 16 of its own is inferred; docs/cross-host.md).
 STREAM_CPUS = 16
 
 class GPUMigrateApp(ExtensionApp):
@@ -292,9 +293,9 @@ class GPUMigrateApp(ExtensionApp):
         "going home) have their files carried while they are written (phase 'stream': the stash's parts as the "
         "kernel writes them, CRIU's pages files as the dump does), instead of the stash's once it is written "
         "and CRIU's once the dump is over. 'auto' (the default): where this server can use 16 CPUs or more (its "
-        "affinity and its cgroups' CPU quota, as a pod's CPU limit sets it); "
-        "there it was faster in 10 of 12 trips side by side on 2 x H200 (32 CPUs for both hosts; 2026-11-30, "
-        "with transfer_nice; docs/cross-host.md), and slower with 16 CPUs for both hosts (2026-11-29). "
+        "affinity and its cgroups' CPU quota, as a pod's CPU limit sets it): it was faster in 10 of 12 trips side "
+        "by side with about 16 CPUs a host (two hosts sharing 2 x H200's 32, with transfer_nice; 2026-11-30), "
+        "and slower with about 8 (two hosts sharing 16; 2026-11-29); docs/cross-host.md. "
         "'on' (or true): always; 'off' (or false): never.",
     ).tag(config=True)
 

@@ -423,8 +423,8 @@ class BulkTransfers:
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="[gpumigrate bulkd %(process)d] %(message)s")
     settings = BulkSettings(**json.loads(sys.stdin.buffer.readline()))
-    if settings.nice > 0:  # every process forked for a file inherits it
-        os.nice(settings.nice)
+    if settings.nice > 0:
+        _be_nice(settings.nice)
     listener: socket.socket | None = None
     try:
         if settings.port >= 0:
@@ -501,6 +501,19 @@ def _say(answer: dict) -> None:
     if isinstance(answer.get("error"), str):
         answer = {**answer, "error": answer["error"][:MAX_SENTENCE]}
     os.write(1, json.dumps(answer, ensure_ascii=False).encode("utf-8", "replace") + b"\n")
+
+
+def _be_nice(nice: int) -> None:
+    """Run nicer by ``nice``, with every process forked for a file (they inherit it). Where the kernel groups
+    sessions (autogroup: kernel.sched_autogroup_enabled, for tasks in the root CPU cgroup), the CPU is shared
+    between sessions whatever their processes' nice; this listener leads a session of its own, so its group is
+    made as nice too (sched(7), "The autogroup feature")."""
+    os.nice(nice)
+    try:
+        with open("/proc/self/autogroup", "w", encoding="ascii") as group:
+            group.write(str(nice))
+    except OSError:  # no autogroup (a kernel without it, or a task in a CPU cgroup of its own)
+        pass
 
 
 def _spawn(work: Callable[[], bool], events: selectors.BaseSelector, listener: socket.socket | None,

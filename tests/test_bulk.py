@@ -199,6 +199,10 @@ async def test_the_bulk_listener_receives_each_file_in_a_process_of_its_own_refu
     assert Path(f"/proc/{child}/stat").read_text().rsplit(")", 1)[1].split()[1] == str(bulkd.pid)  # its parent
     # Nicer than the server (c.GPUMigrateApp.transfer_nice, 10 by default): the kernels' CPUs come first.
     assert os.getpriority(os.PRIO_PROCESS, child) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 10)
+    # and so is its session's group, where the kernel shares the CPU between sessions (autogroup)
+    autogroup = Path("/proc/sys/kernel/sched_autogroup_enabled")
+    if autogroup.exists() and autogroup.read_text().strip() == "1":
+        assert Path(f"/proc/{child}/autogroup").read_text().split()[-2:] == ["nice", "10"]
 
     # Garbage and what the port does not serve: each answered in one sentence, nothing written.
     answers = {

@@ -1221,7 +1221,7 @@ async def kill_on_b_as_the_stash_comes_home(a: Host, b: Host, kernel_id: str,
 
 
 async def test_criu_killed_on_the_other_host_while_its_stash_comes_home_leaves_the_kernel_running_there(hosts):
-    """stream_dump off (the default): coming home, b's stash's parts come to a once b's stash wrote them all,
+    """stream_dump off: coming home, b's stash's parts come to a once b's stash wrote them all,
     while b's CRIU dumps (phase 'fetch stash'). CRIU is SIGKILLed on b once a holds some of a part: b's dump
     fails, b has the kernel read its buffers back, and it runs on there, the same process with every byte;
     a's fetches are called off and a keeps nothing; the next move home brings it whole."""
@@ -1446,7 +1446,7 @@ async def test_the_other_hosts_server_killed_as_its_pages_stream_home_is_said_an
 
 async def test_the_other_hosts_server_killed_while_its_stash_comes_home_is_said_and_its_next_gives_the_kernel_its_buffers(
         hosts):
-    """stream_dump off (the default): b's server (and its CRIU: the process group) SIGKILLed once a holds some of
+    """stream_dump off: b's server (and its CRIU: the process group) SIGKILLed once a holds some of
     the stash's parts b's kernel wrote for its way home (phase 'fetch stash'). The kernel had freed its buffers
     into those files: the move fails at once, saying b cannot be reached, and a keeps nothing. b's next server
     takes the kernel back and has it read its buffers back from its stash (every byte, the same process, the

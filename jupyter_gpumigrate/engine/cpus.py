@@ -44,12 +44,20 @@ def _quotas(pid: int | str) -> list[float]:
 
 
 def _chains(pid: int | str) -> list[tuple[Path, bool]]:
-    """(the folder of pid's cgroup, whether cgroup v2) for each hierarchy that may hold a CPU quota."""
+    """(the folder of pid's cgroup, whether cgroup v2) for each hierarchy that may hold a CPU quota: v2's, and
+    v1's with the cpu controller. A mount's root (/proc/self/mountinfo) may be a cgroup below the hierarchy's
+    root (a container without a cgroup namespace sees its own cgroup there): the folder is the cgroup's path
+    under it, or the mount point where the path is not under it."""
     try:
         lines = Path(f"/proc/{pid}/cgroup").read_text(encoding="utf-8").splitlines()
-        mounts = Path("/proc/self/mounts").read_text(encoding="utf-8").splitlines()
+        mounts = Path("/proc/self/mountinfo").read_text(encoding="utf-8").splitlines()
     except OSError:
         return []
+    return folders(lines, mounts)
+
+
+def folders(lines: list[str], mounts: list[str]) -> list[tuple[Path, bool]]:
+    """:func:`_chains` of a process whose /proc/PID/cgroup holds ``lines``, mounts as /proc/self/mountinfo's."""
     chains = []
     for line in lines:
         hier, controllers, path = (line.split(":", 2) + ["", ""])[:3]
@@ -57,13 +65,22 @@ def _chains(pid: int | str) -> list[tuple[Path, bool]]:
         if not v2 and "cpu" not in controllers.split(","):
             continue
         for mount in mounts:
-            fields = mount.split()
-            if len(fields) < 4:
+            before, _, after = mount.partition(" - ")
+            fields, kind = before.split(), after.split()
+            if len(fields) < 5 or len(kind) < 3:
                 continue
-            if (v2 and fields[2] == "cgroup2") or (not v2 and fields[2] == "cgroup" and
-                                                    "cpu" in fields[3].split(",")):
-                chains.append((Path(fields[1]) / path.lstrip("/"), v2))
-                break
+            if not ((v2 and kind[0] == "cgroup2") or
+                    (not v2 and kind[0] == "cgroup" and "cpu" in kind[2].split(","))):
+                continue
+            root, point = fields[3], Path(fields[4])
+            if root == "/":
+                below = path
+            elif path == root or path.startswith(root + "/"):
+                below = path[len(root):]
+            else:  # not under what the mount shows: the mount point's own cgroup is the nearest
+                below = ""
+            chains.append((point / below.lstrip("/"), v2))
+            break
     return chains
 
 

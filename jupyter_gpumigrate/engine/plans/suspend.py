@@ -162,7 +162,10 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
     one's log), its resume (which drops every log of the images it forgets) or its end."""
     began = time.perf_counter()
     if kernel.state == RUNNING:  # a suspend that failed both ways left it: it would pass for this one's
-        tools.store.log_path(kernel.kernel_id, "dump-memory").unlink(missing_ok=True)
+        try:
+            tools.store.log_path(kernel.kernel_id, "dump-memory").unlink(missing_ok=True)
+        except OSError as exc:  # a log is not worth the suspend
+            log.warning("kernel %s: an earlier suspend's first CRIU log stays (%s)", kernel.kernel_id, exc)
     try:
         return _once(kernel, tools, progress)
     except PhaseFailed as failed:
@@ -204,8 +207,10 @@ def memory_filled(failed: PhaseFailed, kernel: KernelProcess, tools: Tools) -> s
         return None  # not "auto", or not its memory that filled
     if not failed.rolled_back or kernel.state != RUNNING or pid is None or not proctree.is_alive(pid):
         return None  # not given back whole (its buffers not read back, its process gone...)
-    if getattr(kernel, "stop_requested", None) or any(given_up(p) for p in tools.store.places(kernel.kernel_id)):
-        return None  # being shut down, or its server stopping gave it up
+    if failed.ended or getattr(kernel, "stop_requested", None) or \
+            any(given_up(p) for p in tools.store.places(kernel.kernel_id)):
+        return None  # being shut down (the saga read it before the state settled: whoever waits may forget it
+        # since), or its server stopping gave it up
     return f"{FILLED} in {memory}"
 
 
