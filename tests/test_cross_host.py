@@ -1261,7 +1261,10 @@ async def test_the_kernel_killed_on_the_other_host_while_its_stash_comes_home_is
     kernel_id, tab = await stashed_kernel(a)
     try:
         guest_pid, op = await kill_on_b_as_the_stash_comes_home(a, b, kernel_id, lambda pid: pid)
-        assert f"The kernel's process {guest_pid} ended while CRIU dumped it" in op["error"], op["error"]
+        # b's driver and CRIU run while a fetches the parts: the kill lands before CRIU took hold of the kernel
+        # (nothing dumped) or after
+        assert (f"The kernel's process {guest_pid} ended while CRIU dumped it" in op["error"] or
+                f"The kernel's process {guest_pid} ended before CRIU began to dump it" in op["error"]), op["error"]
         assert "the kernel is dead, and Jupyter restarts it" in op["error"], op["error"]
         deadline = time.monotonic() + 30
         while list((a.root / "state").glob(f"**/{kernel_id}/stash-*")) or guest_images_in_memory(kernel_id) or \
