@@ -280,7 +280,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     ).tag(config=True)
 
     migration_wait = Float(
-        600.0, help="How long a shutdown waits for a migration in progress to end, in seconds."
+        600.0, help="How long a shutdown waits for a migration in progress to end, in seconds; past it, the "
+        "shutdown goes on, and the migration's error says the kernel was shut down."
     ).tag(config=True)
 
     @default("state_dir")
@@ -809,6 +810,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return await super().pre_launch(**kwargs)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
+        self.stop_requested = None  # a restart's, kept by a plan that outlasted migration_wait
         logs = Path(self.state_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
@@ -928,13 +930,19 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def _migration_done(self, stopping: str | None = None) -> None:
         """Wait for a migration in progress to end. ``stopping``: why the kernel is being stopped; a plan that
-        may stop where it is (a transplant writing or reading the objects) is undone there instead."""
+        may stop where it is (a transplant writing or reading the objects) is undone there instead. One that
+        outlasts ``migration_wait`` keeps the request: the stop goes on meanwhile, and the plan, failing from
+        it, says so (saga.py) rather than its own words ("the kernel is dead, and Jupyter restarts it"); the
+        kernel's next launch forgets it."""
         if stopping and self.state == MIGRATING and not self._server_stopping():
             self.stop_requested = stopping
+        waited = False
         try:
             await self._wait_migration()
+            waited = True
         finally:
-            self.stop_requested = None
+            if self.state != MIGRATING or not waited:
+                self.stop_requested = None
 
     async def _wait_migration(self) -> None:
         waited = 0.0

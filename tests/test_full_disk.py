@@ -6,8 +6,8 @@ import os
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -241,25 +241,38 @@ def _ended(srv: LocalServer, op: dict) -> dict:
     return op
 
 
+@contextmanager
+def _deleted_while_dumped(srv: LocalServer, kernel_id: str) -> Iterator[dict]:
+    """A suspend of ``kernel_id``, its CRIU held with SIGSTOP while the kernel's user shuts the kernel down
+    (DELETE, from a thread: the body runs once the server has begun it); then CRIU goes on, and the shutdown
+    is waited for. The suspend's operation, as it began."""
+    op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
+    criu = criu_of(srv.proc.pid, b"dump", 60)
+    assert criu is not None, "the dump did not start"
+    os.kill(criu, signal.SIGSTOP)
+    try:
+        deleting = threading.Thread(target=srv.api, args=("DELETE", f"api/kernels/{kernel_id}"))
+        deleting.start()
+        deadline = time.monotonic() + 30  # the DELETE may take a while to arrive on a loaded machine
+        while f"Kernel shutdown: {kernel_id}" not in srv.server_log():
+            assert time.monotonic() < deadline and deleting.is_alive(), srv.server_log()
+            time.sleep(0.05)
+        yield op
+    finally:
+        os.kill(criu, signal.SIGCONT)
+    deleting.join(120)
+    assert not deleting.is_alive(), srv.server_log()
+
+
 async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_down(tmp_path):
     """An attack: the kernel's user shuts it down (DELETE) while its suspend's first attempt, in memory, runs
     (its CRIU held here with SIGSTOP, so that the shutdown waits for it); the memory then fills and the plan is
     undone. Its error said "The kernel runs on, unchanged", and the kernel was shut down a moment later: now it
     says that the kernel was shut down and nothing of it is kept. Nothing goes again to disk."""
     async with _holding_more_than_it_shows(tmp_path) as (srv, kernel_id, memory, state):
-        op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
-        criu = criu_of(srv.proc.pid, b"dump", 60)
-        assert criu is not None, "the dump did not start"
-        os.kill(criu, signal.SIGSTOP)
-        try:
-            deleting = threading.Thread(target=srv.api, args=("DELETE", f"api/kernels/{kernel_id}"))
-            deleting.start()
-            time.sleep(1)  # the shutdown asks the provisioner, which waits for the suspend
-        finally:
-            os.kill(criu, signal.SIGCONT)
+        with _deleted_while_dumped(srv, kernel_id) as op:
+            time.sleep(1)  # the shutdown, begun, asks the provisioner, which waits for the suspend
         op = _ended(srv, op)
-        deleting.join(120)
-        assert not deleting.is_alive(), srv.server_log()
         assert op["status"] == "failed" and op["failed_phase"] == "dump", op
         assert "runs on" not in op["error"], op["error"]
         assert op["error"] == ("The suspend failed and was undone, and the kernel is being shut down, as asked while "
@@ -268,6 +281,40 @@ async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_dow
         assert f"kernel {kernel_id}: the suspend failed in dump" in srv.server_log(), srv.server_log()
         assert kernel_id not in [k["id"] for k in srv.api("GET", "api/kernels")]
         assert not (state / "images" / ".logs" / f"{kernel_id}-dump-memory.log").exists(), "no second attempt"
+
+
+async def test_a_shutdown_that_outwaits_its_kernels_suspend_is_said_by_the_suspend(tmp_path):
+    """An attack: the kernel's user shuts it down (DELETE) while its suspend's CRIU is held with SIGSTOP, longer
+    than the shutdown waits for a migration (migration_wait, 1 s here): the shutdown goes on and kills the kernel,
+    and the dump then fails. Its error said "the kernel is dead, and Jupyter restarts it (or restart it
+    yourself)": now that the kernel is being shut down, as asked, and nothing of it is kept. Nothing of it is."""
+    srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"migration_wait": 1.0}})
+    try:
+        srv.start()
+        _, kernel_id = notebook_session(srv)
+        tab = await tab_on(srv, kernel_id)
+        assert (await tab.run("x = 41; print('set')")).strip() == "set"
+        tab.ws.close()
+        pid = srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
+        with _deleted_while_dumped(srv, kernel_id) as op:
+            deadline = time.monotonic() + 90  # the shutdown's interrupt, request, and kill, each after 1 s
+            while (found := proctree.info(pid)) is not None and found.state != "Z":  # killed, not reaped
+                assert time.monotonic() < deadline, srv.server_log()
+                time.sleep(0.05)
+            # CRIU held on past the shutdown's waits for the suspend (1 s each, before its interrupt, its request
+            # and its kill): its failure then comes when nothing waits for it any more
+            time.sleep(5)
+        op = _ended(srv, op)
+        assert op["status"] == "failed" and op["failed_phase"] == "dump", op
+        assert op["error"] == ("The suspend failed and was undone, and the kernel is being shut down, as asked "
+                               "while the suspend ran: nothing of the kernel is kept (the server log says why the "
+                               "suspend failed)."), op["error"]
+        assert f"kernel {kernel_id}: the suspend failed in dump" in srv.server_log(), srv.server_log()
+        assert kernel_id not in [k["id"] for k in srv.api("GET", "api/kernels")]
+        assert not (srv.state / "images" / kernel_id).exists()
+    finally:
+        srv.stop(signal.SIGKILL)
+        srv.kill_kernels()
 
 
 async def test_a_kernel_killed_between_the_two_attempts_is_said_to_have_ended_before_the_second(tmp_path):

@@ -215,9 +215,16 @@ async def test_the_retention_discards_kernels_suspended_longer_at_start_and_whil
             assert time.monotonic() < deadline, server.server_log()
             time.sleep(0.2)
         assert server.api("GET", "api/sessions") == [], "their notebooks' sessions went with them"
-        # Each discard is an operation of the server, on its event bus like the others.
-        discards = {op["kernel_id"]: op for op in server.api("GET", "api/gpumigrate/operations")
-                    if op["action"] == "discard"}
+        # Each discard is an operation of the server, on its event bus like the others: recorded once its
+        # shutdown returned (retention.discard_expired), a moment after the kernel manager dropped it.
+        deadline = time.monotonic() + 30
+        while True:
+            discards = {op["kernel_id"]: op for op in server.api("GET", "api/gpumigrate/operations")
+                        if op["action"] == "discard"}
+            if young in discards:
+                break
+            assert time.monotonic() < deadline, (discards, server.server_log())
+            time.sleep(0.2)
         assert set(discards) == {old, young}
         assert all(op["status"] == "succeeded" and op["trigger"] == "retention" and op["bytes"] > 0
                    for op in discards.values()), discards

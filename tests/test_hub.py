@@ -314,6 +314,34 @@ def follow(hub: Hub, token: str, op: dict, server: str = "") -> dict:
     return op
 
 
+#: Node runs the page's own script on the views given, with a document and fetch of its own: what the page shows.
+RENDER = """
+const fs = require("fs"), vm = require("vm");
+const {script, views} = JSON.parse(fs.readFileSync(0, "utf8"));
+const found = {};
+const element = id => found[id] ??= {innerHTML: "", textContent: "", className: "",
+                                      classList: {contains: name => found[id].className.split(" ").includes(name)}};
+const context = vm.createContext({document: {cookie: "", activeElement: null, getElementById: element,
+                                             addEventListener() {}},
+                                  fetch: async () => ({ok: true, status: 200, json: async () => views}),
+                                  setInterval() {}, setTimeout() {}, encodeURIComponent, decodeURIComponent});
+vm.runInContext(script, context);
+setTimeout(() => process.stdout.write(found.nodes.innerHTML), 200);
+"""
+
+
+def rendered(page: str, views: list[dict]) -> str:
+    """The HTML the Hub page (as served: ``page``) puts in its nodes' section, given ``views`` (api/kernels)."""
+    node = shutil.which("node")
+    assert node is not None, "Node (which the lab extension's build needs) runs the page's script"
+    script = re.search(r"<script>(.*?)</script>", page, re.S)
+    assert script is not None, page[:2000]
+    done = subprocess.run([node, "-e", RENDER], input=json.dumps({"script": script.group(1), "views": views}),
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout, done.stderr
+    return done.stdout
+
+
 async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make_hub):
     hub = make_hub(server_timeout="3")  # the example's 10 s, shortened for the stopped server below
     kernels = {}
@@ -371,10 +399,18 @@ async def test_admins_and_operators_see_every_users_kernels_and_act_on_them(make
     # Disk use: each server's suspended kernels and the bytes of their images (the page adds them up per user
     # and per node).
     code, views = hub.service("GET", "api/kernels", boss)
+    memory = view["image_bytes"] if view["images"] == "memory" else 0  # the page tells memory from disk
     assert {(v["user"], v["server"]): v["suspended"] for v in views} == {
-        ("alice", ""): {"kernels": 0, "image_bytes": 0}, ("bob", ""): {"kernels": 0, "image_bytes": 0},
-        ("alice", "second"): {"kernels": 1, "image_bytes": view["image_bytes"]}}, views
+        ("alice", ""): {"kernels": 0, "image_bytes": 0, "memory_bytes": 0},
+        ("bob", ""): {"kernels": 0, "image_bytes": 0, "memory_bytes": 0},
+        ("alice", "second"): {"kernels": 1, "image_bytes": view["image_bytes"], "memory_bytes": memory}}, views
     assert view["image_bytes"] > 0
+    # The page says where each suspended kernel's images are, and adds up the node's disk and memory apart.
+    shown = rendered(page, views)
+    where = "in memory" if memory else "on disk"
+    assert re.search(rf"[0-9.]+ GB {where}</td>", shown) and "Images in memory" in shown, shown
+    assert re.search(r"Suspended kernels: 1, [0-9.]+ GB of images on this node's disk and [0-9.]+ GB in its memory",
+                     shown), shown
     code, body = hub.service("POST", f"api/users/alice/kernels/{named}/resume?server=third", boss, {})
     assert code == 404 and "?server=" in body["message"], body
 

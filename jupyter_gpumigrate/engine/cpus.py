@@ -95,7 +95,7 @@ def _mount_above(folder: Path) -> Path:
 def _v2_quota(folder: Path) -> float | None:
     try:
         quota, period = (folder / "cpu.max").read_text(encoding="utf-8").split()
-        return None if quota == "max" else int(quota) / int(period)
+        return None if quota == "max" or int(quota) <= 0 else int(quota) / int(period)
     except (OSError, ValueError, ZeroDivisionError):
         return None
 

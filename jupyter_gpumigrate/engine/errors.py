@@ -124,6 +124,10 @@ class PrivilegeMissing(MigrateError):
     http_status = 503
 
 
+#: How a sentence about a kernel whose process ended mid-operation ends: what became of it, and the way out.
+DEAD = "what it held is lost: the kernel is dead, and Jupyter restarts it (or restart it yourself)."
+
+
 def said(cause: BaseException) -> str:
     """``cause`` as a sentence: its own words for our errors; a full disk that no step foresaw (a raw
     ENOSPC or EDQUOT) says which disk is full and what to do, instead of "[Errno 28] ..."."""

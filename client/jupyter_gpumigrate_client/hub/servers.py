@@ -63,9 +63,11 @@ def check_answers(kernels: Any, gpus: Any) -> None:
 
 
 def suspended(kernels: list[dict] | None = None) -> dict[str, int]:
-    """A server's suspended kernels: how many, and the bytes of their images on its node's disk."""
+    """A server's suspended kernels: how many, the bytes of their images, and how many of those bytes are in
+    its node's memory (tmpfs) rather than on its disk."""
     held = [k for k in kernels or [] if k.get("state") == "suspended"]
-    return {"kernels": len(held), "image_bytes": sum(k.get("image_bytes") or 0 for k in held)}
+    return {"kernels": len(held), "image_bytes": sum(k.get("image_bytes") or 0 for k in held),
+            "memory_bytes": sum(k.get("image_bytes") or 0 for k in held if k.get("images") == "memory")}
 
 
 class Servers:

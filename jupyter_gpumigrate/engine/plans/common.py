@@ -19,7 +19,7 @@ from pathlib import Path
 from .. import gpus as gpus_mod
 from .. import netstate, placement, proctree
 from ..criu import Criu, dump_finished, error_lines, never_seized
-from ..errors import CriuFailed, GpuError, ImageError, InvalidState, PidConflict, for_full
+from ..errors import DEAD, CriuFailed, GpuError, ImageError, InvalidState, PidConflict, for_full
 from ..gpus import GpuInfo
 from ..gpustate import GpuState
 from ..images import DISK, ImageStore, Manifest, choose
@@ -284,13 +284,11 @@ def _dump_failed(ctx: KernelContext, exc: CriuFailed) -> None:
     pid = ctx.manifest.pid
     if exc.log_path and not proctree.is_alive(pid) and never_seized(Path(exc.log_path), pid):
         raise CriuFailed(
-            f"The kernel's process {pid} ended before CRIU began to dump it, so nothing was dumped and what it "
-            "held is lost: the kernel is dead, and Jupyter restarts it (or restart it yourself).",
+            f"The kernel's process {pid} ended before CRIU began to dump it, so nothing was dumped and {DEAD}",
             exc.log_path, exc.log_tail) from exc
     if not proctree.is_alive(ctx.manifest.pid) or (_killed(f"{exc}\n{exc.log_tail}") and _ends(ctx.manifest.pid)):
         raise CriuFailed(
-            f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so what it held is lost: "
-            f"the kernel is dead, and Jupyter restarts it (or restart it yourself). CRIU said: {exc}",
+            f"The kernel's process {ctx.manifest.pid} ended while CRIU dumped it, so {DEAD} CRIU said: {exc}",
             exc.log_path, exc.log_tail) from exc
     # CRIU's own log may be cut short by the full disk it writes to ("page-xfer: Una"): the disk's room says it.
     if _disk_full(f"{exc}\n{exc.log_tail}") or _no_room(ctx.images.parent):

@@ -35,7 +35,7 @@ from pathlib import Path
 
 from .. import proctree
 from ..criu import given_up, never_seized
-from ..errors import ImageError, InvalidState, MigrateError, PhaseFailed, for_full, no_room, said
+from ..errors import DEAD, ImageError, InvalidState, MigrateError, PhaseFailed, for_full, no_room, said
 from ..images import AUTO, DISK, FILLED
 from ..kernelproc import RUNNING, KernelProcess
 from ..saga import ProgressCallback, Saga, Step
@@ -119,9 +119,8 @@ def write_stash(ctx: KernelContext, least: int, bound: int, gpu_only: bool = Fal
     except OSError as exc:  # ConnectionError: the kernel ended, or its socket broke
         pid = ctx.pid or ctx.manifest.pid
         if not proctree.is_alive(pid):
-            raise InvalidState(f"The kernel's process {pid} ended while it wrote its large buffers, so what it "
-                               "held is lost: the kernel is dead, and Jupyter restarts it (or restart it "
-                               "yourself).") from exc
+            raise InvalidState(f"The kernel's process {pid} ended while it wrote its large buffers, so {DEAD}") \
+                from exc
         raise InvalidState(f"The kernel stopped answering while it wrote its large buffers ({exc}): restart "
                            "it.") from exc
     return said
@@ -188,8 +187,7 @@ def run(kernel: KernelProcess, tools: Tools, progress: ProgressCallback | None =
         if pid is not None and not failed.ended and _ended_before_dump(failed, kernel, tools, pid):
             raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors, ended=(
                 f"The {filled}, so the suspend went again, to disk; but the kernel's process {pid} ended before "
-                "that second attempt dumped it, so nothing was dumped and what it held is lost: the kernel is "
-                "dead, and Jupyter restarts it (or restart it yourself).")) from failed
+                f"that second attempt dumped it, so nothing was dumped and {DEAD}")) from failed
         raise PhaseFailed(failed.phase, failed.cause, failed.rolled_back, failed.undo_errors, ended=failed.ended,
                           before=f"The {filled}, so the suspend went to disk, where it failed too: ") from failed
     outcome.images_why = f"{filled}; written to disk instead"
