@@ -103,7 +103,7 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     bulk_port = Int(
-        0, help="Where this server takes kernels from peers (peer_token): the port on which the large image files "
+        0, min=-1, max=65535, help="Where this server takes kernels from peers (peer_token): the port on which the large image files "
         "of a move arrive, each received by a process of its own (a server's one process received four at 1.10 "
         "GB/s in all where four processes took 4.1 GB/s; docs/cross-host.md). On the server's address, with its "
         "certificate; peers learn it as they ask to move a kernel here. 0 (the default): any free port; -1: none, "
@@ -114,7 +114,7 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     transfer_streams = Int(
-        0, help="How many image files a move to another host sends or fetches at once, each over a connection "
+        0, min=0, help="How many image files a move to another host sends or fetches at once, each over a connection "
         "of its own (this server's, both ways: away it sends, home it fetches). 0 (the default): half the CPUs "
         "this server can use (its affinity and its cgroups' CPU quota), at most 8 (each stream takes about a "
         "core on both hosts).",
@@ -272,14 +272,14 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     guest_images_expire = Float(
-        1800.0, help="How long images a peer sent for a move may wait here, never restored, before they are "
+        1800.0, min=0.0, help="How long images a peer sent for a move may wait here, never restored, before they are "
         "deleted, in seconds: the peer keeps its own copy until the kernel answers from here, so once it died or "
         "gave up they are litter (memory, in /dev/shm). Images of a kernel dumped here for its way home are never "
         "deleted so: they may be its only copy.",
     ).tag(config=True)
 
     guest_unclaimed_expire = Float(
-        600.0, help="A kernel this host ran for a peer outlives this server (killed or stopped): the next server "
+        600.0, min=0.0, help="A kernel this host ran for a peer outlives this server (killed or stopped): the next server "
         "takes it back, and the peer's relay dials it again. One that its peer does not relay within this many "
         "seconds of that start is discarded: its peer gave up on it (it restarts a kernel it counts lost after its "
         "relay's 30 s of patience) or went too (docs/cross-host.md). So is one restored here by a move whose peer's "
@@ -300,7 +300,7 @@ class GPUMigrateApp(ExtensionApp):
     ).tag(config=True)
 
     stop_timeout = Float(
-        120.0, help="With stop_policy 'suspend': the longest a stopping server waits for its kernels to be "
+        120.0, min=0.0, help="With stop_policy 'suspend': the longest a stopping server waits for its kernels to be "
         "suspended, in seconds. Give a JupyterHub spawner's stop timeout more than this (docs/hub.md).",
     ).tag(config=True)
 

@@ -204,7 +204,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     ).tag(config=True)
 
     gpu_lock_timeout = Float(
-        60.0, help="How long a GPU move or suspend waits for the kernel's GPU work in flight to finish, in "
+        60.0, min=0.0, help="How long a GPU move or suspend waits for the kernel's GPU work in flight to finish, in "
         "seconds; then it gives up and the kernel runs on where it was.",
     ).tag(config=True)
 
@@ -232,7 +232,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     ).tag(config=True)
 
     host_stash_min = Int(
-        10**9, allow_none=True,
+        10**9, allow_none=True, min=0,
         help="A suspend has the kernel write its large buffers (PyTorch storages, CUDA or CPU, and bytearrays) "
         "into the images itself, in parallel, when they add up to this many bytes or more: much faster than "
         "CRIU and the CUDA driver alone for large kernels (docs/performance.md). None: never.",
@@ -254,7 +254,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
     ).tag(config=True)
 
     safe_point_timeout = Float(
-        5.0, help="How long a kernel busy with a cell gets to reach a safe point (the next bytecode of its main "
+        5.0, min=0.0, help="How long a kernel busy with a cell gets to reach a safe point (the next bytecode of its main "
         "thread: a long call into C, such as a CUDA synchronize, delays it) where it serves the fast path of a GPU "
         "move or the host stash of a suspend while the cell waits. Past it, the CUDA driver and CRIU carry "
         "everything, and the operation says why. 0: never ask a busy kernel.",
@@ -269,18 +269,18 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         "takes a kernel only if its copy of the file has the same size.",
     ).tag(config=True)
     keep_transplant_source = Float(
-        3600.0, help="How long, in seconds, a transplant keeps the process it replaced (its images, on disk), so "
+        3600.0, min=0.0, help="How long, in seconds, a transplant keeps the process it replaced (its images, on disk), so "
         "that the kernel can go back to it (POST /api/gpumigrate/kernels/<id>/back, `jupyter gpumigrate back`); "
         "what the kernel did since is then lost. 0: not kept. A kept process goes when its time is up, when the "
         "kernel is shut down, or at the kernel's next transplant (which keeps its own); a restart keeps it.",
     ).tag(config=True)
 
     cache_release_timeout = Float(
-        10.0, help="How long to wait for an idle kernel to release PyTorch's cached GPU memory before a move."
+        10.0, min=0.0, help="How long to wait for an idle kernel to release PyTorch's cached GPU memory before a move."
     ).tag(config=True)
 
     migration_wait = Float(
-        600.0, help="How long a shutdown waits for a migration in progress to end, in seconds; past it, the "
+        600.0, min=0.0, help="How long a shutdown waits for a migration in progress to end, in seconds; past it, the "
         "shutdown goes on, and the migration's error says the kernel was shut down."
     ).tag(config=True)
 

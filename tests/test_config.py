@@ -52,11 +52,22 @@ async def test_the_shipped_configuration_makes_every_kernel_migratable(jp_fetch,
     ("memory_low", 2.0, "is a share of the host's memory, from 0 (never) to 1 (got 2.0)"),
     ("memory_check_interval", 0.0, "memory_check_interval must be a number of seconds above 0"),
     ("shared_heartbeat", -1.0, "shared_heartbeat must be a number of seconds above 0"),
+    ("stop_timeout", -1.0, "The value of the 'stop_timeout' trait of a GPUMigrateApp instance should not be less "
+     "than 0.0, but a value of -1.0 was specified"),
+    ("guest_images_expire", -5.0, "'guest_images_expire' trait of a GPUMigrateApp instance should not be less"),
+    ("transfer_streams", -2, "'transfer_streams' trait of a GPUMigrateApp instance should not be less than 0"),
+    ("bulk_port", 70000, "'bulk_port' trait of a GPUMigrateApp instance should not be greater than 65535"),
+    ("transfer_nice", 20, "'transfer_nice' trait of a GPUMigrateApp instance should not be greater than 19"),
+    ("migration_wait", -1.0, "'migration_wait' trait of a MigratableProvisioner instance should not be less"),
+    ("gpu_lock_timeout", -1.0, "'gpu_lock_timeout' trait of a MigratableProvisioner instance should not be less"),
+    ("host_stash_min", -1, "'host_stash_min' trait of a MigratableProvisioner instance should not be less"),
 ])
 def test_settings_out_of_range_are_refused_saying_what_they_may_be(setting, value, words):
     from traitlets import TraitError
 
     from jupyter_gpumigrate.app import GPUMigrateApp
+    from jupyter_gpumigrate.provisioner import MigratableProvisioner
 
+    settings = MigratableProvisioner if setting in MigratableProvisioner.class_trait_names() else GPUMigrateApp
     with pytest.raises(TraitError, match=re.escape(words)):
-        GPUMigrateApp(**{setting: value})
+        settings(**{setting: value})
