@@ -141,8 +141,10 @@ class Host:
         )
         wait_answering(self)
 
-    def server_log(self) -> str:
-        return (self.root / "server.log").read_text(errors="replace")[-6000:]
+    def server_log(self, tail: int | None = 6000) -> str:
+        """The server's log: its last ``tail`` characters (for an assertion's message), or all of it (None)."""
+        text = (self.root / "server.log").read_text(errors="replace")
+        return text if tail is None else text[-tail:]
 
     def context(self) -> ssl.SSLContext:
         return ssl.create_default_context(cafile=str(self.cert))

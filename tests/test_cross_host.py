@@ -1827,7 +1827,8 @@ async def test_this_server_killed_as_the_images_come_home_finds_the_kernel_on_th
         # most): after the kernel is listed, not with it (CI once looked in between); the server says so once
         # they are gone, a moment after (CI once looked in between those too)
         deadline = time.monotonic() + 45
-        while home() or "its images here, from before, are removed" not in a.server_log():
+        removed = f"kernel {kernel_id} runs on its peer: its images here, from before, are removed"
+        while home() or removed not in a.server_log(tail=None):
             assert time.monotonic() < deadline, a.server_log()[-3000:]
             await asyncio.sleep(0.2)
         tab = await open_tab(a, kernel_id)
@@ -2099,14 +2100,14 @@ async def test_a_relay_whose_other_end_is_gone_gives_up_after_its_patience_witho
     kernel_id, tab = await new_kernel(a)
     try:
         assert (await call(a.operate, kernel_id, "migrate", {"to_host": "b"}))["status"] == "succeeded"
-        before = a.server_log().count("relay: reconnected")
+        before = a.server_log(tail=None).count("relay: reconnected")
         await call(b.api, "DELETE", f"api/gpumigrate/peer/kernels/{kernel_id}", expect=204,
                    headers={"Authorization": f"gpumigrate-peer {b.peer_token}"})
         await asyncio.sleep(40)  # past the patience
-        dials = a.server_log().count("relay: reconnected") - before
+        dials = a.server_log(tail=None).count("relay: reconnected") - before
         assert 1 <= dials <= 40, f"{dials} dials in 40 s"
         await asyncio.sleep(3)
-        assert a.server_log().count("relay: reconnected") - before == dials, "it gave up"
+        assert a.server_log(tail=None).count("relay: reconnected") - before == dials, "it gave up"
     finally:
         await end_kernel(a, kernel_id, tab)
 
