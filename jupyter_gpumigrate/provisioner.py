@@ -954,8 +954,9 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
 
     async def send_signal(self, signum: int) -> None:
         # jupyter_client interrupts a kernel first when it shuts it down (its manager says so)
+        # (a restart too: the request it makes next says so, and the stop asked first is kept)
         shutting_down = bool(getattr(self.parent, "shutting_down", False))
-        await self._migration_done("the kernel is being shut down" if shutting_down else None)
+        await self._migration_done(self.stop_requested or ("the kernel is being shut down" if shutting_down else None))
         if self.state == SUSPENDED:
             return  # a suspended kernel has no process to signal; interrupts are moot
         if self.state == REMOTE:
@@ -983,10 +984,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
                 pass  # it ended meanwhile, as LocalProvisioner takes it
 
     async def kill(self, restart: bool = False) -> None:
-        await self._end(signal.SIGKILL)
+        await self._end(signal.SIGKILL, restart)
 
     async def terminate(self, restart: bool = False) -> None:
-        await self._end(signal.SIGTERM)
+        await self._end(signal.SIGTERM, restart)
 
     def _server_stopping(self) -> bool:
         return bool(getattr(getattr(self.parent, "parent", None), "gpumigrate_stopping", False))
@@ -1015,8 +1016,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         else:
             await self._discard_images()
 
-    async def _end(self, signum: int) -> None:
-        await self._migration_done("the kernel is being shut down")
+    async def _end(self, signum: int, restart: bool = False) -> None:
+        # jupyter_client's SIGTERM of a restart does not say it restarts: the request before it did (kept)
+        await self._migration_done("the kernel is being restarted" if restart else
+                                   self.stop_requested or "the kernel is being shut down")
         if self.state == SUSPENDED:
             await self._keep_or_discard()
             return

@@ -242,26 +242,27 @@ def _ended(srv: LocalServer, op: dict) -> dict:
 
 
 @contextmanager
-def _deleted_while_dumped(srv: LocalServer, kernel_id: str) -> Iterator[dict]:
+def _stopped_while_dumped(srv: LocalServer, kernel_id: str, restart: bool = False) -> Iterator[dict]:
     """A suspend of ``kernel_id``, its CRIU held with SIGSTOP while the kernel's user shuts the kernel down
-    (DELETE, from a thread: the body runs once the server has begun it); then CRIU goes on, and the shutdown
-    is waited for. The suspend's operation, as it began."""
+    (DELETE), or restarts it, from a thread: the body runs once the server has begun a shutdown; then CRIU goes
+    on, and the shutdown (or restart) is waited for. The suspend's operation, as it began."""
     op = srv.api("POST", f"api/gpumigrate/kernels/{kernel_id}/suspend", {}, expect=202)
     criu = criu_of(srv.proc.pid, b"dump", 60)
     assert criu is not None, "the dump did not start"
     os.kill(criu, signal.SIGSTOP)
     try:
-        deleting = threading.Thread(target=srv.api, args=("DELETE", f"api/kernels/{kernel_id}"))
-        deleting.start()
-        deadline = time.monotonic() + 30  # the DELETE may take a while to arrive on a loaded machine
-        while f"Kernel shutdown: {kernel_id}" not in srv.server_log():
-            assert time.monotonic() < deadline and deleting.is_alive(), srv.server_log()
+        asked = ("POST", f"api/kernels/{kernel_id}/restart") if restart else ("DELETE", f"api/kernels/{kernel_id}")
+        stopping = threading.Thread(target=srv.api, args=asked)
+        stopping.start()
+        deadline = time.monotonic() + 30  # the request may take a while to arrive on a loaded machine
+        while not restart and f"Kernel shutdown: {kernel_id}" not in srv.server_log():
+            assert time.monotonic() < deadline and stopping.is_alive(), srv.server_log()
             time.sleep(0.05)
         yield op
     finally:
         os.kill(criu, signal.SIGCONT)
-    deleting.join(120)
-    assert not deleting.is_alive(), srv.server_log()
+    stopping.join(120)
+    assert not stopping.is_alive(), srv.server_log()
 
 
 async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_down(tmp_path):
@@ -270,7 +271,7 @@ async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_dow
     undone. Its error said "The kernel runs on, unchanged", and the kernel was shut down a moment later: now it
     says that the kernel was shut down and nothing of it is kept. Nothing goes again to disk."""
     async with _holding_more_than_it_shows(tmp_path) as (srv, kernel_id, memory, state):
-        with _deleted_while_dumped(srv, kernel_id) as op:
+        with _stopped_while_dumped(srv, kernel_id) as op:
             time.sleep(1)  # the shutdown, begun, asks the provisioner, which waits for the suspend
         op = _ended(srv, op)
         assert op["status"] == "failed" and op["failed_phase"] == "dump", op
@@ -283,11 +284,13 @@ async def test_a_kernel_shut_down_while_its_suspend_fails_is_said_to_be_shut_dow
         assert not (state / "images" / ".logs" / f"{kernel_id}-dump-memory.log").exists(), "no second attempt"
 
 
-async def test_a_shutdown_that_outwaits_its_kernels_suspend_is_said_by_the_suspend(tmp_path):
-    """An attack: the kernel's user shuts it down (DELETE) while its suspend's CRIU is held with SIGSTOP, longer
-    than the shutdown waits for a migration (migration_wait, 1 s here): the shutdown goes on and kills the kernel,
-    and the dump then fails. Its error said "the kernel is dead, and Jupyter restarts it (or restart it
-    yourself)": now that the kernel is being shut down, as asked, and nothing of it is kept. Nothing of it is."""
+@pytest.mark.parametrize("stop", ["shut down", "restarted"])
+async def test_a_stop_that_outwaits_its_kernels_suspend_is_said_by_the_suspend(tmp_path, stop):
+    """An attack: the kernel's user shuts it down (DELETE), or restarts it, while its suspend's CRIU is held
+    with SIGSTOP, longer than the stop waits for a migration (migration_wait, 1 s here): the stop goes on and
+    kills the kernel, and the dump then fails. Its error said "the kernel is dead, and Jupyter restarts it (or
+    restart it yourself)": now that the kernel is being shut down (restarted), as asked, and nothing of it is
+    kept. Nothing of it is; a restarted kernel runs afresh, and suspends and resumes as any other."""
     srv = LocalServer(tmp_path / "server", {"MigratableProvisioner": {"migration_wait": 1.0}})
     try:
         srv.start()
@@ -296,22 +299,34 @@ async def test_a_shutdown_that_outwaits_its_kernels_suspend_is_said_by_the_suspe
         assert (await tab.run("x = 41; print('set')")).strip() == "set"
         tab.ws.close()
         pid = srv.api("GET", f"api/gpumigrate/kernels/{kernel_id}")["pid"]
-        with _deleted_while_dumped(srv, kernel_id) as op:
-            deadline = time.monotonic() + 90  # the shutdown's interrupt, request, and kill, each after 1 s
+        with _stopped_while_dumped(srv, kernel_id, restart=stop == "restarted") as op:
+            deadline = time.monotonic() + 90  # the stop's interrupt, request, and kill, each after 1 s
             while (found := proctree.info(pid)) is not None and found.state != "Z":  # killed, not reaped
                 assert time.monotonic() < deadline, srv.server_log()
                 time.sleep(0.05)
-            # CRIU held on past the shutdown's waits for the suspend (1 s each, before its interrupt, its request
+            # CRIU held on past the stop's waits for the suspend (1 s each, before its interrupt, its request
             # and its kill): its failure then comes when nothing waits for it any more
             time.sleep(5)
         op = _ended(srv, op)
         assert op["status"] == "failed" and op["failed_phase"] == "dump", op
-        assert op["error"] == ("The suspend failed and was undone, and the kernel is being shut down, as asked "
+        being = "shut down" if stop == "shut down" else "restarted"
+        assert op["error"] == (f"The suspend failed and was undone, and the kernel is being {being}, as asked "
                                "while the suspend ran: nothing of the kernel is kept (the server log says why the "
                                "suspend failed)."), op["error"]
         assert f"kernel {kernel_id}: the suspend failed in dump" in srv.server_log(), srv.server_log()
-        assert kernel_id not in [k["id"] for k in srv.api("GET", "api/kernels")]
         assert not (srv.state / "images" / kernel_id).exists()
+        if stop == "shut down":
+            assert kernel_id not in [k["id"] for k in srv.api("GET", "api/kernels")]
+            return
+        # The restarted kernel: afresh (x is gone), and the stop asked of the one before is forgotten.
+        tab = await tab_on(srv, kernel_id)
+        assert (await tab.run("print('x' in globals()); y = 7")).strip() == "False"
+        tab.ws.close()
+        assert srv.operate(kernel_id, "suspend")["status"] == "succeeded"
+        assert srv.operate(kernel_id, "resume")["status"] == "succeeded"
+        tab = await tab_on(srv, kernel_id)
+        assert (await tab.run("print(y * 6)")).strip() == "42"
+        tab.ws.close()
     finally:
         srv.stop(signal.SIGKILL)
         srv.kill_kernels()
