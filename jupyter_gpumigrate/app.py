@@ -143,6 +143,21 @@ class GPUMigrateApp(ExtensionApp):
                 raise TraitError(str(exc)) from exc
         return proposal["value"]
 
+    def _link_jupyter_server_extension(self, serverapp: Any) -> None:
+        """Link as any extension does, and check the provisioner's settings with ours: a setting refused
+        (a wrong type, a value out of range) stops the server from starting, saying which and why. jupyter_server
+        would log the error and run on without this extension, its suspended kernels unlisted, and every kernel
+        whose provisioner is ours refused at its start ("Unhandled error")."""
+        try:
+            super()._link_jupyter_server_extension(serverapp)
+            MigratableProvisioner(config=serverapp.config)
+        except TraitError as exc:
+            self.log.critical("jupyter-gpumigrate: a setting is refused: %s. Correct it (in a jupyter_server_config "
+                              "file or on the command line; `jupyter --paths` lists the folders), then start the "
+                              "server again. It does not start meanwhile: without jupyter-gpumigrate, suspended "
+                              "kernels would not be listed, and its kernels could not start.", str(exc).rstrip("."))
+            raise SystemExit(1) from exc
+
     def initialize_settings(self) -> None:
         # The package's module loggers (the engine's, the peers', ...) write into this server's log, as
         # jupyter_server hooks tornado's up: without it their info lines went nowhere.
@@ -639,6 +654,8 @@ class GPUMigrateApp(ExtensionApp):
     _stopping = False
 
     async def stop_extension(self) -> None:
+        if "gpumigrate_operations" not in self.settings:
+            return  # it never loaded (jupyter_server logged why): nothing of it runs, and the server's stop goes on
         if self._stopping:
             # A second signal while the first stop runs: jupyter_server shuts every kernel down as soon as this
             # returns. Kernels suspended before keep their images (until the first stop's own suspends were

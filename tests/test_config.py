@@ -5,7 +5,10 @@ jupyter_client's."""
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -71,3 +74,19 @@ def test_settings_out_of_range_are_refused_saying_what_they_may_be(setting, valu
     settings = MigratableProvisioner if setting in MigratableProvisioner.class_trait_names() else GPUMigrateApp
     with pytest.raises(TraitError, match=re.escape(words)):
         settings(**{setting: value})
+
+
+@pytest.mark.parametrize("setting", ["--MigratableProvisioner.suspend_to=tape", "--GPUMigrateApp.stop_timeout=-3"])
+def test_a_server_with_a_refused_setting_does_not_start_and_says_which(tmp_path, setting):
+    # jupyter_server ran on without the extension: suspended kernels unlisted, every kernel refused at its start
+    # ("Unhandled error"), and a stop that died in the extension's own, so that one SIGTERM did not end it.
+    env = {**os.environ, **{f"JUPYTER_{name}_DIR": str(tmp_path / name.lower()) for name in ("CONFIG", "DATA",
+                                                                                            "RUNTIME")}}
+    server = subprocess.run([sys.executable, "-m", "jupyter_server", "--allow-root", "--no-browser", "--port=0",
+                             f"--ServerApp.root_dir={tmp_path}", setting], env=env, capture_output=True, text=True,
+                            timeout=120, stdin=subprocess.DEVNULL)
+    assert server.returncode == 1, server.stderr[-3000:]
+    name = setting.split("=")[0].split(".")[-1]
+    said = [line for line in server.stderr.splitlines() if "jupyter-gpumigrate: a setting is refused:" in line]
+    assert len(said) == 1 and f"'{name}' trait" in said[0] and "Correct it" in said[0], server.stderr[-3000:]
+    assert "is running at" not in server.stderr
