@@ -150,10 +150,10 @@ def refused_records(server: Server) -> list[dict]:
 
 
 def _images(kernel: dict) -> str:
-    """A kernel's images in the list: their size, and "(memory)" where they are in memory."""
+    """A kernel's images in the list: their size, and where they are ("(memory)", "(disk)")."""
     if not kernel.get("image_bytes"):
         return "-"
-    return size(kernel["image_bytes"]) + (" (memory)" if kernel.get("images") == "memory" else "")
+    return size(kernel["image_bytes"]) + (f" ({kernel['images']})" if kernel.get("images") else "")
 
 
 def suspended_total(kernels: list[dict]) -> tuple[int, int]:
@@ -247,7 +247,7 @@ def cmd_list(args: argparse.Namespace) -> int:
         print(table(rows, ["KERNEL", "NAME", "HOST", "PID", "STATE", "EXECUTION", "GPUS", "IMAGES"]))
     if count:
         print(f"\n{count} suspended kernel(s): {size(image_bytes)} of images "
-              "(`jupyter gpumigrate discard KERNEL` deletes a kernel's).")
+              "(`jupyter gpumigrate discard KERNEL --yes` deletes a kernel's).")
     if refused:
         print("\nNot taken back at the server's start (left on disk; `jupyter gpumigrate doctor` says what to do):")
         for record in refused:
@@ -263,6 +263,11 @@ def cmd_discard(args: argparse.Namespace) -> int:
                        "kernel's images. Shut a running kernel down from its notebook (or its server's "
                        "/api/kernels).", EXIT_FAILED)
     freed = kernel.get("image_bytes") or 0
+    where = f" in {kernel['images']}" if kernel.get("images") else ""
+    if not confirmed(args, f"Kernel {kernel['id']} ({kernel.get('name') or 'kernel'}) is deleted for good with its "
+                     f"images ({size(freed)}{where}): everything it held is lost.", "Discard it?",
+                     "Discarding deletes the kernel's images for good: run it with --yes once you mean it."):
+        return EXIT_FAILED
     server.call(lambda _: Client.with_token(server.url, server.token, prefix="api").request(
         "DELETE", f"kernels/{quote(kernel['id'])}"))
     if args.json:
@@ -283,6 +288,25 @@ def gpu_list(text: str) -> list[int]:
     return indices
 
 
+def gpu_index(text: str) -> int:
+    """``--gpu`` of a drain: one GPU index."""
+    indices = gpu_list(text)
+    if len(indices) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a drain empties one GPU; name it by its index")
+    return indices[0]
+
+
+def seconds(text: str) -> float:
+    """``--timeout``: a number of seconds above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the time to follow an operation is a number of seconds above 0")
+    return value
+
+
 def gpu_body(indices: list[int] | None) -> dict[str, Any]:
     """The request's field for ``--to-gpu``: to_gpu for one GPU, to_gpus for several."""
     if indices is None:
@@ -300,8 +324,7 @@ def cmd_action(args: argparse.Namespace) -> int:
     if getattr(args, "images", None):
         body["images"] = args.images
     if args.command == "migrate" and not body.keys() - {"fast_path"}:
-        print("migrate needs --to-gpu N or --to-host NAME.", file=sys.stderr)
-        return EXIT_USAGE
+        raise CliError("migrate needs --to-gpu N (a GPU of this host) or --to-host NAME (a peer).", EXIT_USAGE)
     op = server.call(lambda c: c.act(kernel["id"], args.command, body))
     return finish(server, op, kernel["id"], args)
 
@@ -422,7 +445,7 @@ def parser() -> argparse.ArgumentParser:
     remote.add_argument("--url", help="the server's URL (default: every running server with the extension)")
     remote.add_argument("--token", help="the server's token (default: from its runtime file, or $JUPYTER_TOKEN)")
     waits = argparse.ArgumentParser(add_help=False)
-    waits.add_argument("--timeout", type=float, default=3600,
+    waits.add_argument("--timeout", type=seconds, default=3600,
                        help="seconds to follow the operation before giving up on it (it goes on in the server; "
                        "default 3600)")
 
@@ -493,9 +516,10 @@ def parser() -> argparse.ArgumentParser:
     dc = sub.add_parser("discard", parents=[common, remote],
                         help="shut a suspended kernel down for good and delete its images")
     dc.add_argument("kernel_id", help="kernel id, or a unique prefix of it")
+    dc.add_argument("--yes", "-y", action="store_true", help="do not ask first (the images are deleted for good)")
     dc.set_defaults(func=cmd_discard)
     dr = sub.add_parser("drain", parents=[common, remote, waits], help="move every kernel off a GPU (maintenance)")
-    dr.add_argument("--gpu", type=int, required=True, help="index of the GPU to empty")
+    dr.add_argument("--gpu", type=gpu_index, required=True, help="index of the GPU to empty")
     dr.add_argument("--to-gpu", type=int, help="where to put them (default: the GPU with most room, each)")
     dr.add_argument("--transplant", action="store_true",
                     help="where the driver cannot move a kernel (no GPU of its model with room), transplant its "

@@ -31,7 +31,7 @@ from .engine.access import open_criu
 from .engine.criu import Criu
 from .engine.nodehelper import HelperCriu
 from .engine.errors import GpuError, InvalidState, MigrateError, PhaseFailed, no_room
-from .engine.migration import BROKEN, REMOTE, RUNNING, SUSPENDED, Migration
+from .engine.migration import BROKEN, REMOTE, RUNNING, STOPPED, SUSPENDED, Migration
 from .engine.plans import ALL_PHASES, PHASES
 from .engine.plans import gpu_move, host_move
 from .engine.plans import transplant as transplant_plan
@@ -235,6 +235,9 @@ class OperationManager:
         if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
             raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
+        if getattr(provisioner.parent, "shutting_down", False):  # jupyter_client's, until the kernel starts again
+            raise InvalidState(f"Kernel {kernel_id} is being shut down (or restarted): no {action} starts now. "
+                               "Start it again, or wait for its restart, then try again.")
         if kernel_id in self.discarding:
             raise InvalidState(f"Kernel {kernel_id} is being discarded: it was suspended longer than the server's "
                                "retention (c.GPUMigrateApp.retention), and its images are being deleted.")
@@ -242,10 +245,9 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id}'s images are being moved from memory to disk (the host's memory "
                                "runs short, or the server stops): try again in a few seconds.")
         if kernel_id in self.active:
-            raise InvalidState(
-                f"Kernel {kernel_id} is already being moved by operation {self.active[kernel_id].id}: "
-                f"wait for it to finish."
-            )
+            under_way = self.active[kernel_id]
+            raise InvalidState(f"Kernel {kernel_id} already has an operation under way (its {under_way.action}, "
+                               f"operation {under_way.id}): wait for it to finish.")
         if action == "transplant":
             return self._start_transplant(kernel_id, provisioner, to_gpu, accept_left, to_host)
         if action == "back":
@@ -259,7 +261,8 @@ class OperationManager:
         wanted = SUSPENDED if action == "resume" else RUNNING
         if provisioner.state != wanted and not resumable:
             verb = {"suspend": "suspended", "resume": "resumed", "migrate": "moved"}[action]
-            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}.")
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be {verb}. "
+                               f"{_way_out(provisioner.state, action)}")
         # Refuse what cannot work now, with the reason, rather than start an operation bound to fail.
         # The plan checks again in its prepare phase, before anything is locked.
         move: placement.Move | None = None
@@ -468,7 +471,8 @@ class OperationManager:
             raise InvalidState(f"Kernel {kernel_id} runs on {runs_on}: bring it back to {self.host_name} first, "
                                f"then move it to {to_host}.")
         if provisioner.state not in (RUNNING, REMOTE):
-            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved.")
+            raise InvalidState(f"Kernel {kernel_id} is {provisioner.state}, so it cannot be moved. "
+                               f"{_way_out(provisioner.state, 'migrate')}")
         if provisioner.state == RUNNING and provisioner.pid:
             host_move.refuse_several(placement.held_by_tree(provisioner.pid, gpus_mod.snapshot()))
         criu = self._criu(provisioner)
@@ -820,3 +824,14 @@ class OperationManager:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+
+def _way_out(state: str, action: str) -> str:
+    """What to do about an ``action`` refused to a kernel in ``state`` (a sentence)."""
+    if state == SUSPENDED:
+        return ("Nothing to do: it is suspended already." if action == "suspend" else
+                "Resume it first (a resume can name the GPU), or discard it.")
+    if state == RUNNING:
+        return "Nothing to do: it runs already." if action == "resume" else "Try again."
+    if state == STOPPED:
+        return "It is between its exit and its restart: try again in a few seconds."
+    return "Try again once it is running (GET api/gpumigrate/kernels/ID says its state)."

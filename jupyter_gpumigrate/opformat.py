@@ -169,7 +169,7 @@ def report(op: dict, kernel_id: str | None = None) -> str:
         left = [r["name"] for r in plant.get("left", [])]
         lost = f"; not carried: {', '.join(left)}" if left else "; nothing was left behind"
         return (f"{kernel} transplanted to {where} {took}: {len(plant.get('carried', []))} objects carried into a new "
-                f"process ({size(op.get('bytes'))} of tensors and arrays){lost}.")
+                f"process ({size(op.get('bytes'))} of data){lost}.")
     if action == "back":
         where = f" on GPU {op['to_gpu']}" if op.get("to_gpu") is not None else ""
         return (f"{kernel} went back to the process its transplant replaced{where} {took} ({size(op.get('bytes'))} "
@@ -203,7 +203,7 @@ def survey_report(survey: dict, kernel_id: str) -> str:
     lines = [f"A transplant of kernel {kernel_id} to {where} starts a new kernel process and carries the notebook's "
              "objects into it; the process itself (threads, open files, sockets, the C state of libraries) does "
              "not go.",
-             f"  carries: {len(carries)} names ({size(survey.get('bytes'))} of tensors and arrays): {names or 'none'}"]
+             f"  carries: {len(carries)} names ({size(survey.get('bytes'))} of data): {names or 'none'}"]
     outputs = survey.get("outputs") or {}
     if outputs.get("of"):
         lines.append(f"  outputs (Out): {outputs['carried']} of {outputs['of']}")

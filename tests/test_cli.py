@@ -55,7 +55,14 @@ async def test_cli_errors_exit_non_zero_with_a_sentence(jp_fetch, jp_serverapp, 
     code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1", *remote(jp_serverapp))
     assert code == 1 and ("no NVIDIA GPU" in err or "GPU" in err)
     code, out, err = await cli("migrate", kernel.id, *remote(jp_serverapp))
-    assert code == 2 and "--to-gpu" in err
+    assert code == 2 and err.startswith("jupyter gpumigrate: migrate needs --to-gpu N"), err
+    for wrong, words in ((["--timeout", "-5"], "'-5': the time to follow an operation is a number of seconds above 0"),
+                         (["--timeout", "nan"], "'nan': the time to follow an operation is a number of seconds"),
+                         (["--timeout", "soon"], "'soon' is not a number of seconds")):
+        code, out, err = await cli("suspend", kernel.id, *wrong, *remote(jp_serverapp))
+        assert code == 2 and words in err, err
+    code, out, err = await cli("drain", "--gpu", "-1", *remote(jp_serverapp))
+    assert code == 2 and "'-1': GPU indices are 0 or more" in err, err
     code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1,x", *remote(jp_serverapp))
     assert code == 2 and "'1,x' is not a GPU index, nor indices separated by commas (1,0)" in err, err
     code, out, err = await cli("migrate", kernel.id, "--to-gpu", "1,0", "--json", *remote(jp_serverapp))
@@ -141,7 +148,11 @@ async def test_discard_deletes_a_suspended_kernels_images_and_refuses_a_running_
     for url in ("foo", "http://[::1", "http://127.0.0.1:port/"):
         code, out, err = await cli("list", "--json", "--url", url, "--token", "t")
         assert code == 2 and "is not an" in json.loads(out)["error"] and "Traceback" not in err, (url, out, err)
-    code, out, err = await cli("discard", kernel.id[:8], "--json", *remote(jp_serverapp))
+    # It loses the kernel for good: asked first, and without a terminal to ask on, refused without --yes.
+    code, out, err = await cli("discard", kernel.id[:8], *remote(jp_serverapp))
+    assert code == 2 and f"Kernel {kernel.id} (python3) is deleted for good with its images (" in err, (out, err)
+    assert "run it with --yes once you mean it" in err and images.is_dir(), err
+    code, out, err = await cli("discard", kernel.id[:8], "--json", "--yes", *remote(jp_serverapp))
     assert code == 0, err
     result = json.loads(out)
     assert result["kernel_id"] == kernel.id and result["discarded"] and result["freed_bytes"] > 1_000_000

@@ -30,6 +30,7 @@ from jupyter_gpumigrate.engine import hostfit, kernelproc
 from jupyter_gpumigrate.engine.gpus import GpuInfo
 from jupyter_gpumigrate.engine.plans import ALL_PHASES, PHASES
 from jupyter_gpumigrate.handlers import API_PREFIX, handlers
+from jupyter_gpumigrate.handlers.base import NoRouteHandler
 from jupyter_gpumigrate.operations import NOT_WRITTEN, Operation
 from jupyter_gpumigrate.peers import SCHEME, digest_file, image_files
 
@@ -117,6 +118,8 @@ def test_the_schema_is_a_valid_draft_2020_12_schema_and_names_what_routes_use():
 def test_every_route_of_the_server_is_in_the_contract():
     served: set[tuple[str, str]] = set()
     for pattern, handler in handlers():
+        if handler is NoRouteHandler:
+            continue  # the catch-all: what no route takes (a JSON 404)
         path = pattern.removeprefix(API_PREFIX).removesuffix("/?")
         alternatives = re.search(r"\(\?P<action>([a-z|]+)\)", path)
         for action in alternatives.group(1).split("|") if alternatives else [""]:
@@ -238,6 +241,17 @@ async def test_hostile_requests_get_a_sentence_each_and_hold_up_nothing(jp_fetch
     for index in ("9" * 5000, "1234567"):  # a GPU index of more than 6 digits: no such GPU, said in JSON
         error = await api(jp_fetch, "gpus", index, "drain", method="POST", body={}, expect=404)
         assert "This host has no GPU" in error["message"] and len(error["message"]) < 200, error
+    # Paths no route takes (an id that is no id, a GPU that is no index) get JSON, not jupyter_server's page
+    for parts in (("kernels", "\u20ac\U0001f600", "suspend"), ("kernels", kid + " ", "suspend"), ("gpus", "-1", "drain"),
+                  ("nowhere",)):
+        error = await api(jp_fetch, *parts, method="POST", body={}, expect=404)
+        assert error["message"].startswith("No route of jupyter-gpumigrate's API is ") and \
+            f"/api/gpumigrate/{'/'.join(parts)}:" in error["message"], error
+    error = await api(jp_fetch, "gpus", method="POST", body={}, expect=405)
+    assert error["message"].startswith("POST is not a method of /") and \
+        error["message"].endswith("/api/gpumigrate/gpus: it takes GET."), error
+    error = await api(jp_fetch, "kernels", kid, "resume", method="POST", body={"to_gpus": []}, expect=400)
+    assert error["message"].startswith("'to_gpus' must be a list of at least 1 item (got [])"), error
     assert (await operate(jp_fetch, kid, "resume"))["status"] == "succeeded"
 
     flag = tmp_path / "go"

@@ -18,6 +18,7 @@ from jupyter_gpumigrate.engine import cpus, doctor, proctree
 from jupyter_gpumigrate.engine.criu import Criu, find
 from jupyter_gpumigrate.engine.errors import CriuFailed, CriuNotFound, ImageError, PidConflict
 from jupyter_gpumigrate.engine.images import ImageStore, Manifest
+from jupyter_gpumigrate.engine.plans import common
 
 COUNTER = """
 import sys, time, threading
@@ -189,6 +190,40 @@ def test_restore_onto_a_taken_id_names_the_holder(criu_binary, tmp_path, taken):
     proctree.kill_tree(pid)
     proctree.wait_gone(pid, 10)
     writer.close()
+
+
+@pytest.mark.parametrize("collected", [True, False])
+def test_a_resume_waits_for_an_exited_holder_of_the_kernels_pids_to_be_collected(monkeypatch, collected):
+    # The kernel's own tree, dumped a moment ago, stays a zombie until its parent collects it: one adopted from
+    # an earlier server has PID 1 for a parent, which may take seconds. An attack resumed at once, and was
+    # refused "PID N is taken by process N ... stop that process". Here a parent collects its exited child 1.5 s
+    # late, or never (the resume then says so, after its wait: 2 s here).
+    monkeypatch.setattr(common, "PID_SETTLE", 10.0 if collected else 2.0)
+    late = subprocess.Popen([sys.executable, "-c", "import os, sys, time\npid = os.fork()\nif pid == 0:\n    "
+                             "os._exit(0)\nprint(pid, flush=True)\ntime.sleep(1.5)\n"
+                             f"{'os.waitpid(pid, 0)' if collected else 'pass'}\ntime.sleep(60)"],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        child = int(late.stdout.readline())
+        deadline = time.monotonic() + 10
+        while (found := proctree.info(child)) is not None and found.state != "Z":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        began = time.monotonic()
+        if collected:
+            common.free_pids(Manifest(kernel_id="k", kernel_name="python3", pid=child, ids=[child]))
+            assert proctree.info(child) is None and time.monotonic() - began > 0.5
+            return
+        with pytest.raises(PidConflict) as info:
+            common.free_pids(Manifest(kernel_id="k", kernel_name="python3", pid=child, ids=[child]))
+        assert time.monotonic() - began >= 2.0
+        assert f"PID {child}, which the kernel used, is now taken by process {child}" in str(info.value)
+        assert "has exited but was not collected by its parent" in str(info.value)
+        assert str(info.value).endswith("Resume again once its parent has collected it; the kernel's images are "
+                                        "kept."), str(info.value)
+    finally:
+        late.kill()
+        late.wait()
 
 
 def test_the_pid_cursor_steps_over_a_tree_on_both_sides_of_a_wrap_around():

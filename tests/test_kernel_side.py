@@ -274,8 +274,11 @@ async def test_a_kernels_credential_is_refused_for_another_kernel(jp_fetch, jp_s
     assert code == 403, "nor may it follow another kernel's operation"
     code, _ = await call("gpus", "0", "drain", method="POST")
     assert code == 403, "a kernel may not drain a GPU"
-    code, _ = await call("operations")
+    code, error = await call("operations")
     assert code == 403, "nor list every operation"
+    assert error["message"].startswith(f"A kernel's credential (kernel {kernel.id}'s) may call only the routes about "
+                                       "its own kernel and its operations, not GET /") and \
+        error["message"].endswith("/api/gpumigrate/operations: use a token of the server's."), error
     code, kernels = await call("kernels")
     assert code == 200 and {k["id"] for k in kernels} >= {kernel.id, other_id}
     code, _ = await call("kernels", kernel.id, method="GET", headers={"Authorization": "gpumigrate-kernel forged"})

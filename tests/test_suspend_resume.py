@@ -194,6 +194,29 @@ async def test_resume_names_a_pid_taken_meanwhile_then_works(jp_fetch, kernel):
     assert (await kernel.run("print(answer)")).strip() == "42"
 
 
+async def test_no_operation_starts_on_a_kernel_being_shut_down(jp_fetch, jp_serverapp, kernel):
+    # An attack: a suspend asked a moment after the kernel's DELETE began was accepted, and failed saying that
+    # "Jupyter restarts it". The kernel is held still (SIGSTOP) so that its shutdown lasts.
+    pid = (await api(jp_fetch, "kernels", kernel.id))["pid"]
+    manager = jp_serverapp.kernel_manager.get_kernel(kernel.id)
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deleting = asyncio.ensure_future(jp_fetch("api", "kernels", kernel.id, method="DELETE"))
+        deadline = time.monotonic() + 30
+        while not manager.shutting_down:
+            assert time.monotonic() < deadline and not deleting.done(), "the shutdown did not begin"
+            await asyncio.sleep(0.01)
+        for action in ("suspend", "migrate"):
+            body = {"to_host": "elsewhere"} if action == "migrate" else {}
+            error = await api(jp_fetch, "kernels", kernel.id, action, method="POST", body=body, expect=409)
+            assert error["message"] == (f"Kernel {kernel.id} is being shut down (or restarted): no {action} starts "
+                                        "now. Start it again, or wait for its restart, then try again."), error
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert (await deleting).code == 204
+    assert kernel.id not in [k["id"] for k in json.loads((await jp_fetch("api", "kernels")).body)]
+
+
 async def test_bad_requests(jp_fetch, jp_serverapp, kernel):
     await api(jp_fetch, "kernels", "no-such-kernel", expect=404)
     await api(jp_fetch, "kernels", "no-such-kernel", "suspend", method="POST", expect=404)
@@ -215,12 +238,13 @@ async def test_bad_requests(jp_fetch, jp_serverapp, kernel):
 
     first = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=202)
     error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=409)
-    assert "already being moved" in error["message"] or "suspended" in error["message"]
+    assert f"already has an operation under way (its suspend, operation {first['id']})" in error["message"] or \
+        "suspended" in error["message"], error
     from helpers import wait_operation
 
     assert (await wait_operation(jp_fetch, first))["status"] == "succeeded"
     error = await api(jp_fetch, "kernels", kernel.id, "suspend", method="POST", expect=409)
-    assert "suspended, so it cannot be suspended" in error["message"]
+    assert "suspended, so it cannot be suspended. Nothing to do: it is suspended already." in error["message"], error
     error = await api(jp_fetch, "kernels", kernel.id, "resume", method="POST", body={"to_gpu": 0}, expect=409)
     assert "GPU" in error["message"]
     assert (await operate(jp_fetch, kernel.id, "resume"))["status"] == "succeeded"

@@ -274,7 +274,7 @@ async def test_the_cli_says_what_would_not_carry_asks_and_then_transplants(jp_fe
     code, out, err = await cli("transplant", kernel.id, "--to-cpu", "--yes", *where)
     assert code == 0, err
     assert re.match(rf"Kernel {kernel.id} transplanted to the CPU in [\d.]+ s: \d+ objects carried into a new process "
-                    r"\([\d.]+ [KMG]?B of tensors and arrays\); not carried: gen, worker, sock, notes\.", out), out
+                    r"\([\d.]+ [KMG]?B of data\); not carried: gen, worker, sock, notes\.", out), out
     assert "phase switch" in err or "switch" in err, err
     assert (await api(jp_fetch, "kernels", kernel.id))["pid"] != pid
     assert "5 3" in await kernel.run("print(len(losses), scale)")

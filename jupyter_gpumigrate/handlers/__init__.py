@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from . import gpus, kernels, operations, peer, refused
+from .base import NoRouteHandler
 
 API_PREFIX = "/api/gpumigrate"
 
@@ -29,4 +30,5 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{PEER}/kernels/{KERNEL_ID}/?", peer.GuestHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal|transplant|switch)/?", peer.GuestActionHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/channels", peer.ChannelsHandler),
+        (rf"{API_PREFIX}(/.*)?", NoRouteHandler),  # last: what no route above takes
     ]

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from http import HTTPStatus
 from typing import Any
+from urllib.parse import unquote
 
 from jupyter_server.base.call_context import CallContext
 from jupyter_server.base.handlers import APIHandler
@@ -120,6 +121,24 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
                 403, f"Kernel {kernel_id}'s credential lets it act on itself only, not on {wanted or 'other kernels'}."
             )
 
+    def write_error(self, status_code: int, **kwargs: Any) -> None:
+        """Errors as jupyter_server's API writes them, with a sentence where tornado has only its reason phrase:
+        a method the route does not take, a kernel's credential on a route that is not for kernels."""
+        error = (kwargs.get("exc_info") or (None, None, None))[1]
+        bare = isinstance(error, web.HTTPError) and not error.log_message
+        if bare and status_code == 405:
+            taken = [m for m in self.SUPPORTED_METHODS if m != "OPTIONS" and
+                     getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
+            self.send_error_message(405, f"{self.request.method} is not a method of {self.request.path}: it takes "
+                                         f"{', '.join(taken) or 'none'}.")
+            return
+        if bare and status_code == 403 and self.kernel_identity is not None:
+            self.send_error_message(403, f"A kernel's credential (kernel {self.kernel_identity}'s) may call only "
+                                         "the routes about its own kernel and its operations, not "
+                                         f"{self.request.method} {self.request.path}: use a token of the server's.")
+            return
+        super().write_error(status_code, **kwargs)
+
     def send_json(self, data: Any, status: int = 200) -> None:
         self.set_status(status)
         self.set_header("Content-Type", "application/json")
@@ -166,3 +185,15 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
             self.send_migrate_error(exc)
             return None
         return body
+
+
+class NoRouteHandler(BaseHandler):
+    """Any path under the API that no route takes: a JSON 404 that says so (jupyter_server's own 404 is a
+    page of HTML), whatever the method."""
+
+    def _no_route(self, *args: Any, **kwargs: Any) -> None:
+        self.send_error_message(404, f"No route of jupyter-gpumigrate's API is {unquote(self.request.path)}: kernel and "
+                                     "operation ids hold letters, digits and '-' only, and GPUs are named by their "
+                                     "index (README, 'REST API', lists the routes).")
+
+    get = post = put = patch = delete = head = _no_route

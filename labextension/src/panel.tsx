@@ -249,7 +249,7 @@ async function confirmTransplant(
         sockets and the state of libraries stay behind).
       </p>
       <p>
-        Carries {survey.carries.length} names ({humanBytes(survey.bytes)} of tensors and arrays).
+        Carries {survey.carries.length} names ({humanBytes(survey.bytes)} of data).
       </p>
       {survey.left.length > 0 && (
         <ul className="jp-gpumigrate-left">

@@ -278,8 +278,11 @@ def _type_words(kind: str, schema: dict[str, Any]) -> str:
             words += f" in {schema['format']} format"
         return f"{words} matching {schema['pattern']}" if "pattern" in schema else words
     if kind == "array":
-        if schema.get("minItems") is not None and schema.get("minItems") == schema.get("maxItems"):
-            return f"a list of {schema['minItems']} items"
+        least, most = schema.get("minItems"), schema.get("maxItems")
+        if least is not None and least == most:
+            return f"a list of {least} items"
+        if least:
+            return f"a list of at least {least} item{'s' if least > 1 else ''}"
         return "a list"
     return {"object": "a JSON object", "boolean": "true or false", "null": "null"}.get(kind, kind)
 

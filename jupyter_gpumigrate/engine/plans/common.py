@@ -412,15 +412,24 @@ def place(ctx: KernelContext, manifest: Manifest, to_gpu: int | Sequence[int] | 
         raise GpuError(no_gpu)
 
 
+#: How long a resume waits for exited processes that hold the kernel's PIDs to be collected (seconds): the
+#: kernel's own tree, dumped a moment ago, is a zombie until its parent collects it, and a kernel adopted from an
+#: earlier server has PID 1 for its parent, which may take a few seconds (an attack resumed at once, and was
+#: refused in 2 of 4 tries).
+PID_SETTLE = 10.0
+
+
 def free_pids(manifest: Manifest) -> None:
     """CRIU gives every process and thread its old number back. Keep new processes off those numbers,
     and say who holds one, if any, before CRIU starts (it would say "File exists")."""
     proctree.steer_pid_allocation(manifest.ids)
-    holder = proctree.first_holder(manifest.ids)
+    holder = proctree.first_holder(manifest.ids, settle=PID_SETTLE)
     if holder is not None:
+        then = ("Resume again once its parent has collected it" if holder.state in ("Z", "X") else
+                "Stop that process (or wait until it exits), then resume again")
         raise PidConflict(
             f"Cannot resume yet: PID {holder.pid}, which the kernel used, is now taken by {holder.describe()}. "
-            "Stop that process (or wait until it exits), then resume again; the kernel's images are kept.",
+            f"{then}; the kernel's images are kept.",
             holder.pid, holder.describe(),
         )
 

@@ -195,7 +195,8 @@ test('one click is one request; a refused action is a notification with the serv
 
   await expect(
     page.locator('.Toastify__toast').filter({
-      hasText: /refused\.ipynb: .*(already being moved|is suspended, so it cannot be suspended)/
+      hasText:
+        /refused\.ipynb: .*(already has an operation under way|is suspended, so it cannot be suspended)/
     })
   ).toBeVisible();
   await expect(panel.locator('.jp-gpumigrate-suspended .jp-gpumigrate-kernel')).toHaveAttribute(
