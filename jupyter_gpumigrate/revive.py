@@ -271,7 +271,16 @@ async def _take_back(serverapp: Any, kernel_id: str, kernel_name: str, revival: 
         await serverapp.kernel_manager.shutdown_kernel(kernel_id, now=True)
         return "its kernelspec no longer uses jupyter-gpumigrate's provisioner (gpumigrate-provisioner)"
     await _restore_sessions(serverapp, kernel_id, revival.sessions)
+    if revival.pid is not None:
+        # A kernel adopted running says nothing until a client talks to it: the server would take it for
+        # 'starting', and a suspend or move then for busy (no stash: a 32 GB GPU kernel's suspend in 33 s, not
+        # 3). Asked once, it says 'idle' (or 'busy') on IOPub, where the server hears it.
+        await asyncio.to_thread(kernel_answers, dict(revival.connection_info), HEARD_WAIT)
     return None
+
+
+#: How long a kernel adopted running gets to answer, so that the server hears its state (seconds).
+HEARD_WAIT = 5.0
 
 
 #: What makes the link to a kernel that runs on a peer: (peer name, kernel id, connection info) -> a

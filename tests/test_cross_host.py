@@ -46,8 +46,11 @@ def hosts(tmp_path_factory):
         a, b = host_pair(net, root)
         for host in (a, b):  # a move's images in memory where there is room, as by default (images.choose);
             # the images carried as they are written (c.GPUMigrateApp.stream_dump; 'auto' by default, off in
-            # test_a_large_kernel_moves_...[off])
-            host.extra = {"MigratableProvisioner": {"suspend_to": "auto"}, "GPUMigrateApp": {"stream_dump": "on"}}
+            # test_a_large_kernel_moves_...[off]); the bulk listener as urgent as its server (transfer_nice 0;
+            # 10 by default, which test_bulk checks): on CI's 2 CPUs, a nicer one sent the stash's first part only
+            # once the kernel had written all of it, and a kill meant for the stash landed in the dump
+            host.extra = {"MigratableProvisioner": {"suspend_to": "auto"},
+                          "GPUMigrateApp": {"stream_dump": "on", "transfer_nice": 0}}
         # "c" is b with a wrong credential.
         a.start({"b": b.peer_entry(), "c": b.peer_entry(token="not-" + b.peer_token)})
         b.start({"a": a.peer_entry()})

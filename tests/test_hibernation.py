@@ -455,6 +455,13 @@ async def test_a_kernel_left_running_by_a_killed_server_is_adopted_with_its_note
     server.start()
     view = taken_back(server, kernel_id)
     assert view["state"] == "running" and view["pid"] == pid, view
+    # Its state is heard with no client yet: it stayed 'starting' until one talked to it, and a suspend then took
+    # it for busy (its stash stepped aside: a large kernel's suspend many times slower).
+    deadline = time.monotonic() + 15
+    while view["execution_state"] != "idle":
+        assert time.monotonic() < deadline, view
+        time.sleep(0.2)
+        view = server.api("GET", f"api/gpumigrate/kernels/{kernel_id}")
     refused = {r["kernel_id"]: r for r in server.api("GET", "api/gpumigrate/refused")}
     assert set(refused) == set(elsewhere) and all(path.exists() for path in elsewhere.values()), refused
     first, second = elsewhere

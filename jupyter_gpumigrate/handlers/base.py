@@ -191,6 +191,7 @@ class NoRouteHandler(BaseHandler):
     """Any path under the API that no route takes: a JSON 404 that says so (jupyter_server's own 404 is a
     page of HTML), whatever the method."""
 
+    @web.authenticated  # as every route: a stranger learns nothing of the API, not even what it lacks
     def _no_route(self, *args: Any, **kwargs: Any) -> None:
         self.send_error_message(404, f"No route of jupyter-gpumigrate's API is {unquote(self.request.path)}: kernel and "
                                      "operation ids hold letters, digits and '-' only, and GPUs are named by their "
