@@ -235,12 +235,12 @@ class OperationManager:
         if to_gpus is not None and (to_host is not None or action not in ("migrate", "resume")):
             raise InvalidState("to_gpus names the GPUs of a move or resume on this host: use to_gpu for the rest.")
         provisioner = self.provisioner(kernel_id)
-        if getattr(provisioner.parent, "shutting_down", False):  # jupyter_client's, until the kernel starts again
-            raise InvalidState(f"Kernel {kernel_id} is being shut down (or restarted): no {action} starts now. "
-                               "Start it again, or wait for its restart, then try again.")
         if kernel_id in self.discarding:
             raise InvalidState(f"Kernel {kernel_id} is being discarded: it was suspended longer than the server's "
                                "retention (c.GPUMigrateApp.retention), and its images are being deleted.")
+        if getattr(provisioner.parent, "shutting_down", False):  # jupyter_client's, until the kernel starts again
+            raise InvalidState(f"Kernel {kernel_id} is being shut down (or restarted): no {action} starts now. "
+                               "Start it again, or wait for its restart, then try again.")
         if kernel_id in self.moving_images:
             raise InvalidState(f"Kernel {kernel_id}'s images are being moved from memory to disk (the host's memory "
                                "runs short, or the server stops): try again in a few seconds.")
@@ -763,6 +763,7 @@ class OperationManager:
             op.finished = time.time()
             op.phase = None if op.status == SUCCEEDED else op.phase
             self.active.pop(op.kernel_id, None)
+            provisioner.stop_requested = None  # a stop that outwaited the plan was for it alone (read by now)
             self._emit(op)
 
     async def _sessions_of(self, kernel_id: str) -> list[dict]:
@@ -828,10 +829,9 @@ class OperationManager:
 def _way_out(state: str, action: str) -> str:
     """What to do about an ``action`` refused to a kernel in ``state`` (a sentence)."""
     if state == SUSPENDED:
-        return ("Nothing to do: it is suspended already." if action == "suspend" else
-                "Resume it first (a resume can name the GPU), or discard it.")
-    if state == RUNNING:
-        return "Nothing to do: it runs already." if action == "resume" else "Try again."
+        return "Nothing to do: it is suspended already." if action == "suspend" else "Resume it first."
+    if state == RUNNING and action == "resume":
+        return "Nothing to do: it runs already."
     if state == STOPPED:
         return "It is between its exit and its restart: try again in a few seconds."
     return "Try again once it is running (GET api/gpumigrate/kernels/ID says its state)."

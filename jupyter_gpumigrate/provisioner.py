@@ -810,7 +810,8 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         return await super().pre_launch(**kwargs)
 
     async def launch_kernel(self, cmd: list[str], **kwargs: Any) -> KernelConnectionInfo:
-        self.stop_requested = None  # a restart's, kept by a plan that outlasted migration_wait
+        if self.state != MIGRATING:  # a restart's, kept by a plan that outlasted migration_wait and has ended
+            self.stop_requested = None
         logs = Path(self.state_dir) / "logs"
         logs.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.log_path = logs / f"kernel-{self.kernel_id}.log"
@@ -933,7 +934,7 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
         may stop where it is (a transplant writing or reading the objects) is undone there instead. One that
         outlasts ``migration_wait`` keeps the request: the stop goes on meanwhile, and the plan, failing from
         it, says so (saga.py) rather than its own words ("the kernel is dead, and Jupyter restarts it"); the
-        kernel's next launch forgets it."""
+        plan's end forgets it (operations.py)."""
         if stopping and self.state == MIGRATING and not self._server_stopping():
             self.stop_requested = stopping
         waited = False

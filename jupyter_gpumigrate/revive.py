@@ -274,8 +274,12 @@ async def _take_back(serverapp: Any, kernel_id: str, kernel_name: str, revival: 
     if revival.pid is not None:
         # A kernel adopted running says nothing until a client talks to it: the server would take it for
         # 'starting', and a suspend or move then for busy (no stash: a 32 GB GPU kernel's suspend in 33 s, not
-        # 3). Asked once, it says 'idle' (or 'busy') on IOPub, where the server hears it.
-        await asyncio.to_thread(kernel_answers, dict(revival.connection_info), HEARD_WAIT)
+        # 3). Asked once, on control, it says 'idle' on IOPub, where the server hears it (also where a cell runs:
+        # a move or suspend then finds its main thread busy all the same, proctree.main_thread_running).
+        try:
+            await asyncio.to_thread(kernel_answers, dict(revival.connection_info), HEARD_WAIT)
+        except Exception as exc:  # noqa: BLE001 - it is taken back all the same; its state is heard later
+            log.warning("gpumigrate: kernel %s, adopted running, could not be asked its state: %s", kernel_id, exc)
     return None
 
 

@@ -456,9 +456,9 @@ def new_name() -> str:
 async def cli(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     """Run the real console entry point in a subprocess while the server keeps serving."""
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "jupyter_gpumigrate.cli", *args,
+        sys.executable, "-m", "jupyter_gpumigrate.cli", *args, stdin=asyncio.subprocess.DEVNULL,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env or dict(os.environ),
-    )
+    )  # no terminal to ask on, even under pytest -s
     out, err = await asyncio.wait_for(proc.communicate(), 120)
     return proc.returncode, out.decode(), err.decode()
 

@@ -31,6 +31,7 @@ from jupyter_gpumigrate.engine.gpus import GpuInfo
 from jupyter_gpumigrate.engine.plans import ALL_PHASES, PHASES
 from jupyter_gpumigrate.handlers import API_PREFIX, handlers
 from jupyter_gpumigrate.handlers.base import NoRouteHandler
+from jupyter_gpumigrate.handlers.peer import NoPeerRouteHandler
 from jupyter_gpumigrate.operations import NOT_WRITTEN, Operation
 from jupyter_gpumigrate.peers import SCHEME, digest_file, image_files
 
@@ -118,8 +119,8 @@ def test_the_schema_is_a_valid_draft_2020_12_schema_and_names_what_routes_use():
 def test_every_route_of_the_server_is_in_the_contract():
     served: set[tuple[str, str]] = set()
     for pattern, handler in handlers():
-        if handler is NoRouteHandler:
-            continue  # the catch-all: what no route takes (a JSON 404)
+        if handler in (NoRouteHandler, NoPeerRouteHandler):
+            continue  # the catch-alls: what no route takes (a JSON 404)
         path = pattern.removeprefix(API_PREFIX).removesuffix("/?")
         alternatives = re.search(r"\(\?P<action>([a-z|]+)\)", path)
         for action in alternatives.group(1).split("|") if alternatives else [""]:
@@ -378,6 +379,18 @@ async def test_every_peer_route_answers_as_the_schema_says(jp_fetch, jp_serverap
     error = await walk.call("GET", "/peer/kernels/{kernel_id}/channels", kernel_id=kid, expect=403,
                             headers={"Authorization": f"{SCHEME} wrong"})
     assert error["message"] == "This peer credential is not valid here."
+    # A peer route this server lacks (another version's): said so, not "your token is refused"
+    for token, code in ((PEER_TOKEN, 404), ("wrong", 403)):
+        response = await jp_fetch("api", "gpumigrate", "peer", "kernels", kid, "teleport", method="POST", body="{}",
+                                  headers={"Authorization": f"{SCHEME} {token}"}, raise_error=False)
+        error = json.loads(response.body)
+        assert response.code == code, (response.code, error)
+    assert error["message"] == "This peer credential is not valid here.", error
+    response = await jp_fetch("api", "gpumigrate", "peer", "kernels", kid, "teleport", method="POST", body="{}",
+                              headers={"Authorization": f"{SCHEME} {PEER_TOKEN}"}, raise_error=False)
+    error = json.loads(response.body)
+    assert error["message"].startswith("No peer route of jupyter-gpumigrate's API is ") and \
+        "the two hosts may run different versions" in error["message"], error
 
     # What the kernel needs of a host, as a peer asks: this host has it running, so it says why not.
     manager = jp_serverapp.kernel_manager.get_kernel(kid)

@@ -2341,7 +2341,8 @@ async def test_the_other_hosts_server_killed_while_it_restores_the_kernel_leaves
             # b takes its guests back (and kills what it finds stuck) in a thread once it answers, not before
             # (app.py: _take_back_guests, from _start_jupyter_server_extension): it says so a moment later
             deadline = time.monotonic() + 60
-            while "is stuck half restored: killed" not in b.server_log():
+            while not any(f"kernel {kernel_id}: its process " in line and "is stuck half restored: killed" in line
+                          for line in b.server_log(tail=None).splitlines()):
                 assert time.monotonic() < deadline, b.server_log()[-3000:]
                 await asyncio.sleep(0.2)
             deadline = time.monotonic() + 30

@@ -305,8 +305,9 @@ async def test_a_stop_that_outwaits_its_kernels_suspend_is_said_by_the_suspend(t
                 assert time.monotonic() < deadline, srv.server_log()
                 time.sleep(0.05)
             # CRIU held on past the stop's waits for the suspend (1 s each, before its interrupt, its request
-            # and its kill): its failure then comes when nothing waits for it any more
-            time.sleep(5)
+            # and its kill) and jupyter_client's 5 s for the killed process (a restart then launches the next
+            # one, the plan still running): its failure comes when nothing waits for it any more
+            time.sleep(6)
         op = _ended(srv, op)
         assert op["status"] == "failed" and op["failed_phase"] == "dump", op
         being = "shut down" if stop == "shut down" else "restarted"

@@ -276,8 +276,8 @@ async def test_a_kernels_credential_is_refused_for_another_kernel(jp_fetch, jp_s
     assert code == 403, "a kernel may not drain a GPU"
     code, error = await call("operations")
     assert code == 403, "nor list every operation"
-    assert error["message"].startswith(f"A kernel's credential (kernel {kernel.id}'s) may call only the routes about "
-                                       "its own kernel and its operations, not GET /") and \
+    assert error["message"].startswith(f"A kernel's credential (kernel {kernel.id}'s) may read the kernels and the "
+                                       "GPUs, and act on its own kernel and follow its operations; not GET /") and \
         error["message"].endswith("/api/gpumigrate/operations: use a token of the server's."), error
     code, kernels = await call("kernels")
     assert code == 200 and {k["id"] for k in kernels} >= {kernel.id, other_id}

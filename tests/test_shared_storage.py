@@ -173,7 +173,7 @@ async def test_a_kernel_suspended_on_a_host_that_died_is_resumed_on_the_other_fr
     assert not (shared / "hosts" / "a" / "images" / kernel_id).exists()
     # b says it took the kernel once its take-back returned (sharing.py), a moment after the kernel is listed
     deadline = time.monotonic() + 30
-    while f"took kernel {kernel_id} of host a" not in b.server_log():
+    while f"took kernel {kernel_id} of host a" not in b.server_log(tail=None):
         assert time.monotonic() < deadline, b.server_log()
         await asyncio.sleep(0.1)
 

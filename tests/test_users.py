@@ -734,9 +734,9 @@ class HelperGoes:
         self.helper.proc.wait(timeout=30)
 
     async def ended(self, op: dict) -> dict:
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 150  # within pytest's timeout: a plan that never ends says what it waits for
         while op["status"] not in ("succeeded", "failed"):
-            assert time.monotonic() < deadline, op
+            assert time.monotonic() < deadline, (op, self.server.server_log(), processes())
             await asyncio.sleep(0.2)
             op = await call(self.server.api, "GET", f"api/gpumigrate/operations/{op['id']}")
         return op
@@ -754,6 +754,12 @@ class HelperGoes:
                 await call(self.server.api, "DELETE", f"api/kernels/{self.kernel_id}")
         self.server.stop()
         self.helper.stop()
+
+
+def processes() -> str:
+    """What runs now, with each process's state, parent and cgroup (for an assertion's message)."""
+    return subprocess.run(["ps", "-eo", "pid,ppid,stat,wchan:20,cgroup:60,args"], capture_output=True,
+                          text=True).stdout[-6000:]
 
 
 def stopped_like_a_criu_child(user: str, pid: int, criu: int) -> subprocess.Popen:

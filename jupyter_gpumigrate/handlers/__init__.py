@@ -30,5 +30,6 @@ def handlers() -> list[tuple[str, type]]:
         (rf"{PEER}/kernels/{KERNEL_ID}/?", peer.GuestHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/(?P<action>restore|dump|resume|signal|transplant|switch)/?", peer.GuestActionHandler),
         (rf"{PEER}/kernels/{KERNEL_ID}/channels", peer.ChannelsHandler),
+        (rf"{PEER}(/.*)?", peer.NoPeerRouteHandler),  # what no peer route above takes, asked by a peer
         (rf"{API_PREFIX}(/.*)?", NoRouteHandler),  # last: what no route above takes
     ]

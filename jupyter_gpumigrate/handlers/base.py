@@ -126,16 +126,18 @@ class BaseHandler(ExtensionHandlerMixin, APIHandler):
         a method the route does not take, a kernel's credential on a route that is not for kernels."""
         error = (kwargs.get("exc_info") or (None, None, None))[1]
         bare = isinstance(error, web.HTTPError) and not error.log_message
-        if bare and status_code == 405:
+        if bare and status_code == 405 and (self.current_user or self.kernel_identity):  # strangers learn nothing
             taken = [m for m in self.SUPPORTED_METHODS if m != "OPTIONS" and
                      getattr(type(self), m.lower()) is not getattr(web.RequestHandler, m.lower())]
+            self.set_header("Allow", ", ".join(taken))
             self.send_error_message(405, f"{self.request.method} is not a method of {self.request.path}: it takes "
                                          f"{', '.join(taken) or 'none'}.")
             return
         if bare and status_code == 403 and self.kernel_identity is not None:
-            self.send_error_message(403, f"A kernel's credential (kernel {self.kernel_identity}'s) may call only "
-                                         "the routes about its own kernel and its operations, not "
-                                         f"{self.request.method} {self.request.path}: use a token of the server's.")
+            self.send_error_message(403, f"A kernel's credential (kernel {self.kernel_identity}'s) may read the "
+                                         "kernels and the GPUs, and act on its own kernel and follow its operations; "
+                                         f"not {self.request.method} {self.request.path}: use a token of the "
+                                         "server's.")
             return
         super().write_error(status_code, **kwargs)
 

@@ -71,6 +71,18 @@ class PeerHandler(BaseHandler):
             return None
 
 
+class NoPeerRouteHandler(PeerHandler):
+    """A path under the peer routes that none takes, asked with a valid peer credential: a JSON 404 that says so
+    (the user API's catch-all would ask for a user, and the peer would read the 403 as its token refused)."""
+
+    def _no_route(self, *args: Any, **kwargs: Any) -> None:
+        self.send_error_message(404, f"No peer route of jupyter-gpumigrate's API is {self.request.path}: the two "
+                                     "hosts may run different versions of jupyter-gpumigrate (`jupyter gpumigrate "
+                                     "--version` on each).")
+
+    get = post = put = patch = delete = head = _no_route
+
+
 class CheckHandler(PeerHandler):
     async def post(self) -> None:
         body = self.json_body("PeerCheckRequest")

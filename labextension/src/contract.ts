@@ -578,7 +578,7 @@ export interface TransplantOutputs {
  */
 export interface TransplantSurvey {
   /**
-   * The names that carry, with the raw bytes of their tensors and arrays.
+   * The names that carry, with the bytes each writes: the raw bytes of its tensors and arrays, and its pickle.
    */
   carries: {
     name: string;
