@@ -491,7 +491,10 @@ class MigratableProvisioner(LocalProvisioner):  # type:ignore[misc]
             record["copy_left"] = {"peer": self.copy_left}
         try:
             self.record_path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-            write_durably(self.record_path, json.dumps(record))
+            # Synced where it names a peer: a kernel dumped here and running there is found by this record
+            # alone, after any crash. The process here that a record names ends with a crash of the host, which
+            # the page cache does not outlive either; a crash of the server leaves both.
+            write_durably(self.record_path, json.dumps(record), synced=remote is not None)
         except OSError as exc:
             if strict:
                 raise ImageError(f"The kernel's record could not be written in {self.record_path.parent} ({exc}); "
