@@ -1097,6 +1097,8 @@ class PeerLink(HostLink):
         self.peer_growing, self.stream = False, stream
         #: coming home: that host lists its stash's parts once written, while its dump runs on (requirements)
         self.peer_lists_stash = False
+        #: coming home: the bytes the kernel holds there, host and GPU memory (requirements; None: not said)
+        self.peer_estimate: int | None = None
         #: going away: that host begins a GPU kernel's prefetch as its images arrive (check)
         self.peer_prefetch = False
         #: the last dump there was asked with the stash: its undo (resume) needs the key too
@@ -1332,6 +1334,9 @@ class PeerLink(HostLink):
         self.peer_stash = bool(info.get("stash"))
         self.peer_growing = bool(info.get("growing"))
         self.peer_lists_stash = info.get("stash_listed") is True
+        memory = info.get("memory")
+        self.peer_estimate = (memory + sum(int(g.get("memory_used") or 0) for g in info.get("gpus") or []
+                                           if isinstance(g, dict)) if isinstance(memory, int) else None)
         if info.get("stash_left") is True and not self.give_back_left():
             raise InvalidState(f"The kernel runs on {self.host} without its large buffers (its server there died "
                                "during a way home, after the kernel wrote them into its stash there), and could not "
@@ -1340,6 +1345,9 @@ class PeerLink(HostLink):
         self.bulk_home = self._bulk_client(info, "its large files come from")
         self.bulk_home_growing = self.bulk_home is not None and info.get("bulk_growing") is True
         return hostfit.Requirements.from_dict(info["requirements"])
+
+    def estimate(self) -> int | None:
+        return self.peer_estimate
 
     def fetches_stash(self) -> bool:
         # as dump() asks the stash: of a kernel that can serve it (idle)
@@ -2693,6 +2701,7 @@ class GuestHost:
             if guest.api_listen:
                 listens.append(guest.api_listen)
             info["requirements"] = hostfit.requirements_of(guest.pid, listens).to_dict()
+            info["memory"] = proctree.memory(guest.pid)
             if self.inventory is not None:
                 info["gpus"] = gpus_mod.held_by(proctree.descendants(guest.pid), self.inventory())
         return info

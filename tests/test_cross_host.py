@@ -374,6 +374,9 @@ async def test_a_large_kernel_moves_with_its_buffers_written_and_read_back_by_it
         if shutil.disk_usage("/dev/shm").free > 8e9:
             assert f"kernel {kernel_id} hosted for a peer: its images for its way home are in memory here" in \
                 b.server_log(), b.server_log()
+            # and a received them in memory, as its own suspend_to 'auto' has it (on disk, 32 GB were 28 GB of
+            # dirty pages that every writer on the host waited behind)
+            assert f"kernel {kernel_id}: its images come home in memory" in a.server_log(tail=None), a.server_log()
     finally:
         await end_kernel(a, kernel_id, tab)
 

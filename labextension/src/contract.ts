@@ -927,6 +927,10 @@ export interface PeerGuest {
    */
   stash_left?: true;
   /**
+   * The bytes its processes hold resident here, while it runs: with what gpus says they hold, what its owner judges its dump for the way home to take, to place the images it receives (in memory where there is room, as a suspend's). Absent from older versions: the owner then receives them on disk.
+   */
+  memory?: number;
+  /**
    * The GPUs its processes hold here, while it runs (a peer's next server shows them when it relays to the kernel again); absent from older versions.
    */
   gpus?: HeldGpu[];
