@@ -355,7 +355,10 @@ GPU, b's GPU is GPU 0 too. Since d5d8d76, going away, b begins that prefetch as 
 the stash's index by a once the stash is written (**prefetch there**): its helper reads each chunk as soon as
 it has arrived, and b's **restore** no longer waits for 32 GB to be read after the transfer. The goal's bound
 with the eight-stream TLS floor (the link's throughput with as many streams as the move uses) is the stricter
-one each run's notes compare with. `bench/results/2026-11-26-host-move.md`,
+one each run's notes compare with. Until 4ad91a4 `a` received the way home's images on its disk, whatever
+`suspend_to` said: 32 GB of dirty pages that every writer on the host waited behind, the kernel's record among
+them, whose two fsyncs were most of the way home's **adopt** (0.36-1.33 s); since, in memory where there is room,
+and a running kernel's record is not synced (82a9131): **adopt** 0.01 s. `bench/results/2026-11-26-host-move.md`,
 `bench/results/2026-11-27-host-stream.md` and `bench/results/2026-11-27-trips-and-rounds.md` say what the runs
 found.
 """
