@@ -977,6 +977,23 @@ class _Sending:
         self.kept.close()
 
 
+def _count(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 0 else None
+
+
+def _estimate(info: dict) -> int | None:
+    """From a peer's ``GET peer/kernels/{id}``: the memory the way home's images in memory take here, with the
+    process restored beside them (host memory twice, GPU memory once); None where it does not say, or says it
+    wrong (a count that is not one)."""
+    memory = _count(info.get("memory"))
+    gpus = info.get("gpus") or []
+    used = [_count(g.get("memory_used")) if isinstance(g, dict) else None
+            for g in (gpus if isinstance(gpus, list) else [None])]
+    if memory is None or None in used:
+        return None
+    return 2 * memory + sum(u for u in used if u is not None)
+
+
 class _Fetching:
     """The pages files of the other host's dump, and its stash's parts, fetched as they are written: a watcher
     asks that host every
@@ -1334,9 +1351,7 @@ class PeerLink(HostLink):
         self.peer_stash = bool(info.get("stash"))
         self.peer_growing = bool(info.get("growing"))
         self.peer_lists_stash = info.get("stash_listed") is True
-        memory = info.get("memory")
-        self.peer_estimate = (memory + sum(int(g.get("memory_used") or 0) for g in info.get("gpus") or []
-                                           if isinstance(g, dict)) if isinstance(memory, int) else None)
+        self.peer_estimate = _estimate(info)
         if info.get("stash_left") is True and not self.give_back_left():
             raise InvalidState(f"The kernel runs on {self.host} without its large buffers (its server there died "
                                "during a way home, after the kernel wrote them into its stash there), and could not "

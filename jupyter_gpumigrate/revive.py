@@ -571,6 +571,13 @@ async def take_back_images(serverapp: Any, store: ImageStore, name: str) -> Foun
     return Found(name, outcome)
 
 
+def _empty(path: Path) -> bool:
+    try:
+        return path.stat().st_size == 0
+    except OSError:
+        return False
+
+
 async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None = None) -> list[Found]:
     """Adopt the kernels whose server died while they ran, here or on a peer; remove stale records."""
     found: list[Found] = []
@@ -580,6 +587,13 @@ async def _adopt_running(serverapp: Any, records: Path, link_to: LinkTo | None =
         kernel_id = path.stem
         if kernel_id in km:
             continue  # taken back from its images, or started meanwhile
+        if _empty(path):
+            # A running kernel's record is not synced (provisioner._write_record): a host that went down as one
+            # was replaced may leave it empty. It named a process of that host's, which ended with it.
+            log.warning("gpumigrate: the record %s is empty (written as the host went down): removed; the kernel "
+                        "it named ended with the host", path)
+            path.unlink(missing_ok=True)
+            continue
         try:
             record = json.loads(path.read_text())
             owner = os.stat(path).st_uid

@@ -11,6 +11,7 @@ and the same software would share paths; their loopbacks, addresses and ports ar
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pwd
@@ -102,6 +103,20 @@ class Host:
     @property
     def url(self) -> str:
         return f"https://{self.ip}:{PORT}/"
+
+    @property
+    def memory_root(self) -> Path:
+        """The folder of this host's images in memory (the provisioner's default memory_dir: one per user and state
+        folder)."""
+        state = (self.extra.get("MigratableProvisioner") or {}).get("state_dir") or self.root / "state"
+        uid = pwd.getpwnam(self.user).pw_uid if self.user is not None else os.geteuid()
+        return Path(f"/dev/shm/jupyter-gpumigrate-{uid}-"
+                    f"{hashlib.sha256(os.path.realpath(state).encode()).hexdigest()[:12]}")
+
+    def images_glob(self, pattern: str) -> list[Path]:
+        """What matches ``pattern`` (``**/<kernel id>/...``) among this host's images: in its state folder, and in
+        its memory folder (a move's or a way home's images in memory where there is room)."""
+        return [*(self.root / "state").glob(pattern), *self.memory_root.glob(pattern)]
 
     def peer_entry(self, token: str | None = None) -> dict:
         return {"url": self.url, "token": token or self.peer_token, "ca_file": str(self.cert)}

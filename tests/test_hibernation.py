@@ -132,6 +132,11 @@ async def test_the_next_server_removes_an_unfinished_dump_and_refuses_a_foreign_
         folder.mkdir(mode=0o700)
         (folder / "manifest.json").write_text(text.replace(kernel_id, folder.name))
         damaged.append(folder)
+    # A running kernel's record left empty by a host that went down as it was replaced (such records are not
+    # synced): removed, saying so, not refused.
+    empty = server.state / "kernels" / f"{uuid.uuid4()}.json"
+    empty.parent.mkdir(mode=0o700, exist_ok=True)
+    empty.write_bytes(b"")
 
     server.start()
     taken_back(server, kernel_id)
@@ -145,6 +150,7 @@ async def test_the_next_server_removes_an_unfinished_dump_and_refuses_a_foreign_
     for folder in damaged:
         assert (folder / "manifest.json").is_file() and f"not taking back the kernel in {folder}" in log
     assert "is damaged" in log
+    assert not empty.exists() and f"the record {empty} is empty (written as the host went down)" in log, log
 
     # The refused records are told where a user looks: the API, `list` (with the reason) and `doctor` (with
     # what to do), while they stay on disk.

@@ -164,8 +164,8 @@ def write_durably(path: Path, text: str, synced: bool = True) -> None:
     made exclusively: two writers never mix, and no link planted there is followed).
 
     ``synced`` False: all or nothing still, for every process at once, but left to the page cache, which a
-    crash of this process does not lose; a crash of the host may (it leaves the last synced version, or none).
-    For what a host's crash makes moot: the record of a process on this host. Each of the two fsyncs cost
+    crash of this process does not lose; a crash of the host may (it leaves the last synced version, none, or an
+    empty file). For what a host's crash makes moot: the record of a process on this host. Each of the two fsyncs cost
     0.3-0.4 s on the GPU machine's disk where a kernel came home from another host (bench/results, 2026-11-30)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

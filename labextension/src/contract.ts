@@ -927,7 +927,7 @@ export interface PeerGuest {
    */
   stash_left?: true;
   /**
-   * The bytes its processes hold resident here, while it runs: with what gpus says they hold, what its owner judges its dump for the way home to take, to place the images it receives (in memory where there is room, as a suspend's). Absent from older versions: the owner then receives them on disk.
+   * The bytes its processes hold resident here, while it runs: with what gpus says they hold, what its owner judges its dump for the way home to take, to place the images it receives (in memory where there is room, as a suspend's). Absent while it does not run here, and from older versions: the owner then receives them on disk.
    */
   memory?: number;
   /**

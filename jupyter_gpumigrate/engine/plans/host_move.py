@@ -206,8 +206,9 @@ class HostLink(Protocol):
         """What the tree running there needs of a host."""
 
     def estimate(self) -> int | None:
-        """The bytes the kernel holds there, host and GPU memory, as :meth:`requirements` learnt them (what its
-        images judge to take); None where that host does not say (an older version)."""
+        """The memory the way home's images in memory would take here: the kernel's host and GPU memory there (its
+        images), and its host memory again (its process restored beside them), as :meth:`requirements` learnt
+        them; None where that host does not say (an older version)."""
 
     def dump(self, stash_min: int | None = None) -> dict:
         """Suspend the kernel there; its images stay there. With ``stash_min``, a kernel that can (idle, and that
@@ -388,11 +389,16 @@ def prepare_home(ctx: HostContext) -> None:
     # on disk were 28 GB of dirty pages, which every writer of the host then waited behind (a record's fsync:
     # 0.3-0.7 s). An older host that does not say the kernel's size: on disk, as before. A folder of the
     # kernel's left from before, wherever it is, is replaced.
+    # The room asked of memory: the images, and the restored process beside them until they are removed,
+    # charged to this server's cgroup. No room for 'memory' fails no way home: it goes to disk, saying why.
     estimate = ctx.link.estimate()
     if estimate is None:
         ctx.images_where, ctx.images_why = DISK, f"{ctx.link.host} does not say the kernel's size"
     else:
-        ctx.images_where, ctx.images_why = choose(store, ctx.tools.images, estimate)
+        try:
+            ctx.images_where, ctx.images_why = choose(store, ctx.tools.images, estimate, os.getpid())
+        except ImageError as exc:
+            ctx.images_where, ctx.images_why = DISK, str(exc)
     ctx.images = store.create(kernel_id, ctx.images_where)
     log.info("gpumigrate: kernel %s: its images come home %s (%s)", kernel_id,
              "in memory" if ctx.images_where == MEMORY else "on disk", ctx.images_why)
